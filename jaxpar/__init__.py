@@ -1,0 +1,24 @@
+"""jaxpar: large-model training and serving in JAX's SPMD world.
+
+Dimension letters used in shape comments and einsums throughout the package (the
+scaling book's): B batch, T query length, S key/value length, D model width, F MLP
+width, N query heads, K key/value heads, H head dim, V vocabulary, L layers.
+"""
+
+from jaxpar import rules
+from jaxpar.attention import dot_product_attention
+from jaxpar.mesh import MESH_AXES, make_mesh
+from jaxpar.sharding import constrain, model_shardings, shard_model, use_mesh
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MESH_AXES",
+    "constrain",
+    "dot_product_attention",
+    "make_mesh",
+    "model_shardings",
+    "rules",
+    "shard_model",
+    "use_mesh",
+]

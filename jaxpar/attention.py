@@ -1,0 +1,58 @@
+"""The one attention entry point every model layer calls.
+
+Kernels (Pallas flash attention), ring attention over the ``seq`` axis and decoding
+caches plug in behind this signature without touching the model.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+# Large but finite, so a fully masked row gives a uniform softmax rather than NaN.
+_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def dot_product_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = True,
+    segment_ids: jax.Array | None = None,
+) -> jax.Array:
+    """Softmax attention with grouped-query heads, computed in float32.
+
+    Args:
+      q: queries ``[B, T, N, H]``.
+      k: keys ``[B, S, K, H]``; ``N`` must be a multiple of ``K`` (query head ``n``
+        reads key/value head ``n // (N // K)``, as Hugging Face's ``repeat_kv``).
+      v: values ``[B, S, K, H]``.
+      causal: query ``t`` sees keys ``s <= t + (S - T)``, i.e. the queries are the last
+        ``T`` positions of the ``S`` keys (the usual layout with a KV cache).
+      segment_ids: ``[B, T]`` int document ids for packed sequences (needs ``T == S``);
+        a query sees only keys of its own segment.
+
+    Returns:
+      ``[B, T, N, H]`` in ``q``'s dtype.
+    """
+    B, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
+    if N % K:
+        raise ValueError(f"query heads N={N} must be a multiple of key/value heads K={K}")
+    q = q.reshape(B, T, K, N // K, H)
+    scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32)
+    scores = scores * (H ** -0.5)
+    mask = jnp.ones((T, S), dtype=bool)
+    if causal:
+        mask = jnp.arange(T)[:, None] + (S - T) >= jnp.arange(S)[None, :]
+    mask = mask[None, None, None]  # [1, 1, 1, T, S]
+    if segment_ids is not None:
+        if T != S:
+            raise ValueError(f"segment_ids need equal query and key lengths, got T={T}, S={S}")
+        same = segment_ids[:, :, None] == segment_ids[:, None, :]  # [B, T, S]
+        mask = mask & same[:, None, None]
+    scores = jnp.where(mask, scores, _MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.reshape(B, T, N, H).astype(q.dtype)

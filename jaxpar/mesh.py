@@ -1,0 +1,61 @@
+"""Device meshes with jaxpar's five named axes.
+
+Axes, outermost to innermost: ``data, fsdp, pipe, seq, tensor``. Devices that are
+neighbours in ``jax.devices()`` order (same host, same NVLink island) end up on the
+innermost axes, so the axes that talk most often sit on the fastest links:
+
+* ``data``   all-reduces gradients once per step (outermost: may cross slow links);
+* ``fsdp``   all-gathers each layer's parameters and reduce-scatters its gradients;
+* ``pipe``   sends activations between neighbouring stages every microbatch;
+* ``seq``    passes keys/values around a ring inside every attention layer;
+* ``tensor`` reduces partial sums inside every projection (innermost).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+from jax.sharding import AxisType, Mesh
+
+MESH_AXES: tuple[str, ...] = ("data", "fsdp", "pipe", "seq", "tensor")
+
+
+def make_mesh(
+    *,
+    data: int = 1,
+    fsdp: int = 1,
+    pipe: int = 1,
+    seq: int = 1,
+    tensor: int = 1,
+    devices: Sequence[jax.Device] | None = None,
+) -> Mesh:
+    """Returns a mesh with axes ``("data", "fsdp", "pipe", "seq", "tensor")``.
+
+    The product of the sizes must equal the number of devices (``devices``, or all of
+    ``jax.devices()``); every axis is present, size 1 when unused, so sharding rules can
+    name any of them. Axes are ``AxisType.Auto``: the model states shardings through
+    logical-axis rules and XLA's partitioner propagates them (see ``jaxpar.rules``).
+
+    Raises:
+      ValueError: a size is not a positive int, or the sizes do not multiply to the
+        device count.
+    """
+    sizes = {"data": data, "fsdp": fsdp, "pipe": pipe, "seq": seq, "tensor": tensor}
+    for name, size in sizes.items():
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"mesh axis {name}={size!r} must be a positive int")
+    devices = list(jax.devices() if devices is None else devices)
+    product = math.prod(sizes.values())
+    if product != len(devices):
+        shown = ", ".join(f"{k}={v}" for k, v in sizes.items())
+        raise ValueError(
+            f"mesh sizes {shown} multiply to {product}, but there are {len(devices)} devices"
+        )
+    return jax.make_mesh(
+        tuple(sizes.values()),
+        MESH_AXES,
+        axis_types=(AxisType.Auto,) * len(MESH_AXES),
+        devices=devices,
+    )

@@ -1,0 +1,169 @@
+"""Logical-axis sharding rules: which mesh axes each named array dimension is split over.
+
+A rule table is plain data, a sequence of ``(logical_axis_name, mesh_axes)`` pairs, where
+``mesh_axes`` is a mesh axis name, a tuple of them, or ``None`` (replicated). That is the
+format of Flax's own ``flax.linen.logical_axis_rules`` and of NNX's ``sharding_rules``, so
+other Flax projects can import the table as it is::
+
+    import jaxpar, flax.linen as nn
+    mesh = jaxpar.make_mesh(fsdp=8)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(jaxpar.rules.for_mesh(mesh)):
+        ...
+
+The logical names are MaxText's, the ecosystem's common vocabulary. Parameters:
+
+  ``vocab`` V, ``embed`` D, ``heads`` N, ``kv_heads`` K, ``kv`` H (head dim),
+  ``mlp`` F, ``layers`` L (the stacked-layer axis), ``norm`` (norm scales),
+  ``positions`` (rows of a learned position table).
+
+Inputs: ``batch`` B, ``length`` T. Activations: the same names prefixed ``activation_``.
+
+jaxpar resolves names strictly, unlike Flax, which replicates what it does not know:
+
+* a logical name without a rule is an error that lists the known names (replication is
+  asked for by a rule mapping the name to ``None``);
+* a rule naming a mesh axis that neither jaxpar's meshes nor the given mesh has (a typo
+  such as ``fdsp``) is an error;
+* two dimensions of one array mapped to the same mesh axis is an error.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+from collections.abc import Sequence
+
+import jax
+from jax.sharding import PartitionSpec
+
+from jaxpar.mesh import MESH_AXES
+
+MeshAxes = str | tuple[str, ...] | None
+Rules = Sequence[tuple[str, MeshAxes]]
+
+BATCH_AXES = ("data", "fsdp")
+
+DEFAULT_RULES: tuple[tuple[str, MeshAxes], ...] = (
+    # Parameters. FSDP/ZeRO-3 shards the model dimension of every large weight over
+    # `fsdp`; Megatron tensor parallelism splits heads, MLP and vocabulary over `tensor`.
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("kv", None),
+    ("mlp", "tensor"),
+    ("layers", "pipe"),
+    ("norm", None),
+    ("positions", None),
+    # Inputs: the batch is split over every data-parallel axis, the length over `seq`.
+    ("batch", BATCH_AXES),
+    ("length", "seq"),
+    # Activations.
+    ("activation_batch", BATCH_AXES),
+    ("activation_length", "seq"),
+    ("activation_embed", None),
+    ("activation_heads", "tensor"),
+    ("activation_kv_heads", "tensor"),
+    ("activation_kv", None),
+    ("activation_mlp", "tensor"),
+    ("activation_vocab", "tensor"),
+)
+
+
+def _as_tuple(mesh_axes: MeshAxes) -> tuple[str, ...]:
+    if mesh_axes is None:
+        return ()
+    return (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes)
+
+
+def _suggest(name: str, choices: Sequence[str]) -> str:
+    close = difflib.get_close_matches(name, choices, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _freeze(rules: Rules) -> tuple[tuple[str, MeshAxes], ...]:
+    """Validates the table's shape and returns it as a hashable tuple."""
+    frozen = []
+    seen = set()
+    for entry in rules:
+        if not (isinstance(entry, (tuple, list)) and len(entry) == 2 and isinstance(entry[0], str)):
+            raise ValueError(f"a sharding rule must be a (logical_name, mesh_axes) pair, got {entry!r}")
+        name, mesh_axes = entry
+        if name in seen:
+            raise ValueError(f"logical axis {name!r} has more than one sharding rule")
+        seen.add(name)
+        if mesh_axes is not None and not isinstance(mesh_axes, str):
+            mesh_axes = tuple(mesh_axes)
+            if not all(isinstance(a, str) for a in mesh_axes):
+                raise ValueError(f"rule {name!r}: mesh axes must be names, got {mesh_axes!r}")
+        frozen.append((name, mesh_axes))
+    return tuple(frozen)
+
+
+def for_mesh(mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh, rules: Rules = DEFAULT_RULES):
+    """Returns ``rules`` restricted to the axes that ``mesh`` really has.
+
+    Mesh axes that jaxpar knows but ``mesh`` lacks are dropped (a dimension mapped only to
+    them becomes replicated), so the default table works on a user's own ``("data",)``
+    mesh. A mesh axis that is neither a jaxpar axis nor one of ``mesh``'s is an error.
+
+    Returns:
+      A tuple of ``(logical_name, mesh_axes)`` pairs, usable with
+      ``flax.linen.logical_axis_rules`` and ``jaxpar.shard_model``.
+    """
+    return _for_axes(tuple(mesh.axis_names), _freeze(rules))
+
+
+@functools.lru_cache(maxsize=256)
+def _for_axes(axis_names: tuple[str, ...], rules: tuple[tuple[str, MeshAxes], ...]):
+    known = tuple(dict.fromkeys(MESH_AXES + axis_names))
+    restricted = []
+    for name, mesh_axes in rules:
+        kept = []
+        for axis in _as_tuple(mesh_axes):
+            if axis not in known:
+                raise ValueError(
+                    f"sharding rule {name!r} names mesh axis {axis!r}, which no mesh has"
+                    f"{_suggest(axis, known)}; mesh axes are {list(known)}"
+                )
+            if axis in axis_names:
+                kept.append(axis)
+        restricted.append((name, None if not kept else kept[0] if len(kept) == 1 else tuple(kept)))
+    return tuple(restricted)
+
+
+def logical_to_spec(logical_axes: Sequence[str | None], rules: Rules) -> PartitionSpec:
+    """Maps one array's logical dimension names to a ``PartitionSpec`` over mesh axes.
+
+    ``None`` in ``logical_axes`` leaves that dimension unsharded.
+
+    Raises:
+      ValueError: a name has no rule, or two dimensions map to the same mesh axis.
+    """
+    return _logical_to_spec(tuple(logical_axes), _freeze(rules))
+
+
+@functools.lru_cache(maxsize=4096)
+def _logical_to_spec(logical_axes, rules) -> PartitionSpec:
+    table = dict(rules)
+    owner: dict[str, str] = {}
+    spec = []
+    for name in logical_axes:
+        if name is None:
+            spec.append(None)
+            continue
+        if name not in table:
+            raise ValueError(
+                f"logical axis {name!r} has no sharding rule{_suggest(name, list(table))}; "
+                f"known: {sorted(table)}. To replicate it, add the rule ({name!r}, None)"
+            )
+        mesh_axes = table[name]
+        for axis in _as_tuple(mesh_axes):
+            if axis in owner:
+                raise ValueError(
+                    f"logical axes {owner[axis]!r} and {name!r} of one array "
+                    f"{tuple(logical_axes)} both map to mesh axis {axis!r}"
+                )
+            owner[axis] = name
+        spec.append(mesh_axes)
+    return PartitionSpec(*spec)

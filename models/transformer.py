@@ -1,0 +1,272 @@
+"""A decoder-only transformer in Flax NNX: the one model every parallel mode runs.
+
+Parallelism never enters here as code: every parameter carries logical axis names
+(``jaxpar.rules``), every activation that a parallel axis touches is constrained by its
+logical names (``jaxpar.constrain``, a no-op without a mesh), and attention goes through
+``jaxpar.dot_product_attention``. Layers are stacked on a leading ``layers`` axis and run
+with ``jax.lax.scan``, so pipeline stages and remat policies apply per layer.
+
+Parameter layout (stacked layers lead with L):
+  embed.table           [V, D]        (vocab, embed)
+  positions.table       [P, D]        (positions, embed)           position="learned"
+  layers.attn.q.kernel  [L, D, N, H]  (layers, embed, heads, kv)
+  layers.attn.k.kernel  [L, D, K, H]  (layers, embed, kv_heads, kv)   v likewise
+  layers.attn.o.kernel  [L, N, H, D]  (layers, heads, kv, embed)
+  layers.mlp.gate/up    [L, D, F]     (layers, embed, mlp)         gate for swiglu only
+  layers.mlp.down       [L, F, D]     (layers, mlp, embed)
+  *_norm.scale/bias     [L, D] / [D]  (layers, norm) / (norm,)
+  lm_head.kernel        [D, V]        (embed, vocab)               untied embeddings
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxpar.attention import dot_product_attention
+from jaxpar.models.config import ModelConfig, RopeScaling
+from jaxpar.sharding import constrain
+
+ACT_BTD = ("activation_batch", "activation_length", "activation_embed")
+ACT_BTF = ("activation_batch", "activation_length", "activation_mlp")
+ACT_BTV = ("activation_batch", "activation_length", "activation_vocab")
+ACT_BTNH = ("activation_batch", "activation_length", "activation_heads", "activation_kv")
+ACT_BTKH = ("activation_batch", "activation_length", "activation_kv_heads", "activation_kv")
+
+
+def _param(rngs: nnx.Rngs, cfg: ModelConfig, shape, names, init=None) -> nnx.Param:
+    """A parameter annotated with logical axis names; sharding is left to shard_model."""
+    init = init or nnx.initializers.normal(cfg.init_std)
+    annotated = nnx.with_partitioning(init, names, eager_sharding=False)
+    return nnx.Param(annotated(rngs.params(), shape, cfg.weight_dtype))
+
+
+def _zeros(rngs, cfg, shape, names):
+    return _param(rngs, cfg, shape, names, nnx.initializers.zeros_init())
+
+
+def _ones(rngs, cfg, shape, names):
+    return _param(rngs, cfg, shape, names, nnx.initializers.ones_init())
+
+
+# Helpers ------------------------------------------------------------------------------
+
+
+def rope_frequencies(cfg: ModelConfig) -> jax.Array:
+    """Inverse frequencies ``[H/2]`` of rotary embeddings, Llama-3 scaled if configured."""
+    H = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H))
+    scaling: RopeScaling | None = cfg.rope_scaling
+    if scaling is None:
+        return inv_freq
+    # Llama 3.1 (HF `_compute_llama3_parameters`): long wavelengths are divided by
+    # `factor`, short ones kept, and the band between is interpolated smoothly.
+    low_wavelen = scaling.original_max_position / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = jnp.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (scaling.original_max_position / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return jnp.where(medium, smoothed, scaled)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotates ``x`` ``[B, T, heads, H]`` by ``positions`` ``[B, T]`` (HF's rotate-half layout)."""
+    angles = positions[:, :, None, None].astype(jnp.float32) * inv_freq  # [B, T, 1, H/2]
+    sin, cos = jnp.sin(angles), jnp.cos(angles)
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return rotated.astype(x.dtype)
+
+
+# Modules -----------------------------------------------------------------------------
+
+
+class Norm(nnx.Module):
+    """RMSNorm (Llama) or LayerNorm (GPT-2) over the last axis, computed in float32."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.kind, self.eps, self.dtype = cfg.norm, cfg.norm_eps, cfg.compute_dtype
+        self.scale = _ones(rngs, cfg, (cfg.dim,), ("norm",))
+        self.bias = _zeros(rngs, cfg, (cfg.dim,), ("norm",)) if cfg.norm == "layer" else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x.astype(jnp.float32)
+        if self.kind == "layer":
+            x = x - x.mean(-1, keepdims=True)
+        x = x * jax.lax.rsqrt(jnp.square(x).mean(-1, keepdims=True) + self.eps)
+        x = x * self.scale[...].astype(jnp.float32)
+        if self.bias is not None:
+            x = x + self.bias[...].astype(jnp.float32)
+        return x.astype(self.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        D, N, K, H = cfg.dim, cfg.heads, cfg.kv_heads, cfg.head_dim
+        self.cfg = cfg
+        self.q = _param(rngs, cfg, (D, N, H), ("embed", "heads", "kv"))
+        self.k = _param(rngs, cfg, (D, K, H), ("embed", "kv_heads", "kv"))
+        self.v = _param(rngs, cfg, (D, K, H), ("embed", "kv_heads", "kv"))
+        self.o = _param(rngs, cfg, (N, H, D), ("heads", "kv", "embed"))
+        if cfg.attention_bias:
+            self.q_bias = _zeros(rngs, cfg, (N, H), ("heads", "kv"))
+            self.k_bias = _zeros(rngs, cfg, (K, H), ("kv_heads", "kv"))
+            self.v_bias = _zeros(rngs, cfg, (K, H), ("kv_heads", "kv"))
+            self.o_bias = _zeros(rngs, cfg, (D,), ("embed",))
+
+    def __call__(self, x, positions, segment_ids):
+        """x ``[B, T, D]`` -> ``[B, T, D]``."""
+        cfg, dtype = self.cfg, self.cfg.compute_dtype
+
+        def project(w, bias_name, names):
+            y = jnp.einsum("BTD,DKH->BTKH", x, w[...].astype(dtype))
+            if cfg.attention_bias:
+                y = y + getattr(self, bias_name)[...].astype(dtype)
+            return constrain(y, names)
+
+        q = project(self.q, "q_bias", ACT_BTNH)
+        k = project(self.k, "k_bias", ACT_BTKH)
+        v = project(self.v, "v_bias", ACT_BTKH)
+        if cfg.position == "rope":
+            inv_freq = rope_frequencies(cfg)
+            q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        q, k, v = checkpoint_name(q, "query"), checkpoint_name(k, "key"), checkpoint_name(v, "value")
+        out = dot_product_attention(q, k, v, causal=True, segment_ids=segment_ids)
+        out = checkpoint_name(constrain(out, ACT_BTNH), "attention")
+        y = jnp.einsum("BTNH,NHD->BTD", out, self.o[...].astype(dtype))
+        if cfg.attention_bias:
+            y = y + self.o_bias[...].astype(dtype)
+        return constrain(y, ACT_BTD)
+
+
+class MLP(nnx.Module):
+    """SwiGLU (``down(silu(gate x) * up x)``) or GELU (``down(gelu(up x))``)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        D, F = cfg.dim, cfg.mlp_dim
+        self.cfg = cfg
+        self.gate = _param(rngs, cfg, (D, F), ("embed", "mlp")) if cfg.mlp == "swiglu" else None
+        self.up = _param(rngs, cfg, (D, F), ("embed", "mlp"))
+        self.down = _param(rngs, cfg, (F, D), ("mlp", "embed"))
+        if cfg.mlp_bias:
+            self.gate_bias = _zeros(rngs, cfg, (F,), ("mlp",)) if cfg.mlp == "swiglu" else None
+            self.up_bias = _zeros(rngs, cfg, (F,), ("mlp",))
+            self.down_bias = _zeros(rngs, cfg, (D,), ("embed",))
+
+    def __call__(self, x):
+        """x ``[B, T, D]`` -> ``[B, T, D]``."""
+        cfg, dtype = self.cfg, self.cfg.compute_dtype
+
+        def project(w, bias):
+            y = jnp.einsum("BTD,DF->BTF", x, w[...].astype(dtype))
+            if bias is not None:
+                y = y + bias[...].astype(dtype)
+            return constrain(y, ACT_BTF)
+
+        up = project(self.up, self.up_bias if cfg.mlp_bias else None)
+        if cfg.mlp == "swiglu":
+            gate = project(self.gate, self.gate_bias if cfg.mlp_bias else None)
+            hidden = jax.nn.silu(gate) * up
+        else:
+            hidden = jax.nn.gelu(up, approximate=True)  # GPT-2's "gelu_new"
+        hidden = checkpoint_name(hidden, "mlp_hidden")
+        y = jnp.einsum("BTF,FD->BTD", hidden, self.down[...].astype(dtype))
+        if cfg.mlp_bias:
+            y = y + self.down_bias[...].astype(dtype)
+        return constrain(y, ACT_BTD)
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.attn_norm = Norm(cfg, rngs=rngs)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.mlp_norm = Norm(cfg, rngs=rngs)
+        self.mlp = MLP(cfg, rngs=rngs)
+
+    def __call__(self, x, positions, segment_ids):
+        with jax.named_scope("attention"):
+            x = x + self.attn(self.attn_norm(x), positions, segment_ids)
+        with jax.named_scope("mlp"):
+            x = x + self.mlp(self.mlp_norm(x))
+        return constrain(x, ACT_BTD)
+
+
+def _remat(fn, cfg: ModelConfig):
+    policies = jax.checkpoint_policies
+    if cfg.remat == "none":
+        return fn
+    policy = {
+        "full": None,
+        "dots": policies.checkpoint_dots,
+        "dots_no_batch": policies.dots_with_no_batch_dims_saveable,
+        "names": policies.save_only_these_names(*cfg.remat_names),
+    }[cfg.remat]
+    return jax.checkpoint(fn, policy=policy, prevent_cse=False)
+
+
+class Transformer(nnx.Module):
+    """Decoder-only language model: int32 tokens ``[B, T]`` -> logits ``[B, T, V]``."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed = _param(rngs, cfg, (cfg.vocab_size, cfg.dim), ("vocab", "embed"))
+        if cfg.position == "learned":
+            self.positions = _param(rngs, cfg, (cfg.max_position, cfg.dim), ("positions", "embed"))
+
+        @nnx.split_rngs(splits=cfg.layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def stacked(rngs):
+            return DecoderLayer(cfg, rngs=rngs)
+
+        self.layers = stacked(rngs)
+        self.final_norm = Norm(cfg, rngs=rngs)
+        if not cfg.tie_embeddings:
+            self.lm_head = _param(rngs, cfg, (cfg.dim, cfg.vocab_size), ("embed", "vocab"))
+
+    def __call__(
+        self,
+        tokens: jax.Array,
+        *,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+    ) -> jax.Array:
+        """Args:
+          tokens: int ``[B, T]``.
+          positions: int ``[B, T]`` position of each token in its document (default
+            ``0..T-1``); packed sequences restart it at each document.
+          segment_ids: int ``[B, T]`` document ids of packed sequences, or None.
+
+        Returns:
+          logits ``[B, T, V]`` in the compute dtype.
+        """
+        cfg, dtype = self.cfg, self.cfg.compute_dtype
+        B, T = tokens.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        x = jnp.take(self.embed[...], tokens, axis=0).astype(dtype)
+        if cfg.position == "learned":
+            x = x + jnp.take(self.positions[...], positions, axis=0).astype(dtype)
+        x = constrain(x, ACT_BTD)
+
+        graphdef, layer_state = nnx.split(self.layers)
+
+        def layer(x, state):
+            return nnx.merge(graphdef, state)(x, positions, segment_ids), None
+
+        x, _ = jax.lax.scan(_remat(layer, cfg), x, layer_state)
+        x = self.final_norm(x)
+        if cfg.tie_embeddings:
+            logits = jnp.einsum("BTD,VD->BTV", x, self.embed[...].astype(dtype))
+        else:
+            logits = jnp.einsum("BTD,DV->BTV", x, self.lm_head[...].astype(dtype))
+        return constrain(logits, ACT_BTV)

@@ -1,0 +1,1 @@
+"""Training (the training issue builds it here)."""
