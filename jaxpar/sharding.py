@@ -42,7 +42,8 @@ def model_shardings(model_or_state, mesh: jax.sharding.Mesh, rules: rules_lib.Ru
     state, counters) are replicated.
 
     Returns:
-      An ``nnx.State`` of the same structure whose leaves are ``NamedSharding``s.
+      An ``nnx.State`` of the same structure whose variables hold ``NamedSharding``s
+      (as ``nnx.get_named_sharding`` returns), usable as ``jit`` in/out shardings.
 
     Raises:
       ValueError: an annotation names an unknown logical axis, a parameter has no
@@ -61,13 +62,13 @@ def model_shardings(model_or_state, mesh: jax.sharding.Mesh, rules: rules_lib.Ru
                     f"parameter {where} {shape} has no logical axis annotation; wrap its "
                     "initializer in nnx.with_partitioning(init, names) (None entries replicate)"
                 )
-            return NamedSharding(mesh, PartitionSpec())
+            return variable.replace(NamedSharding(mesh, PartitionSpec()))
         if len(names) != len(shape):
             raise ValueError(f"parameter {where}: annotation {names} does not match its shape {shape}")
         try:
             spec = rules_lib.logical_to_spec(names, rules)
         except ValueError as e:
-            raise ValueError(f"parameter {where}: {e}") from None
+            raise ValueError(f"parameter {where} {shape}: {e}") from None
         for dim, axes in zip(shape, spec):
             ways = math.prod(mesh.shape[a] for a in rules_lib._as_tuple(axes))
             if dim % ways:
@@ -75,7 +76,7 @@ def model_shardings(model_or_state, mesh: jax.sharding.Mesh, rules: rules_lib.Ru
                     f"parameter {where} {shape}: dimension {dim} does not divide over "
                     f"mesh axes {axes} of total size {ways}"
                 )
-        return NamedSharding(mesh, spec)
+        return variable.replace(NamedSharding(mesh, spec))
 
     return jax.tree.map_with_path(
         sharding_of, state, is_leaf=lambda x: isinstance(x, nnx.Variable)

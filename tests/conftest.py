@@ -1,0 +1,44 @@
+"""Every test sees 8 simulated CPU devices; a test that needs another count runs a
+subprocess through ``run_python``."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+# Must happen before jax is imported anywhere.
+os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["JAX_NUM_CPU_DEVICES"] = "8"
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+
+def rel_err(a, b) -> float:
+    """max |a - b| / max |b|, in float64."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+def tree_rel_err(a, b) -> float:
+    """The worst per-leaf ||a - b|| / ||b|| over two pytrees of the same structure."""
+    worst = 0.0
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        worst = max(worst, float(np.linalg.norm(x - y) / np.linalg.norm(y)))
+    return worst
+
+
+def run_python(code: str, *, devices: int = 8, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Runs ``code`` in a fresh interpreter with ``devices`` simulated CPU devices."""
+    env = dict(os.environ, JAX_NUM_CPU_DEVICES=str(devices), JAX_PLATFORMS="cpu")
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=env, capture_output=True, text=True, timeout=timeout,
+    )
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(0)
