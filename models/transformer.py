@@ -7,15 +7,16 @@ logical names (``jaxpar.constrain``, a no-op without a mesh), and attention goes
 with ``jax.lax.scan``, so pipeline stages and remat policies apply per layer.
 
 Parameter layout (stacked layers lead with L):
-  embed.table           [V, D]        (vocab, embed)
-  positions.table       [P, D]        (positions, embed)           position="learned"
-  layers.attn.q.kernel  [L, D, N, H]  (layers, embed, heads, kv)
-  layers.attn.k.kernel  [L, D, K, H]  (layers, embed, kv_heads, kv)   v likewise
-  layers.attn.o.kernel  [L, N, H, D]  (layers, heads, kv, embed)
-  layers.mlp.gate/up    [L, D, F]     (layers, embed, mlp)         gate for swiglu only
+  embed                 [V, D]        (vocab, embed)
+  positions             [P, D]        (positions, embed)           position="learned"
+  layers.attn.q         [L, D, N, H]  (layers, embed, heads, kv)
+  layers.attn.k, v      [L, D, K, H]  (layers, embed, kv_heads, kv)
+  layers.attn.o         [L, N, H, D]  (layers, heads, kv, embed)
+  layers.mlp.gate, up   [L, D, F]     (layers, embed, mlp)         gate for swiglu only
   layers.mlp.down       [L, F, D]     (layers, mlp, embed)
-  *_norm.scale/bias     [L, D] / [D]  (layers, norm) / (norm,)
-  lm_head.kernel        [D, V]        (embed, vocab)               untied embeddings
+  *_norm.scale, bias    [L, D] / [D]  (layers, norm) / (norm,)     bias for LayerNorm only
+  lm_head               [D, V]        (embed, vocab)               untied embeddings only
+  layers.*_bias         biases of the projections, with attention_bias / mlp_bias
 """
 
 from __future__ import annotations

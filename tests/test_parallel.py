@@ -90,6 +90,7 @@ def test_zero3_memory_is_exactly_the_shards():
     for fsdp in (1, 8):
         mesh = jaxpar.make_mesh(data=8 // fsdp, fsdp=fsdp)
         step = make_train_step(model, optax.adamw(1e-3), mesh)
+        compiled = step.compile(model, batch_size=8, seq_len=16)
         params = jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
             nnx.state(model), step.params_sharding,
@@ -98,10 +99,6 @@ def test_zero3_memory_is_exactly_the_shards():
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
             jax.eval_shape(step.tx.init, params), step.opt_sharding,
         )
-        batch = {k: jax.ShapeDtypeStruct((8, 16), jnp.int32, sharding=step.batch_sharding)
-                 for k in ("inputs", "targets")}
-        with jaxpar.use_mesh(mesh):
-            compiled = step.step.lower(params, opt, batch).compile()
         state_bytes = _shard_bytes(params) + _shard_bytes(opt)
         batch_bytes = 2 * 16 * 4  # one sequence of inputs + targets per device
         assert compiled.memory_analysis().argument_size_in_bytes == state_bytes + batch_bytes

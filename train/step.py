@@ -74,6 +74,28 @@ class TrainStep:
             params = jax.device_put(params, self.params_sharding)
         return params, init(params)
 
+    def compile(self, model: nnx.Module, batch_size: int, seq_len: int):
+        """Compiles the step for ``model``'s shapes without running it.
+
+        ``model`` may be abstract (``nnx.eval_shape``), so a 1B model compiles on a
+        laptop; ``.memory_analysis()`` of the result gives exact per-device bytes.
+        """
+        def abstract(tree, shardings):
+            if shardings is None:
+                return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+            return jax.tree.map(
+                lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
+            )
+
+        params = abstract(nnx.state(model), self.params_sharding)
+        opt_state = abstract(jax.eval_shape(self.tx.init, params), self.opt_sharding)
+        token = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32, sharding=self.batch_sharding)
+        batch = {"inputs": token, "targets": token}
+        if self.mesh is None:
+            return self.step.lower(params, opt_state, batch).compile()
+        with use_mesh(self.mesh, self.rules):
+            return self.step.lower(params, opt_state, batch).compile()
+
     def __call__(self, params, opt_state, batch: Batch):
         if self.mesh is None:
             return self.step(params, opt_state, batch)
