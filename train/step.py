@@ -65,6 +65,7 @@ class TrainStep:
     params_sharding: Any
     opt_sharding: Any
     batch_sharding: Any
+    rules: rules_lib.Rules | None = None
 
     def init(self, model: nnx.Module):
         """Returns ``(params, opt_state)`` placed on the mesh."""
@@ -101,8 +102,6 @@ class TrainStep:
             return self.step(params, opt_state, batch)
         with use_mesh(self.mesh, self.rules):
             return self.step(params, opt_state, batch)
-
-    rules: rules_lib.Rules | None = None
 
 
 def make_train_step(
