@@ -22,7 +22,7 @@ from flax import nnx  # noqa: E402
 
 import jaxpar  # noqa: E402
 from jaxpar.models import PRESETS, Transformer  # noqa: E402
-from jaxpar.train.step import make_train_step  # noqa: E402
+from jaxpar.train.step import BATCH_KEYS, make_train_step  # noqa: E402
 
 
 def measure(name: str, fsdp: int, batch: int, seq_len: int) -> dict:
@@ -31,7 +31,7 @@ def measure(name: str, fsdp: int, batch: int, seq_len: int) -> dict:
     mesh = jaxpar.make_mesh(data=8 // fsdp, fsdp=fsdp)
     step = make_train_step(model, optax.adamw(1e-3), mesh)
     memory = step.compile(model, batch, seq_len).memory_analysis()
-    batch_bytes = 2 * (batch // 8) * seq_len * 4  # int32 inputs + targets, per device
+    batch_bytes = len(BATCH_KEYS) * (batch // 8) * seq_len * 4  # int32 [B/8, T] arrays
     params = sum(x.size for x in jax.tree.leaves(nnx.state(model)))
     return {
         "model": name,

@@ -100,7 +100,7 @@ def test_zero3_memory_is_exactly_the_shards():
             jax.eval_shape(step.tx.init, params), step.opt_sharding,
         )
         state_bytes = _shard_bytes(params) + _shard_bytes(opt)
-        batch_bytes = 2 * 16 * 4  # one sequence of inputs + targets per device
+        batch_bytes = 5 * 16 * 4  # one sequence of each of the 5 batch arrays per device
         assert compiled.memory_analysis().argument_size_in_bytes == state_bytes + batch_bytes
         sizes[fsdp] = state_bytes
     total = sizes[1]
@@ -156,3 +156,20 @@ def test_custom_rules_move_fsdp_to_the_mlp_dimension():
     rules = dict(jaxpar.rules.DEFAULT_RULES) | {"embed": None, "mlp": ("fsdp", "tensor")}
     model = jaxpar.shard_model(Transformer(CFG, rngs=nnx.Rngs(0)), jaxpar.make_mesh(fsdp=8), tuple(rules.items()))
     assert model.layers.mlp.up[...].sharding.spec == jax.sharding.PartitionSpec("pipe", None, ("fsdp", "tensor"))
+
+
+@pytest.mark.parametrize("mesh_sizes", [None, dict(data=2, fsdp=4)], ids=["one-device", "data=2,fsdp=4"])
+def test_gradient_accumulation_matches_one_big_batch(mesh_sizes):
+    data = batches(np.random.default_rng(2), 1, B=16)
+    for batch in data:  # equal token counts per microbatch, so mean of means == mean
+        batch.pop("segment_ids")
+    results = []
+    for k in (1, 4):
+        mesh = jaxpar.make_mesh(**mesh_sizes) if mesh_sizes else None
+        model = Transformer(CFG, rngs=nnx.Rngs(0))
+        step = make_train_step(model, optax.sgd(0.1), mesh, grad_accum=k)
+        params, opt_state = step.init(model)
+        params, _, out = step(params, opt_state, data[0])
+        results.append((float(out["loss"]), params))
+    assert rel_err(results[1][0], results[0][0]) < 1e-5
+    assert tree_rel_err(results[1][1], results[0][1]) < 1e-5

@@ -22,6 +22,8 @@ from jaxpar.sharding import like_params, model_shardings, use_mesh
 
 Batch = dict[str, jax.Array]
 BATCH_AXES = ("batch", "length")
+# What the data loader gives, each int32 [B, T].
+BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "mask")
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array | None = None) -> jax.Array:
@@ -91,7 +93,7 @@ class TrainStep:
         params = abstract(nnx.state(model), self.params_sharding)
         opt_state = abstract(jax.eval_shape(self.tx.init, params), self.opt_sharding)
         token = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32, sharding=self.batch_sharding)
-        batch = {"inputs": token, "targets": token}
+        batch = dict.fromkeys(BATCH_KEYS, token)
         if self.mesh is None:
             return self.step.lower(params, opt_state, batch).compile()
         with use_mesh(self.mesh, self.rules):
@@ -110,16 +112,37 @@ def make_train_step(
     mesh: jax.sharding.Mesh | None = None,
     rules: rules_lib.Rules | None = None,
     *,
+    grad_accum: int = 1,
     donate: bool = True,
 ) -> TrainStep:
-    """Builds the jitted train step for ``model``'s structure on ``mesh`` (or one device)."""
+    """Builds the jitted train step for ``model``'s structure on ``mesh`` (or one device).
+
+    With ``grad_accum=k`` the batch ``[B, T]`` is split into ``k`` microbatches of
+    ``B / k`` rows (row ``r`` goes to microbatch ``r % k``, so each device's rows stay
+    on it) whose gradients are averaged inside the one jitted step.
+    """
     graphdef, params = nnx.split(model)
 
-    def step(params, opt_state, batch):
-        def loss_of(params):
-            return loss_fn(nnx.merge(graphdef, params), batch)
+    def loss_and_grads(params, batch):
+        return jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p), batch))(params)
 
-        loss, grads = jax.value_and_grad(loss_of)(params)
+    def accumulated(params, batch):
+        def split(x):  # [B, ...] -> [k, B / k, ...], microbatch j = rows j, j + k, ...
+            return jnp.swapaxes(x.reshape(x.shape[0] // grad_accum, grad_accum, *x.shape[1:]), 0, 1)
+
+        def body(carry, micro):
+            loss, grads = loss_and_grads(params, micro)
+            return jax.tree.map(jnp.add, carry, (loss, grads)), None
+
+        zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+        total, _ = jax.lax.scan(body, zeros, jax.tree.map(split, batch))
+        return jax.tree.map(lambda x: x / grad_accum, total)
+
+    def step(params, opt_state, batch):
+        if grad_accum == 1:
+            loss, grads = loss_and_grads(params, batch)
+        else:
+            loss, grads = accumulated(params, batch)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         return params, opt_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}

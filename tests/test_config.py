@@ -1,0 +1,57 @@
+import pytest
+
+from jaxpar.models import PRESETS
+from jaxpar.train.config import ConfigError, load_config, shipped_configs
+
+
+@pytest.mark.parametrize("name", ["tiny", "small", "1b"])
+def test_every_shipped_config_parses(name):
+    cfg = load_config(name)
+    assert cfg.steps > 0 and cfg.model.layers > 0
+    assert cfg.mesh.data is None  # takes the devices the other axes leave
+
+
+def test_shipped_configs_are_listed():
+    assert {"tiny", "small", "1b"} <= set(shipped_configs())
+
+
+def test_tiny_is_llama_style_float32_200_steps():
+    cfg = load_config("tiny")
+    assert cfg.steps == 200 and cfg.model.dtype == "float32" and cfg.model.position == "rope"
+    assert cfg.model == PRESETS["tiny"]
+
+
+def test_dotted_overrides_are_typed():
+    cfg = load_config("tiny", ["mesh.fsdp=4", "model.layers=2", "steps=30", "run_dir=/tmp/x",
+                               "dry_run=true", "optimizer.lr=1e-3", "model.remat_names=[query,key]"])
+    assert (cfg.mesh.fsdp, cfg.model.layers, cfg.steps, cfg.run_dir, cfg.dry_run) == (4, 2, 30, "/tmp/x", True)
+    assert cfg.optimizer.lr == 1e-3 and cfg.model.remat_names == ("query", "key")
+    assert load_config("tiny").model.layers == 4  # the shipped file is untouched
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("mesh.fdsp=4", r"unknown config key 'mesh.fdsp'; valid keys near it: mesh.fsdp"),
+        ("stpes=3", r"unknown config key 'stpes'; valid keys near it: steps"),
+        ("steps=many", r"steps='many' must be an integer"),
+        ("dry_run=3", r"dry_run=3 must be true or false"),
+        ("model.norm=batch", r"model.norm='batch' must be one of \['rms', 'layer'\]"),
+        ("model.heads=3", r"model.heads=3 must be a multiple of model.kv_heads=2"),
+        ("steps", r"override 'steps' must look like key=value"),
+    ],
+)
+def test_bad_overrides(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config("tiny", [override])
+
+
+def test_yaml_path_and_missing_config(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text("steps: 7\nmodel:\n  layers: 1\n")
+    cfg = load_config(str(path))
+    assert cfg.steps == 7 and cfg.model.layers == 1 and cfg.model.dim == PRESETS["tiny"].dim
+    with pytest.raises(ConfigError, match="no config 'huge'; shipped configs: 1b, small, tiny"):
+        load_config("huge")
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(str(tmp_path / "nope.yaml"))

@@ -1,0 +1,5 @@
+import sys
+
+from jaxpar.train.cli import main
+
+sys.exit(main())

@@ -1,0 +1,234 @@
+"""Training configuration: nested frozen dataclasses, filled from YAML and ``key=value``.
+
+The dataclasses are the one source of truth (names, types, defaults); a YAML file under
+``train/configs/`` (or any path) only sets values, and command-line overrides use dotted
+keys (``mesh.fsdp=4``, ``model.layers=2``). Unknown keys and wrong types are
+``ConfigError``s naming the key and the valid keys near it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import pathlib
+import types
+import typing
+from typing import Any, Literal
+
+import yaml
+
+from jaxpar.models.config import ModelConfig
+from jaxpar.train.data import DataConfig
+
+CONFIG_DIR = pathlib.Path(__file__).parent / "configs"
+
+
+class ConfigError(ValueError):
+    """A bad configuration key or value; the CLI prints it on one line and exits 2."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Mesh axis sizes. ``data`` None takes the devices the others leave."""
+
+    data: int | None = None
+    fsdp: int = 1
+    pipe: int = 1
+    seq: int = 1
+    tensor: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW with linear warmup then cosine decay to ``lr * min_lr_ratio``."""
+
+    lr: float = 3e-3
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    clip_norm: float = 1.0  # global gradient norm clipping
+    grad_accum: int = 1  # microbatches per step, accumulated inside the one jitted step
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 100  # save every N steps (and at the last step); 0 saves only at the end
+    keep: int = 3  # keep the last K
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    every: int = 50  # validation loss every N steps (and at the last step); 0 never
+    batches: int = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    mesh: MeshConfig = MeshConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    eval: EvalConfig = EvalConfig()
+    run_dir: str = "runs/tiny"
+    cache_dir: str | None = None  # tokenizer/packed-data cache; None: RUN_DIR/cache
+    steps: int = 200
+    seed: int = 0
+    batch_size: int = 16  # global, in sequences
+    seq_len: int = 128
+    log_every: int = 10
+    dry_run: bool = False  # compile the step, print the profiler's JSON line, exit
+
+
+def _keys(cls, prefix="") -> list[str]:
+    keys = []
+    for field in dataclasses.fields(cls):
+        hint = typing.get_type_hints(cls)[field.name]
+        inner = _dataclass_in(hint)
+        keys += _keys(inner, f"{prefix}{field.name}.") if inner else [prefix + field.name]
+    return keys
+
+
+def _dataclass_in(hint):
+    """The dataclass a field holds (also through ``X | None``), or None."""
+    for candidate in (hint, *typing.get_args(hint)):
+        if dataclasses.is_dataclass(candidate):
+            return candidate
+    return None
+
+
+def _coerce(value: Any, hint, key: str):
+    """Checks ``value`` against the annotation ``hint`` and converts it where lossless."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0])
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{key}={value!r} must be one of {list(args)}")
+        return value
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}={value!r} must be a mapping of {hint.__name__} fields")
+        return _build(hint, value, key + ".")
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}={value!r} must be a list")
+        return tuple(_coerce(v, args[0], key) for v in value)
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}={value!r} must be true or false")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}={value!r} must be an integer")
+        return value
+    if hint is float:
+        if isinstance(value, str):  # YAML 1.1 reads "1e-3" (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}={value!r} must be a number")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}={value!r} must be a string")
+        return value
+    raise ConfigError(f"{key}: unsupported type {hint}")
+
+
+def _build(cls, values: dict, prefix: str = ""):
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for name in values:
+        if name not in names:
+            key = prefix + name
+            valid = _keys(cls, prefix)
+            near = difflib.get_close_matches(key, valid, n=3, cutoff=0.5) or valid[:8]
+            raise ConfigError(f"unknown config key {key!r}; valid keys near it: {', '.join(near)}")
+    kwargs = {}
+    for name, value in values.items():
+        hint = hints[name]
+        inner = _dataclass_in(hint)
+        if inner is not None and isinstance(value, dict):
+            default = getattr(cls(), name) if _has_default(cls, name) else None
+            merged = {**(dataclasses.asdict(default) if default is not None else {}), **value}
+            kwargs[name] = _build(inner, merged, f"{prefix}{name}.")
+        else:
+            kwargs[name] = _coerce(value, hint, prefix + name)
+    try:
+        return cls(**kwargs)
+    except ValueError as e:  # a dataclass's own __post_init__ validation
+        raise ConfigError(str(e)) from None
+
+
+def _has_default(cls, name) -> bool:
+    field = next(f for f in dataclasses.fields(cls) if f.name == name)
+    return field.default is not dataclasses.MISSING or field.default_factory is not dataclasses.MISSING
+
+
+def _set(tree: dict, dotted: str, value) -> None:
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        node = tree.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"config key {part!r} in {dotted!r} is not a section")
+        tree = node
+    tree[leaf] = value
+
+
+def shipped_configs() -> list[str]:
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+
+
+def load_config(name_or_path: str, overrides: typing.Sequence[str] = ()) -> Config:
+    """Builds a ``Config`` from a shipped config name or a YAML path, then ``key=value``s.
+
+    Override values are parsed as YAML (``steps=30``, ``mesh.tensor=[2,2]``,
+    ``dry_run=true``, ``run_dir=/tmp/x``).
+
+    Raises:
+      ConfigError: no such config, an unknown key, or a value of the wrong type.
+    """
+    path = pathlib.Path(name_or_path)
+    if not path.suffix:
+        path = CONFIG_DIR / f"{name_or_path}.yaml"
+        if not path.is_file():
+            raise ConfigError(
+                f"no config {name_or_path!r}; shipped configs: {', '.join(shipped_configs())}, "
+                "or give a path to a YAML file"
+            )
+    elif not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    try:
+        values = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path}: a config file must be a mapping of keys to values")
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} must look like key=value")
+        try:
+            value = yaml.safe_load(text) if text else ""
+        except yaml.YAMLError:
+            value = text
+        _set(values, key.strip(), value)
+    return _build(Config, values)
+
+
+def to_dict(cfg: Config) -> dict:
+    """The config as plain data (for metadata and the run's ``config.yaml``)."""
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,221 @@
+"""The training loop behind ``jaxpar-train``: data, sharded state, steps, evals,
+checkpoints, metrics.
+
+Outputs in ``RUN_DIR``: ``config.yaml`` (the resolved config), ``metrics.jsonl`` (one
+JSON object per step: ``step``, ``loss``, ``lr``, ``grad_norm``, ``tokens_per_s``,
+``step_time_s``, and ``val_loss`` at eval steps), ``checkpoints/`` (orbax) and the
+tokenizer/packed-data cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import yaml
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+from tqdm.auto import tqdm
+
+import jaxpar
+from jaxpar.models import Transformer
+from jaxpar.train import data as data_lib
+from jaxpar.train.checkpoints import Checkpoints
+from jaxpar.train.config import Config, MeshConfig, OptimizerConfig, to_dict
+from jaxpar.train.step import loss_fn, make_train_step
+
+# Dense bf16 peak FLOP/s per device, for the MFU estimate; unknown devices show none.
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+
+
+class TrainingError(RuntimeError):
+    """A run that cannot start or go on; the CLI prints it on one line and exits 1."""
+
+
+def build_mesh(mesh_cfg: MeshConfig, devices=None) -> jax.sharding.Mesh:
+    """The mesh for ``mesh_cfg``; ``data`` None takes the devices the other axes leave."""
+    devices = jax.devices() if devices is None else devices
+    others = mesh_cfg.fsdp * mesh_cfg.pipe * mesh_cfg.seq * mesh_cfg.tensor
+    data = mesh_cfg.data
+    if data is None:
+        if len(devices) % others:
+            raise TrainingError(
+                f"mesh fsdp={mesh_cfg.fsdp} pipe={mesh_cfg.pipe} seq={mesh_cfg.seq} "
+                f"tensor={mesh_cfg.tensor} ({others} devices) does not divide {len(devices)} devices"
+            )
+        data = len(devices) // others
+    try:
+        return jaxpar.make_mesh(data=data, fsdp=mesh_cfg.fsdp, pipe=mesh_cfg.pipe,
+                                seq=mesh_cfg.seq, tensor=mesh_cfg.tensor, devices=devices)
+    except ValueError as e:
+        raise TrainingError(str(e)) from None
+
+
+def make_optimizer(opt: OptimizerConfig, steps: int):
+    """``(tx, schedule)``: clipped AdamW with warmup and cosine decay."""
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, opt.lr, warmup_steps=min(opt.warmup_steps, steps), decay_steps=max(steps, 1),
+        end_value=opt.lr * opt.min_lr_ratio,
+    )
+    tx = optax.chain(
+        optax.clip_by_global_norm(opt.clip_norm),
+        optax.adamw(schedule, b1=opt.b1, b2=opt.b2, weight_decay=opt.weight_decay),
+    )
+    return tx, schedule
+
+
+def flops_per_token(cfg) -> float:
+    """Training FLOPs per token: 6 per parameter plus attention's score and value products."""
+    m = cfg.model
+    params = m.vocab_size * m.dim * (1 if m.tie_embeddings else 2) + m.layers * (
+        m.dim * (m.heads + 2 * m.kv_heads) * m.head_dim + m.heads * m.head_dim * m.dim
+        + m.dim * m.mlp_dim * (3 if m.mlp == "swiglu" else 2)
+    )
+    return 6 * params + 12 * m.layers * m.heads * m.head_dim * cfg.seq_len
+
+
+def _check_batch(cfg: Config, mesh) -> None:
+    ways = mesh.shape["data"] * mesh.shape["fsdp"]
+    micro = cfg.batch_size // cfg.optimizer.grad_accum
+    if cfg.batch_size % cfg.optimizer.grad_accum or micro % ways:
+        raise TrainingError(
+            f"batch_size={cfg.batch_size} / optimizer.grad_accum={cfg.optimizer.grad_accum} "
+            f"must be a multiple of the data-parallel degree data*fsdp={ways}"
+        )
+
+
+def _check_same_model(checkpoints: Checkpoints, cfg: Config) -> None:
+    steps = checkpoints.steps()
+    if not steps:
+        return
+    saved = checkpoints.read_meta(steps[-1]).get("config", {}).get("model", {})
+    current = json.loads(json.dumps(dataclasses.asdict(cfg.model)))
+    diffs = [f"model.{k}: {saved.get(k)!r} there, {v!r} here" for k, v in current.items()
+             if k in SHAPE_KEYS and saved.get(k) != v]
+    if diffs:
+        raise TrainingError(
+            f"{checkpoints.directory} holds a checkpoint of a different model ({'; '.join(diffs)}); "
+            "use another run_dir"
+        )
+
+
+SHAPE_KEYS = ("vocab_size", "dim", "layers", "heads", "kv_heads", "head_dim", "mlp_dim",
+              "norm", "mlp", "position", "max_position", "tie_embeddings", "attention_bias",
+              "mlp_bias", "param_dtype")
+
+
+def _abstract(tree, shardings):
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def _global_batch(local: dict, sharding) -> dict:
+    return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local.items()}
+
+
+def _rewrite_metrics(path: pathlib.Path, upto: int) -> None:
+    """Drops metrics of steps after ``upto`` (a resumed run logs them again)."""
+    if path.exists():
+        lines = [l for l in path.read_text().splitlines() if l and json.loads(l)["step"] <= upto]
+        path.write_text("".join(l + "\n" for l in lines))
+
+
+def train(cfg: Config, *, progress: bool = True) -> list[dict]:
+    """Runs (or resumes) the training ``cfg`` describes; returns the per-step metrics."""
+    run_dir = pathlib.Path(cfg.run_dir)
+    mesh = build_mesh(cfg.mesh)
+    _check_batch(cfg, mesh)
+    model_cfg = cfg.model
+    abstract_model = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(cfg.seed)))
+    tx, schedule = make_optimizer(cfg.optimizer, cfg.steps)
+    step_fn = make_train_step(abstract_model, tx, mesh, grad_accum=cfg.optimizer.grad_accum)
+
+    if cfg.dry_run:
+        from jaxpar.profiler import profile_json
+
+        print(profile_json(step_fn.compile(abstract_model, cfg.batch_size, cfg.seq_len)))
+        return []
+
+    checkpoints = Checkpoints(run_dir, keep=cfg.checkpoint.keep)
+    _check_same_model(checkpoints, cfg)
+    cache_dir = pathlib.Path(cfg.cache_dir) if cfg.cache_dir else run_dir / "cache"
+    tokenizer = data_lib.load_tokenizer(cfg.data, cache_dir)
+    data_lib.check_vocab(tokenizer, model_cfg.vocab_size)
+    train_rows = data_lib.packed_rows(cfg.data, tokenizer, cfg.seq_len, "train", cache_dir)
+    val_rows = data_lib.packed_rows(cfg.data, tokenizer, cfg.seq_len, "validation", cache_dir)
+    loader = data_lib.Loader(train_rows, cfg.batch_size, seed=cfg.seed)
+    val_batches = data_lib.eval_batches(val_rows, cfg.batch_size, cfg.eval.batches) if cfg.eval.every else []
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    abstract = {
+        "params": _abstract(nnx.state(abstract_model), step_fn.params_sharding),
+        "opt_state": _abstract(jax.eval_shape(tx.init, nnx.state(abstract_model)), step_fn.opt_sharding),
+    }
+    restored = checkpoints.restore_latest(abstract)
+    if restored is None:
+        @nnx.jit
+        def create():
+            return jaxpar.shard_model(Transformer(model_cfg, rngs=nnx.Rngs(cfg.seed)), mesh)
+
+        params, opt_state = step_fn.init(create())
+        start = 0
+    else:
+        start, state, meta = restored
+        params, opt_state = state["params"], state["opt_state"]
+        loader.restore(meta["loader"])
+    metrics_path = run_dir / "metrics.jsonl"
+    _rewrite_metrics(metrics_path, start)
+
+    eval_fn = jax.jit(lambda params, batch: loss_fn(nnx.merge(step_fn.graphdef, params), batch))
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    peak = next((f for name, f in PEAK_FLOPS.items() if name in jax.devices()[0].device_kind), None)
+    history, last_saved = [], start
+    bar = tqdm(total=cfg.steps, initial=start, disable=not progress or jax.process_index() != 0,
+               dynamic_ncols=True, desc="train")
+    with jaxpar.use_mesh(mesh), metrics_path.open("a") as metrics_file:
+        for step in range(start + 1, cfg.steps + 1):
+            batch = _global_batch(next(loader), step_fn.batch_sharding)
+            began = time.perf_counter()
+            params, opt_state, out = step_fn(params, opt_state, batch)
+            loss = float(out["loss"])
+            elapsed = time.perf_counter() - began
+            if not math.isfinite(loss):
+                checkpoints.wait()
+                raise TrainingError(
+                    f"loss is {loss} at step {step}; stopped. The last good checkpoint "
+                    f"(step {last_saved}) in {checkpoints.directory} is intact"
+                )
+            record = {"step": step, "loss": loss, "lr": float(schedule(step - 1)),
+                      "grad_norm": float(out["grad_norm"]), "tokens_per_s": tokens_per_step / elapsed,
+                      "step_time_s": elapsed}
+            if val_batches and (step % cfg.eval.every == 0 or step == cfg.steps):
+                losses = [eval_fn(params, _global_batch(b, step_fn.batch_sharding)) for b in val_batches]
+                record["val_loss"] = float(np.mean([float(l) for l in losses]))
+            history.append(record)
+            if jax.process_index() == 0:
+                metrics_file.write(json.dumps(record) + "\n")
+                metrics_file.flush()
+            every = cfg.checkpoint.every
+            if (every and step % every == 0) or step == cfg.steps:
+                checkpoints.save(step, {"params": params, "opt_state": opt_state},
+                                 {"step": step, "loader": loader.state(), "config": to_dict(cfg)})
+                last_saved = step
+            postfix = {"loss": f"{loss:.3f}", "tok/s": f"{record['tokens_per_s']:.0f}",
+                       "step": f"{elapsed * 1e3:.0f}ms"}
+            if peak:
+                postfix["MFU"] = f"{flops_per_token(cfg) * record['tokens_per_s'] / (peak * mesh.devices.size):.1%}"
+            if "val_loss" in record:
+                postfix["val"] = f"{record['val_loss']:.3f}"
+            bar.set_postfix(postfix, refresh=False)
+            bar.update(1)
+    bar.close()
+    checkpoints.wait()
+    checkpoints.close()
+    return history
