@@ -55,3 +55,14 @@ def test_yaml_path_and_missing_config(tmp_path):
         load_config("huge")
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(str(tmp_path / "nope.yaml"))
+
+
+@pytest.mark.parametrize("override,message", [
+    ("steps=0", "steps=0 must be at least 1"),
+    ("mesh.fsdp=0", "mesh.fsdp=0 must be at least 1"),
+    ("eval.every=-1", "eval.every=-1 must not be negative"),
+    ("seq_len=1", "seq_len=1 must be at least 2"),
+])
+def test_value_ranges(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config("tiny", [override])

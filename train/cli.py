@@ -11,7 +11,7 @@ import argparse
 import os
 import sys
 
-from jaxpar.runtime import simulate_cpu_devices
+from jaxpar.runtime import initialize_distributed, simulate_cpu_devices
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -35,8 +35,9 @@ def main(argv=None) -> int:
     devices = args.simulate_devices or int(os.environ.get("JAX_NUM_CPU_DEVICES", "8"))
     try:
         simulate_cpu_devices(devices)
+        initialize_distributed()
     except ValueError as e:
-        print(f"jaxpar-train: error: --simulate-devices: {e}", file=sys.stderr)
+        print(f"jaxpar-train: error: {e}", file=sys.stderr)
         return 2
 
     from jaxpar.train.config import ConfigError, load_config

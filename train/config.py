@@ -78,8 +78,27 @@ class Config:
     seed: int = 0
     batch_size: int = 16  # global, in sequences
     seq_len: int = 128
-    log_every: int = 10
     dry_run: bool = False  # compile the step, print the profiler's JSON line, exit
+
+    def __post_init__(self):
+        for key in ("steps", "batch_size", "mesh.fsdp", "mesh.pipe", "mesh.seq", "mesh.tensor",
+                    "optimizer.grad_accum", "checkpoint.keep", "eval.batches"):
+            value = _get(self, key)
+            if value < 1:
+                raise ValueError(f"{key}={value!r} must be at least 1")
+        for key in ("checkpoint.every", "eval.every", "optimizer.warmup_steps"):
+            if _get(self, key) < 0:
+                raise ValueError(f"{key}={_get(self, key)!r} must not be negative")
+        if self.mesh.data is not None and self.mesh.data < 1:
+            raise ValueError(f"mesh.data={self.mesh.data!r} must be at least 1")
+        if self.seq_len < 2:
+            raise ValueError(f"seq_len={self.seq_len!r} must be at least 2")
+
+
+def _get(cfg, dotted: str):
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
 
 
 def _keys(cls, prefix="") -> list[str]:

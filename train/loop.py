@@ -60,8 +60,9 @@ def build_mesh(mesh_cfg: MeshConfig, devices=None) -> jax.sharding.Mesh:
 
 def make_optimizer(opt: OptimizerConfig, steps: int):
     """``(tx, schedule)``: clipped AdamW with warmup and cosine decay."""
+    warmup = min(opt.warmup_steps, steps)
     schedule = optax.warmup_cosine_decay_schedule(
-        0.0, opt.lr, warmup_steps=min(opt.warmup_steps, steps), decay_steps=max(steps, 1),
+        0.0, opt.lr, warmup_steps=warmup, decay_steps=max(steps, warmup + 1),
         end_value=opt.lr * opt.min_lr_ratio,
     )
     tx = optax.chain(
@@ -92,10 +93,16 @@ def _check_batch(cfg: Config, mesh) -> None:
 
 
 def _check_same_model(checkpoints: Checkpoints, cfg: Config) -> None:
-    steps = checkpoints.steps()
-    if not steps:
+    """Refuses a run dir whose newest readable checkpoint holds another model shape
+    (rather than letting the restore fail on it and start afresh over it)."""
+    for step in reversed(checkpoints.steps()):
+        try:
+            saved = checkpoints.read_meta(step).get("config", {}).get("model", {})
+            break
+        except Exception:  # noqa: BLE001 - unreadable; restore_latest warns about it
+            continue
+    else:
         return
-    saved = checkpoints.read_meta(steps[-1]).get("config", {}).get("model", {})
     current = json.loads(json.dumps(dataclasses.asdict(cfg.model)))
     diffs = [f"model.{k}: {saved.get(k)!r} there, {v!r} here" for k, v in current.items()
              if k in SHAPE_KEYS and saved.get(k) != v]

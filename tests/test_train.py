@@ -1,0 +1,196 @@
+"""jaxpar-train end to end on a small slice of the standard library."""
+
+import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from conftest import rel_err
+from jaxpar.train.config import load_config
+from jaxpar.train.loop import TrainingError, train
+
+SMALL = [
+    "model.layers=2", "model.vocab_size=512", "data.vocab_size=512", "data.max_files=120",
+    "data.val_fraction=0.1", "seq_len=64", "batch_size=8", "eval.batches=2",
+    "optimizer.warmup_steps=2",
+]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")
+
+
+def config(run_dir, cache, *extra):
+    return load_config("tiny", SMALL + [f"run_dir={run_dir}", f"cache_dir={cache}", *extra])
+
+
+def metrics(run_dir):
+    return [json.loads(l) for l in (pathlib.Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def cli(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "jaxpar.train", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_short_run_learns_and_writes_its_outputs(tmp_path, cache):
+    run = tmp_path / "run"
+    history = train(config(run, cache, "steps=30", "eval.every=10", "checkpoint.every=10"), progress=False)
+    rows = metrics(run)
+    assert [r["step"] for r in rows] == list(range(1, 31)) and rows == history
+    assert {"step", "loss", "lr", "grad_norm", "tokens_per_s"} <= set(rows[0])
+    val = [r["val_loss"] for r in rows if "val_loss" in r]
+    # Untrained, the loss is ln(512) = 6.24; by step 10 it has fallen well below, and goes on.
+    assert len(val) == 3 and val[0] < np.log(512) - 0.5 and val[2] < val[0]
+    assert sorted(os.listdir(run / "checkpoints")) == ["10", "20", "30"]
+    assert (run / "config.yaml").exists()
+
+
+def test_sigkill_and_restart_gives_the_same_losses(tmp_path, cache):
+    args = SMALL + ["steps=12", "checkpoint.every=4", "eval.every=0", f"cache_dir={cache}"]
+    reference = train(load_config("tiny", args + [f"run_dir={tmp_path / 'ref'}"]), progress=False)
+
+    run = tmp_path / "killed"
+    command = [sys.executable, "-m", "jaxpar.train", "tiny", *args, f"run_dir={run}", "--no-progress"]
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if (run / "metrics.jsonl").exists() and len(metrics(run)) >= 7:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run finished before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert len(metrics(run)) < 12
+
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    losses = [r["loss"] for r in metrics(run)]
+    assert len(losses) == 12
+    assert losses == [r["loss"] for r in reference]
+
+
+def test_checkpoint_restores_on_another_mesh(tmp_path, cache):
+    run = tmp_path / "run"
+    first = train(config(run, cache, "steps=8", "checkpoint.every=4", "eval.every=0", "mesh.data=8"), progress=False)
+    shutil.rmtree(run / "checkpoints" / "8")
+    second = train(config(run, cache, "steps=8", "checkpoint.every=4", "eval.every=0",
+                          "mesh.data=2", "mesh.fsdp=4"), progress=False)
+    assert [r["step"] for r in second] == [5, 6, 7, 8]
+    assert rel_err([r["loss"] for r in second], [r["loss"] for r in first[4:]]) < 1e-5
+    assert [r["step"] for r in metrics(run)] == list(range(1, 9))
+
+
+def test_corrupt_latest_checkpoint_falls_back_to_the_previous(tmp_path, cache):
+    run = tmp_path / "run"
+    first = train(config(run, cache, "steps=8", "checkpoint.every=4", "eval.every=0"), progress=False)
+    for path in (run / "checkpoints" / "8").rglob("*"):
+        if path.is_file():
+            path.write_bytes(b"garbage")
+    with pytest.warns(UserWarning, match="checkpoint at step 8 .* cannot be restored"):
+        again = train(config(run, cache, "steps=8", "checkpoint.every=4", "eval.every=0"), progress=False)
+    assert [r["step"] for r in again] == [5, 6, 7, 8]
+    assert rel_err([r["loss"] for r in again], [r["loss"] for r in first[4:]]) < 1e-6
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, cache):
+    run = tmp_path / "run"
+    cfg = config(run, cache, "steps=20", "checkpoint.every=1", "eval.every=0",
+                 "optimizer.lr=1e30", "optimizer.clip_norm=1e30", "optimizer.warmup_steps=0")
+    with pytest.raises(TrainingError, match=r"loss is (nan|inf) at step (\d+); stopped\. The last good checkpoint"):
+        train(cfg, progress=False)
+    saved = sorted(int(p) for p in os.listdir(run / "checkpoints"))
+    assert saved and saved[-1] == len(metrics(run))
+
+
+@pytest.mark.parametrize(
+    "override,code,message",
+    [
+        ("mesh.fdsp=2", 2, "unknown config key 'mesh.fdsp'; valid keys near it: mesh.fsdp"),
+        ("steps=ten", 2, "steps='ten' must be an integer"),
+        ("batch_size=12", 1, "batch_size=12 / optimizer.grad_accum=1 must be a multiple of the data-parallel degree data*fsdp=8"),
+        ("mesh.fsdp=3", 1, "does not divide 8 devices"),
+    ],
+)
+def test_bad_input_is_one_line_and_writes_nothing(tmp_path, cache, override, code, message):
+    run = tmp_path / "run"
+    out = cli("tiny", *SMALL, f"run_dir={run}", f"cache_dir={cache}", override)
+    assert out.returncode == code
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], out.stderr
+    assert not run.exists()
+
+
+def test_run_dir_of_another_model_is_refused_untouched(tmp_path, cache):
+    run = tmp_path / "run"
+    train(config(run, cache, "steps=2", "eval.every=0"), progress=False)
+    before = {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()}
+    out = cli("tiny", *SMALL, f"run_dir={run}", f"cache_dir={cache}", "model.layers=3")
+    assert out.returncode == 1
+    assert "holds a checkpoint of a different model (model.layers: 2 there, 3 here)" in out.stderr
+    assert {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()} == before
+
+
+def test_empty_data_directory(tmp_path, cache):
+    (tmp_path / "empty").mkdir()
+    out = cli("tiny", *SMALL, f"run_dir={tmp_path / 'run'}", f"data.path={tmp_path / 'empty'}")
+    assert out.returncode == 1
+    assert len(out.stderr.strip().splitlines()) == 1 and "empty" in out.stderr
+
+
+def test_dry_run_prints_the_profile_and_writes_nothing(tmp_path, cache, capsys):
+    profiles = {}
+    for mesh in ("mesh.data=8", "mesh.fsdp=8"):
+        train(config(tmp_path / "run", cache, "dry_run=true", mesh), progress=False)
+        profiles[mesh] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert not (tmp_path / "run").exists()
+    dp, fsdp = profiles["mesh.data=8"], profiles["mesh.fsdp=8"]
+    for key in ("argument_bytes", "output_bytes", "temp_bytes", "flops", "collective_bytes", "collectives"):
+        assert key in fsdp
+    assert 0.12 < fsdp["argument_bytes"] / dp["argument_bytes"] < 0.14
+    assert fsdp["collectives"]["all-gather"] > 0 and dp["collectives"]["all-gather"] == 0
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_match_one_and_share_checkpoints(tmp_path, cache):
+    """2 processes x 4 CPU devices on jax.distributed (gloo) == 1 process x 8 devices."""
+    args = SMALL + ["steps=8", "checkpoint.every=4", "eval.every=4", f"cache_dir={cache}"]
+    single = train(load_config("tiny", args + [f"run_dir={tmp_path / 'single'}"]), progress=False)
+
+    run, port = tmp_path / "two", _free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "jaxpar.train", "tiny", *args, f"run_dir={run}", "--no-progress"],
+            env=dict(os.environ, JAX_NUM_CPU_DEVICES="4", JAXPAR_COORDINATOR=f"127.0.0.1:{port}",
+                     JAXPAR_NUM_PROCESSES="2", JAXPAR_PROCESS_ID=str(i)),
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        )
+        for i in range(2)
+    ]
+    for proc in procs:
+        _, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-2000:]
+    two = metrics(run)
+    assert rel_err([r["loss"] for r in two], [r["loss"] for r in single]) < 1e-5
+    assert rel_err([r["val_loss"] for r in two if "val_loss" in r],
+                   [r["val_loss"] for r in single if "val_loss" in r]) < 1e-5
+
+    # The 2-process checkpoint of step 4 restores in one process and continues the same.
+    shutil.rmtree(run / "checkpoints" / "8")
+    resumed = train(load_config("tiny", args + [f"run_dir={run}"]), progress=False)
+    assert rel_err([r["loss"] for r in resumed], [r["loss"] for r in single[4:]]) < 1e-5
