@@ -20,6 +20,7 @@ def dot_product_attention(
     *,
     causal: bool = True,
     segment_ids: jax.Array | None = None,
+    q_start: jax.Array | int | None = None,
 ) -> jax.Array:
     """Softmax attention with grouped-query heads, computed in float32.
 
@@ -28,10 +29,12 @@ def dot_product_attention(
       k: keys ``[B, S, K, H]``; ``N`` must be a multiple of ``K`` (query head ``n``
         reads key/value head ``n // (N // K)``, as Hugging Face's ``repeat_kv``).
       v: values ``[B, S, K, H]``.
-      causal: query ``t`` sees keys ``s <= t + (S - T)``, i.e. the queries are the last
-        ``T`` positions of the ``S`` keys (the usual layout with a KV cache).
+      causal: query ``t`` sees keys ``s <= q_start + t``.
       segment_ids: ``[B, T]`` int document ids for packed sequences (needs ``T == S``);
         a query sees only keys of its own segment.
+      q_start: position of the first query among the keys (a scalar, possibly traced).
+        Default ``S - T``: the queries are the last ``T`` keys. A preallocated KV cache
+        passes its fill level, so slots not yet written are never seen.
 
     Returns:
       ``[B, T, N, H]`` in ``q``'s dtype.
@@ -45,7 +48,8 @@ def dot_product_attention(
     scores = scores * (H ** -0.5)
     mask = jnp.ones((T, S), dtype=bool)
     if causal:
-        mask = jnp.arange(T)[:, None] + (S - T) >= jnp.arange(S)[None, :]
+        start = S - T if q_start is None else q_start
+        mask = jnp.arange(T)[:, None] + start >= jnp.arange(S)[None, :]
     mask = mask[None, None, None]  # [1, 1, 1, T, S]
     if segment_ids is not None:
         if T != S:

@@ -21,6 +21,7 @@ Parameter layout (stacked layers lead with L):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -123,8 +124,13 @@ class Attention(nnx.Module):
             self.v_bias = _zeros(rngs, cfg, (K, H), ("kv_heads", "kv"))
             self.o_bias = _zeros(rngs, cfg, (D,), ("embed",))
 
-    def __call__(self, x, positions, segment_ids):
-        """x ``[B, T, D]`` -> ``[B, T, D]``."""
+    def __call__(self, x, positions, segment_ids, cache=None):
+        """x ``[B, T, D]`` -> ``[B, T, D]``.
+
+        With ``cache = (k, v, index)`` (``k``/``v`` ``[B, S_max, K, H]``, ``index`` the
+        number of positions already written), the new keys/values are written at
+        ``index`` and the queries attend over the cache. Returns ``(y, (k, v))`` then.
+        """
         cfg, dtype = self.cfg, self.cfg.compute_dtype
 
         def project(w, bias_name, names):
@@ -140,12 +146,18 @@ class Attention(nnx.Module):
             inv_freq = rope_frequencies(cfg)
             q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         q, k, v = checkpoint_name(q, "query"), checkpoint_name(k, "key"), checkpoint_name(v, "value")
-        out = dot_product_attention(q, k, v, causal=True, segment_ids=segment_ids)
+        q_start = None
+        if cache is not None:
+            cache_k, cache_v, q_start = cache
+            k = jax.lax.dynamic_update_slice_in_dim(cache_k, k.astype(cache_k.dtype), q_start, axis=1)
+            v = jax.lax.dynamic_update_slice_in_dim(cache_v, v.astype(cache_v.dtype), q_start, axis=1)
+        out = dot_product_attention(q, k, v, causal=True, segment_ids=segment_ids, q_start=q_start)
         out = checkpoint_name(constrain(out, ACT_BTNH), "attention")
         y = jnp.einsum("BTNH,NHD->BTD", out, self.o[...].astype(dtype))
         if cfg.attention_bias:
             y = y + self.o_bias[...].astype(dtype)
-        return constrain(y, ACT_BTD)
+        y = constrain(y, ACT_BTD)
+        return y if cache is None else (y, (k, v))
 
 
 class MLP(nnx.Module):
@@ -194,12 +206,15 @@ class DecoderLayer(nnx.Module):
         self.mlp_norm = Norm(cfg, rngs=rngs)
         self.mlp = MLP(cfg, rngs=rngs)
 
-    def __call__(self, x, positions, segment_ids):
+    def __call__(self, x, positions, segment_ids, cache=None):
         with jax.named_scope("attention"):
-            x = x + self.attn(self.attn_norm(x), positions, segment_ids)
+            attn = self.attn(self.attn_norm(x), positions, segment_ids, cache)
+            attn, new_cache = attn if cache is not None else (attn, None)
+            x = x + attn
         with jax.named_scope("mlp"):
             x = x + self.mlp(self.mlp_norm(x))
-        return constrain(x, ACT_BTD)
+        x = constrain(x, ACT_BTD)
+        return x if cache is None else (x, new_cache)
 
 
 def _remat(fn, cfg: ModelConfig):
@@ -213,6 +228,24 @@ def _remat(fn, cfg: ModelConfig):
         "names": policies.save_only_these_names(*cfg.remat_names),
     }[cfg.remat]
     return jax.checkpoint(fn, policy=policy, prevent_cse=False)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """Keys/values of every layer, preallocated: ``k``, ``v`` ``[L, B, S_max, K, H]``;
+    ``index`` (int32 scalar) positions are filled (the same for every sequence)."""
+
+    k: jax.Array
+    v: jax.Array
+    index: jax.Array
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_length: int) -> KVCache:
+    """An empty cache for ``batch`` sequences of up to ``max_length`` tokens."""
+    shape = (cfg.layers, batch, max_length, cfg.kv_heads, cfg.head_dim)
+    zeros = jnp.zeros(shape, cfg.compute_dtype)
+    return KVCache(zeros, zeros, jnp.zeros((), jnp.int32))
 
 
 class Transformer(nnx.Module):
@@ -240,20 +273,25 @@ class Transformer(nnx.Module):
         *,
         positions: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
-    ) -> jax.Array:
+        cache: KVCache | None = None,
+    ):
         """Args:
           tokens: int ``[B, T]``.
           positions: int ``[B, T]`` position of each token in its document (default
-            ``0..T-1``); packed sequences restart it at each document.
+            ``0..T-1``, or ``cache.index + 0..T-1`` with a cache); packed sequences
+            restart it at each document.
           segment_ids: int ``[B, T]`` document ids of packed sequences, or None.
+          cache: a ``KVCache`` (``init_cache``): the tokens continue the cached
+            sequence; their keys/values are written into it.
 
         Returns:
-          logits ``[B, T, V]`` in the compute dtype.
+          logits ``[B, T, V]`` in the compute dtype; with a cache, ``(logits, cache)``.
         """
         cfg, dtype = self.cfg, self.cfg.compute_dtype
         B, T = tokens.shape
         if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+            start = 0 if cache is None else cache.index
+            positions = jnp.broadcast_to(start + jnp.arange(T, dtype=jnp.int32), (B, T))
         x = jnp.take(self.embed[...], tokens, axis=0).astype(dtype)
         if cfg.position == "learned":
             x = x + jnp.take(self.positions[...], positions, axis=0).astype(dtype)
@@ -261,13 +299,22 @@ class Transformer(nnx.Module):
 
         graphdef, layer_state = nnx.split(self.layers)
 
-        def layer(x, state):
-            return nnx.merge(graphdef, state)(x, positions, segment_ids), None
+        if cache is None:
+            def layer(x, state):
+                return nnx.merge(graphdef, state)(x, positions, segment_ids), None
 
-        x, _ = jax.lax.scan(_remat(layer, cfg), x, layer_state)
+            x, _ = jax.lax.scan(_remat(layer, cfg), x, layer_state)
+        else:
+            def layer(x, xs):
+                state, k, v = xs
+                return nnx.merge(graphdef, state)(x, positions, segment_ids, (k, v, cache.index))
+
+            x, (k, v) = jax.lax.scan(layer, x, (layer_state, cache.k, cache.v))
+            cache = KVCache(k, v, cache.index + T)
         x = self.final_norm(x)
         if cfg.tie_embeddings:
             logits = jnp.einsum("BTD,VD->BTV", x, self.embed[...].astype(dtype))
         else:
             logits = jnp.einsum("BTD,DV->BTV", x, self.lm_head[...].astype(dtype))
-        return constrain(logits, ACT_BTV)
+        logits = constrain(logits, ACT_BTV)
+        return logits if cache is None else (logits, cache)

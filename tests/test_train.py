@@ -53,6 +53,12 @@ def test_short_run_learns_and_writes_its_outputs(tmp_path, cache):
     assert sorted(os.listdir(run / "checkpoints")) == ["10", "20", "30"]
     assert (run / "config.yaml").exists()
 
+    out = subprocess.run([sys.executable, "-m", "jaxpar.train.generate", str(run), "--prompt",
+                          "def main(", "--max-new-tokens", "8", "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    sample = json.loads(out.stdout)
+    assert 0 < len(sample["tokens"]) <= 8 and sample["tokens_per_s"] >= 0  # may stop at EOS
 
 def test_sigkill_and_restart_gives_the_same_losses(tmp_path, cache):
     args = SMALL + ["steps=12", "checkpoint.every=4", "eval.every=0", f"cache_dir={cache}"]

@@ -161,6 +161,7 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
 
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    tokenizer.save(str(run_dir / "tokenizer.json"))  # so jaxpar-generate needs only the run dir
     abstract = {
         "params": _abstract(nnx.state(abstract_model), step_fn.params_sharding),
         "opt_state": _abstract(jax.eval_shape(tx.init, nnx.state(abstract_model)), step_fn.opt_sharding),

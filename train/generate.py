@@ -1,0 +1,102 @@
+"""``jaxpar-generate RUN_DIR --prompt TEXT``: sample from a trained run or an HF model.
+
+RUN_DIR is a ``jaxpar-train`` run directory (its latest checkpoint, ``config.yaml``
+and ``tokenizer.json``) or a Hugging Face Llama directory (``config.json``,
+``*.safetensors``, ``tokenizer.json``). Text streams to stdout as it is produced, then
+a line with tokens/s goes to stderr; ``--json`` prints one JSON object instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import time
+
+import jax
+import numpy as np
+import tokenizers
+from flax import nnx
+from jax.sharding import SingleDeviceSharding
+
+from jaxpar.decoding import generate
+from jaxpar.models import Transformer, from_hf
+from jaxpar.train.checkpoints import Checkpoints
+from jaxpar.train.config import load_config
+from jaxpar.train.data import EOS
+from jaxpar.train.loop import make_optimizer
+
+
+def load_run(run_dir: pathlib.Path) -> Transformer:
+    """The model of the latest readable checkpoint in a jaxpar run dir, on one device."""
+    cfg = load_config(str(run_dir / "config.yaml"))
+    model = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0)))
+    tx, _ = make_optimizer(cfg.optimizer, cfg.steps)
+    device = SingleDeviceSharding(jax.devices()[0])
+    params = nnx.state(model)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
+                            {"params": params, "opt_state": jax.eval_shape(tx.init, params)})
+    checkpoints = Checkpoints(run_dir, keep=cfg.checkpoint.keep)
+    restored = checkpoints.restore_latest(abstract)
+    checkpoints.close()
+    if restored is None:
+        raise FileNotFoundError(f"no checkpoint in {run_dir / 'checkpoints'}")
+    nnx.update(model, restored[1]["params"])
+    return model
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="jaxpar-generate", description=__doc__.splitlines()[0])
+    parser.add_argument("run_dir", type=pathlib.Path)
+    parser.add_argument("--prompt", required=True)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+    if args.max_new_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1:
+        parser.error("need --max-new-tokens >= 1, --temperature >= 0 and 0 < --top-p <= 1")
+    run_dir = args.run_dir
+    try:
+        if not (run_dir / "tokenizer.json").is_file():
+            raise FileNotFoundError(f"no tokenizer.json in {run_dir}")
+        tokenizer = tokenizers.Tokenizer.from_file(str(run_dir / "tokenizer.json"))
+        hf = (run_dir / "config.json").is_file() and not (run_dir / "config.yaml").is_file()
+        model = from_hf(run_dir) if hf else load_run(run_dir)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"jaxpar-generate: error: {e}", file=sys.stderr)
+        return 1
+    prompt = np.asarray([tokenizer.encode(args.prompt).ids], np.int32)
+    if prompt.shape[1] == 0:
+        parser.error("--prompt encodes to no tokens")
+    eos = tokenizer.token_to_id(EOS)
+    ids, shown, started = [], "", time.perf_counter()
+    for token in generate(model, prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                          top_p=args.top_p, seed=args.seed, eos_id=eos):
+        if not ids:
+            started = time.perf_counter()  # time decoding, not compilation and prefill
+        ids.append(int(token[0]))
+        text = tokenizer.decode([i for i in ids if i != eos])
+        if not args.json and not text.endswith("\ufffd"):  # wait for whole UTF-8 characters
+            sys.stdout.write(text[len(shown):])
+            sys.stdout.flush()
+            shown = text
+    elapsed = time.perf_counter() - started
+    rate = (len(ids) - 1) / elapsed if len(ids) > 1 and elapsed > 0 else 0.0
+    text = tokenizer.decode([i for i in ids if i != eos])
+    if args.json:
+        print(json.dumps({"text": text, "tokens": ids, "tokens_per_s": rate}))
+    else:
+        sys.stdout.write(text[len(shown):] + "\n")
+        print(f"[{len(ids)} tokens, {rate:.1f} tokens/s]", file=sys.stderr)
+    return 0
+
+
+def main_entry() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    main_entry()
