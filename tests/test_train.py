@@ -52,6 +52,7 @@ def test_short_run_learns_and_writes_its_outputs(tmp_path, cache):
     assert len(val) == 3 and val[0] < np.log(512) - 0.5 and val[2] < val[0]
     assert sorted(os.listdir(run / "checkpoints")) == ["10", "20", "30"]
     assert (run / "config.yaml").exists()
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
 
     out = subprocess.run([sys.executable, "-m", "jaxpar.train.generate", str(run), "--prompt",
                           "def main(", "--max-new-tokens", "8", "--json"],

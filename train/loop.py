@@ -3,7 +3,8 @@ checkpoints, metrics.
 
 Outputs in ``RUN_DIR``: ``config.yaml`` (the resolved config), ``metrics.jsonl`` (one
 JSON object per step: ``step``, ``loss``, ``lr``, ``grad_norm``, ``tokens_per_s``,
-``step_time_s``, and ``val_loss`` at eval steps), ``checkpoints/`` (orbax) and the
+``step_time_s``, and ``val_loss`` at eval steps), the same scalars as TensorBoard
+events in ``tensorboard/``, ``tokenizer.json``, ``checkpoints/`` (orbax) and the
 tokenizer/packed-data cache.
 """
 
@@ -22,6 +23,7 @@ import optax
 import yaml
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
+from tensorboardX import SummaryWriter
 from tqdm.auto import tqdm
 
 import jaxpar
@@ -159,9 +161,11 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
     loader = data_lib.Loader(train_rows, cfg.batch_size, seed=cfg.seed)
     val_batches = data_lib.eval_batches(val_rows, cfg.batch_size, cfg.eval.batches) if cfg.eval.every else []
 
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    tokenizer.save(str(run_dir / "tokenizer.json"))  # so jaxpar-generate needs only the run dir
+    lead = jax.process_index() == 0  # writes the run dir's files; every process checkpoints
+    if lead:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        tokenizer.save(str(run_dir / "tokenizer.json"))  # jaxpar-generate needs only the run dir
     abstract = {
         "params": _abstract(nnx.state(abstract_model), step_fn.params_sharding),
         "opt_state": _abstract(jax.eval_shape(tx.init, nnx.state(abstract_model)), step_fn.opt_sharding),
@@ -179,51 +183,62 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
         params, opt_state = state["params"], state["opt_state"]
         loader.restore(meta["loader"])
     metrics_path = run_dir / "metrics.jsonl"
-    _rewrite_metrics(metrics_path, start)
+    if lead:
+        _rewrite_metrics(metrics_path, start)
 
     eval_fn = jax.jit(lambda params, batch: loss_fn(nnx.merge(step_fn.graphdef, params), batch))
     tokens_per_step = cfg.batch_size * cfg.seq_len
     peak = next((f for name, f in PEAK_FLOPS.items() if name in jax.devices()[0].device_kind), None)
     history, last_saved = [], start
-    bar = tqdm(total=cfg.steps, initial=start, disable=not progress or jax.process_index() != 0,
+    board = SummaryWriter(str(run_dir / "tensorboard")) if lead else None
+    metrics_file = metrics_path.open("a") if lead else None
+    bar = tqdm(total=cfg.steps, initial=start, disable=not progress or not lead,
                dynamic_ncols=True, desc="train")
-    with jaxpar.use_mesh(mesh), metrics_path.open("a") as metrics_file:
-        for step in range(start + 1, cfg.steps + 1):
-            batch = _global_batch(next(loader), step_fn.batch_sharding)
-            began = time.perf_counter()
-            params, opt_state, out = step_fn(params, opt_state, batch)
-            loss = float(out["loss"])
-            elapsed = time.perf_counter() - began
-            if not math.isfinite(loss):
-                checkpoints.wait()
-                raise TrainingError(
-                    f"loss is {loss} at step {step}; stopped. The last good checkpoint "
-                    f"(step {last_saved}) in {checkpoints.directory} is intact"
-                )
-            record = {"step": step, "loss": loss, "lr": float(schedule(step - 1)),
-                      "grad_norm": float(out["grad_norm"]), "tokens_per_s": tokens_per_step / elapsed,
-                      "step_time_s": elapsed}
-            if val_batches and (step % cfg.eval.every == 0 or step == cfg.steps):
-                losses = [eval_fn(params, _global_batch(b, step_fn.batch_sharding)) for b in val_batches]
-                record["val_loss"] = float(np.mean([float(l) for l in losses]))
-            history.append(record)
-            if jax.process_index() == 0:
-                metrics_file.write(json.dumps(record) + "\n")
-                metrics_file.flush()
-            every = cfg.checkpoint.every
-            if (every and step % every == 0) or step == cfg.steps:
-                checkpoints.save(step, {"params": params, "opt_state": opt_state},
-                                 {"step": step, "loader": loader.state(), "config": to_dict(cfg)})
-                last_saved = step
-            postfix = {"loss": f"{loss:.3f}", "tok/s": f"{record['tokens_per_s']:.0f}",
-                       "step": f"{elapsed * 1e3:.0f}ms"}
-            if peak:
-                postfix["MFU"] = f"{flops_per_token(cfg) * record['tokens_per_s'] / (peak * mesh.devices.size):.1%}"
-            if "val_loss" in record:
-                postfix["val"] = f"{record['val_loss']:.3f}"
-            bar.set_postfix(postfix, refresh=False)
-            bar.update(1)
-    bar.close()
+    try:
+        with jaxpar.use_mesh(mesh):
+            for step in range(start + 1, cfg.steps + 1):
+                batch = _global_batch(next(loader), step_fn.batch_sharding)
+                began = time.perf_counter()
+                params, opt_state, out = step_fn(params, opt_state, batch)
+                loss = float(out["loss"])
+                elapsed = time.perf_counter() - began
+                if not math.isfinite(loss):
+                    checkpoints.wait()
+                    raise TrainingError(
+                        f"loss is {loss} at step {step}; stopped. The last good checkpoint "
+                        f"(step {last_saved}) in {checkpoints.directory} is intact"
+                    )
+                record = {"step": step, "loss": loss, "lr": float(schedule(step - 1)),
+                          "grad_norm": float(out["grad_norm"]), "tokens_per_s": tokens_per_step / elapsed,
+                          "step_time_s": elapsed}
+                if val_batches and (step % cfg.eval.every == 0 or step == cfg.steps):
+                    losses = [eval_fn(params, _global_batch(b, step_fn.batch_sharding)) for b in val_batches]
+                    record["val_loss"] = float(np.mean([float(l) for l in losses]))
+                history.append(record)
+                if lead:
+                    metrics_file.write(json.dumps(record) + "\n")
+                    metrics_file.flush()
+                    for name, value in record.items():
+                        if name != "step":
+                            board.add_scalar(name, value, step)
+                every = cfg.checkpoint.every
+                if (every and step % every == 0) or step == cfg.steps:
+                    checkpoints.save(step, {"params": params, "opt_state": opt_state},
+                                     {"step": step, "loader": loader.state(), "config": to_dict(cfg)})
+                    last_saved = step
+                postfix = {"loss": f"{loss:.3f}", "tok/s": f"{record['tokens_per_s']:.0f}",
+                           "step": f"{elapsed * 1e3:.0f}ms"}
+                if peak:
+                    postfix["MFU"] = f"{flops_per_token(cfg) * record['tokens_per_s'] / (peak * mesh.devices.size):.1%}"
+                if "val_loss" in record:
+                    postfix["val"] = f"{record['val_loss']:.3f}"
+                bar.set_postfix(postfix, refresh=False)
+                bar.update(1)
+    finally:
+        bar.close()
+        if lead:
+            board.close()
+            metrics_file.close()
     checkpoints.wait()
     checkpoints.close()
     return history
