@@ -72,6 +72,8 @@ def main(argv=None) -> int:
     if prompt.shape[1] == 0:
         parser.error("--prompt encodes to no tokens")
     eos = tokenizer.token_to_id(EOS)
+    if not args.json:
+        sys.stdout.write(args.prompt)
     ids, shown, started = [], "", time.perf_counter()
     for token in generate(model, prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                           top_p=args.top_p, seed=args.seed, eos_id=eos):
