@@ -9,7 +9,6 @@ import math
 import pathlib
 import re
 
-import pytest
 
 import nbformat
 import nbclient

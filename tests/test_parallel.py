@@ -1,6 +1,5 @@
 """Data parallelism and FSDP (ZeRO-3) from the rules alone, checked against one device."""
 
-import dataclasses
 import math
 
 import jax

@@ -26,6 +26,7 @@ from jaxpar.train.checkpoints import Checkpoints
 from jaxpar.train.config import load_config
 from jaxpar.train.data import EOS
 from jaxpar.train.loop import make_optimizer
+from jaxpar.train.step import make_train_step
 
 
 def load_run(run_dir: pathlib.Path) -> Transformer:
@@ -33,10 +34,7 @@ def load_run(run_dir: pathlib.Path) -> Transformer:
     cfg = load_config(str(run_dir / "config.yaml"))
     model = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0)))
     tx, _ = make_optimizer(cfg.optimizer, cfg.steps)
-    device = SingleDeviceSharding(jax.devices()[0])
-    params = nnx.state(model)
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
-                            {"params": params, "opt_state": jax.eval_shape(tx.init, params)})
+    abstract = make_train_step(model, tx).abstract_state(model, SingleDeviceSharding(jax.devices()[0]))
     checkpoints = Checkpoints(run_dir, keep=cfg.checkpoint.keep)
     restored = checkpoints.restore_latest(abstract)
     checkpoints.close()

@@ -17,12 +17,10 @@ import pathlib
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import yaml
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 from tensorboardX import SummaryWriter
 from tqdm.auto import tqdm
 
@@ -120,10 +118,6 @@ SHAPE_KEYS = ("vocab_size", "dim", "layers", "heads", "kv_heads", "head_dim", "m
               "mlp_bias", "param_dtype")
 
 
-def _abstract(tree, shardings):
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
-
-
 def _global_batch(local: dict, sharding) -> dict:
     return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local.items()}
 
@@ -166,11 +160,7 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         tokenizer.save(str(run_dir / "tokenizer.json"))  # jaxpar-generate needs only the run dir
-    abstract = {
-        "params": _abstract(nnx.state(abstract_model), step_fn.params_sharding),
-        "opt_state": _abstract(jax.eval_shape(tx.init, nnx.state(abstract_model)), step_fn.opt_sharding),
-    }
-    restored = checkpoints.restore_latest(abstract)
+    restored = checkpoints.restore_latest(step_fn.abstract_state(abstract_model))
     if restored is None:
         @nnx.jit
         def create():

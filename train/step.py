@@ -77,21 +77,25 @@ class TrainStep:
             params = jax.device_put(params, self.params_sharding)
         return params, init(params)
 
+    def abstract_state(self, model: nnx.Module, sharding=None) -> dict:
+        """``{"params", "opt_state"}`` as ``ShapeDtypeStruct``s with this step's shardings
+        (or ``sharding`` for every array, or none without a mesh): the target a
+        checkpoint restores onto, and the inputs ``compile`` lowers for."""
+        params = nnx.state(model)
+        state = {"params": params, "opt_state": jax.eval_shape(self.tx.init, params)}
+        shardings = {"params": self.params_sharding, "opt_state": self.opt_sharding}
+        if sharding is not None or self.mesh is None:
+            return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), state)
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
+
     def compile(self, model: nnx.Module, batch_size: int, seq_len: int):
         """Compiles the step for ``model``'s shapes without running it.
 
         ``model`` may be abstract (``nnx.eval_shape``), so a 1B model compiles on a
         laptop; ``.memory_analysis()`` of the result gives exact per-device bytes.
         """
-        def abstract(tree, shardings):
-            if shardings is None:
-                return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
-            return jax.tree.map(
-                lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
-            )
-
-        params = abstract(nnx.state(model), self.params_sharding)
-        opt_state = abstract(jax.eval_shape(self.tx.init, params), self.opt_sharding)
+        state = self.abstract_state(model)
+        params, opt_state = state["params"], state["opt_state"]
         token = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32, sharding=self.batch_sharding)
         batch = dict.fromkeys(BATCH_KEYS, token)
         if self.mesh is None:
