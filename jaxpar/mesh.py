@@ -9,6 +9,9 @@ innermost axes, so the axes that talk most often sit on the fastest links:
 * ``pipe``   sends activations between neighbouring stages every microbatch;
 * ``seq``    passes keys/values around a ring inside every attention layer;
 * ``tensor`` reduces partial sums inside every projection (innermost).
+
+``tensor=(q, q)`` replaces ``tensor`` by the 2D grid ``tensor_row, tensor_col`` of
+Optimus/SUMMA tensor parallelism (``tensor_col`` innermost).
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ import jax
 from jax.sharding import AxisType, Mesh
 
 MESH_AXES: tuple[str, ...] = ("data", "fsdp", "pipe", "seq", "tensor")
+TENSOR_2D_AXES: tuple[str, str] = ("tensor_row", "tensor_col")
+# Every mesh axis name a jaxpar mesh can have (what sharding rules may name).
+ALL_AXES: tuple[str, ...] = MESH_AXES + TENSOR_2D_AXES
 
 
 def make_mesh(
@@ -28,10 +34,11 @@ def make_mesh(
     fsdp: int = 1,
     pipe: int = 1,
     seq: int = 1,
-    tensor: int = 1,
+    tensor: int | tuple[int, int] = 1,
     devices: Sequence[jax.Device] | None = None,
 ) -> Mesh:
-    """Returns a mesh with axes ``("data", "fsdp", "pipe", "seq", "tensor")``.
+    """Returns a mesh with axes ``("data", "fsdp", "pipe", "seq", "tensor")``, or with
+    ``tensor=(q, q)`` the axes ``("data", "fsdp", "pipe", "seq", "tensor_row", "tensor_col")``.
 
     The product of the sizes must equal the number of devices (``devices``, or all of
     ``jax.devices()``); every axis is present, size 1 when unused, so sharding rules can
@@ -39,10 +46,18 @@ def make_mesh(
     logical-axis rules and XLA's partitioner propagates them (see ``jaxpar.rules``).
 
     Raises:
-      ValueError: a size is not a positive int, or the sizes do not multiply to the
-        device count.
+      ValueError: a size is not a positive int, a 2D grid is not square with q >= 2,
+        or the sizes do not multiply to the device count.
     """
-    sizes = {"data": data, "fsdp": fsdp, "pipe": pipe, "seq": seq, "tensor": tensor}
+    sizes = {"data": data, "fsdp": fsdp, "pipe": pipe, "seq": seq}
+    if isinstance(tensor, (tuple, list)):
+        if len(tensor) != 2 or tensor[0] != tensor[1] or not isinstance(tensor[0], int) or tensor[0] < 2:
+            raise ValueError(
+                f"mesh tensor={tuple(tensor)!r}: a 2D tensor grid must be square, (q, q) with q >= 2"
+            )
+        sizes |= dict(zip(TENSOR_2D_AXES, tensor))
+    else:
+        sizes["tensor"] = tensor
     for name, size in sizes.items():
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"mesh axis {name}={size!r} must be a positive int")
@@ -55,7 +70,7 @@ def make_mesh(
         )
     return jax.make_mesh(
         tuple(sizes.values()),
-        MESH_AXES,
-        axis_types=(AxisType.Auto,) * len(MESH_AXES),
+        tuple(sizes),
+        axis_types=(AxisType.Auto,) * len(sizes),
         devices=devices,
     )

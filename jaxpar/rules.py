@@ -36,7 +36,7 @@ from collections.abc import Sequence
 import jax
 from jax.sharding import PartitionSpec
 
-from jaxpar.mesh import MESH_AXES
+from jaxpar.mesh import ALL_AXES
 
 MeshAxes = str | tuple[str, ...] | None
 Rules = Sequence[tuple[str, MeshAxes]]
@@ -116,7 +116,7 @@ def for_mesh(mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh, rules: Rules =
 
 @functools.lru_cache(maxsize=256)
 def _for_axes(axis_names: tuple[str, ...], rules: tuple[tuple[str, MeshAxes], ...]):
-    known = tuple(dict.fromkeys(MESH_AXES + axis_names))
+    known = tuple(dict.fromkeys(ALL_AXES + axis_names))
     restricted = []
     for name, mesh_axes in rules:
         kept = []

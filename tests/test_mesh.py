@@ -46,3 +46,15 @@ def test_sixteen_devices_in_a_subprocess():
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["16", "8"]
+
+
+def test_two_dimensional_tensor_grid():
+    mesh = jaxpar.make_mesh(data=2, tensor=(2, 2))
+    assert mesh.axis_names == ("data", "fsdp", "pipe", "seq", "tensor_row", "tensor_col")
+    assert dict(mesh.shape)["tensor_row"] == dict(mesh.shape)["tensor_col"] == 2
+
+
+@pytest.mark.parametrize("grid", [(2, 4), (1, 1), (2,), (2, 2, 2)])
+def test_non_square_grid(grid):
+    with pytest.raises(ValueError, match=r"a 2D tensor grid must be square, \(q, q\) with q >= 2"):
+        jaxpar.make_mesh(tensor=grid)

@@ -29,13 +29,14 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """Mesh axis sizes. ``data`` None takes the devices the others leave."""
+    """Mesh axis sizes. ``data`` None takes the devices the others leave; ``tensor`` is
+    ``k`` for 1D (Megatron) tensor parallelism or ``[q, q]`` for the 2D (SUMMA) grid."""
 
     data: int | None = None
     fsdp: int = 1
     pipe: int = 1
     seq: int = 1
-    tensor: int = 1
+    tensor: int | tuple[int, ...] = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +82,7 @@ class Config:
     dry_run: bool = False  # compile the step, print the profiler's JSON line, exit
 
     def __post_init__(self):
-        for key in ("steps", "batch_size", "mesh.fsdp", "mesh.pipe", "mesh.seq", "mesh.tensor",
+        for key in ("steps", "batch_size", "mesh.fsdp", "mesh.pipe", "mesh.seq",
                     "optimizer.grad_accum", "checkpoint.keep", "eval.batches"):
             value = _get(self, key)
             if value < 1:

@@ -42,10 +42,10 @@ class TrainingError(RuntimeError):
 def build_mesh(mesh_cfg: MeshConfig, devices=None) -> jax.sharding.Mesh:
     """The mesh for ``mesh_cfg``; ``data`` None takes the devices the other axes leave."""
     devices = jax.devices() if devices is None else devices
-    others = mesh_cfg.fsdp * mesh_cfg.pipe * mesh_cfg.seq * mesh_cfg.tensor
+    others = mesh_cfg.fsdp * mesh_cfg.pipe * mesh_cfg.seq * math.prod(np.atleast_1d(mesh_cfg.tensor))
     data = mesh_cfg.data
     if data is None:
-        if len(devices) % others:
+        if others < 1 or len(devices) % others:
             raise TrainingError(
                 f"mesh fsdp={mesh_cfg.fsdp} pipe={mesh_cfg.pipe} seq={mesh_cfg.seq} "
                 f"tensor={mesh_cfg.tensor} ({others} devices) does not divide {len(devices)} devices"
