@@ -5,7 +5,7 @@ scaling book's): B batch, T query length, S key/value length, D model width, F M
 width, N query heads, K key/value heads, H head dim, V vocabulary, L layers.
 """
 
-from jaxpar import rules
+from jaxpar import profiler, rules
 from jaxpar.attention import dot_product_attention
 from jaxpar.mesh import MESH_AXES, make_mesh
 from jaxpar.sharding import constrain, model_shardings, shard_model, use_mesh
@@ -18,6 +18,7 @@ __all__ = [
     "dot_product_attention",
     "make_mesh",
     "model_shardings",
+    "profiler",
     "rules",
     "shard_model",
     "use_mesh",

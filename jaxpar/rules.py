@@ -58,9 +58,12 @@ DEFAULT_RULES: tuple[tuple[str, MeshAxes], ...] = (
     # Inputs: the batch is split over every data-parallel axis, the length over `seq`.
     ("batch", BATCH_AXES),
     ("length", "seq"),
-    # Activations.
+    # Activations. `activation_norm_length` is the length of the residual stream between
+    # tensor-parallel regions (norms, residual adds): Megatron sequence parallelism
+    # splits it over `tensor` too (SEQUENCE_PARALLEL).
     ("activation_batch", BATCH_AXES),
     ("activation_length", "seq"),
+    ("activation_norm_length", "seq"),
     ("activation_embed", None),
     ("activation_heads", "tensor"),
     ("activation_kv_heads", "tensor"),
@@ -68,6 +71,29 @@ DEFAULT_RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("activation_mlp", "tensor"),
     ("activation_vocab", "tensor"),
 )
+
+
+# Megatron sequence parallelism (Korthikanti et al. 2022): outside attention and the MLP
+# the activations are split along length over the tensor group, so norms and residual
+# adds are not computed redundantly and their activations take 1/tensor of the memory;
+# the all-reduce after each row-parallel projection becomes a reduce-scatter, and an
+# all-gather feeds the next column-parallel projection. Apply with ``override``.
+SEQUENCE_PARALLEL: dict[str, MeshAxes] = {"activation_norm_length": ("seq", "tensor")}
+
+
+def override(rules: Rules, changes: dict[str, MeshAxes]) -> tuple[tuple[str, MeshAxes], ...]:
+    """``rules`` with the logical names in ``changes`` mapped anew.
+
+    Raises:
+      ValueError: ``changes`` names a logical axis that ``rules`` does not have.
+    """
+    rules = _freeze(rules)
+    known = {name for name, _ in rules}
+    for name in changes:
+        if name not in known:
+            raise ValueError(f"cannot override logical axis {name!r}{_suggest(name, sorted(known))}: "
+                             f"no rule has it")
+    return tuple((name, changes.get(name, axes)) for name, axes in rules)
 
 
 def _as_tuple(mesh_axes: MeshAxes) -> tuple[str, ...]:

@@ -29,11 +29,14 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxpar import rules as rules_lib
 from jaxpar.attention import dot_product_attention
 from jaxpar.models.config import ModelConfig, RopeScaling
 from jaxpar.sharding import constrain
 
-ACT_BTD = ("activation_batch", "activation_length", "activation_embed")
+# The residual stream (norms, residual adds): its length may be split over `tensor`
+# too (Megatron sequence parallelism, jaxpar.rules.SEQUENCE_PARALLEL).
+ACT_BTD = ("activation_batch", "activation_norm_length", "activation_embed")
 ACT_BTF = ("activation_batch", "activation_length", "activation_mlp")
 ACT_BTV = ("activation_batch", "activation_length", "activation_vocab")
 ACT_BTNH = ("activation_batch", "activation_length", "activation_heads", "activation_kv")
@@ -246,6 +249,26 @@ def init_cache(cfg: ModelConfig, batch: int, max_length: int) -> KVCache:
     shape = (cfg.layers, batch, max_length, cfg.kv_heads, cfg.head_dim)
     zeros = jnp.zeros(shape, cfg.compute_dtype)
     return KVCache(zeros, zeros, jnp.zeros((), jnp.int32))
+
+
+def sharding_rules(cfg: ModelConfig, mesh, rules=None, *, sequence_parallel: bool = False):
+    """The rules this model runs with on ``mesh``: ``rules`` (default ``DEFAULT_RULES``)
+    restricted to the mesh, plus Megatron's two model-dependent choices.
+
+    * When the key/value heads do not divide over their mesh axes (``tensor=4`` with 2
+      kv heads), the k/v projections and activations are replicated across them, as
+      Megatron replicates kv heads when the tensor group outnumbers them; each device
+      then computes the kv heads its query heads read.
+    * ``sequence_parallel``: ``jaxpar.rules.SEQUENCE_PARALLEL``.
+    """
+    resolved = rules_lib.for_mesh(mesh, rules_lib.DEFAULT_RULES if rules is None else rules)
+    changes = dict(rules_lib.SEQUENCE_PARALLEL) if sequence_parallel else {}
+    for name in ("kv_heads", "activation_kv_heads"):
+        axes = dict(resolved).get(name)
+        ways = math.prod(mesh.shape[a] for a in rules_lib._as_tuple(axes))
+        if cfg.kv_heads % ways:
+            changes[name] = None
+    return rules_lib.for_mesh(mesh, rules_lib.override(resolved, changes))
 
 
 class Transformer(nnx.Module):

@@ -12,10 +12,13 @@ from flax import nnx
 import jaxpar
 from conftest import rel_err, tree_rel_err
 from jaxpar.models import ModelConfig, Transformer
+from jaxpar.models.transformer import sharding_rules
 from jaxpar.train.step import loss_fn, make_train_step
 
 CFG = ModelConfig(vocab_size=128, dim=64, layers=2, heads=4, kv_heads=2, head_dim=16, mlp_dim=96)
 MESHES = [dict(fsdp=8), dict(data=2, fsdp=4), dict(data=8)]
+# Megatron 1D tensor parallelism; CFG's 2 kv heads are replicated over tensor=4.
+TENSOR_MESHES = [dict(data=2, tensor=4), dict(fsdp=2, tensor=4), dict(data=2, tensor=4, sp=True)]
 
 
 def batches(rng, n, B=8, T=16):
@@ -31,9 +34,10 @@ def batches(rng, n, B=8, T=16):
     return out
 
 
-def train(mesh, data, steps=3):
+def train(mesh, data, steps=3, sequence_parallel=False):
     model = Transformer(CFG, rngs=nnx.Rngs(0))
-    step = make_train_step(model, optax.adamw(1e-3, weight_decay=0.1), mesh)
+    rules = sharding_rules(CFG, mesh, sequence_parallel=sequence_parallel) if mesh else None
+    step = make_train_step(model, optax.adamw(1e-3, weight_decay=0.1), mesh, rules)
     params, opt_state = step.init(model)
     losses = []
     for batch in data[:steps]:
@@ -47,19 +51,22 @@ def single_device_run():
     return train(None, batches(np.random.default_rng(1), 3))
 
 
-@pytest.mark.parametrize("sizes", MESHES, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
+@pytest.mark.parametrize("sizes", MESHES + TENSOR_MESHES, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
 def test_training_matches_single_device(single_device_run, sizes):
     ref_losses, ref_params, _ = single_device_run
-    losses, params, opt_state = train(jaxpar.make_mesh(**sizes), batches(np.random.default_rng(1), 3))
+    sizes = dict(sizes)
+    sp = sizes.pop("sp", False)
+    losses, params, opt_state = train(jaxpar.make_mesh(**sizes), batches(np.random.default_rng(1), 3), sequence_parallel=sp)
     assert rel_err(losses, ref_losses) < 1e-5
     # Adam divides by the root of tiny second moments, so compare whole tensors
     # (||a - b|| / ||b||) rather than single elements.
     assert tree_rel_err(params, ref_params) < 1e-5
-    if "fsdp" in sizes:
-        q = params["layers"]["attn"]["q"][...]
-        assert q.sharding.spec == jax.sharding.PartitionSpec("pipe", "fsdp", "tensor", None)
-        mu = opt_state[0].mu["layers"]["attn"]["q"][...]
-        assert mu.sharding == q.sharding
+    q = params["layers"]["attn"]["q"][...]
+    assert q.sharding.spec == jax.sharding.PartitionSpec("pipe", "fsdp", "tensor", None)
+    assert opt_state[0].mu["layers"]["attn"]["q"][...].sharding == q.sharding
+    if "tensor" in sizes:  # 2 kv heads cannot split 4 ways: replicated, as Megatron does
+        k = params["layers"]["attn"]["k"][...]
+        assert k.sharding.spec == jax.sharding.PartitionSpec("pipe", "fsdp", None, None)
 
 
 @pytest.mark.parametrize("sizes", MESHES[:2], ids=["fsdp=8", "data=2,fsdp=4"])
@@ -172,3 +179,31 @@ def test_gradient_accumulation_matches_one_big_batch(mesh_sizes):
         results.append((float(out["loss"]), params))
     assert rel_err(results[1][0], results[0][0]) < 1e-5
     assert tree_rel_err(results[1][1], results[0][1]) < 1e-5
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["1d", "1d+sp"])
+def test_tensor_parallel_gradients_match_single_device(rng, sequence_parallel):
+    batch = batches(rng, 1)[0]
+    model = Transformer(CFG, rngs=nnx.Rngs(0))
+    grad_fn = jax.jit(nnx.grad(loss_fn))
+    ref = grad_fn(model, batch)
+    mesh = jaxpar.make_mesh(data=2, tensor=4)
+    rules = sharding_rules(CFG, mesh, sequence_parallel=sequence_parallel)
+    jaxpar.shard_model(model, mesh, rules)
+    with jaxpar.use_mesh(mesh, rules):
+        grads = grad_fn(model, batch)
+    for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref)):
+        assert rel_err(g, r) < 1e-5, jax.tree_util.keystr(path)
+
+
+def test_vocab_parallel_cross_entropy_never_gathers_the_logits():
+    """With the vocabulary over tensor=4, no collective returns [B, T, V] logits."""
+    model = nnx.eval_shape(lambda: Transformer(CFG, rngs=nnx.Rngs(0)))
+    mesh = jaxpar.make_mesh(data=2, tensor=4)
+    step = make_train_step(model, optax.adamw(1e-3), mesh, sharding_rules(CFG, mesh))
+    hlo = step.compile(model, batch_size=8, seq_len=16).as_text()
+    gathers = [line for line in hlo.splitlines() if "all-gather(" in line or "all-gather-start(" in line]
+    assert not [g for g in gathers if f",16,{CFG.vocab_size}]" in g.split("=")[1].split("all-gather")[0]]
+    profile = jaxpar.profiler.profile(step.compile(model, batch_size=8, seq_len=16))
+    full_logits = 8 // 2 * 16 * CFG.vocab_size * 4  # one data shard's f32 logits
+    assert profile["collectives"]["all-gather"] < full_logits

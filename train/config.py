@@ -37,6 +37,9 @@ class MeshConfig:
     pipe: int = 1
     seq: int = 1
     tensor: int | tuple[int, ...] = 1
+    # Megatron sequence parallelism: with 1D `tensor`, norms and residual adds work on
+    # length-split activations (jaxpar.rules.SEQUENCE_PARALLEL).
+    sequence_parallel: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

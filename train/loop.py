@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 
 import jaxpar
 from jaxpar.models import Transformer
+from jaxpar.models.transformer import sharding_rules
 from jaxpar.train import data as data_lib
 from jaxpar.train.checkpoints import Checkpoints
 from jaxpar.train.config import Config, MeshConfig, OptimizerConfig, to_dict
@@ -137,7 +138,8 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
     model_cfg = cfg.model
     abstract_model = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(cfg.seed)))
     tx, schedule = make_optimizer(cfg.optimizer, cfg.steps)
-    step_fn = make_train_step(abstract_model, tx, mesh, grad_accum=cfg.optimizer.grad_accum)
+    rules = sharding_rules(model_cfg, mesh, sequence_parallel=cfg.mesh.sequence_parallel)
+    step_fn = make_train_step(abstract_model, tx, mesh, rules, grad_accum=cfg.optimizer.grad_accum)
 
     if cfg.dry_run:
         from jaxpar.profiler import profile_json
@@ -164,7 +166,7 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
     if restored is None:
         @nnx.jit
         def create():
-            return jaxpar.shard_model(Transformer(model_cfg, rngs=nnx.Rngs(cfg.seed)), mesh)
+            return jaxpar.shard_model(Transformer(model_cfg, rngs=nnx.Rngs(cfg.seed)), mesh, rules)
 
         params, opt_state = step_fn.init(create())
         start = 0
@@ -185,7 +187,7 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
     bar = tqdm(total=cfg.steps, initial=start, disable=not progress or not lead,
                dynamic_ncols=True, desc="train")
     try:
-        with jaxpar.use_mesh(mesh):
+        with jaxpar.use_mesh(mesh, rules):
             for step in range(start + 1, cfg.steps + 1):
                 batch = _global_batch(next(loader), step_fn.batch_sharding)
                 began = time.perf_counter()

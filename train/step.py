@@ -34,7 +34,11 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array | None 
     """
     logits = logits.astype(jnp.float32)
     logz = jax.nn.logsumexp(logits, axis=-1)
-    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    # A masked sum rather than a gather: with the vocabulary split over `tensor`, each
+    # device picks from its own slice and one [B, T] all-reduce combines them (Megatron's
+    # vocab-parallel cross-entropy); the full [B, T, V] logits are never gathered.
+    vocab = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    picked = jnp.where(vocab == targets[..., None], logits, 0.0).sum(-1)
     losses = logz - picked
     if mask is None:
         return losses.mean()
