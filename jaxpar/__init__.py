@@ -9,6 +9,7 @@ from jaxpar import profiler, rules
 from jaxpar.attention import dot_product_attention
 from jaxpar.mesh import MESH_AXES, make_mesh
 from jaxpar.sharding import constrain, model_shardings, shard_model, use_mesh
+from jaxpar.summa import summa_matmul
 
 __version__ = "0.1.0"
 
@@ -21,5 +22,6 @@ __all__ = [
     "profiler",
     "rules",
     "shard_model",
+    "summa_matmul",
     "use_mesh",
 ]

@@ -49,7 +49,8 @@ all-reduce             ``2 (n - 1) / n * S``  (reduce-scatter then all-gather)
 all-gather             ``(n - 1) * S``  = ``(n - 1) / n`` of the gathered result
 reduce-scatter         ``(n - 1) / n * S``  (S is the unscattered input)
 all-to-all             ``(n - 1) / n * S``  (the slice kept locally is not sent)
-collective-permute     ``S`` (what a sending device sends; 0 if all pairs are self)
+collective-permute     ``S * senders / devices`` (the mean over devices: S for a ring
+                       shift where every device sends; less for a broadcast-tree round)
 =====================  ==========================================================
 
 So ``n = 1`` costs nothing. ``n`` comes from ``replica_groups`` in any of XLA's
@@ -358,8 +359,10 @@ def _sent_bytes(inst: _Instruction, kind: str, module: _Module) -> Fraction:
     size = sum(shape_bytes(module.shapes[o]) for o in operands)
     if kind == "collective-permute":
         pairs = re.search(r"source_target_pairs=\{(.*?)\}\}", inst.attrs)
-        moves = pairs and any(a != b for a, b in re.findall(r"\{(\d+),(\d+)", pairs.group(0)))
-        return Fraction(size if moves else 0)
+        found = re.findall(r"\{(\d+),(\d+)", pairs.group(0)) if pairs else []
+        senders = sum(a != b for a, b in found)
+        # Averaged over the devices: a broadcast tree's round has only some senders.
+        return Fraction(size * senders, module.replica_count * module.num_partitions)
     n = _group_size(inst, module)
     factor = {
         "all-reduce": Fraction(2 * (n - 1), n),

@@ -301,8 +301,8 @@ def test_handwritten_hlo_every_spelling():
     assert counts["reduce-scatter"] == 3 and sent["reduce-scatter"] == 512 + 768 + 512
     # tuple all-to-all over pairs: 1/2 x (512 + 512).
     assert counts["all-to-all"] == 1 and sent["all-to-all"] == 512
-    # collective-permute-start: its operand, once.
-    assert counts["collective-permute"] == 1 and sent["collective-permute"] == 1024
+    # collective-permute-start: its operand, once, sent by 2 of the 8 devices: 2/8 x 1024.
+    assert counts["collective-permute"] == 1 and sent["collective-permute"] == 256
     assert result["collective_bytes"] == sum(sent.values())
 
 

@@ -1,0 +1,382 @@
+"""SUMMA matrix products on a q x q device grid: the 2D tensor parallelism of Optimus.
+
+SUMMA (van de Geijn & Watts, "SUMMA: Scalable Universal Matrix Multiplication
+Algorithm", 1997), in the three forms Optimus (Xu et al., "An Efficient 2D Method for
+Training Super-Large Deep Learning Models", 2021, Sec. 3) builds a transformer from:
+
+* ``C = A B``   (``nn``): A ``[M, K]``, B ``[K, N]``. Step k: grid column k broadcasts
+  its A blocks along the grid rows, grid row k its B blocks along the grid columns, and
+  every device adds ``A[i, k] B[k, j]`` to its C block. C stays put.
+* ``C = A Bᵀ``  (``nt``): A ``[M, K]``, B ``[N, K]``. Step k: grid row k broadcasts its
+  B blocks along the columns, device ``(i, l)`` forms ``A[i, l] B[k, l]ᵀ``, and these
+  partial products are summed along grid row i into device ``(i, k)``. A stays put.
+* ``C = Aᵀ B``  (``tn``): A ``[K, M]``, B ``[K, N]``. Step k: grid column k broadcasts
+  its A blocks along the rows, device ``(l, j)`` forms ``A[l, k]ᵀ B[l, j]``, and these
+  are summed along grid column j into device ``(k, j)``. B stays put.
+
+Every matrix, operands and result alike, is blocked ``PartitionSpec(row_axis,
+col_axis)``: device ``(i, j)`` of the grid holds block ``(i, j)``. Each form's gradient
+is the other two forms (``nn``: dA = dC Bᵀ is ``nt``, dB = Aᵀ dC is ``tn``; ``nt``: dA =
+dC B is ``nn``, dB = dCᵀ A is ``tn``; ``tn``: dA = B dCᵀ is ``nt``, dB = A dC is
+``nn``), so the backward pass is SUMMA as well, with no gathered matrix anywhere.
+Leading batch dimensions of ``a`` (``[..., M, K]``, ``nn`` and ``nt`` only) are folded
+into M on each device; ``Aᵀ Bᵀ`` is not offered.
+
+Communication. Broadcasts and reductions are binomial trees of ``jax.lax.ppermute``
+(XLA ``collective-permute``) over the grid axis, rooted at the step's owner:
+``R = ceil(log2 q)`` rounds; in round r each device fewer than ``2^r`` hops past the
+root sends to the device ``2^r`` further on (a reduction runs the same tree backwards,
+adding). Every non-root device receives the panel exactly once (reduction: sends its
+partial sum exactly once), which is the least any broadcast can move: ``(q - 1)`` block
+transfers per grid line per step. The alternatives cost more. A masked ``psum`` is an
+all-reduce, ``2 (q - 1) / q`` blocks per device per step under the ring algorithm,
+twice the tree's total and mostly zeros; an ``all_gather`` of the row moves the same
+bytes as the tree but all at step 0, holding ``q`` panels at once, which is not SUMMA.
+
+Over the q steps the root walks once round the grid line, so every device takes every
+position in the tree once and sends exactly as much as it receives. Per device per call,
+in elements, with ``X, Y`` the two moving matrices' element counts (``beta`` = product
+of ``a``'s leading batch dims, 1 for plain matrices):
+
+====  ==============  ===================================================
+form  moves           elements each device sends (= receives) per call
+====  ==============  ===================================================
+nn    A, B            ``(q - 1) / q^2 * (beta M K + K N)``
+nt    B, C            ``(q - 1) / q^2 * (N K + beta M N)``
+tn    A, C            ``(q - 1) / q^2 * (K M + M N)``
+====  ==============  ===================================================
+
+(i.e. ``(q - 1)`` blocks of each moving matrix), times the dtype's bytes. A backward
+pass runs the other two forms; for ``nn`` they move ``2 (A + B)``, twice the forward.
+For ``nt`` and ``tn`` both gradient products broadcast the cotangent dC along the same
+grid axis from the same roots, and XLA's CSE keeps one copy (checked on XLA:CPU), so
+they move ``dC + 2 B`` (``nt``) and ``dC + 2 A`` (``tn``), with every matrix counted as
+in the table. ``communication`` computes all of these.
+
+SUMMA's trees are partial permutations (in round r only ``min(2^r, q - 2^r)`` devices
+of each grid line send); ``jaxpar.profiler`` averages a ``collective-permute`` over the
+devices, so its per-device figure equals ``communication``'s exactly. The compiled
+program holds ``q R`` collective-permutes per moving matrix and no other collective.
+
+Overlap. The q steps are unrolled (q is static, and the tree's ``source_target_pairs``
+depend on the step's root). Step k+1's broadcasts are issued before step k's block
+product; nothing but the final accumulation depends on a reduction, so step k's
+reduction overlaps step k+1's product. On GPU/TPU XLA turns each ``collective-permute``
+into an async start/done pair that its latency-hiding scheduler places around the dot;
+XLA:CPU's collectives are synchronous, so tests check the issue order in the lowered
+program.
+
+Precision: block products accumulate in at least float32; partial sums of ``nt``/``tn``
+travel and are added in the result dtype (as Megatron's bf16 all-reduces do).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec
+
+Form = Literal["nn", "nt", "tn"]
+
+
+def summa_matmul(
+    a: jax.Array,
+    b: jax.Array,
+    *,
+    mesh: Mesh,
+    transpose_a: bool = False,
+    transpose_b: bool = False,
+    row_axis: str = "tensor_row",
+    col_axis: str = "tensor_col",
+) -> jax.Array:
+    """The product of two matrices 2D-blocked over the ``row_axis x col_axis`` grid.
+
+    Every array is sharded ``PartitionSpec(row_axis, col_axis)`` on its last two
+    dimensions (``a``'s leading batch dimensions, if any, are replicated); inputs
+    sharded otherwise are resharded by ``shard_map`` first. Other mesh axes replicate.
+
+    Args:
+      a: ``[..., M, K]``; with ``transpose_a``, ``[K, M]`` (no batch dimensions).
+        Leading batch dimensions are folded into M on each device, so they are
+        allowed only where they stay on the output (``a @ b`` and ``a @ b.T``).
+      b: ``[K, N]``; with ``transpose_b``, ``[N, K]``.
+      mesh: a mesh with both grid axes, of equal size q (``jaxpar.make_mesh(tensor=(q,
+        q))``).
+      transpose_a: compute ``aᵀ b`` (SUMMA's ``tn`` form).
+      transpose_b: compute ``a bᵀ`` (SUMMA's ``nt`` form).
+      row_axis, col_axis: the grid's mesh axes.
+
+    Returns:
+      ``[..., M, N]`` in the promoted dtype of ``a`` and ``b``, sharded
+      ``PartitionSpec(..., row_axis, col_axis)``. Differentiable (reverse mode): the
+      gradients are SUMMA products too.
+
+    Raises:
+      ValueError: both transposes, a missing or repeated grid axis, a non-square grid,
+        bad ranks, mismatched contraction dimensions, or M, K, N not divisible by q.
+    """
+    form: Form = "tn" if transpose_a else "nt" if transpose_b else "nn"
+    if transpose_a and transpose_b:
+        raise ValueError(
+            "transpose_a and transpose_b together are not supported: aᵀbᵀ = (b a)ᵀ, and "
+            "transposing a 2D-blocked matrix moves every block across the grid"
+        )
+    grid = _Grid(mesh, row_axis, col_axis)
+    _check(form, grid, a.shape, b.shape)
+    dtype = jnp.result_type(a, b)
+    return _matmul(form, grid, jnp.asarray(a, dtype), jnp.asarray(b, dtype))
+
+
+def communication(
+    a_shape: tuple[int, ...],
+    b_shape: tuple[int, ...],
+    q: int,
+    *,
+    transpose_a: bool = False,
+    transpose_b: bool = False,
+    backward: bool = False,
+) -> dict[str, int]:
+    """Elements one device moves in one ``summa_matmul`` (see the module doc).
+
+    Args:
+      a_shape, b_shape, transpose_a, transpose_b: as given to ``summa_matmul``.
+      q: the grid size.
+      backward: the figures for the gradients of both operands instead of the product.
+
+    Returns:
+      ``{"sent": n}``: elements each device sends, equal to what it receives and to
+      ``jaxpar.profiler``'s per-device figure. Multiply by the itemsize for bytes.
+    """
+    *batch, rows, cols = a_shape
+    beta = math.prod(batch)
+    if transpose_a:  # A [K, M] and C [M, N] move
+        fwd, c = rows * cols, cols * b_shape[1]
+        moving = 2 * fwd + c if backward else fwd + c
+    elif transpose_b:  # B [N, K] and C [beta M, N] move
+        fwd, c = math.prod(b_shape), beta * rows * b_shape[0]
+        moving = 2 * fwd + c if backward else fwd + c
+    else:  # A [beta M, K] and B [K, N] move
+        moving = (2 if backward else 1) * (beta * rows * cols + math.prod(b_shape))
+    return {"sent": (q - 1) * moving // q**2}
+
+
+# --------------------------------------------------------------------------- validation
+
+
+@dataclasses.dataclass(frozen=True)
+class _Grid:
+    """The q x q device grid: hashable, so it can be a static argument of custom_vjp."""
+
+    mesh: Mesh
+    row: str
+    col: str
+
+    @property
+    def q(self) -> int:
+        return self.mesh.shape[self.row]
+
+
+def _check(form: Form, grid: _Grid, a_shape, b_shape) -> None:
+    names = tuple(grid.mesh.axis_names)
+    for which, axis in (("row_axis", grid.row), ("col_axis", grid.col)):
+        if axis not in names:
+            raise ValueError(
+                f"summa_matmul: {which}={axis!r} is not an axis of the mesh, whose axes are "
+                f"{names}; make one with jaxpar.make_mesh(tensor=(q, q))"
+            )
+    if grid.row == grid.col:
+        raise ValueError(f"summa_matmul: row_axis and col_axis are both {grid.row!r}")
+    q_row, q_col = grid.mesh.shape[grid.row], grid.mesh.shape[grid.col]
+    if q_row != q_col:
+        raise ValueError(
+            f"summa_matmul: the grid {grid.row}={q_row} x {grid.col}={q_col} is not "
+            "square; SUMMA needs a q x q grid"
+        )
+    q = q_row
+    if len(a_shape) < 2 or (form == "tn" and len(a_shape) != 2):
+        expected = "[K, M] (transpose_a takes no batch dimensions)" if form == "tn" else "[..., M, K]"
+        raise ValueError(f"summa_matmul: a must be {expected}, got shape {tuple(a_shape)}")
+    if len(b_shape) != 2:
+        expected = "[N, K]" if form == "nt" else "[K, N]"
+        raise ValueError(f"summa_matmul: b must be {expected}, got shape {tuple(b_shape)}")
+    # (name, size, where it is) for each of M, K (as a and b see it), N.
+    if form == "nn":
+        dims = [("M", a_shape[-2], "a.shape[-2]"), ("K", a_shape[-1], "a.shape[-1]"),
+                ("K", b_shape[0], "b.shape[0]"), ("N", b_shape[1], "b.shape[1]")]
+    elif form == "nt":
+        dims = [("M", a_shape[-2], "a.shape[-2]"), ("K", a_shape[-1], "a.shape[-1]"),
+                ("K", b_shape[1], "b.shape[1]"), ("N", b_shape[0], "b.shape[0]")]
+    else:
+        dims = [("M", a_shape[1], "a.shape[1]"), ("K", a_shape[0], "a.shape[0]"),
+                ("K", b_shape[0], "b.shape[0]"), ("N", b_shape[1], "b.shape[1]")]
+    (_, ka, where_a), (_, kb, where_b) = dims[1], dims[2]
+    if ka != kb:
+        raise ValueError(
+            f"summa_matmul: contraction dimension K differs: {where_a}={ka} but "
+            f"{where_b}={kb} (a {tuple(a_shape)}, b {tuple(b_shape)}, form {form})"
+        )
+    for name, size, where in dims:
+        if size % q:
+            raise ValueError(
+                f"summa_matmul: {name}={size} ({where}) is not divisible by the grid size "
+                f"q={q} ({grid.row} x {grid.col})"
+            )
+
+
+# ------------------------------------------------------------------------- custom VJP
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _matmul(form: Form, grid: _Grid, x: jax.Array, y: jax.Array) -> jax.Array:
+    return _summa(form, grid, x, y)
+
+
+def _matmul_fwd(form, grid, x, y):
+    return _summa(form, grid, x, y), (x, y)
+
+
+def _matmul_bwd(form, grid, residuals, g):
+    x, y = residuals
+    if form == "nn":  # C = X Y: dX = G Yᵀ, dY = Xᵀ G
+        return _matmul("nt", grid, g, y), _matmul("tn", grid, x, g)
+    if form == "nt":  # C = X Yᵀ: dX = G Y, dY = Gᵀ X
+        return _matmul("nn", grid, g, y), _matmul("tn", grid, g, x)
+    # C = Xᵀ Y: dX = Y Gᵀ, dY = X G
+    return _matmul("nt", grid, y, g), _matmul("nn", grid, x, g)
+
+
+_matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+# ---------------------------------------------------------------------------- kernels
+
+
+def _summa(form: Form, grid: _Grid, x: jax.Array, y: jax.Array) -> jax.Array:
+    """One SUMMA product under ``shard_map``. ``x`` may have leading dims (``tn``: ``x``
+    and ``y`` the same ones, which it contracts, as in a gradient Xᵀ G)."""
+
+    def spec(ndim: int) -> PartitionSpec:
+        return PartitionSpec(*(None,) * (ndim - 2), grid.row, grid.col)
+
+    out_ndim = 2 if form == "tn" else x.ndim
+    kernel = {"nn": _summa_nn, "nt": _summa_nt, "tn": _summa_tn}[form]
+    with jax.named_scope(f"summa_{form}"):
+        return jax.shard_map(
+            functools.partial(kernel, grid=grid), mesh=grid.mesh,
+            in_specs=(spec(x.ndim), spec(y.ndim)), out_specs=spec(out_ndim),
+        )(x, y)
+
+
+def _acc_dtype(dtype) -> jnp.dtype:
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def _summa_nn(x, y, *, grid: _Grid):
+    """Device (i, j): x = A[i, j] ``[..., M/q, K/q]``, y = B[i, j] ``[K/q, N/q]``;
+    returns C[i, j] = sum_k A[i, k] B[k, j] ``[..., M/q, N/q]``."""
+    q = grid.q
+    a = x.reshape(-1, x.shape[-1])  # [beta M/q, K/q]
+
+    def panels(k):
+        with jax.named_scope(f"panels_{k}"):
+            return _broadcast(a, k, grid.col, q), _broadcast(y, k, grid.row, q)
+
+    acc = None
+    nxt = panels(0)
+    for k in range(q):
+        a_k, b_k = nxt  # A[i, k], B[k, j]
+        if k + 1 < q:
+            nxt = panels(k + 1)  # issued before this step's product, to overlap it
+        with jax.named_scope(f"product_{k}"):
+            prod = jnp.einsum("MK,KN->MN", a_k, b_k, preferred_element_type=_acc_dtype(x.dtype))
+        acc = prod if acc is None else acc + prod
+    return acc.astype(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+
+
+def _summa_nt(x, y, *, grid: _Grid):
+    """Device (i, l): x = A[i, l] ``[..., M/q, K/q]``, y = B[i, l] ``[N/q, K/q]``;
+    returns C[i, l] = sum_j A[i, j] B[l, j]ᵀ ``[..., M/q, N/q]``."""
+    q = grid.q
+    a = x.reshape(-1, x.shape[-1])  # [beta M/q, K/q]
+    col = jax.lax.axis_index(grid.col)
+    out = jnp.zeros((a.shape[0], y.shape[0]), x.dtype)
+    nxt = _broadcast(y, 0, grid.row, q)
+    for k in range(q):
+        b_k = nxt  # B[k, l]
+        if k + 1 < q:
+            with jax.named_scope(f"panels_{k + 1}"):
+                nxt = _broadcast(y, k + 1, grid.row, q)
+        with jax.named_scope(f"product_{k}"):
+            part = jnp.einsum("MK,NK->MN", a, b_k, preferred_element_type=_acc_dtype(x.dtype))
+        with jax.named_scope(f"reduce_{k}"):
+            c_k = _reduce(part.astype(x.dtype), k, grid.col, q)  # C[i, k] on column k
+        out = jnp.where(col == k, c_k, out)
+    return out.reshape(*x.shape[:-1], y.shape[0])
+
+
+def _summa_tn(x, y, *, grid: _Grid):
+    """Device (l, j): x = A[l, j] ``[..., K/q, M/q]``, y = B[l, j] ``[..., K/q, N/q]``
+    (same leading dims, contracted with K); returns C[l, j] = sum_i A[i, l]ᵀ B[i, j]
+    ``[M/q, N/q]``."""
+    q = grid.q
+    a = x.reshape(-1, x.shape[-1])  # [beta K/q, M/q]
+    b = y.reshape(-1, y.shape[-1])  # [beta K/q, N/q]
+    row = jax.lax.axis_index(grid.row)
+    out = jnp.zeros((a.shape[1], b.shape[1]), x.dtype)
+    nxt = _broadcast(a, 0, grid.col, q)
+    for k in range(q):
+        a_k = nxt  # A[l, k]
+        if k + 1 < q:
+            with jax.named_scope(f"panels_{k + 1}"):
+                nxt = _broadcast(a, k + 1, grid.col, q)
+        with jax.named_scope(f"product_{k}"):
+            part = jnp.einsum("KM,KN->MN", a_k, b, preferred_element_type=_acc_dtype(x.dtype))
+        with jax.named_scope(f"reduce_{k}"):
+            c_k = _reduce(part.astype(x.dtype), k, grid.row, q)  # C[k, j] on row k
+        out = jnp.where(row == k, c_k, out)
+    return out
+
+
+# ------------------------------------------------------------------------ collectives
+
+
+def _tree_rounds(q: int) -> list[int]:
+    """Hop distances of a binomial tree over q devices: 1, 2, 4, ... < q."""
+    return [1 << r for r in range(math.ceil(math.log2(q)))] if q > 1 else []
+
+
+def _broadcast(x: jax.Array, root: int, axis: str, q: int) -> jax.Array:
+    """``x`` of the device at position ``root`` of ``axis``, on every device of it."""
+    rel = (jax.lax.axis_index(axis) - root) % q  # hops past the root
+    for step in _tree_rounds(q):
+        # Devices [0, step) past the root hold the panel; each sends it `step` further.
+        pairs = [((root + s) % q, (root + s + step) % q) for s in range(min(step, q - step))]
+        arrived = jax.lax.ppermute(x, axis, pairs)
+        x = jnp.where((rel >= step) & (rel < 2 * step), arrived, x)
+    return x
+
+
+def _reduce(x: jax.Array, root: int, axis: str, q: int) -> jax.Array:
+    """The sum of ``x`` over ``axis``, correct on the device at position ``root``."""
+    for step in reversed(_tree_rounds(q)):
+        # Devices [step, 2 step) past the root send their partial sums `step` back;
+        # devices nothing arrives at add ppermute's zeros.
+        pairs = [((root + s + step) % q, (root + s) % q) for s in range(min(step, q - step))]
+        x = x + jax.lax.ppermute(x, axis, pairs)
+    return x
+
+
+# -------------------------------------------------------------------------- reference
+
+
+def reference_matmul(a, b, *, transpose_a: bool = False, transpose_b: bool = False):
+    """What ``summa_matmul`` computes, as one ``jnp`` product."""
+    a = jnp.swapaxes(a, -1, -2) if transpose_a else a
+    b = b.T if transpose_b else b
+    return jnp.matmul(a, b, preferred_element_type=_acc_dtype(jnp.result_type(a, b))).astype(
+        jnp.result_type(a, b))
