@@ -30,3 +30,10 @@ def test_step_overhead_benchmark():
     out = run("bench/step_overhead.py", "--rounds", "1", "--steps", "2", "--batch", "2", "--seq-len", "16")
     assert out.returncode == 0, out.stderr
     assert "jaxpar / plain = " in out.stdout
+
+
+def test_tensor_parallel_benchmark():
+    out = run("bench/tensor_parallel.py", "--devices", "4", "--batch", "2", "--seq-len", "64")
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| 4 |")]
+    assert len(rows) == 2 and "1D + SP" in rows[1]
