@@ -201,3 +201,20 @@ def test_two_processes_match_one_and_share_checkpoints(tmp_path, cache):
     shutil.rmtree(run / "checkpoints" / "8")
     resumed = train(load_config("tiny", args + [f"run_dir={run}"]), progress=False)
     assert rel_err([r["loss"] for r in resumed], [r["loss"] for r in single[4:]]) < 1e-5
+
+
+def test_mfu_flops_per_token_matches_the_compiled_step():
+    """The progress bar's MFU numerator agrees with XLA's count for the whole step."""
+    import optax
+    from flax import nnx
+
+    from jaxpar.models import Transformer
+    from jaxpar.profiler import profile
+    from jaxpar.train.loop import flops_per_token
+    from jaxpar.train.step import make_train_step
+
+    cfg = load_config("tiny", ["seq_len=128"])
+    model = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0)))
+    compiled = make_train_step(model, optax.sgd(0.1)).compile(model, batch_size=2, seq_len=128)
+    ratio = profile(compiled)["flops"] / (flops_per_token(cfg) * 2 * 128)
+    assert 0.95 < ratio < 1.15, ratio

@@ -74,9 +74,10 @@ def make_optimizer(opt: OptimizerConfig, steps: int):
 
 
 def flops_per_token(cfg) -> float:
-    """Training FLOPs per token: 6 per parameter plus attention's score and value products."""
+    """Training FLOPs per token: 6 per matmul parameter (the output projection, not the
+    input embedding's lookup) plus attention's score and value products (PaLM's count)."""
     m = cfg.model
-    params = m.vocab_size * m.dim * (1 if m.tie_embeddings else 2) + m.layers * (
+    params = m.vocab_size * m.dim + m.layers * (
         m.dim * (m.heads + 2 * m.kv_heads) * m.head_dim + m.heads * m.head_dim * m.dim
         + m.dim * m.mlp_dim * (3 if m.mlp == "swiglu" else 2)
     )
@@ -91,6 +92,12 @@ def _check_batch(cfg: Config, mesh) -> None:
             f"batch_size={cfg.batch_size} / optimizer.grad_accum={cfg.optimizer.grad_accum} "
             f"must be a multiple of the data-parallel degree data*fsdp={ways}"
         )
+
+
+# The model settings a checkpoint's arrays depend on.
+SHAPE_KEYS = ("vocab_size", "dim", "layers", "heads", "kv_heads", "head_dim", "mlp_dim",
+              "norm", "mlp", "position", "max_position", "tie_embeddings", "attention_bias",
+              "mlp_bias", "param_dtype")
 
 
 def _check_same_model(checkpoints: Checkpoints, cfg: Config) -> None:
@@ -112,11 +119,6 @@ def _check_same_model(checkpoints: Checkpoints, cfg: Config) -> None:
             f"{checkpoints.directory} holds a checkpoint of a different model ({'; '.join(diffs)}); "
             "use another run_dir"
         )
-
-
-SHAPE_KEYS = ("vocab_size", "dim", "layers", "heads", "kv_heads", "head_dim", "mlp_dim",
-              "norm", "mlp", "position", "max_position", "tie_embeddings", "attention_bias",
-              "mlp_bias", "param_dtype")
 
 
 def _global_batch(local: dict, sharding) -> dict:
