@@ -43,7 +43,8 @@ class TrainingError(RuntimeError):
 def build_mesh(mesh_cfg: MeshConfig, devices=None) -> jax.sharding.Mesh:
     """The mesh for ``mesh_cfg``; ``data`` None takes the devices the other axes leave."""
     devices = jax.devices() if devices is None else devices
-    others = mesh_cfg.fsdp * mesh_cfg.pipe * mesh_cfg.seq * math.prod(np.atleast_1d(mesh_cfg.tensor))
+    tensor = mesh_cfg.tensor if isinstance(mesh_cfg.tensor, tuple) else (mesh_cfg.tensor,)
+    others = mesh_cfg.fsdp * mesh_cfg.pipe * mesh_cfg.seq * math.prod(tensor)
     data = mesh_cfg.data
     if data is None:
         if others < 1 or len(devices) % others:
