@@ -1,15 +1,18 @@
 """Tensor parallelism compared by the compile-only profiler: per-device memory and bytes.
 
-For p devices on the ``tensor`` axis (Megatron 1D) with and without sequence
-parallelism, compiles the ``small`` train step (bf16 compute, no remat, AdamW) on
+For p devices as Megatron 1D (``tensor=p``) with and without sequence parallelism,
+and as Optimus 2D (``tensor=(q, q)``, q^2 = p, projections by SUMMA), compiles the ``small`` train step (bf16 compute, no remat, AdamW) on
 abstract inputs and reads the compiled program: ``argument_bytes``, ``temp_bytes``,
 ``collective_bytes`` per device per step. The largest global batch under a per-device
 budget comes from two compilations (temp bytes are affine in the batch: exact for
 these programs, whose buffers all scale with the batch or not at all).
 
-Theory for 1D, per layer and step (ring collectives, 2 bytes per bf16 element, B T D
-the global activation): forward and backward each all-reduce the attention and MLP
-outputs, 4 all-reduces of B T D elements moving ``2 (p-1)/p`` of them per device.
+Theory, 2 bytes per bf16 element. 1D, per layer: forward and backward each all-reduce
+the attention and MLP outputs, 4 all-reduces of B T D elements moving ``2 (p-1)/p`` of
+them per device. 2D, per layer: each of the layer's SUMMA products (QKV, out, gate, up,
+down, and the vocabulary projection once) moves ``(q-1)/q^2`` of its moving operands
+per device (``summa_theory``); XLA merges identical broadcasts (q, k and v read the
+same activation), so the measured figure can be lower.
 
     python bench/tensor_parallel.py [--devices 4 16] [--seq-len 2048] [--batch 16]
 """
@@ -38,12 +41,35 @@ from jaxpar.train.step import make_train_step  # noqa: E402
 BUDGET = 16 * 2**30
 
 
-def measure(cfg, p: int, sequence_parallel: bool, batch: int, seq_len: int) -> dict:
+MODES = ("1D", "1D + SP", "2D SUMMA")
+
+
+def measure(cfg, p: int, mode: str, batch: int, seq_len: int) -> dict:
     model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
-    mesh = jaxpar.make_mesh(tensor=p, devices=jax.devices()[:p])
-    rules = sharding_rules(cfg, mesh, sequence_parallel=sequence_parallel)
+    q = int(round(p ** 0.5))
+    tensor = (q, q) if mode == "2D SUMMA" else p
+    mesh = jaxpar.make_mesh(tensor=tensor, devices=jax.devices()[:p])
+    rules = sharding_rules(cfg, mesh, sequence_parallel=mode == "1D + SP")
     step = make_train_step(model, optax.adamw(1e-4), mesh, rules)
     return jaxpar.profiler.profile(step.compile(model, batch, seq_len))
+
+
+def summa_theory(cfg, p: int, tokens: int) -> float:
+    """Bytes per device per step of the SUMMA products with no broadcast shared: an
+    ``a @ b`` product moves (q-1)/q^2 (A + B) forward and twice that backward; an
+    ``a @ bᵀ`` one (output and down projections) moves B + C forward, C + 2 B backward."""
+    q = int(round(p ** 0.5))
+    D, F, V = cfg.dim, cfg.mlp_dim, cfg.vocab_size
+    NH, KH = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+
+    def nn(k, n):  # activation [tokens, k] @ weight [k, n]
+        return 3 * (tokens * k + k * n)
+
+    def nt(k, n):  # activation [tokens, k] @ weight [k, n] stored transposed
+        return 3 * k * n + 2 * tokens * n
+
+    per_layer = nn(D, NH) + 2 * nn(D, KH) + nt(NH, D) + 2 * nn(D, F) + nt(F, D)
+    return (cfg.layers * per_layer + nn(D, V)) * (q - 1) / q**2 * 2
 
 
 def main():
@@ -60,16 +86,19 @@ def main():
           "reduce-scatter / all-to-all | theory (layers) | largest batch in budget |")
     print("|---|---|---|---|---|---|---|---|")
     for p in args.devices:
-        for sp in (False, True):
-            small = measure(cfg, p, sp, args.batch, T)
-            large = measure(cfg, p, sp, 2 * args.batch, T)
+        for mode in MODES:
+            small = measure(cfg, p, mode, args.batch, T)
+            large = measure(cfg, p, mode, 2 * args.batch, T)
             per_sequence = (large["temp_bytes"] - small["temp_bytes"]) / args.batch
             fixed = small["temp_bytes"] - per_sequence * args.batch + small["argument_bytes"]
             fits = int((BUDGET - fixed) // per_sequence) if per_sequence > 0 else 0
-            theory = cfg.layers * 4 * 2 * (p - 1) / p * args.batch * T * D * 2
+            if mode == "2D SUMMA":
+                theory = summa_theory(cfg, p, args.batch * T)
+            else:
+                theory = cfg.layers * 4 * 2 * (p - 1) / p * args.batch * T * D * 2
             kinds = " / ".join(f"{small['collectives'][k]:,.0f}" for k in
                                ("all-reduce", "all-gather", "reduce-scatter", "all-to-all"))
-            print(f"| {p} | {'1D + SP' if sp else '1D'} | {small['argument_bytes']:,} | "
+            print(f"| {p} | {mode} | {small['argument_bytes']:,} | "
                   f"{small['temp_bytes']:,} | {small['collective_bytes']:,.0f} | {kinds} | "
                   f"{theory:,.0f} | {fits} |", flush=True)
 

@@ -81,6 +81,27 @@ DEFAULT_RULES: tuple[tuple[str, MeshAxes], ...] = (
 SEQUENCE_PARALLEL: dict[str, MeshAxes] = {"activation_norm_length": ("seq", "tensor")}
 
 
+# Optimus 2D tensor parallelism on a tensor_row x tensor_col grid: every weight matrix
+# is blocked with its model dimension D over tensor_row (and fsdp) and its other
+# dimension over tensor_col; every activation has its tokens (the batch) over
+# tensor_row with the data-parallel axes and its features over tensor_col, so no
+# device holds a replicated activation. Projections run as SUMMA (jaxpar.linear.dense).
+TENSOR_2D: dict[str, MeshAxes] = {
+    "embed": ("fsdp", "tensor_row"),
+    "vocab": "tensor_col",
+    "heads": "tensor_col",
+    "kv_heads": "tensor_col",
+    "mlp": "tensor_col",
+    "batch": ("data", "fsdp", "tensor_row"),
+    "activation_batch": ("data", "fsdp", "tensor_row"),
+    "activation_embed": "tensor_col",
+    "activation_heads": "tensor_col",
+    "activation_kv_heads": "tensor_col",
+    "activation_mlp": "tensor_col",
+    "activation_vocab": "tensor_col",
+}
+
+
 def override(rules: Rules, changes: dict[str, MeshAxes]) -> tuple[tuple[str, MeshAxes], ...]:
     """``rules`` with the logical names in ``changes`` mapped anew.
 

@@ -128,7 +128,9 @@ def like_params(tree, params, param_shardings, default):
     )
 
 
-def _context_rules(mesh) -> tuple:
+def context_rules(mesh) -> tuple:
+    """The rules in force: ``flax.linen.logical_axis_rules``'s, else ``DEFAULT_RULES``,
+    restricted to ``mesh``."""
     return rules_lib.for_mesh(mesh, flax_spmd.get_logical_axis_rules() or rules_lib.DEFAULT_RULES)
 
 
@@ -142,7 +144,7 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return x
-    spec = rules_lib.logical_to_spec(names, _context_rules(mesh))
+    spec = rules_lib.logical_to_spec(names, context_rules(mesh))
     return jax.lax.with_sharding_constraint(x, spec)
 
 

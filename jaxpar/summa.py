@@ -93,6 +93,7 @@ def summa_matmul(
     transpose_b: bool = False,
     row_axis: str = "tensor_row",
     col_axis: str = "tensor_col",
+    batch_axes: tuple[str, ...] = (),
 ) -> jax.Array:
     """The product of two matrices 2D-blocked over the ``row_axis x col_axis`` grid.
 
@@ -110,6 +111,11 @@ def summa_matmul(
       transpose_a: compute ``aᵀ b`` (SUMMA's ``tn`` form).
       transpose_b: compute ``a bᵀ`` (SUMMA's ``nt`` form).
       row_axis, col_axis: the grid's mesh axes.
+      batch_axes: mesh axes (data parallelism) that split the rows of ``a`` and of the
+        result together with ``row_axis``: ``a`` is ``PartitionSpec((*batch_axes,
+        row_axis), col_axis)``, and each data-parallel replica runs its own SUMMA; in
+        the backward pass ``b``'s gradient is summed over them. Not with
+        ``transpose_a``, nor with batch dimensions on ``a``.
 
     Returns:
       ``[..., M, N]`` in the promoted dtype of ``a`` and ``b``, sharded
@@ -126,7 +132,13 @@ def summa_matmul(
             "transpose_a and transpose_b together are not supported: aᵀbᵀ = (b a)ᵀ, and "
             "transposing a 2D-blocked matrix moves every block across the grid"
         )
-    grid = _Grid(mesh, row_axis, col_axis)
+    batch_axes = tuple(batch_axes)
+    if batch_axes and (transpose_a or a.ndim != 2):
+        raise ValueError(
+            f"summa_matmul: batch_axes={batch_axes} need a 2D a (got {tuple(a.shape)}) and "
+            "no transpose_a"
+        )
+    grid = _Grid(mesh, row_axis, col_axis, batch_axes)
     _check(form, grid, a.shape, b.shape)
     dtype = jnp.result_type(a, b)
     return _matmul(form, grid, jnp.asarray(a, dtype), jnp.asarray(b, dtype))
@@ -175,10 +187,16 @@ class _Grid:
     mesh: Mesh
     row: str
     col: str
+    batch: tuple[str, ...] = ()  # axes that split activation rows beside `row`
 
     @property
     def q(self) -> int:
         return self.mesh.shape[self.row]
+
+    @property
+    def rows(self) -> int:
+        """How many ways an activation's rows are split."""
+        return self.q * math.prod(self.mesh.shape[a] for a in self.batch)
 
 
 def _check(form: Form, grid: _Grid, a_shape, b_shape) -> None:
@@ -219,6 +237,11 @@ def _check(form: Form, grid: _Grid, a_shape, b_shape) -> None:
         raise ValueError(
             f"summa_matmul: contraction dimension K differs: {where_a}={ka} but "
             f"{where_b}={kb} (a {tuple(a_shape)}, b {tuple(b_shape)}, form {form})"
+        )
+    if grid.batch and a_shape[-2] % grid.rows:
+        raise ValueError(
+            f"summa_matmul: M={a_shape[-2]} (a.shape[-2]) is not divisible by the "
+            f"{grid.rows} ways {(*grid.batch, grid.row)} split it"
         )
     for name, size, where in dims:
         if size % q:
@@ -263,13 +286,21 @@ def _summa(form: Form, grid: _Grid, x: jax.Array, y: jax.Array) -> jax.Array:
     def spec(ndim: int) -> PartitionSpec:
         return PartitionSpec(*(None,) * (ndim - 2), grid.row, grid.col)
 
+    # With batch axes, activations (a, the result, and both operands of `tn`, which in
+    # a backward pass contracts activations) also split their rows over them.
+    activation = PartitionSpec((*grid.batch, grid.row), grid.col) if grid.batch else None
     out_ndim = 2 if form == "tn" else x.ndim
-    kernel = {"nn": _summa_nn, "nt": _summa_nt, "tn": _summa_tn}[form]
+    kernel = functools.partial({"nn": _summa_nn, "nt": _summa_nt, "tn": _summa_tn}[form], grid=grid)
+    in_specs, out_spec = (spec(x.ndim), spec(y.ndim)), spec(out_ndim)
+    if activation is not None:
+        if form == "tn":
+            in_specs = (activation, activation)
+            contracted = kernel
+            kernel = lambda x, y: jax.lax.psum(contracted(x, y), grid.batch)  # noqa: E731
+        else:
+            in_specs, out_spec = (activation, spec(2)), activation
     with jax.named_scope(f"summa_{form}"):
-        return jax.shard_map(
-            functools.partial(kernel, grid=grid), mesh=grid.mesh,
-            in_specs=(spec(x.ndim), spec(y.ndim)), out_specs=spec(out_ndim),
-        )(x, y)
+        return jax.shard_map(kernel, mesh=grid.mesh, in_specs=in_specs, out_specs=out_spec)(x, y)
 
 
 def _acc_dtype(dtype) -> jnp.dtype:

@@ -31,6 +31,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar import rules as rules_lib
 from jaxpar.attention import dot_product_attention
+from jaxpar.linear import dense
 from jaxpar.models.config import ModelConfig, RopeScaling
 from jaxpar.sharding import constrain
 
@@ -136,15 +137,17 @@ class Attention(nnx.Module):
         """
         cfg, dtype = self.cfg, self.cfg.compute_dtype
 
-        def project(w, bias_name, names):
-            y = jnp.einsum("BTD,DKH->BTKH", x, w[...].astype(dtype))
+        def project(w, bias_name, head_axis, names):
+            D, heads, H = w.shape
+            kernel = w[...].astype(dtype).reshape(D, heads * H)
+            y = dense(x, kernel, ("embed", head_axis)).reshape(*x.shape[:-1], heads, H)
             if cfg.attention_bias:
                 y = y + getattr(self, bias_name)[...].astype(dtype)
             return constrain(y, names)
 
-        q = project(self.q, "q_bias", ACT_BTNH)
-        k = project(self.k, "k_bias", ACT_BTKH)
-        v = project(self.v, "v_bias", ACT_BTKH)
+        q = project(self.q, "q_bias", "heads", ACT_BTNH)
+        k = project(self.k, "k_bias", "kv_heads", ACT_BTKH)
+        v = project(self.v, "v_bias", "kv_heads", ACT_BTKH)
         if cfg.position == "rope":
             inv_freq = rope_frequencies(cfg)
             q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
@@ -156,7 +159,9 @@ class Attention(nnx.Module):
             v = jax.lax.dynamic_update_slice_in_dim(cache_v, v.astype(cache_v.dtype), q_start, axis=1)
         out = dot_product_attention(q, k, v, causal=True, segment_ids=segment_ids, q_start=q_start)
         out = checkpoint_name(constrain(out, ACT_BTNH), "attention")
-        y = jnp.einsum("BTNH,NHD->BTD", out, self.o[...].astype(dtype))
+        N, H, D = self.o.shape
+        y = dense(out.reshape(*out.shape[:-2], N * H), self.o[...].astype(dtype).reshape(N * H, D),
+                  ("heads", "embed"))
         if cfg.attention_bias:
             y = y + self.o_bias[...].astype(dtype)
         y = constrain(y, ACT_BTD)
@@ -182,7 +187,7 @@ class MLP(nnx.Module):
         cfg, dtype = self.cfg, self.cfg.compute_dtype
 
         def project(w, bias):
-            y = jnp.einsum("BTD,DF->BTF", x, w[...].astype(dtype))
+            y = dense(x, w[...].astype(dtype), ("embed", "mlp"))
             if bias is not None:
                 y = y + bias[...].astype(dtype)
             return constrain(y, ACT_BTF)
@@ -194,7 +199,7 @@ class MLP(nnx.Module):
         else:
             hidden = jax.nn.gelu(up, approximate=True)  # GPT-2's "gelu_new"
         hidden = checkpoint_name(hidden, "mlp_hidden")
-        y = jnp.einsum("BTF,FD->BTD", hidden, self.down[...].astype(dtype))
+        y = dense(hidden, self.down[...].astype(dtype), ("mlp", "embed"))
         if cfg.mlp_bias:
             y = y + self.down_bias[...].astype(dtype)
         return constrain(y, ACT_BTD)
@@ -260,8 +265,15 @@ def sharding_rules(cfg: ModelConfig, mesh, rules=None, *, sequence_parallel: boo
       Megatron replicates kv heads when the tensor group outnumbers them; each device
       then computes the kv heads its query heads read.
     * ``sequence_parallel``: ``jaxpar.rules.SEQUENCE_PARALLEL``.
+
+    On a 2D tensor grid (``tensor_row``/``tensor_col``) the default rules take
+    ``jaxpar.rules.TENSOR_2D``, and the projections run as SUMMA (``jaxpar.linear``).
     """
-    resolved = rules_lib.for_mesh(mesh, rules_lib.DEFAULT_RULES if rules is None else rules)
+    if rules is None:
+        rules = rules_lib.DEFAULT_RULES
+        if "tensor_row" in mesh.axis_names:
+            rules = rules_lib.override(rules, rules_lib.TENSOR_2D)
+    resolved = rules_lib.for_mesh(mesh, rules)
     changes = dict(rules_lib.SEQUENCE_PARALLEL) if sequence_parallel else {}
     for name in ("kv_heads", "activation_kv_heads"):
         axes = dict(resolved).get(name)
@@ -336,8 +348,8 @@ class Transformer(nnx.Module):
             cache = KVCache(k, v, cache.index + T)
         x = self.final_norm(x)
         if cfg.tie_embeddings:
-            logits = jnp.einsum("BTD,VD->BTV", x, self.embed[...].astype(dtype))
+            logits = dense(x, self.embed[...].astype(dtype).T, ("embed", "vocab"))
         else:
-            logits = jnp.einsum("BTD,DV->BTV", x, self.lm_head[...].astype(dtype))
+            logits = dense(x, self.lm_head[...].astype(dtype), ("embed", "vocab"))
         logits = constrain(logits, ACT_BTV)
         return logits if cache is None else (logits, cache)

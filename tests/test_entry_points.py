@@ -36,4 +36,4 @@ def test_tensor_parallel_benchmark():
     out = run("bench/tensor_parallel.py", "--devices", "4", "--batch", "2", "--seq-len", "64")
     assert out.returncode == 0, out.stderr
     rows = [line for line in out.stdout.splitlines() if line.startswith("| 4 |")]
-    assert len(rows) == 2 and "1D + SP" in rows[1]
+    assert len(rows) == 3 and "1D + SP" in rows[1] and "2D SUMMA" in rows[2]

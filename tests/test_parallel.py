@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 import jaxpar
-from conftest import rel_err, tree_rel_err
+from conftest import rel_err, run_python, tree_rel_err
 from jaxpar.models import ModelConfig, Transformer
 from jaxpar.models.transformer import sharding_rules
 from jaxpar.train.step import loss_fn, make_train_step
@@ -19,6 +19,8 @@ CFG = ModelConfig(vocab_size=128, dim=64, layers=2, heads=4, kv_heads=2, head_di
 MESHES = [dict(fsdp=8), dict(data=2, fsdp=4), dict(data=8)]
 # Megatron 1D tensor parallelism; CFG's 2 kv heads are replicated over tensor=4.
 TENSOR_MESHES = [dict(data=2, tensor=4), dict(fsdp=2, tensor=4), dict(data=2, tensor=4, sp=True)]
+# Optimus 2D: SUMMA projections on a 2 x 2 grid, composed with data and fsdp.
+TENSOR_2D_MESHES = [dict(data=2, tensor=(2, 2)), dict(fsdp=2, tensor=(2, 2))]
 
 
 def batches(rng, n, B=8, T=16):
@@ -51,7 +53,7 @@ def single_device_run():
     return train(None, batches(np.random.default_rng(1), 3))
 
 
-@pytest.mark.parametrize("sizes", MESHES + TENSOR_MESHES, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
+@pytest.mark.parametrize("sizes", MESHES + TENSOR_MESHES + TENSOR_2D_MESHES, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
 def test_training_matches_single_device(single_device_run, sizes):
     ref_losses, ref_params, _ = single_device_run
     sizes = dict(sizes)
@@ -62,6 +64,9 @@ def test_training_matches_single_device(single_device_run, sizes):
     # (||a - b|| / ||b||) rather than single elements.
     assert tree_rel_err(params, ref_params) < 1e-5
     q = params["layers"]["attn"]["q"][...]
+    if isinstance(sizes.get("tensor"), tuple):  # D over fsdp x tensor_row, heads over tensor_col
+        assert q.sharding.spec == jax.sharding.PartitionSpec("pipe", ("fsdp", "tensor_row"), "tensor_col", None)
+        return
     assert q.sharding.spec == jax.sharding.PartitionSpec("pipe", "fsdp", "tensor", None)
     assert opt_state[0].mu["layers"]["attn"]["q"][...].sharding == q.sharding
     if "tensor" in sizes:  # 2 kv heads cannot split 4 ways: replicated, as Megatron does
@@ -181,13 +186,14 @@ def test_gradient_accumulation_matches_one_big_batch(mesh_sizes):
     assert tree_rel_err(results[1][1], results[0][1]) < 1e-5
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["1d", "1d+sp"])
-def test_tensor_parallel_gradients_match_single_device(rng, sequence_parallel):
+@pytest.mark.parametrize("tensor,sequence_parallel", [(4, False), (4, True), ((2, 2), False)],
+                         ids=["1d", "1d+sp", "2d"])
+def test_tensor_parallel_gradients_match_single_device(rng, tensor, sequence_parallel):
     batch = batches(rng, 1)[0]
     model = Transformer(CFG, rngs=nnx.Rngs(0))
     grad_fn = jax.jit(nnx.grad(loss_fn))
     ref = grad_fn(model, batch)
-    mesh = jaxpar.make_mesh(data=2, tensor=4)
+    mesh = jaxpar.make_mesh(data=2, tensor=tensor)
     rules = sharding_rules(CFG, mesh, sequence_parallel=sequence_parallel)
     jaxpar.shard_model(model, mesh, rules)
     with jaxpar.use_mesh(mesh, rules):
@@ -207,3 +213,44 @@ def test_vocab_parallel_cross_entropy_never_gathers_the_logits():
     profile = jaxpar.profiler.profile(step.compile(model, batch_size=8, seq_len=16))
     full_logits = 8 // 2 * 16 * CFG.vocab_size * 4  # one data shard's f32 logits
     assert profile["collectives"]["all-gather"] < full_logits
+
+
+def test_summa_2d_on_a_4x4_grid_matches_single_device():
+    """tensor=(4, 4) on 16 devices: losses and gradients of a few AdamW steps."""
+    out = run_python(
+        """
+        import jax, numpy as np, optax
+        from flax import nnx
+        import jaxpar
+        from jaxpar.models import ModelConfig, Transformer
+        from jaxpar.models.transformer import sharding_rules
+        from jaxpar.train.step import make_train_step
+        CFG = ModelConfig(vocab_size=128, dim=64, layers=2, heads=4, kv_heads=2, head_dim=16, mlp_dim=96)
+        rng = np.random.default_rng(1)
+        data = []
+        for _ in range(3):
+            t = rng.integers(0, 128, (8, 17))
+            data.append({"inputs": t[:, :-1], "targets": t[:, 1:],
+                         "segment_ids": np.sort(rng.integers(0, 2, (8, 16)), axis=1)})
+        def run(mesh):
+            model = Transformer(CFG, rngs=nnx.Rngs(0))
+            rules = sharding_rules(CFG, mesh) if mesh else None
+            step = make_train_step(model, optax.adamw(1e-3), mesh, rules)
+            params, opt = step.init(model)
+            losses = []
+            for b in data:
+                params, opt, m = step(params, opt, b)
+                losses.append(float(m["loss"]))
+            return losses, params
+        ref, ref_params = run(None)
+        got, params = run(jaxpar.make_mesh(tensor=(4, 4)))
+        loss_err = max(abs(a - b) / abs(b) for a, b in zip(got, ref))
+        param_err = max(float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / np.linalg.norm(np.asarray(b)))
+                        for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)))
+        print(loss_err, param_err)
+        """,
+        devices=16,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    loss_err, param_err = map(float, out.stdout.split())
+    assert loss_err < 1e-5 and param_err < 1e-5

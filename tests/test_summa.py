@@ -220,3 +220,22 @@ def test_errors_on_meshes_without_a_square_grid():
     rect = jax.make_mesh((2, 4), ("tensor_row", "tensor_col"), axis_types=(AxisType.Auto,) * 2)
     with pytest.raises(ValueError, match="tensor_row=2 x tensor_col=4 is not square"):
         summa_matmul(a, b, mesh=rect)
+
+
+def test_batch_axes_split_rows_with_data_parallelism(rng):
+    """Each data-parallel replica runs its own SUMMA; gradients sum over replicas."""
+    mesh = jaxpar.make_mesh(data=2, tensor=(2, 2))
+    a = jnp.asarray(rng.standard_normal((16, 12)), jnp.float32)
+    b = jnp.asarray(rng.standard_normal((12, 8)), jnp.float32)
+    for tb, bb in ((False, b), (True, b.T)):
+        fn = lambda a, b: summa_matmul(a, b, mesh=mesh, transpose_b=tb, batch_axes=("data",))  # noqa: E731
+        ref = lambda a, b: reference_matmul(a, b, transpose_b=tb)  # noqa: E731
+        assert rel_err(jax.jit(fn)(a, bb), ref(a, bb)) < 1e-5
+        loss = lambda f: lambda a, b: jnp.sum(jnp.sin(f(a, b)))  # noqa: E731
+        got = jax.jit(jax.grad(loss(fn), argnums=(0, 1)))(a, bb)
+        want = jax.grad(loss(ref), argnums=(0, 1))(a, bb)
+        assert all(rel_err(g, w) < 1e-5 for g, w in zip(got, want))
+    with pytest.raises(ValueError, match="batch_axes=\\('data',\\) need a 2D a"):
+        summa_matmul(a, b, mesh=mesh, transpose_a=True, batch_axes=("data",))
+    with pytest.raises(ValueError, match="M=6 .* not divisible by the 4 ways"):
+        summa_matmul(a[:6], b, mesh=mesh, batch_axes=("data",))
