@@ -137,12 +137,13 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, cache):
         ("mesh.fdsp=2", 2, "unknown config key 'mesh.fdsp'; valid keys near it: mesh.fsdp"),
         ("steps=ten", 2, "steps='ten' must be an integer"),
         ("batch_size=12", 1, "batch_size=12 / optimizer.grad_accum=1 must be a multiple of the data-parallel degree data*fsdp=8"),
+        ("mesh.tensor=[2,2] batch_size=2", 1, "must be a multiple of the data-parallel degree data*fsdp*tensor_row=4"),
         ("mesh.fsdp=3", 1, "does not divide 8 devices"),
     ],
 )
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, cache, override, code, message):
     run = tmp_path / "run"
-    out = cli("tiny", *SMALL, f"run_dir={run}", f"cache_dir={cache}", override)
+    out = cli("tiny", *SMALL, f"run_dir={run}", f"cache_dir={cache}", *override.split())
     assert out.returncode == code
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], out.stderr

@@ -85,13 +85,14 @@ def flops_per_token(cfg) -> float:
     return 6 * params + 12 * m.layers * m.heads * m.head_dim * cfg.seq_len
 
 
-def _check_batch(cfg: Config, mesh) -> None:
-    ways = mesh.shape["data"] * mesh.shape["fsdp"]
+def _check_batch(cfg: Config, mesh, rules) -> None:
+    axes = jaxpar.rules._as_tuple(jaxpar.rules.logical_to_spec(("batch",), rules)[0])
+    ways = math.prod(mesh.shape[a] for a in axes)
     micro = cfg.batch_size // cfg.optimizer.grad_accum
     if cfg.batch_size % cfg.optimizer.grad_accum or micro % ways:
         raise TrainingError(
             f"batch_size={cfg.batch_size} / optimizer.grad_accum={cfg.optimizer.grad_accum} "
-            f"must be a multiple of the data-parallel degree data*fsdp={ways}"
+            f"must be a multiple of the data-parallel degree {'*'.join(axes)}={ways}"
         )
 
 
@@ -137,11 +138,11 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
     """Runs (or resumes) the training ``cfg`` describes; returns the per-step metrics."""
     run_dir = pathlib.Path(cfg.run_dir)
     mesh = build_mesh(cfg.mesh)
-    _check_batch(cfg, mesh)
     model_cfg = cfg.model
+    rules = sharding_rules(model_cfg, mesh, sequence_parallel=cfg.mesh.sequence_parallel)
+    _check_batch(cfg, mesh, rules)
     abstract_model = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(cfg.seed)))
     tx, schedule = make_optimizer(cfg.optimizer, cfg.steps)
-    rules = sharding_rules(model_cfg, mesh, sequence_parallel=cfg.mesh.sequence_parallel)
     step_fn = make_train_step(abstract_model, tx, mesh, rules, grad_accum=cfg.optimizer.grad_accum)
 
     if cfg.dry_run:
