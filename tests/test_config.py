@@ -66,3 +66,11 @@ def test_yaml_path_and_missing_config(tmp_path):
 def test_value_ranges(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config("tiny", [override])
+
+
+def test_data_paths_expand_the_home_directory():
+    import os
+
+    cfg = load_config("tiny", ["data.path=~/corpus", "data.tokenizer=~/tokenizer.json"])
+    assert cfg.data.path == os.path.expanduser("~/corpus")
+    assert cfg.data.tokenizer == os.path.expanduser("~/tokenizer.json")

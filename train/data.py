@@ -79,6 +79,9 @@ class DataConfig:
     max_files: int | None = None  # only the first N files after sorting (quick runs)
 
     def __post_init__(self):
+        for name in ("path", "tokenizer"):  # "~/corpus" as a user types it
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, os.path.expanduser(getattr(self, name)))
         if not 0.0 <= self.val_fraction < 1.0:
             raise ValueError(f"data.val_fraction={self.val_fraction} must be in [0, 1)")
         if self.max_files is not None and self.max_files < 1:
