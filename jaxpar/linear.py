@@ -36,12 +36,12 @@ def dense(x: jax.Array, w: jax.Array, names: Sequence[str]) -> jax.Array:
     rules = context_rules(mesh)
     spec = rules_lib.logical_to_spec(tuple(names), rules)
     batch = rules_lib.logical_to_spec(("activation_batch",), rules)[0]
-    batch_axes = tuple(a for a in rules_lib._as_tuple(batch) if a != ROW and mesh.shape[a] > 1)
+    batch_axes = tuple(a for a in rules_lib.as_tuple(batch) if a != ROW and mesh.shape[a] > 1)
     lead, (K, N) = x.shape[:-1], w.shape
     rows = x.reshape(-1, K)
-    if ROW in rules_lib._as_tuple(spec[0]):
+    if ROW in rules_lib.as_tuple(spec[0]):
         out = summa_matmul(rows, w, mesh=mesh, batch_axes=batch_axes)
-    elif ROW in rules_lib._as_tuple(spec[1]):
+    elif ROW in rules_lib.as_tuple(spec[1]):
         out = summa_matmul(rows, w.T, mesh=mesh, transpose_b=True, batch_axes=batch_axes)
     else:
         raise ValueError(f"weight {tuple(names)} has no dimension on {ROW} under the 2D rules")

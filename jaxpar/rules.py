@@ -117,7 +117,8 @@ def override(rules: Rules, changes: dict[str, MeshAxes]) -> tuple[tuple[str, Mes
     return tuple((name, changes.get(name, axes)) for name, axes in rules)
 
 
-def _as_tuple(mesh_axes: MeshAxes) -> tuple[str, ...]:
+def as_tuple(mesh_axes: MeshAxes) -> tuple[str, ...]:
+    """A rule's mesh axes as a tuple: ``None`` -> ``()``, ``"fsdp"`` -> ``("fsdp",)``."""
     if mesh_axes is None:
         return ()
     return (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes)
@@ -167,7 +168,7 @@ def _for_axes(axis_names: tuple[str, ...], rules: tuple[tuple[str, MeshAxes], ..
     restricted = []
     for name, mesh_axes in rules:
         kept = []
-        for axis in _as_tuple(mesh_axes):
+        for axis in as_tuple(mesh_axes):
             if axis not in known:
                 raise ValueError(
                     f"sharding rule {name!r} names mesh axis {axis!r}, which no mesh has"
@@ -205,7 +206,7 @@ def _logical_to_spec(logical_axes, rules) -> PartitionSpec:
                 f"known: {sorted(table)}. To replicate it, add the rule ({name!r}, None)"
             )
         mesh_axes = table[name]
-        for axis in _as_tuple(mesh_axes):
+        for axis in as_tuple(mesh_axes):
             if axis in owner:
                 raise ValueError(
                     f"logical axes {owner[axis]!r} and {name!r} of one array "

@@ -70,7 +70,7 @@ def model_shardings(model_or_state, mesh: jax.sharding.Mesh, rules: rules_lib.Ru
         except ValueError as e:
             raise ValueError(f"parameter {where} {shape}: {e}") from None
         for dim, axes in zip(shape, spec):
-            ways = math.prod(mesh.shape[a] for a in rules_lib._as_tuple(axes))
+            ways = math.prod(mesh.shape[a] for a in rules_lib.as_tuple(axes))
             if dim % ways:
                 raise ValueError(
                     f"parameter {where} {shape}: dimension {dim} does not divide over "

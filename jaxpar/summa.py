@@ -332,21 +332,12 @@ def _summa_nn(x, y, *, grid: _Grid):
 def _summa_nt(x, y, *, grid: _Grid):
     """Device (i, l): x = A[i, l] ``[..., M/q, K/q]``, y = B[i, l] ``[N/q, K/q]``;
     returns C[i, l] = sum_j A[i, j] B[l, j]ᵀ ``[..., M/q, N/q]``."""
-    q = grid.q
     a = x.reshape(-1, x.shape[-1])  # [beta M/q, K/q]
-    col = jax.lax.axis_index(grid.col)
-    out = jnp.zeros((a.shape[0], y.shape[0]), x.dtype)
-    nxt = _broadcast(y, 0, grid.row, q)
-    for k in range(q):
-        b_k = nxt  # B[k, l]
-        if k + 1 < q:
-            with jax.named_scope(f"panels_{k + 1}"):
-                nxt = _broadcast(y, k + 1, grid.row, q)
-        with jax.named_scope(f"product_{k}"):
-            part = jnp.einsum("MK,NK->MN", a, b_k, preferred_element_type=_acc_dtype(x.dtype))
-        with jax.named_scope(f"reduce_{k}"):
-            c_k = _reduce(part.astype(x.dtype), k, grid.col, q)  # C[i, k] on column k
-        out = jnp.where(col == k, c_k, out)
+    out = _broadcast_multiply_reduce(
+        y, lambda b_k: jnp.einsum("MK,NK->MN", a, b_k, preferred_element_type=_acc_dtype(x.dtype)),
+        broadcast_axis=grid.row, reduce_axis=grid.col, q=grid.q,
+        shape=(a.shape[0], y.shape[0]), dtype=x.dtype,
+    )  # B[k, l] broadcast down the columns; C[i, k] reduced onto column k
     return out.reshape(*x.shape[:-1], y.shape[0])
 
 
@@ -354,22 +345,34 @@ def _summa_tn(x, y, *, grid: _Grid):
     """Device (l, j): x = A[l, j] ``[..., K/q, M/q]``, y = B[l, j] ``[..., K/q, N/q]``
     (same leading dims, contracted with K); returns C[l, j] = sum_i A[i, l]ᵀ B[i, j]
     ``[M/q, N/q]``."""
-    q = grid.q
     a = x.reshape(-1, x.shape[-1])  # [beta K/q, M/q]
     b = y.reshape(-1, y.shape[-1])  # [beta K/q, N/q]
-    row = jax.lax.axis_index(grid.row)
-    out = jnp.zeros((a.shape[1], b.shape[1]), x.dtype)
-    nxt = _broadcast(a, 0, grid.col, q)
+    return _broadcast_multiply_reduce(
+        a, lambda a_k: jnp.einsum("KM,KN->MN", a_k, b, preferred_element_type=_acc_dtype(x.dtype)),
+        broadcast_axis=grid.col, reduce_axis=grid.row, q=grid.q,
+        shape=(a.shape[1], b.shape[1]), dtype=x.dtype,
+    )  # A[l, k] broadcast along the rows; C[k, j] reduced onto row k
+
+
+def _broadcast_multiply_reduce(moving, product, *, broadcast_axis, reduce_axis, q, shape, dtype):
+    """The loop of the ``nt`` and ``tn`` forms: at step k, grid line k broadcasts its
+    panel of ``moving`` along ``broadcast_axis``, every device multiplies it with its own
+    stationary block (``product``), and the partial products are reduced along
+    ``reduce_axis`` onto grid line k, which keeps the sum. Step k+1's broadcast is issued
+    before step k's product."""
+    mine = jax.lax.axis_index(reduce_axis)
+    out = jnp.zeros(shape, dtype)
+    nxt = _broadcast(moving, 0, broadcast_axis, q)
     for k in range(q):
-        a_k = nxt  # A[l, k]
+        panel = nxt
         if k + 1 < q:
             with jax.named_scope(f"panels_{k + 1}"):
-                nxt = _broadcast(a, k + 1, grid.col, q)
+                nxt = _broadcast(moving, k + 1, broadcast_axis, q)
         with jax.named_scope(f"product_{k}"):
-            part = jnp.einsum("KM,KN->MN", a_k, b, preferred_element_type=_acc_dtype(x.dtype))
+            part = product(panel)
         with jax.named_scope(f"reduce_{k}"):
-            c_k = _reduce(part.astype(x.dtype), k, grid.row, q)  # C[k, j] on row k
-        out = jnp.where(row == k, c_k, out)
+            c_k = _reduce(part.astype(dtype), k, reduce_axis, q)
+        out = jnp.where(mine == k, c_k, out)
     return out
 
 

@@ -277,7 +277,7 @@ def sharding_rules(cfg: ModelConfig, mesh, rules=None, *, sequence_parallel: boo
     changes = dict(rules_lib.SEQUENCE_PARALLEL) if sequence_parallel else {}
     for name in ("kv_heads", "activation_kv_heads"):
         axes = dict(resolved).get(name)
-        ways = math.prod(mesh.shape[a] for a in rules_lib._as_tuple(axes))
+        ways = math.prod(mesh.shape[a] for a in rules_lib.as_tuple(axes))
         if cfg.kv_heads % ways:
             changes[name] = None
     return rules_lib.for_mesh(mesh, rules_lib.override(resolved, changes))

@@ -86,7 +86,7 @@ def flops_per_token(cfg) -> float:
 
 
 def _check_batch(cfg: Config, mesh, rules) -> None:
-    axes = jaxpar.rules._as_tuple(jaxpar.rules.logical_to_spec(("batch",), rules)[0])
+    axes = jaxpar.rules.as_tuple(jaxpar.rules.logical_to_spec(("batch",), rules)[0])
     ways = math.prod(mesh.shape[a] for a in axes)
     micro = cfg.batch_size // cfg.optimizer.grad_accum
     if cfg.batch_size % cfg.optimizer.grad_accum or micro % ways:
