@@ -8,6 +8,7 @@ width, N query heads, K key/value heads, H head dim, V vocabulary, L layers.
 from jaxpar import profiler, rules
 from jaxpar.attention import dot_product_attention
 from jaxpar.mesh import MESH_AXES, make_mesh
+from jaxpar.sequence_parallel import ring_attention
 from jaxpar.sharding import constrain, model_shardings, shard_model, use_mesh
 from jaxpar.summa import summa_matmul
 
@@ -20,6 +21,7 @@ __all__ = [
     "make_mesh",
     "model_shardings",
     "profiler",
+    "ring_attention",
     "rules",
     "shard_model",
     "summa_matmul",

@@ -1,13 +1,17 @@
 """The one attention entry point every model layer calls.
 
-Kernels (Pallas flash attention), ring attention over the ``seq`` axis and decoding
-caches plug in behind this signature without touching the model.
+Decoding caches and ring attention over the ``seq`` axis plug in behind this signature
+without touching the model; kernels (Pallas flash attention) will too.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from jaxpar import rules as rules_lib
+from jaxpar.sequence_parallel import current_options, ring_attention
+from jaxpar.sharding import context_rules
 
 # Large but finite, so a fully masked row gives a uniform softmax rather than NaN.
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -38,9 +42,21 @@ def dot_product_attention(
 
     Returns:
       ``[B, T, N, H]`` in ``q``'s dtype.
+
+    Sequence parallelism: when the mesh in context (``jax.set_mesh``) splits
+    ``activation_length`` over an axis of size > 1 under the rules in force and the
+    queries are the keys (no cache), this is ``jaxpar.ring_attention`` over that axis,
+    with the impl and token layout set by ``jaxpar.sequence_parallel.sequence_options``
+    (default: the blockwise ring, natural order).
     """
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
+    options = current_options()
+    axis = _length_axis(options.always) if q_start is None and T == S else None
+    if axis is not None:
+        return ring_attention(q, k, v, mesh=jax.sharding.get_abstract_mesh(), causal=causal,
+                              segment_ids=segment_ids, axis=axis, impl=options.impl,
+                              layout=options.layout)
     if N % K:
         raise ValueError(f"query heads N={N} must be a multiple of key/value heads K={K}")
     q = q.reshape(B, T, K, N // K, H)
@@ -60,3 +76,17 @@ def dot_product_attention(
     probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("BKGTS,BSKH->BTKGH", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.reshape(B, T, N, H).astype(q.dtype)
+
+
+def _length_axis(always: bool) -> str | None:
+    """The mesh axis the rules split the attention length over, if it has size > 1
+    (or any size, with ``always``)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return None
+    axes = rules_lib.as_tuple(dict(context_rules(mesh)).get("activation_length"))
+    axes = tuple(a for a in axes if mesh.shape[a] > 1 or always)
+    if len(axes) > 1:
+        raise ValueError(f"attention: the rules split activation_length over {axes}; sequence "
+                         "parallelism rings over one mesh axis")
+    return axes[0] if axes else None

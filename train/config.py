@@ -40,6 +40,12 @@ class MeshConfig:
     # Megatron sequence parallelism: with 1D `tensor`, norms and residual adds work on
     # length-split activations (jaxpar.rules.SEQUENCE_PARALLEL).
     sequence_parallel: bool = False
+    # With seq > 1, how attention runs over the split length (jaxpar.ring_attention):
+    # the blockwise ring, the paper's Ring Self-Attention, or Ulysses' all-to-all; and
+    # the token order the model keeps (zigzag: causal load balance, the loader permutes
+    # every batch; needs seq_len divisible by 2 x seq).
+    seq_impl: Literal["ring", "rsa", "ulysses"] = "ring"
+    seq_layout: Literal["natural", "zigzag"] = "zigzag"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +103,13 @@ class Config:
             raise ValueError(f"mesh.data={self.mesh.data!r} must be at least 1")
         if self.seq_len < 2:
             raise ValueError(f"seq_len={self.seq_len!r} must be at least 2")
+        seq = self.mesh.seq
+        ways = 2 * seq if self.mesh.seq_layout == "zigzag" else seq
+        if seq > 1 and self.seq_len % ways:
+            raise ValueError(
+                f"seq_len={self.seq_len} must be divisible by "
+                + (f"2 x mesh.seq = {ways} for mesh.seq_layout=zigzag" if ways > seq else f"mesh.seq={seq}")
+            )
 
 
 def _get(cfg, dotted: str):

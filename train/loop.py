@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 import jaxpar
 from jaxpar.models import Transformer
 from jaxpar.models.transformer import sharding_rules
+from jaxpar.sequence_parallel import SequenceOptions, to_zigzag
 from jaxpar.train import data as data_lib
 from jaxpar.train.checkpoints import Checkpoints
 from jaxpar.train.config import Config, MeshConfig, OptimizerConfig, to_dict
@@ -123,8 +124,13 @@ def _check_same_model(checkpoints: Checkpoints, cfg: Config) -> None:
         )
 
 
-def _global_batch(local: dict, sharding) -> dict:
-    return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local.items()}
+def _global_batch(local: dict, step_fn) -> dict:
+    """This process's rows as global arrays; with a zigzag sequence layout, every row's
+    tokens (inputs, targets, positions, segment ids, mask alike) reordered to it."""
+    seq = step_fn.mesh.shape.get("seq", 1)
+    if seq > 1 and step_fn.sequence.layout == "zigzag":
+        local = {k: to_zigzag(v, seq) for k, v in local.items()}
+    return {k: jax.make_array_from_process_local_data(step_fn.batch_sharding, v) for k, v in local.items()}
 
 
 def _rewrite_metrics(path: pathlib.Path, upto: int) -> None:
@@ -143,7 +149,9 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
     _check_batch(cfg, mesh, rules)
     abstract_model = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(cfg.seed)))
     tx, schedule = make_optimizer(cfg.optimizer, cfg.steps)
-    step_fn = make_train_step(abstract_model, tx, mesh, rules, grad_accum=cfg.optimizer.grad_accum)
+    sequence = SequenceOptions(cfg.mesh.seq_impl, cfg.mesh.seq_layout)
+    step_fn = make_train_step(abstract_model, tx, mesh, rules, grad_accum=cfg.optimizer.grad_accum,
+                              sequence=sequence)
 
     if cfg.dry_run:
         from jaxpar.profiler import profile_json
@@ -191,9 +199,9 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
     bar = tqdm(total=cfg.steps, initial=start, disable=not progress or not lead,
                dynamic_ncols=True, desc="train")
     try:
-        with jaxpar.use_mesh(mesh, rules):
+        with step_fn.context():
             for step in range(start + 1, cfg.steps + 1):
-                batch = _global_batch(next(loader), step_fn.batch_sharding)
+                batch = _global_batch(next(loader), step_fn)
                 began = time.perf_counter()
                 params, opt_state, out = step_fn(params, opt_state, batch)
                 loss = float(out["loss"])
@@ -208,7 +216,7 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
                           "grad_norm": float(out["grad_norm"]), "tokens_per_s": tokens_per_step / elapsed,
                           "step_time_s": elapsed}
                 if val_batches and (step % cfg.eval.every == 0 or step == cfg.steps):
-                    losses = [eval_fn(params, _global_batch(b, step_fn.batch_sharding)) for b in val_batches]
+                    losses = [eval_fn(params, _global_batch(b, step_fn)) for b in val_batches]
                     record["val_loss"] = float(np.mean([float(l) for l in losses]))
                 history.append(record)
                 if lead:

@@ -7,6 +7,7 @@ Parameters, gradients and optimizer state take the parameters' shardings (the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -18,6 +19,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar import rules as rules_lib
+from jaxpar.sequence_parallel import SequenceOptions, sequence_options
 from jaxpar.sharding import like_params, model_shardings, use_mesh
 
 Batch = dict[str, jax.Array]
@@ -61,7 +63,8 @@ class TrainStep:
 
     ``params`` is the model's ``nnx.State``; ``graphdef`` rebuilds the model from it.
     ``params_sharding`` / ``opt_sharding`` are what ``init`` places the state with
-    (None without a mesh).
+    (None without a mesh). ``sequence``: how attention runs over a length split over
+    ``seq`` (with ``layout="zigzag"`` the batches' tokens must be in ``to_zigzag`` order).
     """
 
     graphdef: Any
@@ -72,6 +75,15 @@ class TrainStep:
     opt_sharding: Any
     batch_sharding: Any
     rules: rules_lib.Rules | None = None
+    sequence: SequenceOptions = SequenceOptions()
+
+    def context(self):
+        """The mesh, rules and sequence options to trace and run under."""
+        stack = contextlib.ExitStack()
+        if self.mesh is not None:
+            stack.enter_context(use_mesh(self.mesh, self.rules))
+        stack.enter_context(sequence_options(self.sequence))
+        return stack
 
     def init(self, model: nnx.Module):
         """Returns ``(params, opt_state)`` placed on the mesh."""
@@ -102,15 +114,11 @@ class TrainStep:
         params, opt_state = state["params"], state["opt_state"]
         token = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32, sharding=self.batch_sharding)
         batch = dict.fromkeys(BATCH_KEYS, token)
-        if self.mesh is None:
-            return self.step.lower(params, opt_state, batch).compile()
-        with use_mesh(self.mesh, self.rules):
+        with self.context():
             return self.step.lower(params, opt_state, batch).compile()
 
     def __call__(self, params, opt_state, batch: Batch):
-        if self.mesh is None:
-            return self.step(params, opt_state, batch)
-        with use_mesh(self.mesh, self.rules):
+        with self.context():
             return self.step(params, opt_state, batch)
 
 
@@ -122,6 +130,7 @@ def make_train_step(
     *,
     grad_accum: int = 1,
     donate: bool = True,
+    sequence: SequenceOptions = SequenceOptions(),
 ) -> TrainStep:
     """Builds the jitted train step for ``model``'s structure on ``mesh`` (or one device).
 
@@ -158,7 +167,7 @@ def make_train_step(
     donate_argnums = (0, 1) if donate else ()
     if mesh is None:
         return TrainStep(graphdef, tx, jax.jit(step, donate_argnums=donate_argnums),
-                         None, None, None, None, rules)
+                         None, None, None, None, rules, sequence)
     params_sharding = model_shardings(params, mesh, rules)
     replicated = NamedSharding(mesh, PartitionSpec())
     opt_shape = jax.eval_shape(tx.init, params)
@@ -171,4 +180,5 @@ def make_train_step(
         out_shardings=(params_sharding, opt_sharding, replicated),
         donate_argnums=donate_argnums,
     )
-    return TrainStep(graphdef, tx, jitted, mesh, params_sharding, opt_sharding, batch_sharding, rules)
+    return TrainStep(graphdef, tx, jitted, mesh, params_sharding, opt_sharding, batch_sharding,
+                     rules, sequence)
