@@ -150,6 +150,24 @@ def test_next_transfer_is_issued_before_the_block_is_computed():
         assert all(i > max(block) for i in dones)
 
 
+def test_ring_traffic_is_the_closed_form():
+    """Per device per forward + backward: k and v hop n - 1 times each way, and their
+    float32 gradients n times (home included); the profiler's count is exact."""
+    B, T, N, K, H, n = 2, 512, 8, 2, 32, 8
+    mesh = seq_mesh(n)
+    spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "seq"))
+    sds = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32, sharding=spec)  # noqa: E731
+
+    def loss(q, k, v):
+        return ring_attention(q, k, v, mesh=mesh, layout="zigzag").sum()
+
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(
+        sds(B, T, N, H), sds(B, T, K, H), sds(B, T, K, H)).compile()
+    block = B * (T // n) * K * H * 4
+    assert jaxpar.profiler.profile(compiled)["collectives"]["collective-permute"] == (
+        2 * (n - 1) * 2 * block + n * 2 * block)
+
+
 def test_ring_memory_is_linear_rsa_holds_score_rows():
     """Compile-only: the ring's temporaries stay far below one device's [T/n, T] score
     rows, which Ring Self-Attention holds by design."""
@@ -168,6 +186,35 @@ def test_ring_memory_is_linear_rsa_holds_score_rows():
     score_rows = B * N * (T // n) * T * 4
     assert temp["rsa"] >= score_rows
     assert temp["ring"] < score_rows / 4
+
+
+@pytest.mark.parametrize("impl", ["ring", "ulysses"])
+def test_memory_stays_linear_inside_a_differentiated_layer_scan(impl):
+    """The model scans its layers; nothing of the ring's forward may be kept per ring
+    step there (jaxpar.sequence_parallel._device_index): a scan over two layers needs
+    no more temporaries than the two layers unrolled, give or take."""
+    B, T, N, H, n = 1, 8192, 8, 32, 8
+    mesh = seq_mesh(n)
+    spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "seq"))
+
+    def layer(x, w):
+        return x + ring_attention(x * w, x, x, mesh=mesh, impl=impl, layout="zigzag"), None
+
+    def scanned(x, ws):
+        return jax.lax.scan(layer, x, ws)[0].sum()
+
+    def unrolled(x, ws):
+        for i in range(2):
+            x, _ = layer(x, ws[i])
+        return x.sum()
+
+    temp = {}
+    for name, f in (("scanned", scanned), ("unrolled", unrolled)):
+        compiled = jax.jit(jax.grad(f, argnums=(0, 1))).lower(
+            jax.ShapeDtypeStruct((B, T, N, H), jnp.float32, sharding=spec),
+            jax.ShapeDtypeStruct((2,), jnp.float32)).compile()
+        temp[name] = compiled.memory_analysis().temp_size_in_bytes
+    assert temp["scanned"] < 1.25 * temp["unrolled"], temp
 
 
 @pytest.mark.parametrize("call,message", [
