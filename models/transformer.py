@@ -265,6 +265,11 @@ def sharding_rules(cfg: ModelConfig, mesh, rules=None, *, sequence_parallel: boo
       Megatron replicates kv heads when the tensor group outnumbers them; each device
       then computes the kv heads its query heads read.
     * ``sequence_parallel``: ``jaxpar.rules.SEQUENCE_PARALLEL``.
+    * With a ``seq`` axis of size > 1 the weights' model dimension (``embed``) is split
+      over ``seq`` too, where it divides: the sequence-parallel group holds one copy
+      of the parameters and optimizer state between them (ZeRO-3 across it, as
+      MaxText's context parallelism and DeepSpeed-Ulysses do) rather than one each,
+      which at long context is what leaves room for activations.
 
     On a 2D tensor grid (``tensor_row``/``tensor_col``) the default rules take
     ``jaxpar.rules.TENSOR_2D``, and the projections run as SUMMA (``jaxpar.linear``).
@@ -275,6 +280,11 @@ def sharding_rules(cfg: ModelConfig, mesh, rules=None, *, sequence_parallel: boo
             rules = rules_lib.override(rules, rules_lib.TENSOR_2D)
     resolved = rules_lib.for_mesh(mesh, rules)
     changes = dict(rules_lib.SEQUENCE_PARALLEL) if sequence_parallel else {}
+    embed = rules_lib.as_tuple(dict(resolved).get("embed"))
+    if mesh.shape.get("seq", 1) > 1 and "seq" not in embed:
+        with_seq = (*embed, "seq")
+        if cfg.dim % math.prod(mesh.shape[a] for a in with_seq) == 0:
+            changes["embed"] = with_seq
     for name in ("kv_heads", "activation_kv_heads"):
         axes = dict(resolved).get(name)
         ways = math.prod(mesh.shape[a] for a in rules_lib.as_tuple(axes))
