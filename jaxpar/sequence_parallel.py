@@ -333,18 +333,24 @@ class _Ring:
         return [(d, (d + 1) % self.n) for d in range(self.n)]
 
 
-def _device_index(axis: str, data):
-    """``axis_index(axis)``, tied to ``data`` (it adds ``data``-derived zero).
+def _tied(x, data):
+    """``x`` made to depend on ``data`` (plus a zero derived from it).
 
     In the model the ring runs inside the differentiated scan over layers. There JAX
-    evaluates the parts of a custom-VJP forward that depend on no input apart and keeps
-    their values for every iteration: masks and positions derived from a bare
-    ``axis_index`` were kept for every ring step, ``[n - 1, L/2, L/2]`` per layer, the
-    O(L²) this module exists to avoid (measured: 1.9 GB instead of 0.3 GB for two layers
-    at T = 16k, n = 8). Derived from the data, they stay where they are used.
+    evaluates apart the parts of the computation that depend on no differentiated input
+    and keeps their values for every iteration: masks derived from a bare
+    ``axis_index``, or from the segment ids (the same in every layer), were kept for
+    every ring step and key block, ``[n - 1, L/2, L/2]`` or ``[T/512, B, T, 512]`` per
+    layer, the O(T²) this module exists to avoid (measured: 1.9 GB instead of 0.3 GB
+    for two layers at T = 16k, n = 8). Tied to the data, they stay where they are used.
     """
     first = data.reshape(-1)[0]
-    return jax.lax.axis_index(axis) + (first == first).astype(jnp.int32) * 0
+    return x + (first == first).astype(x.dtype) * 0
+
+
+def _device_index(axis: str, data):
+    """``axis_index(axis)``, tied to ``data`` (``_tied``)."""
+    return _tied(jax.lax.axis_index(axis), data)
 
 
 def _split(x, pieces, axis=1):
@@ -516,7 +522,7 @@ def _ulysses(ring: _Ring, q, k, v, seg):
     to_heads = functools.partial(jax.lax.all_to_all, axis_name=axis, split_axis=2, concat_axis=1, tiled=True)
     q_all, k_all, v_all = to_heads(q), to_heads(k), to_heads(v)  # [B, T, heads / n, ...]
     positions = jnp.concatenate([ring.positions(d, L // ring.pieces) for d in range(n)])
-    positions = positions + _device_index(axis, q) * 0  # see _device_index
+    positions = _tied(positions, q)
     seg_all = None if seg is None else jax.lax.all_gather(seg, axis, axis=1, tiled=True)
     out = flash_attention(ring.causal, q_all, k_all, v_all, positions, seg_all)
     out = jax.lax.all_to_all(out, axis, split_axis=1, concat_axis=2, tiled=True)
@@ -584,6 +590,7 @@ def ring_attention(q, k, v, *, mesh, causal: bool = True, segment_ids=None, axis
     G = N // K
 
     def local(q, k, v, seg):
+        seg = None if seg is None else _tied(seg, q)
         if kv_axes != head_axes:
             k, v = _kv_heads_for(q.shape[2], G, head_axes, mesh, k, v)
         b, t, heads, _ = q.shape

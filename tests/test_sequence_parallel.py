@@ -191,28 +191,30 @@ def test_ring_memory_is_linear_rsa_holds_score_rows():
 @pytest.mark.parametrize("impl", ["ring", "ulysses"])
 def test_memory_stays_linear_inside_a_differentiated_layer_scan(impl):
     """The model scans its layers; nothing of the ring's forward may be kept per ring
-    step there (jaxpar.sequence_parallel._device_index): a scan over two layers needs
-    no more temporaries than the two layers unrolled, give or take."""
+    step or key block there (jaxpar.sequence_parallel._tied): a scan over two layers
+    needs no more temporaries than the two layers unrolled, give or take."""
     B, T, N, H, n = 1, 8192, 8, 32, 8
     mesh = seq_mesh(n)
     spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "seq"))
 
-    def layer(x, w):
-        return x + ring_attention(x * w, x, x, mesh=mesh, impl=impl, layout="zigzag"), None
+    def layer(x, w, seg):
+        return x + ring_attention(x * w, x, x, mesh=mesh, segment_ids=seg, impl=impl,
+                                  layout="zigzag"), None
 
-    def scanned(x, ws):
-        return jax.lax.scan(layer, x, ws)[0].sum()
+    def scanned(x, ws, seg):
+        return jax.lax.scan(lambda x, w: layer(x, w, seg), x, ws)[0].sum()
 
-    def unrolled(x, ws):
+    def unrolled(x, ws, seg):
         for i in range(2):
-            x, _ = layer(x, ws[i])
+            x, _ = layer(x, ws[i], seg)
         return x.sum()
 
     temp = {}
     for name, f in (("scanned", scanned), ("unrolled", unrolled)):
         compiled = jax.jit(jax.grad(f, argnums=(0, 1))).lower(
             jax.ShapeDtypeStruct((B, T, N, H), jnp.float32, sharding=spec),
-            jax.ShapeDtypeStruct((2,), jnp.float32)).compile()
+            jax.ShapeDtypeStruct((2,), jnp.float32),
+            jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=spec)).compile()
         temp[name] = compiled.memory_analysis().temp_size_in_bytes
     assert temp["scanned"] < 1.25 * temp["unrolled"], temp
 
