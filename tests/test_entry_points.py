@@ -37,3 +37,12 @@ def test_tensor_parallel_benchmark():
     assert out.returncode == 0, out.stderr
     rows = [line for line in out.stdout.splitlines() if line.startswith("| 4 |")]
     assert len(rows) == 3 and "1D + SP" in rows[1] and "2D SUMMA" in rows[2]
+
+
+def test_sequence_parallel_benchmark():
+    out = run("bench/sequence_parallel.py", "--config", "tiny", "--impls", "ring",
+              "--devices", "1", "2", "--lengths", "256", "512", "1024", "--budget-gib", "0.1")
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| ring |")]
+    assert len(rows) == 2
+    assert "ring, longest at N=2 / (N x longest at N=1)" in out.stdout
