@@ -169,9 +169,13 @@ def _visible(q_pos, k_pos, q_seg, k_seg, causal):
 
 def _key_blocks(*xs):
     """Cuts arrays along their key axis (axis 0 for positions ``[Tk]``, 1 otherwise) into
-    a leading axis of blocks of at most ``KV_BLOCK``; None stays None."""
+    a leading axis of blocks of at most ``KV_BLOCK``; None stays None. A length with no
+    divisor between ``KV_BLOCK / 8`` and ``KV_BLOCK`` (a prime, say) stays one block:
+    exact, with ``[Tq, Tk]`` scores."""
     Tk = xs[0].shape[1]
     size = max(d for d in range(1, min(Tk, KV_BLOCK) + 1) if Tk % d == 0)
+    if size < KV_BLOCK // 8:
+        size = Tk
 
     def cut(x):
         if x is None:
