@@ -18,6 +18,7 @@ leading ``[S, ...]`` axis; stage ``s`` runs on device ``s % P``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
@@ -106,30 +107,33 @@ def plan(schedule: Schedule) -> _Plan:
 
 def value_and_grad(
     stage_fn: Callable,
-    loss_fn: Callable,
-    params,
+    head_fn: Callable,
+    stage_params,
+    head_params,
     x: jax.Array,
-    targets,
+    side,
     schedule: Schedule,
     *,
     mesh,
     axis: str = "pipe",
 ):
-    """Runs ``schedule``: the mean over microbatches of ``loss_fn(stage_{S-1}(... stage_0(
-    x[m])), targets[m])`` and its gradients.
+    """Runs ``schedule``: the mean over microbatches ``m`` of
+    ``head_fn(head_params, stage_{S-1}(... stage_0(x[m])), side[m])`` and its gradients.
 
     Args:
-      stage_fn: ``(stage_params, a) -> a``, one stage (e.g. a chunk of layers), ``a``
-        of shape ``A``.
-      loss_fn: ``(a, target) -> scalar``, applied after the last stage.
-      params: pytree of arrays with leading ``[S, ...]`` (stage ``s``'s parameters),
-        ``S = schedule.devices * schedule.virtual``.
-      x: ``[M, *A]`` the first stage's inputs; targets: pytree with leading ``[M]``.
+      stage_fn: ``(stage_params_s, a, side_m) -> a``, one stage (a chunk of layers),
+        ``a`` of shape ``A``; ``side_m`` is microbatch ``m``'s slice of ``side``.
+      head_fn: ``(head_params, a, side_m) -> scalar``, after the last stage (the loss).
+      stage_params: pytree of arrays with leading ``[S, ...]``, stage ``s``'s parameters
+        (``S = schedule.devices * schedule.virtual``).
+      head_params: pytree, replicated over ``axis``.
+      x: ``[M, *A]`` the first stage's inputs.
+      side: pytree with leading ``[M]`` that stages and head read (targets, positions).
       schedule: from ``jaxpar.pipeline_schedule.build``; mesh: has ``axis`` of size
         ``schedule.devices``.
 
     Returns:
-      ``(loss, (param_grads [S, ...], x_grads [M, *A]))``.
+      ``(loss, (stage_grads [S, ...], head_grads, x_grads [M, *A]))``.
     """
     P, V, M = schedule.devices, schedule.virtual, schedule.microbatches
     if mesh.shape[axis] != P:
@@ -138,9 +142,9 @@ def value_and_grad(
     tables = {k: jnp.asarray(getattr(p_plan, k)) for k in
               ("op", "microbatch", "virtual", "first", "last", "slot", "read", "arrive_f", "arrive_b")}
     # [S, ...] with s = v P + p -> [P, V, ...]: device p's block is its V stages.
-    by_device = jax.tree.map(lambda a: jnp.swapaxes(a.reshape(V, P, *a.shape[1:]), 0, 1), params)
+    by_device = jax.tree.map(lambda a: jnp.swapaxes(a.reshape(V, P, *a.shape[1:]), 0, 1), stage_params)
 
-    def local(params, x, targets, tables):
+    def local(params, head_params, x, side, tables):
         params = jax.tree.map(lambda a: a[0], params)  # [V, ...]
         me = jax.lax.axis_index(axis)
         row = jax.tree.map(lambda a: a[:, me], tables)  # [ticks] each
@@ -151,43 +155,45 @@ def value_and_grad(
             recv_f=jnp.zeros((p_plan.recv_f_size, *shape), dtype),
             recv_b=jnp.zeros((p_plan.recv_b_size, *shape), dtype),
             grads=jax.tree.map(jnp.zeros_like, params),
+            head_grads=jax.tree.map(jnp.zeros_like, head_params),
             dx=jnp.zeros_like(x),
             loss=jnp.zeros((), jnp.float32),
         )
 
-        def stage(v, a):
-            return stage_fn(jax.tree.map(lambda w: w[v], params), a)
-
-        def last_loss(v, a, m):
-            return loss_fn(stage(v, a), jax.tree.map(lambda y: y[m], targets)).astype(jnp.float32)
+        def at(tree, i):
+            return jax.tree.map(lambda w: w[i], tree)
 
         def forward(state, op):
             m, v, slot = op["microbatch"], op["virtual"], op["slot"]
             a = jnp.where(op["first"] == 1, x[m], state["recv_f"][jnp.maximum(op["read"], 0)])
             state = dict(state, stash=state["stash"].at[slot].set(a))
-            out, loss = jax.lax.cond(op["last"] == 1,
-                                     lambda: (zeros_a, last_loss(v, a, m)),
-                                     lambda: (stage(v, a), jnp.zeros((), jnp.float32)))
+            out = stage_fn(at(params, v), a, at(side, m))
+            loss = jax.lax.cond(op["last"] == 1,
+                                lambda: head_fn(head_params, out, at(side, m)).astype(jnp.float32),
+                                lambda: jnp.zeros((), jnp.float32))
             return dict(state, loss=state["loss"] + loss), out, zeros_a
 
         def backward(state, op):
             m, v = op["microbatch"], op["virtual"]
-            a = state["stash"][op["slot"]]
-            v_params = jax.tree.map(lambda w: w[v], params)
+            a, side_m = state["stash"][op["slot"]], at(side, m)
 
-            def through_loss():
-                target = jax.tree.map(lambda y: y[m], targets)
-                loss, vjp = jax.vjp(lambda w, a: loss_fn(stage_fn(w, a), target), v_params, a)
+            def through_head():
+                def fn(w, h, a):
+                    return head_fn(h, stage_fn(w, a, side_m), side_m)
+
+                loss, vjp = jax.vjp(fn, at(params, v), head_params, a)
                 return vjp(jnp.ones_like(loss))
 
             def through_stage():
-                _, vjp = jax.vjp(stage_fn, v_params, a)
-                return vjp(state["recv_b"][jnp.maximum(op["read"], 0)])
+                _, vjp = jax.vjp(lambda w, a: stage_fn(w, a, side_m), at(params, v), a)
+                g_w, g_a = vjp(state["recv_b"][jnp.maximum(op["read"], 0)])
+                return g_w, jax.tree.map(jnp.zeros_like, head_params), g_a
 
-            g_params, g_a = jax.lax.cond(op["last"] == 1, through_loss, through_stage)
-            grads = jax.tree.map(lambda acc, g: acc.at[v].add(g), state["grads"], g_params)
+            g_w, g_head, g_a = jax.lax.cond(op["last"] == 1, through_head, through_stage)
+            grads = jax.tree.map(lambda acc, g: acc.at[v].add(g), state["grads"], g_w)
+            head_grads = jax.tree.map(jnp.add, state["head_grads"], g_head)
             dx = jnp.where(op["first"] == 1, state["dx"].at[m].set(g_a), state["dx"])
-            return dict(state, grads=grads, dx=dx), zeros_a, g_a
+            return dict(state, grads=grads, head_grads=head_grads, dx=dx), zeros_a, g_a
 
         def idle(state, op):
             return state, zeros_a, zeros_a
@@ -203,17 +209,17 @@ def value_and_grad(
             return dict(state, recv_f=recv_f, recv_b=recv_b), None
 
         state, _ = jax.lax.scan(tick, state, row)
-        loss = jax.lax.psum(state["loss"], axis) / M
-        dx = jax.lax.psum(state["dx"], axis) / M
+        total = functools.partial(jax.lax.psum, axis_name=axis)
+        loss = total(state["loss"]) / M
+        head_grads = jax.tree.map(lambda g: total(g) / M, state["head_grads"])
+        dx = total(state["dx"]) / M
         grads = jax.tree.map(lambda g: (g / M)[None], state["grads"])
-        return loss, grads, dx
+        return loss, grads, head_grads, dx
 
-    spec = PartitionSpec(axis)
-    loss, grads, dx = jax.shard_map(
-        local, mesh=mesh,
-        in_specs=(spec, PartitionSpec(), PartitionSpec(), PartitionSpec()),
-        out_specs=(PartitionSpec(), spec, PartitionSpec()), check_vma=False,
-    )(by_device, x, targets, tables)
+    spec, whole = PartitionSpec(axis), PartitionSpec()
+    loss, grads, head_grads, dx = jax.shard_map(
+        local, mesh=mesh, in_specs=(spec, whole, whole, whole, whole),
+        out_specs=(whole, spec, whole, whole), check_vma=False,
+    )(by_device, head_params, x, side, tables)
     grads = jax.tree.map(lambda g: jnp.swapaxes(g, 0, 1).reshape(P * V, *g.shape[2:]), grads)
-    return loss, (grads, dx)
-
+    return loss, (grads, head_grads, dx)
