@@ -218,7 +218,7 @@ def value_and_grad(
 
     spec, whole = PartitionSpec(axis), PartitionSpec()
     loss, grads, head_grads, dx = jax.shard_map(
-        local, mesh=mesh, in_specs=(spec, whole, whole, whole, whole),
+        local, mesh=mesh, in_specs=(spec, whole, whole, whole, whole), axis_names={axis},
         out_specs=(whole, spec, whole, whole), check_vma=False,
     )(by_device, head_params, x, side, tables)
     grads = jax.tree.map(lambda g: jnp.swapaxes(g, 0, 1).reshape(P * V, *g.shape[2:]), grads)

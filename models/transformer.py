@@ -332,23 +332,14 @@ class Transformer(nnx.Module):
         Returns:
           logits ``[B, T, V]`` in the compute dtype; with a cache, ``(logits, cache)``.
         """
-        cfg, dtype = self.cfg, self.cfg.compute_dtype
         B, T = tokens.shape
         if positions is None:
             start = 0 if cache is None else cache.index
             positions = jnp.broadcast_to(start + jnp.arange(T, dtype=jnp.int32), (B, T))
-        x = jnp.take(self.embed[...], tokens, axis=0).astype(dtype)
-        if cfg.position == "learned":
-            x = x + jnp.take(self.positions[...], positions, axis=0).astype(dtype)
-        x = constrain(x, ACT_BTD)
-
+        x = self.embed_tokens(tokens, positions)
         graphdef, layer_state = nnx.split(self.layers)
-
         if cache is None:
-            def layer(x, state):
-                return nnx.merge(graphdef, state)(x, positions, segment_ids), None
-
-            x, _ = jax.lax.scan(_remat(layer, cfg), x, layer_state)
+            x = run_layers(self.cfg, graphdef, layer_state, x, positions, segment_ids)
         else:
             def layer(x, xs):
                 state, k, v = xs
@@ -356,10 +347,30 @@ class Transformer(nnx.Module):
 
             x, (k, v) = jax.lax.scan(layer, x, (layer_state, cache.k, cache.v))
             cache = KVCache(k, v, cache.index + T)
-        x = self.final_norm(x)
-        if cfg.tie_embeddings:
+        logits = self.logits(x)
+        return logits if cache is None else (logits, cache)
+
+    def embed_tokens(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
+        """int ``[B, T]`` tokens (and positions) -> the residual stream ``[B, T, D]``."""
+        x = jnp.take(self.embed[...], tokens, axis=0).astype(self.cfg.compute_dtype)
+        if self.cfg.position == "learned":
+            x = x + jnp.take(self.positions[...], positions, axis=0).astype(self.cfg.compute_dtype)
+        return constrain(x, ACT_BTD)
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        """The final norm and vocabulary projection: ``[B, T, D]`` -> ``[B, T, V]``."""
+        x, dtype = self.final_norm(x), self.cfg.compute_dtype
+        if self.cfg.tie_embeddings:
             logits = dense(x, self.embed[...].astype(dtype).T, ("embed", "vocab"))
         else:
             logits = dense(x, self.lm_head[...].astype(dtype), ("embed", "vocab"))
-        logits = constrain(logits, ACT_BTV)
-        return logits if cache is None else (logits, cache)
+        return constrain(logits, ACT_BTV)
+
+
+def run_layers(cfg: ModelConfig, graphdef, layer_state, x, positions, segment_ids):
+    """Runs stacked decoder layers (``layer_state`` leaves ``[L', ...]``, any ``L'``, as a
+    pipeline stage holds) over ``x [B, T, D]`` with ``jax.lax.scan``, remat per layer."""
+    def layer(x, state):
+        return nnx.merge(graphdef, state)(x, positions, segment_ids), None
+
+    return jax.lax.scan(_remat(layer, cfg), x, layer_state)[0]

@@ -1,15 +1,22 @@
 """The schedule-driven SPMD pipeline (jaxpar.pipeline) against plain autodiff on one
 device: loss, stage-parameter gradients and input gradients, for every schedule."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from flax import nnx
 
 import jaxpar
 from conftest import rel_err, tree_rel_err
 from jaxpar import pipeline
+from jaxpar.models import ModelConfig, Transformer
+from jaxpar.models.transformer import sharding_rules
 from jaxpar.pipeline_schedule import build
+from jaxpar.train.step import make_train_step
 
 
 def stage_fn(w, a, side):
@@ -63,3 +70,63 @@ def test_1f1b_stashes_p_inputs_where_gpipe_stashes_m():
     P, M = 4, 16
     assert pipeline.plan(build("gpipe", P, M)).stash_size == M
     assert pipeline.plan(build("1f1b", P, M)).stash_size == P
+
+
+# The transformer through the pipeline ---------------------------------------------------
+
+CFG = ModelConfig(vocab_size=128, dim=64, layers=4, heads=4, kv_heads=2, head_dim=16, mlp_dim=96)
+
+
+def batches(rng, steps=3, B=8, T=16):
+    out = []
+    for _ in range(steps):
+        tokens = rng.integers(0, CFG.vocab_size, (B, T + 1)).astype(np.int32)
+        seg = np.sort(rng.integers(0, 2, (B, T)), axis=1).astype(np.int32)
+        out.append({"inputs": jnp.asarray(tokens[:, :-1]), "targets": jnp.asarray(tokens[:, 1:]),
+                    "segment_ids": jnp.asarray(seg)})
+    return out
+
+
+def train(data, mesh=None, schedule=None):
+    model = Transformer(CFG, rngs=nnx.Rngs(0))
+    rules = sharding_rules(CFG, mesh) if mesh is not None else None
+    step = make_train_step(model, optax.adamw(1e-3, weight_decay=0.1), mesh, rules, pipeline=schedule)
+    params, opt_state = step.init(model)
+    losses = []
+    for batch in data:
+        params, opt_state, metrics = step(params, opt_state, batch)
+        losses.append(float(metrics["loss"]))
+    return losses, params
+
+
+@pytest.fixture(scope="module")
+def single_device_run():
+    data = batches(np.random.default_rng(3))
+    return data, train(data)
+
+
+@pytest.mark.parametrize("kind,P,M,V,others", [
+    ("gpipe", 2, 2, 1, {}), ("gpipe", 4, 8, 1, {}), ("1f1b", 2, 4, 1, {}), ("1f1b", 4, 4, 1, {}),
+    ("interleaved", 2, 4, 2, {}),
+    ("1f1b", 2, 2, 1, dict(data=2, tensor=2)), ("gpipe", 2, 4, 1, dict(fsdp=2, tensor=2)),
+], ids=lambda x: ",".join(f"{k}={v}" for k, v in x.items()) if isinstance(x, dict) else str(x))
+def test_training_through_the_pipeline_matches_one_device(single_device_run, kind, P, M, V, others):
+    """Three AdamW steps: losses and parameters equal one device's (mean of microbatch
+    losses = the batch mean here: every microbatch has the same number of tokens)."""
+    data, (ref_losses, ref_params) = single_device_run
+    count = P * int(np.prod(list(others.values()) or [1]))
+    mesh = jaxpar.make_mesh(pipe=P, **others, devices=jax.devices()[:count])
+    losses, params = train(data, mesh, build(kind, P, M, V))
+    assert rel_err(losses, ref_losses) < 1e-5
+    assert tree_rel_err(params, ref_params) < 1e-5
+
+
+@pytest.mark.parametrize("sizes,schedule,message", [
+    (dict(pipe=2), ("interleaved", 2, 4, 3), "4 layers do not split into pipe x virtual stages = 2 x 3 = 6"),
+    (dict(pipe=2, seq=2), ("1f1b", 2, 2), "pipeline parallelism with seq=2 is not supported yet"),
+])
+def test_unsupported_pipelines_are_refused(sizes, schedule, message):
+    data = batches(np.random.default_rng(4), steps=1)
+    count = int(np.prod(list(sizes.values())))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        train(data, jaxpar.make_mesh(**sizes, devices=jax.devices()[:count]), build(*schedule))

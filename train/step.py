@@ -131,16 +131,24 @@ def make_train_step(
     grad_accum: int = 1,
     donate: bool = True,
     sequence: SequenceOptions = SequenceOptions(),
+    pipeline=None,
 ) -> TrainStep:
     """Builds the jitted train step for ``model``'s structure on ``mesh`` (or one device).
 
     With ``grad_accum=k`` the batch ``[B, T]`` is split into ``k`` microbatches of
     ``B / k`` rows (row ``r`` goes to microbatch ``r % k``, so each device's rows stay
     on it) whose gradients are averaged inside the one jitted step.
+
+    ``pipeline``: a ``jaxpar.pipeline_schedule.Schedule`` over the mesh's ``pipe`` axis;
+    the step then runs the model through it (``jaxpar.train.pipelined``).
     """
     graphdef, params = nnx.split(model)
 
     def loss_and_grads(params, batch):
+        if pipeline is not None:
+            from jaxpar.train import pipelined
+
+            return pipelined.loss_and_grads(graphdef, params, batch, pipeline, mesh)
         return jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p), batch))(params)
 
     def accumulated(params, batch):
