@@ -123,6 +123,18 @@ def test_sequence_parallel_run_matches_one_device(tmp_path, cache):
             assert len(got) == len(want) > 0 and rel_err(got, want) < 1e-5, (impl, key)
 
 
+def test_pipeline_run_matches_one_device(tmp_path, cache):
+    """mesh.pipe=2 (1F1B over 2 microbatches, x data=4) trains as data=8 does."""
+    common = ("steps=3", "eval.every=3", "checkpoint.every=0")
+    reference = train(config(tmp_path / "ref", cache, *common, "mesh.data=8"), progress=False)
+    history = train(config(tmp_path / "pipe", cache, *common, "mesh.pipe=2", "pipeline.schedule=1f1b",
+                           "pipeline.microbatches=2"), progress=False)
+    for key in ("loss", "val_loss"):
+        got = [r[key] for r in history if key in r]
+        want = [r[key] for r in reference if key in r]
+        assert len(got) == len(want) > 0 and rel_err(got, want) < 1e-5, key
+
+
 def test_corrupt_latest_checkpoint_falls_back_to_the_previous(tmp_path, cache):
     run = tmp_path / "run"
     first = train(config(run, cache, "steps=8", "checkpoint.every=4", "eval.every=0"), progress=False)
@@ -153,6 +165,9 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, cache):
         ("batch_size=12", 1, "batch_size=12 / optimizer.grad_accum=1 must be a multiple of the data-parallel degree data*fsdp=8"),
         ("mesh.tensor=[2,2] batch_size=2", 1, "must be a multiple of the data-parallel degree data*fsdp*tensor_row=4"),
         ("mesh.fsdp=3", 1, "does not divide 8 devices"),
+        ("mesh.pipe=2 pipeline.microbatches=3", 1, "batch_size=8 is not divisible by pipeline.microbatches x the data-parallel degree = 3 x 4 = 12"),
+        ("mesh.pipe=2 pipeline.microbatches=1 batch_size=8", 1, "1f1b needs at least as many microbatches as pipeline stages: microbatches=1 < pipe=2"),
+        ("mesh.pipe=2 mesh.seq=2", 1, "mesh.pipe=2 with mesh.seq=2 is not supported yet"),
         ("mesh.seq=4 seq_len=60", 2, "seq_len=60 must be divisible by 2 x mesh.seq = 8 for mesh.seq_layout=zigzag"),
     ],
 )

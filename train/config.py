@@ -69,6 +69,16 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    """With ``mesh.pipe`` > 1 (``jaxpar.pipeline_schedule``): the schedule, microbatches
+    per step (None: twice ``mesh.pipe``) and virtual stages per device (interleaved)."""
+
+    schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
+    microbatches: int | None = None
+    virtual_stages: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
 class EvalConfig:
     every: int = 50  # validation loss every N steps (and at the last step); 0 never
     batches: int = 4
@@ -79,6 +89,7 @@ class Config:
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     mesh: MeshConfig = MeshConfig()
+    pipeline: PipelineConfig = PipelineConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     eval: EvalConfig = EvalConfig()
@@ -92,13 +103,16 @@ class Config:
 
     def __post_init__(self):
         for key in ("steps", "batch_size", "mesh.fsdp", "mesh.pipe", "mesh.seq",
-                    "optimizer.grad_accum", "checkpoint.keep", "eval.batches"):
+                    "optimizer.grad_accum", "checkpoint.keep", "eval.batches",
+                    "pipeline.virtual_stages"):
             value = _get(self, key)
             if value < 1:
                 raise ValueError(f"{key}={value!r} must be at least 1")
         for key in ("checkpoint.every", "eval.every", "optimizer.warmup_steps"):
             if _get(self, key) < 0:
                 raise ValueError(f"{key}={_get(self, key)!r} must not be negative")
+        if self.pipeline.microbatches is not None and self.pipeline.microbatches < 1:
+            raise ValueError(f"pipeline.microbatches={self.pipeline.microbatches!r} must be at least 1")
         if self.mesh.data is not None and self.mesh.data < 1:
             raise ValueError(f"mesh.data={self.mesh.data!r} must be at least 1")
         if self.seq_len < 2:

@@ -26,7 +26,9 @@ from tqdm.auto import tqdm
 
 import jaxpar
 from jaxpar.models import Transformer
+from jaxpar import pipeline_schedule as pipeline_schedules
 from jaxpar.models.transformer import sharding_rules
+from jaxpar.pipeline_schedule import Schedule
 from jaxpar.sequence_parallel import SequenceOptions, to_zigzag
 from jaxpar.train import data as data_lib
 from jaxpar.train.checkpoints import Checkpoints
@@ -84,6 +86,34 @@ def flops_per_token(cfg) -> float:
         + m.dim * m.mlp_dim * (3 if m.mlp == "swiglu" else 2)
     )
     return 6 * params + 12 * m.layers * m.heads * m.head_dim * cfg.seq_len
+
+
+def pipeline_schedule(cfg: Config, mesh, rules) -> Schedule | None:
+    """The schedule ``cfg.pipeline`` asks for on ``mesh`` (None without ``pipe`` > 1),
+    its sizes checked against the model and the batch."""
+    P = mesh.shape["pipe"]
+    if P == 1:
+        return None
+    if mesh.shape["seq"] > 1:
+        raise TrainingError(f"mesh.pipe={P} with mesh.seq={mesh.shape['seq']} is not supported yet")
+    pipe = cfg.pipeline
+    M = pipe.microbatches or 2 * P
+    V = pipe.virtual_stages if pipe.schedule == "interleaved" else 1
+    if cfg.model.layers % (P * V):
+        raise TrainingError(f"model.layers={cfg.model.layers} is not divisible by mesh.pipe x "
+                            f"pipeline.virtual_stages = {P} x {V} = {P * V}")
+    if cfg.optimizer.grad_accum != 1:
+        raise TrainingError(f"optimizer.grad_accum={cfg.optimizer.grad_accum} with mesh.pipe={P}: "
+                            "the pipeline's microbatches accumulate already (pipeline.microbatches)")
+    axes = jaxpar.rules.as_tuple(jaxpar.rules.logical_to_spec(("batch",), rules)[0])
+    ways = math.prod(mesh.shape[a] for a in axes)
+    if cfg.batch_size % (M * ways):
+        raise TrainingError(f"batch_size={cfg.batch_size} is not divisible by pipeline.microbatches "
+                            f"x the data-parallel degree = {M} x {ways} = {M * ways}")
+    try:
+        return pipeline_schedules.build(pipe.schedule, P, M, V)
+    except ValueError as e:
+        raise TrainingError(str(e)) from None
 
 
 def _check_batch(cfg: Config, mesh, rules) -> None:
@@ -151,7 +181,7 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
     tx, schedule = make_optimizer(cfg.optimizer, cfg.steps)
     sequence = SequenceOptions(cfg.mesh.seq_impl, cfg.mesh.seq_layout)
     step_fn = make_train_step(abstract_model, tx, mesh, rules, grad_accum=cfg.optimizer.grad_accum,
-                              sequence=sequence)
+                              sequence=sequence, pipeline=pipeline_schedule(cfg, mesh, rules))
 
     if cfg.dry_run:
         from jaxpar.profiler import profile_json
