@@ -16,6 +16,7 @@ from jaxpar import pipeline
 from jaxpar.models import ModelConfig, Transformer
 from jaxpar.models.transformer import sharding_rules
 from jaxpar.pipeline_schedule import build
+from jaxpar.sequence_parallel import SequenceOptions
 from jaxpar.train.step import make_train_step
 
 
@@ -87,10 +88,11 @@ def batches(rng, steps=3, B=8, T=16):
     return out
 
 
-def train(data, mesh=None, schedule=None):
+def train(data, mesh=None, schedule=None, sequence=SequenceOptions()):
     model = Transformer(CFG, rngs=nnx.Rngs(0))
     rules = sharding_rules(CFG, mesh) if mesh is not None else None
-    step = make_train_step(model, optax.adamw(1e-3, weight_decay=0.1), mesh, rules, pipeline=schedule)
+    step = make_train_step(model, optax.adamw(1e-3, weight_decay=0.1), mesh, rules, pipeline=schedule,
+                           sequence=sequence)
     params, opt_state = step.init(model)
     losses = []
     for batch in data:
@@ -109,6 +111,7 @@ def single_device_run():
     ("gpipe", 2, 2, 1, {}), ("gpipe", 4, 8, 1, {}), ("1f1b", 2, 4, 1, {}), ("1f1b", 4, 4, 1, {}),
     ("interleaved", 2, 4, 2, {}),
     ("1f1b", 2, 2, 1, dict(data=2, tensor=2)), ("gpipe", 2, 4, 1, dict(fsdp=2, tensor=2)),
+    ("1f1b", 2, 2, 1, dict(seq=2, tensor=2)),  # pipe x seq (Ulysses) x tensor
 ], ids=lambda x: ",".join(f"{k}={v}" for k, v in x.items()) if isinstance(x, dict) else str(x))
 def test_training_through_the_pipeline_matches_one_device(single_device_run, kind, P, M, V, others):
     """Three AdamW steps: losses and parameters equal one device's (mean of microbatch
@@ -116,17 +119,18 @@ def test_training_through_the_pipeline_matches_one_device(single_device_run, kin
     data, (ref_losses, ref_params) = single_device_run
     count = P * int(np.prod(list(others.values()) or [1]))
     mesh = jaxpar.make_mesh(pipe=P, **others, devices=jax.devices()[:count])
-    losses, params = train(data, mesh, build(kind, P, M, V))
+    losses, params = train(data, mesh, build(kind, P, M, V), SequenceOptions("ulysses"))
     assert rel_err(losses, ref_losses) < 1e-5
     assert tree_rel_err(params, ref_params) < 1e-5
 
 
 @pytest.mark.parametrize("sizes,schedule,message", [
     (dict(pipe=2), ("interleaved", 2, 4, 3), "4 layers do not split into pipe x virtual stages = 2 x 3 = 6"),
-    (dict(pipe=2, seq=2), ("1f1b", 2, 2), "pipeline parallelism with seq=2 is not supported yet"),
+    (dict(pipe=2, seq=2), ("1f1b", 2, 2), "pipeline parallelism with seq=2 needs the ulysses attention for now"),
+    (dict(pipe=2, tensor=(2, 2)), ("1f1b", 2, 2), "pipeline parallelism with a 2D tensor grid is not supported yet"),
 ])
 def test_unsupported_pipelines_are_refused(sizes, schedule, message):
     data = batches(np.random.default_rng(4), steps=1)
-    count = int(np.prod(list(sizes.values())))
+    count = int(np.prod([np.prod(v) for v in sizes.values()]))
     with pytest.raises(ValueError, match=re.escape(message)):
         train(data, jaxpar.make_mesh(**sizes, devices=jax.devices()[:count]), build(*schedule))

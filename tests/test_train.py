@@ -167,7 +167,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, cache):
         ("mesh.fsdp=3", 1, "does not divide 8 devices"),
         ("mesh.pipe=2 pipeline.microbatches=3", 1, "batch_size=8 is not divisible by pipeline.microbatches x the data-parallel degree = 3 x 4 = 12"),
         ("mesh.pipe=2 pipeline.microbatches=1 batch_size=8", 1, "1f1b needs at least as many microbatches as pipeline stages: microbatches=1 < pipe=2"),
-        ("mesh.pipe=2 mesh.seq=2", 1, "mesh.pipe=2 with mesh.seq=2 is not supported yet"),
+        ("mesh.pipe=2 mesh.seq=2", 1, "mesh.pipe=2 with mesh.seq=2 needs mesh.seq_impl=ulysses for now (not ring)"),
         ("mesh.seq=4 seq_len=60", 2, "seq_len=60 must be divisible by 2 x mesh.seq = 8 for mesh.seq_layout=zigzag"),
     ],
 )

@@ -94,8 +94,11 @@ def pipeline_schedule(cfg: Config, mesh, rules) -> Schedule | None:
     P = mesh.shape["pipe"]
     if P == 1:
         return None
-    if mesh.shape["seq"] > 1:
-        raise TrainingError(f"mesh.pipe={P} with mesh.seq={mesh.shape['seq']} is not supported yet")
+    if mesh.shape["seq"] > 1 and cfg.mesh.seq_impl != "ulysses":
+        raise TrainingError(f"mesh.pipe={P} with mesh.seq={mesh.shape['seq']} needs "
+                            f"mesh.seq_impl=ulysses for now (not {cfg.mesh.seq_impl})")
+    if "tensor_row" in mesh.axis_names:
+        raise TrainingError(f"mesh.pipe={P} with mesh.tensor={list(cfg.mesh.tensor)} (2D) is not supported yet")
     pipe = cfg.pipeline
     M = pipe.microbatches or 2 * P
     V = pipe.virtual_stages if pipe.schedule == "interleaved" else 1

@@ -6,10 +6,14 @@ cross-entropy after the last.
 The batch ``[B, T]`` is cut into ``M`` microbatches of ``B / M`` rows (row ``r`` to
 microbatch ``r % M``); the loss is the mean of the microbatch losses, as with gradient
 accumulation. Inside the pipeline (``shard_map`` manual over ``pipe`` only) the other
-mesh axes stay automatic, so data, FSDP and tensor parallelism compose with it as
-they do without it. With ``seq`` > 1 the losses come out NaN (ring attention's
-collectives inside the schedule's ``lax.switch``; under investigation), so that
-combination is refused for now.
+mesh axes stay automatic, so data, FSDP, 1D tensor and Ulysses sequence parallelism
+compose with it as they do without it.
+
+Refused for now: ring (and rsa) attention over ``seq`` and the 2D tensor grid. Both
+move data by ``ppermute``, and inside the schedule's per-device ``lax.switch`` (stage
+0 runs a forward while stage 1 idles) XLA:CPU pairs a collective-permute across
+devices in different branches: wrong values or a crash, measured. All-reduces and
+all-to-alls, grouped per pipeline stage, are unaffected.
 """
 
 from __future__ import annotations
@@ -21,7 +25,19 @@ from flax import nnx
 from jaxpar import pipeline
 from jaxpar.models.transformer import run_layers
 from jaxpar.pipeline_schedule import Schedule
+from jaxpar.sequence_parallel import current_options
 from jaxpar.train.step import cross_entropy
+
+
+def unsupported_with_pipeline(mesh) -> str | None:
+    """Why ``mesh`` (with the sequence options in force) cannot run the pipeline yet, or None."""
+    seq = mesh.shape.get("seq", 1)
+    if seq > 1 and current_options().impl != "ulysses":
+        return (f"pipeline parallelism with seq={seq} needs the ulysses attention for now "
+                f"(not {current_options().impl!r}: its ppermutes cannot run inside the schedule)")
+    if mesh.shape.get("tensor_row", 1) > 1:
+        return "pipeline parallelism with a 2D tensor grid is not supported yet (SUMMA's ppermutes)"
+    return None
 
 
 def microbatches(x: jax.Array, count: int) -> jax.Array:
@@ -37,9 +53,9 @@ def loss_and_grads(graphdef, params, batch: dict, schedule: Schedule, mesh):
     if cfg.layers % S:
         raise ValueError(f"{cfg.layers} layers do not split into pipe x virtual stages = "
                          f"{schedule.devices} x {schedule.virtual} = {S}")
-    if mesh.shape.get("seq", 1) > 1:
-        raise ValueError(f"pipeline parallelism with seq={mesh.shape['seq']} is not supported yet; "
-                         "use pipe with data, fsdp and tensor")
+    unsupported = unsupported_with_pipeline(mesh)
+    if unsupported:
+        raise ValueError(unsupported)
     split_def, layer_state, rest = nnx.split(model, nnx.PathContains("layers"), ...)
     layers_def, _ = nnx.split(model.layers)
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), layer_state)
