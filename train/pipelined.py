@@ -77,8 +77,7 @@ def loss_and_grads(graphdef, params, batch: dict, schedule: Schedule, mesh):
         return microbatches(shell(rest).embed_tokens(batch["inputs"], positions), M)
 
     def stage(w, x, side):
-        return run_layers(cfg, layers_def, w, x,
-                          side["positions"], side.get("segment_ids"))
+        return run_layers(cfg, layers_def, w, x, side["positions"], side.get("segment_ids"))
 
     def head(rest, x, side):
         return cross_entropy(shell(rest).logits(x), side["targets"], side["mask"])
