@@ -39,6 +39,30 @@ def run_python(code: str, *, devices: int = 8, timeout: int = 300) -> subprocess
     )
 
 
+def train_steps(cfg, data, mesh=None, rules=None, *, prepare=lambda batch: batch, **step_options):
+    """AdamW (1e-3, weight decay 0.1) steps of ``Transformer(cfg)`` (seed 0) over ``data``
+    with ``make_train_step(..., **step_options)`` on ``mesh`` (rules: the model's for the
+    mesh unless given); ``prepare`` maps each batch first. Returns ``(losses, params,
+    opt_state)``."""
+    import optax
+    from flax import nnx
+
+    from jaxpar.models import Transformer
+    from jaxpar.models.transformer import sharding_rules
+    from jaxpar.train.step import make_train_step
+
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    if mesh is not None and rules is None:
+        rules = sharding_rules(cfg, mesh)
+    step = make_train_step(model, optax.adamw(1e-3, weight_decay=0.1), mesh, rules, **step_options)
+    params, opt_state = step.init(model)
+    losses = []
+    for batch in data:
+        params, opt_state, metrics = step(params, opt_state, prepare(batch))
+        losses.append(float(metrics["loss"]))
+    return losses, params, opt_state
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 import jaxpar
-from conftest import rel_err, run_python, tree_rel_err
+from conftest import rel_err, run_python, train_steps, tree_rel_err
 from jaxpar.models import ModelConfig, Transformer
 from jaxpar.models.transformer import sharding_rules
 from jaxpar.train.step import loss_fn, make_train_step
@@ -37,15 +37,8 @@ def batches(rng, n, B=8, T=16):
 
 
 def train(mesh, data, steps=3, sequence_parallel=False):
-    model = Transformer(CFG, rngs=nnx.Rngs(0))
     rules = sharding_rules(CFG, mesh, sequence_parallel=sequence_parallel) if mesh else None
-    step = make_train_step(model, optax.adamw(1e-3, weight_decay=0.1), mesh, rules)
-    params, opt_state = step.init(model)
-    losses = []
-    for batch in data[:steps]:
-        params, opt_state, metrics = step(params, opt_state, batch)
-        losses.append(float(metrics["loss"]))
-    return losses, params, opt_state
+    return train_steps(CFG, data[:steps], mesh, rules)
 
 
 @pytest.fixture(scope="module")

@@ -6,18 +6,14 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
-from flax import nnx
 
 import jaxpar
-from conftest import rel_err, tree_rel_err
+from conftest import rel_err, train_steps, tree_rel_err
 from jaxpar import pipeline
-from jaxpar.models import ModelConfig, Transformer
-from jaxpar.models.transformer import sharding_rules
+from jaxpar.models import ModelConfig
 from jaxpar.pipeline_schedule import build
 from jaxpar.sequence_parallel import SequenceOptions
-from jaxpar.train.step import make_train_step
 
 
 def stage_fn(w, a, side):
@@ -89,16 +85,7 @@ def batches(rng, steps=3, B=8, T=16):
 
 
 def train(data, mesh=None, schedule=None, sequence=SequenceOptions()):
-    model = Transformer(CFG, rngs=nnx.Rngs(0))
-    rules = sharding_rules(CFG, mesh) if mesh is not None else None
-    step = make_train_step(model, optax.adamw(1e-3, weight_decay=0.1), mesh, rules, pipeline=schedule,
-                           sequence=sequence)
-    params, opt_state = step.init(model)
-    losses = []
-    for batch in data:
-        params, opt_state, metrics = step(params, opt_state, batch)
-        losses.append(float(metrics["loss"]))
-    return losses, params
+    return train_steps(CFG, data, mesh, pipeline=schedule, sequence=sequence)[:2]
 
 
 @pytest.fixture(scope="module")

@@ -5,17 +5,13 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
-from flax import nnx
 
 import jaxpar
-from conftest import rel_err, tree_rel_err
+from conftest import rel_err, train_steps, tree_rel_err
 from jaxpar import sequence_parallel as sp
-from jaxpar.models import ModelConfig, Transformer
-from jaxpar.models.transformer import sharding_rules
+from jaxpar.models import ModelConfig
 from jaxpar.sequence_parallel import SequenceOptions, from_zigzag, ring_attention, to_zigzag
-from jaxpar.train.step import make_train_step
 
 
 def seq_mesh(n, **others):
@@ -254,18 +250,14 @@ def batches(rng, steps=3, B=8, T=32):
 
 
 def train(data, mesh=None, sequence=SequenceOptions()):
-    model = Transformer(CFG, rngs=nnx.Rngs(0))
-    rules = sharding_rules(CFG, mesh) if mesh is not None else None
-    step = make_train_step(model, optax.adamw(1e-3, weight_decay=0.1), mesh, rules, sequence=sequence)
-    params, opt_state = step.init(model)
     n = mesh.shape["seq"] if mesh is not None else 1
-    losses = []
-    for batch in data:
+
+    def prepare(batch):
         if sequence.layout == "zigzag":
             batch = {key: to_zigzag(x, n) for key, x in batch.items()}
-        params, opt_state, metrics = step(params, opt_state, {k: jnp.asarray(x) for k, x in batch.items()})
-        losses.append(float(metrics["loss"]))
-    return losses, params
+        return {key: jnp.asarray(x) for key, x in batch.items()}
+
+    return train_steps(CFG, data, mesh, prepare=prepare, sequence=sequence)[:2]
 
 
 @pytest.fixture(scope="module")
