@@ -49,8 +49,10 @@ def check_against_reference(q, k, v, g, seg, mesh, *, causal, impl, layout, n, t
         assert rel_err(got, z(want)) < tol, name
 
 
-RING_CASES = [(n, causal, layout, 64) for n in (2, 4, 8) for causal in (True, False)
-              for layout in ("natural", "zigzag")] + [(4, True, "zigzag", 128), (4, False, "natural", 128)]
+# N = 2, 4, 8, causal and not, both layouts (not every product: compile time), head_dim 64 and 128.
+RING_CASES = [(2, True, "natural", 64), (2, False, "zigzag", 64), (4, True, "zigzag", 64),
+              (4, False, "natural", 64), (8, True, "natural", 64), (8, True, "zigzag", 64),
+              (8, False, "zigzag", 64), (4, True, "zigzag", 128), (4, False, "natural", 128)]
 
 
 @pytest.mark.parametrize("n,causal,layout,H", RING_CASES)
