@@ -88,6 +88,12 @@ def flops_per_token(cfg) -> float:
     return 6 * params + 12 * m.layers * m.heads * m.head_dim * cfg.seq_len
 
 
+def _data_parallel(mesh, rules) -> tuple[tuple[str, ...], int]:
+    """The mesh axes the rules split the batch over, and how many ways in all."""
+    axes = jaxpar.rules.as_tuple(jaxpar.rules.logical_to_spec(("batch",), rules)[0])
+    return axes, math.prod(mesh.shape[a] for a in axes)
+
+
 def pipeline_schedule(cfg: Config, mesh, rules) -> Schedule | None:
     """The schedule ``cfg.pipeline`` asks for on ``mesh`` (None without ``pipe`` > 1),
     its sizes checked against the model and the batch."""
@@ -108,8 +114,7 @@ def pipeline_schedule(cfg: Config, mesh, rules) -> Schedule | None:
     if cfg.optimizer.grad_accum != 1:
         raise TrainingError(f"optimizer.grad_accum={cfg.optimizer.grad_accum} with mesh.pipe={P}: "
                             "the pipeline's microbatches accumulate already (pipeline.microbatches)")
-    axes = jaxpar.rules.as_tuple(jaxpar.rules.logical_to_spec(("batch",), rules)[0])
-    ways = math.prod(mesh.shape[a] for a in axes)
+    axes, ways = _data_parallel(mesh, rules)
     if cfg.batch_size % (M * ways):
         raise TrainingError(f"batch_size={cfg.batch_size} is not divisible by pipeline.microbatches "
                             f"x the data-parallel degree = {M} x {ways} = {M * ways}")
@@ -120,8 +125,7 @@ def pipeline_schedule(cfg: Config, mesh, rules) -> Schedule | None:
 
 
 def _check_batch(cfg: Config, mesh, rules) -> None:
-    axes = jaxpar.rules.as_tuple(jaxpar.rules.logical_to_spec(("batch",), rules)[0])
-    ways = math.prod(mesh.shape[a] for a in axes)
+    axes, ways = _data_parallel(mesh, rules)
     micro = cfg.batch_size // cfg.optimizer.grad_accum
     if cfg.batch_size % cfg.optimizer.grad_accum or micro % ways:
         raise TrainingError(

@@ -26,7 +26,7 @@ from jaxpar import pipeline
 from jaxpar.models.transformer import run_layers
 from jaxpar.pipeline_schedule import Schedule
 from jaxpar.sequence_parallel import current_options
-from jaxpar.train.step import cross_entropy
+from jaxpar.train.step import cross_entropy, microbatches
 
 
 def unsupported_with_pipeline(mesh) -> str | None:
@@ -38,11 +38,6 @@ def unsupported_with_pipeline(mesh) -> str | None:
     if mesh.shape.get("tensor_row", 1) > 1:
         return "pipeline parallelism with a 2D tensor grid is not supported yet (SUMMA's ppermutes)"
     return None
-
-
-def microbatches(x: jax.Array, count: int) -> jax.Array:
-    """``[B, ...] -> [count, B / count, ...]``; microbatch ``j`` holds rows ``j, j + count, ...``."""
-    return jnp.swapaxes(x.reshape(x.shape[0] // count, count, *x.shape[1:]), 0, 1)
 
 
 def loss_and_grads(graphdef, params, batch: dict, schedule: Schedule, mesh):

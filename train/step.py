@@ -57,6 +57,12 @@ def loss_fn(model: nnx.Module, batch: Batch) -> jax.Array:
     return cross_entropy(logits, batch["targets"], batch.get("mask"))
 
 
+def microbatches(x: jax.Array, count: int) -> jax.Array:
+    """``[B, ...] -> [count, B / count, ...]``; microbatch ``j`` holds rows ``j, j + count,
+    ...``, so each device's rows stay on it under data parallelism."""
+    return jnp.swapaxes(x.reshape(x.shape[0] // count, count, *x.shape[1:]), 0, 1)
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainStep:
     """A compiled step ``(params, opt_state, batch) -> (params, opt_state, metrics)``.
@@ -152,15 +158,12 @@ def make_train_step(
         return jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p), batch))(params)
 
     def accumulated(params, batch):
-        def split(x):  # [B, ...] -> [k, B / k, ...], microbatch j = rows j, j + k, ...
-            return jnp.swapaxes(x.reshape(x.shape[0] // grad_accum, grad_accum, *x.shape[1:]), 0, 1)
-
         def body(carry, micro):
             loss, grads = loss_and_grads(params, micro)
             return jax.tree.map(jnp.add, carry, (loss, grads)), None
 
         zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-        total, _ = jax.lax.scan(body, zeros, jax.tree.map(split, batch))
+        total, _ = jax.lax.scan(body, zeros, jax.tree.map(lambda x: microbatches(x, grad_accum), batch))
         return jax.tree.map(lambda x: x / grad_accum, total)
 
     def step(params, opt_state, batch):
