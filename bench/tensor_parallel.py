@@ -77,10 +77,11 @@ def main():
     parser.add_argument("--devices", type=int, nargs="+", default=[4, 16])
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--config", default="small", help="the shipped training config whose model runs")
     args = parser.parse_args()
-    cfg = dataclasses.replace(load_config("small").model, remat="none")
+    cfg = dataclasses.replace(load_config(args.config).model, remat="none")
     T, D = args.seq_len, cfg.dim
-    print(f"`small` ({cfg.layers} layers, D={D}), global batch {args.batch} x {T} tokens, "
+    print(f"`{args.config}` ({cfg.layers} layers, D={D}), global batch {args.batch} x {T} tokens, "
           f"budget {BUDGET / 2**30:.0f} GiB per device\n")
     print("| p | mode | argument bytes | temp bytes | collective bytes | all-reduce / all-gather / "
           "reduce-scatter / all-to-all | theory (layers) | largest batch in budget |")

@@ -11,8 +11,8 @@ round). Which buffer slot every arrival, stash and read uses is worked out on th
 from the table, so the device loop only indexes.
 
 Shapes: ``P`` devices on ``pipe``, ``V`` virtual stages each, ``S = P V`` stages,
-``M`` microbatches of activations ``x [M, *A]``. Stage parameters are stacked on a
-leading ``[S, ...]`` axis; stage ``s`` runs on device ``s % P``.
+``M`` microbatches whose activations between stages are ``[*A]``. Stage parameters
+are stacked on a leading ``[S, ...]`` axis; stage ``s`` runs on device ``s % P``.
 """
 
 from __future__ import annotations
@@ -105,121 +105,204 @@ def plan(schedule: Schedule) -> _Plan:
         recv_b_size=max(1, max(s.size for s in recv_b)), **table)
 
 
+_PER_DEVICE = ("op", "microbatch", "virtual", "first", "last", "slot", "read", "arrive_f", "arrive_b")
+
+
 def value_and_grad(
+    embed_fn: Callable,
     stage_fn: Callable,
     head_fn: Callable,
     stage_params,
-    head_params,
-    x: jax.Array,
+    outer_params,
+    inputs,
     side,
     schedule: Schedule,
     *,
     mesh,
     axis: str = "pipe",
+    lockstep: bool = False,
 ):
-    """Runs ``schedule``: the mean over microbatches ``m`` of
-    ``head_fn(head_params, stage_{S-1}(... stage_0(x[m])), side[m])`` and its gradients.
+    """Runs ``schedule``: the mean over microbatches ``m`` of ``head_fn(outer_params,
+    stage_{S-1}(... stage_0(embed_fn(outer_params, inputs[m], side[m]))), side[m])``,
+    and its gradients.
+
+    The head runs on the device of stage ``S - 1``, inside the schedule. The embedding
+    runs before the schedule, for all microbatches, outside the ``shard_map`` (so
+    sharded by the other axes only, and replicated over ``axis``), and its gradient
+    after it, from the first stage's input gradients. Inside the ``shard_map`` (manual
+    over ``axis``) a lookup into a table sharded over ``fsdp`` aborts XLA's SPMD
+    partitioner (jax 0.10.2, ``ExpandDeviceGroupsWithIota``), measured.
 
     Args:
-      stage_fn: ``(stage_params_s, a, side_m) -> a``, one stage (a chunk of layers),
-        ``a`` of shape ``A``; ``side_m`` is microbatch ``m``'s slice of ``side``.
-      head_fn: ``(head_params, a, side_m) -> scalar``, after the last stage (the loss).
+      embed_fn: ``(outer_params, inputs_m, side_m) -> a``, before the first stage (the
+        token embedding), ``a`` of shape ``A``.
+      stage_fn: ``(stage_params_s, a, side_m) -> a``, one stage (a chunk of layers);
+        ``side_m`` is microbatch ``m``'s slice of ``side``.
+      head_fn: ``(outer_params, a, side_m) -> scalar``, after the last stage (the loss).
       stage_params: pytree of arrays with leading ``[S, ...]``, stage ``s``'s parameters
         (``S = schedule.devices * schedule.virtual``).
-      head_params: pytree, replicated over ``axis``.
-      x: ``[M, *A]`` the first stage's inputs.
+      outer_params: pytree, replicated over ``axis``: what ``embed_fn`` and ``head_fn``
+        read (the embedding, the final norm, the head; tied weights are shared).
+      inputs: pytree with leading ``[M]``, what ``embed_fn`` reads (the tokens).
       side: pytree with leading ``[M]`` that stages and head read (targets, positions).
       schedule: from ``jaxpar.pipeline_schedule.build``; mesh: has ``axis`` of size
         ``schedule.devices``.
+      lockstep: every device runs the same program at every tick (see below) instead
+        of branching on its own operation. Needed when ``stage_fn`` or ``head_fn``
+        communicate by ``ppermute`` (ring attention, SUMMA).
+
+    Lockstep. By default each device branches (``lax.switch``) on its own operation, so
+    at one tick stage 0 may run a forward while stage 1 runs a backward. A collective
+    inside those branches is then executed by only some devices; all-reduces and
+    all-to-alls grouped within a stage are fine, but a collective-permute is one
+    instruction over every device (XLA:CPU's runtime rendezvous on all its pairs), and
+    devices in other branches never join it: wrong values or a hang, measured on CPU.
+    With ``lockstep`` a tick is a forward part, run if any device has a forward at this
+    tick, then a backward part, run if any has a backward (the predicates are the same
+    on every device, so all take the same branch); devices with nothing to do in a part
+    compute on stale buffers and keep nothing of it (``where``), and the head runs on
+    every stage. Same results and memory; a tick where some devices run forwards and
+    others backwards costs a forward plus a backward instead of the longer of the two.
 
     Returns:
-      ``(loss, (stage_grads [S, ...], head_grads, x_grads [M, *A]))``.
+      ``(loss, (stage_grads [S, ...], outer_grads))``.
     """
     P, V, M = schedule.devices, schedule.virtual, schedule.microbatches
     if mesh.shape[axis] != P:
         raise ValueError(f"the schedule has {P} pipeline devices, the mesh {axis}={mesh.shape[axis]}")
     p_plan = plan(schedule)
-    tables = {k: jnp.asarray(getattr(p_plan, k)) for k in
-              ("op", "microbatch", "virtual", "first", "last", "slot", "read", "arrive_f", "arrive_b")}
+    tables = {k: jnp.asarray(getattr(p_plan, k)) for k in _PER_DEVICE}
+    tables["any_forward"] = jnp.asarray((p_plan.op == FORWARD).any(axis=1))  # [ticks]
+    tables["any_backward"] = jnp.asarray((p_plan.op == BACKWARD).any(axis=1))
     # [S, ...] with s = v P + p -> [P, V, ...]: device p's block is its V stages.
     by_device = jax.tree.map(lambda a: jnp.swapaxes(a.reshape(V, P, *a.shape[1:]), 0, 1), stage_params)
 
-    def local(params, head_params, x, side, tables):
+    def at(tree, i):
+        return jax.tree.map(lambda w: w[i], tree)
+
+    x, embed_vjp = jax.vjp(lambda h: jax.vmap(embed_fn, (None, 0, 0))(h, inputs, side), outer_params)
+    activation = jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
+
+    def local(params, outer, x, side, tables):
         params = jax.tree.map(lambda a: a[0], params)  # [V, ...]
         me = jax.lax.axis_index(axis)
-        row = jax.tree.map(lambda a: a[:, me], tables)  # [ticks] each
-        shape, dtype = x.shape[1:], x.dtype
-        zeros_a = jnp.zeros(shape, dtype)
+        row = {k: tables[k][:, me] for k in _PER_DEVICE}  # [ticks] each
+        zeros_a = jnp.zeros(activation.shape, activation.dtype)
         state = dict(
-            stash=jnp.zeros((p_plan.stash_size, *shape), dtype),
-            recv_f=jnp.zeros((p_plan.recv_f_size, *shape), dtype),
-            recv_b=jnp.zeros((p_plan.recv_b_size, *shape), dtype),
+            stash=jnp.zeros((p_plan.stash_size, *activation.shape), activation.dtype),
+            recv_f=jnp.zeros((p_plan.recv_f_size, *activation.shape), activation.dtype),
+            recv_b=jnp.zeros((p_plan.recv_b_size, *activation.shape), activation.dtype),
             grads=jax.tree.map(jnp.zeros_like, params),
-            head_grads=jax.tree.map(jnp.zeros_like, head_params),
+            outer_grads=jax.tree.map(jnp.zeros_like, outer),
             dx=jnp.zeros_like(x),
             loss=jnp.zeros((), jnp.float32),
         )
 
-        def at(tree, i):
-            return jax.tree.map(lambda w: w[i], tree)
+        def stage_input(op, state):
+            """The microbatch's embedding on stage 0, what arrived from the previous stage elsewhere."""
+            return jnp.where(op["first"] == 1, x[op["microbatch"]], state["recv_f"][jnp.maximum(op["read"], 0)])
 
         def forward(state, op):
-            m, v, slot = op["microbatch"], op["virtual"], op["slot"]
-            a = jnp.where(op["first"] == 1, x[m], state["recv_f"][jnp.maximum(op["read"], 0)])
+            v, slot, side_m = op["virtual"], op["slot"], at(side, op["microbatch"])
+            a = stage_input(op, state)
             state = dict(state, stash=state["stash"].at[slot].set(a))
-            out = stage_fn(at(params, v), a, at(side, m))
-            loss = jax.lax.cond(op["last"] == 1,
-                                lambda: head_fn(head_params, out, at(side, m)).astype(jnp.float32),
+            out = stage_fn(at(params, v), a, side_m)
+            loss = jax.lax.cond(op["last"] == 1, lambda: head_fn(outer, out, side_m).astype(jnp.float32),
                                 lambda: jnp.zeros((), jnp.float32))
             return dict(state, loss=state["loss"] + loss), out, zeros_a
 
         def backward(state, op):
             m, v = op["microbatch"], op["virtual"]
-            a, side_m = state["stash"][op["slot"]], at(side, m)
+            w, a, side_m = at(params, v), state["stash"][op["slot"]], at(side, m)
+            g_out = state["recv_b"][jnp.maximum(op["read"], 0)]
+            no_outer = jax.tree.map(jnp.zeros_like, outer)
 
-            def through_head():
-                def fn(w, h, a):
-                    return head_fn(h, stage_fn(w, a, side_m), side_m)
-
-                loss, vjp = jax.vjp(fn, at(params, v), head_params, a)
+            def through_head():  # the last stage: loss -> head -> stage
+                loss, vjp = jax.vjp(lambda w, h, a: head_fn(h, stage_fn(w, a, side_m), side_m), w, outer, a)
                 return vjp(jnp.ones_like(loss))
 
             def through_stage():
-                _, vjp = jax.vjp(lambda w, a: stage_fn(w, a, side_m), at(params, v), a)
-                g_w, g_a = vjp(state["recv_b"][jnp.maximum(op["read"], 0)])
-                return g_w, jax.tree.map(jnp.zeros_like, head_params), g_a
+                _, vjp = jax.vjp(lambda w, a: stage_fn(w, a, side_m), w, a)
+                g_w, g_a = vjp(g_out)
+                return g_w, no_outer, g_a
 
-            g_w, g_head, g_a = jax.lax.cond(op["last"] == 1, through_head, through_stage)
+            g_w, g_outer, g_a = jax.lax.cond(op["last"] == 1, through_head, through_stage)
             grads = jax.tree.map(lambda acc, g: acc.at[v].add(g), state["grads"], g_w)
-            head_grads = jax.tree.map(jnp.add, state["head_grads"], g_head)
+            outer_grads = jax.tree.map(jnp.add, state["outer_grads"], g_outer)
             dx = jnp.where(op["first"] == 1, state["dx"].at[m].set(g_a), state["dx"])
-            return dict(state, grads=grads, head_grads=head_grads, dx=dx), zeros_a, g_a
+            return dict(state, grads=grads, outer_grads=outer_grads, dx=dx), zeros_a, g_a
 
         def idle(state, op):
             return state, zeros_a, zeros_a
 
         def tick(state, op):
             state, out_f, out_b = jax.lax.switch(op["op"], [idle, forward, backward], state, op)
+            return send(state, op, out_f, out_b), None
+
+        def send(state, op, out_f, out_b):
+            """Outputs to the next device, input gradients to the previous one."""
             sent_f = jax.lax.ppermute(out_f, axis, [(d, (d + 1) % P) for d in range(P)])
             sent_b = jax.lax.ppermute(out_b, axis, [(d, (d - 1) % P) for d in range(P)])
             recv_f = jnp.where(op["arrive_f"] >= 0,
                                state["recv_f"].at[jnp.maximum(op["arrive_f"], 0)].set(sent_f), state["recv_f"])
             recv_b = jnp.where(op["arrive_b"] >= 0,
                                state["recv_b"].at[jnp.maximum(op["arrive_b"], 0)].set(sent_b), state["recv_b"])
-            return dict(state, recv_f=recv_f, recv_b=recv_b), None
+            return dict(state, recv_f=recv_f, recv_b=recv_b)
 
-        state, _ = jax.lax.scan(tick, state, row)
+        def forward_everywhere(state, op):
+            """Every device runs its forward (stale buffers where ``op`` is not one)."""
+            m, v, slot = op["microbatch"], op["virtual"], jnp.maximum(op["slot"], 0)
+            is_f, side_m = op["op"] == FORWARD, at(side, m)
+            a = stage_input(op, state)
+            out = stage_fn(at(params, v), a, side_m)
+            loss = head_fn(outer, out, side_m).astype(jnp.float32)
+            keep = is_f & (op["last"] == 1)
+            return dict(state, stash=jnp.where(is_f, state["stash"].at[slot].set(a), state["stash"]),
+                        loss=state["loss"] + jnp.where(keep, loss, 0.0)), jnp.where(is_f, out, zeros_a)
+
+        def backward_everywhere(state, op):
+            """Every device runs its backward, one VJP through stage and head whose
+            cotangents pick the path: the loss's on the last stage, the received output
+            gradient elsewhere."""
+            m, v, is_b, last = op["microbatch"], op["virtual"], op["op"] == BACKWARD, op["last"] == 1
+            a, side_m = state["stash"][jnp.maximum(op["slot"], 0)], at(side, m)
+
+            def fn(w, h, a):
+                out = stage_fn(w, a, side_m)
+                return out, head_fn(h, out, side_m)
+
+            (out, loss), vjp = jax.vjp(fn, at(params, v), outer, a)
+            g_out = jnp.where(last, jnp.zeros_like(out), state["recv_b"][jnp.maximum(op["read"], 0)])
+            g_w, g_outer, g_a = vjp((g_out, jnp.where(last, jnp.ones_like(loss), jnp.zeros_like(loss))))
+            keep = functools.partial(jnp.where, is_b)
+            grads = jax.tree.map(lambda acc, g: keep(acc.at[v].add(g), acc), state["grads"], g_w)
+            outer_grads = jax.tree.map(lambda acc, g: keep(acc + g, acc), state["outer_grads"], g_outer)
+            dx = jnp.where(is_b & (op["first"] == 1), state["dx"].at[m].set(g_a), state["dx"])
+            return dict(state, grads=grads, outer_grads=outer_grads, dx=dx), jnp.where(is_b, g_a, zeros_a)
+
+        def lockstep_tick(state, op):
+            state, out_f = jax.lax.cond(op["any_forward"], forward_everywhere,
+                                        lambda state, op: (state, zeros_a), state, op)
+            state, out_b = jax.lax.cond(op["any_backward"], backward_everywhere,
+                                        lambda state, op: (state, zeros_a), state, op)
+            return send(state, op, out_f, out_b), None
+
+        if lockstep:
+            row = dict(row, any_forward=tables["any_forward"], any_backward=tables["any_backward"])
+        state, _ = jax.lax.scan(lockstep_tick if lockstep else tick, state, row)
         total = functools.partial(jax.lax.psum, axis_name=axis)
         loss = total(state["loss"]) / M
-        head_grads = jax.tree.map(lambda g: total(g) / M, state["head_grads"])
-        dx = total(state["dx"]) / M
+        outer_grads = jax.tree.map(lambda g: total(g) / M, state["outer_grads"])
+        # In float32: XLA:CPU (jax 0.10.2) aborts promoting a bf16 all-reduce here.
+        dx = (total(state["dx"].astype(jnp.float32)) / M).astype(x.dtype)
         grads = jax.tree.map(lambda g: (g / M)[None], state["grads"])
-        return loss, grads, head_grads, dx
+        return loss, grads, outer_grads, dx
 
     spec, whole = PartitionSpec(axis), PartitionSpec()
-    loss, grads, head_grads, dx = jax.shard_map(
+    loss, grads, outer_grads, dx = jax.shard_map(
         local, mesh=mesh, in_specs=(spec, whole, whole, whole, whole), axis_names={axis},
         out_specs=(whole, spec, whole, whole), check_vma=False,
-    )(by_device, head_params, x, side, tables)
+    )(by_device, outer_params, x, side, tables)
     grads = jax.tree.map(lambda g: jnp.swapaxes(g, 0, 1).reshape(P * V, *g.shape[2:]), grads)
-    return loss, (grads, head_grads, dx)
+    outer_grads = jax.tree.map(jnp.add, outer_grads, embed_vjp(dx)[0])
+    return loss, (grads, outer_grads)

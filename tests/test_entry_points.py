@@ -33,10 +33,19 @@ def test_step_overhead_benchmark():
 
 
 def test_tensor_parallel_benchmark():
-    out = run("bench/tensor_parallel.py", "--devices", "4", "--batch", "2", "--seq-len", "64")
+    out = run("bench/tensor_parallel.py", "--config", "tiny", "--devices", "4", "--batch", "2", "--seq-len", "64")
     assert out.returncode == 0, out.stderr
     rows = [line for line in out.stdout.splitlines() if line.startswith("| 4 |")]
     assert len(rows) == 3 and "1D + SP" in rows[1] and "2D SUMMA" in rows[2]
+
+
+def test_pipeline_benchmark():
+    out = run("bench/pipeline.py", "--config", "tiny", "--pipe", "2", "--microbatches", "4",
+              "--schedules", "1f1b", "interleaved")
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| ")]
+    assert len([r for r in rows if r.split("|")[2].strip() == "4"]) == 2  # the profile table
+    assert "| 1f1b | 1 |" in out.stdout and "no-bubble step" in out.stdout
 
 
 def test_sequence_parallel_benchmark():

@@ -1,5 +1,5 @@
 """The schedule-driven SPMD pipeline (jaxpar.pipeline) against plain autodiff on one
-device: loss, stage-parameter gradients and input gradients, for every schedule."""
+device: loss, stage-parameter and embedding/head gradients, for every schedule."""
 
 import re
 
@@ -16,48 +16,64 @@ from jaxpar.pipeline_schedule import build
 from jaxpar.sequence_parallel import SequenceOptions
 
 
+def embed_fn(outer, tokens, side):
+    """A lookup table: tokens [mb] -> a [mb, D]."""
+    return outer["table"][tokens]
+
+
 def stage_fn(w, a, side):
     """A small residual MLP block: a [mb, D] -> [mb, D], shifted by the microbatch's side input."""
     return a + jnp.tanh(a @ w["in"] + w["bias"] + side["shift"]) @ w["out"]
 
 
-def head_fn(head, a, side):
-    return jnp.mean((a @ head["proj"] - side["target"]) ** 2)
+def head_fn(outer, a, side):
+    return jnp.mean((a @ outer["proj"] - side["target"]) ** 2)
 
 
-def reference(params, head, x, side):
+def reference(params, outer, tokens, side):
     S = params["in"].shape[0]
 
-    def one(a, side):
+    def one(tokens, side):
+        a = embed_fn(outer, tokens, side)
         for s in range(S):
             a = stage_fn(jax.tree.map(lambda w: w[s], params), a, side)
-        return head_fn(head, a, side)
+        return head_fn(outer, a, side)
 
-    return jnp.mean(jax.vmap(one)(x, side))
+    return jnp.mean(jax.vmap(one)(tokens, side))
 
 
-@pytest.mark.parametrize("kind,P,M,V", [
-    ("gpipe", 2, 2, 1), ("gpipe", 4, 5, 1), ("gpipe", 4, 8, 1),
-    ("1f1b", 2, 3, 1), ("1f1b", 4, 4, 1), ("1f1b", 4, 8, 1), ("1f1b", 4, 7, 1),
-    ("interleaved", 2, 4, 2), ("interleaved", 4, 8, 2),
-])
-def test_every_schedule_matches_autodiff(rng, kind, P, M, V):
+# P = 2 and 4, M = P, 2P and odd, V = 2 for interleaved (whose M is a multiple of P);
+# then one case of each schedule in lockstep.
+SCHEDULES = [
+    ("gpipe", 2, 2, 1), ("gpipe", 2, 4, 1), ("gpipe", 2, 3, 1),
+    ("gpipe", 4, 4, 1), ("gpipe", 4, 8, 1), ("gpipe", 4, 5, 1),
+    ("1f1b", 2, 2, 1), ("1f1b", 2, 4, 1), ("1f1b", 2, 3, 1),
+    ("1f1b", 4, 4, 1), ("1f1b", 4, 8, 1), ("1f1b", 4, 7, 1),
+    ("interleaved", 2, 2, 2), ("interleaved", 2, 4, 2), ("interleaved", 4, 4, 2), ("interleaved", 4, 8, 2),
+]
+LOCKSTEP = [("gpipe", 4, 5, 1), ("1f1b", 4, 7, 1), ("interleaved", 4, 8, 2)]
+
+
+@pytest.mark.parametrize("kind,P,M,V,lockstep", [(*case, False) for case in SCHEDULES]
+                         + [(*case, True) for case in LOCKSTEP])
+def test_every_schedule_matches_autodiff(rng, kind, P, M, V, lockstep):
     S, mb, D, F = P * V, 3, 8, 16
     params = {
         "in": jnp.asarray(rng.standard_normal((S, D, F)) / np.sqrt(D), jnp.float32),
         "bias": jnp.asarray(rng.standard_normal((S, F)), jnp.float32),
         "out": jnp.asarray(rng.standard_normal((S, F, D)) / np.sqrt(F), jnp.float32),
     }
-    head = {"proj": jnp.asarray(rng.standard_normal((D, 4)), jnp.float32)}
-    x = jnp.asarray(rng.standard_normal((M, mb, D)), jnp.float32)
+    outer = {"table": jnp.asarray(rng.standard_normal((11, D)), jnp.float32),
+             "proj": jnp.asarray(rng.standard_normal((D, 4)), jnp.float32)}
+    tokens = jnp.asarray(rng.integers(0, 11, (M, mb)), jnp.int32)
     side = {"shift": jnp.asarray(rng.standard_normal((M, 1, F)), jnp.float32),
             "target": jnp.asarray(rng.standard_normal((M, mb, 4)), jnp.float32)}
     mesh = jaxpar.make_mesh(pipe=P, devices=jax.devices()[:P])
     schedule = build(kind, P, M, V)
-    run = jax.jit(lambda params, head, x, side: pipeline.value_and_grad(
-        stage_fn, head_fn, params, head, x, side, schedule, mesh=mesh))
-    loss, grads = run(params, head, x, side)
-    ref_loss, ref_grads = jax.value_and_grad(reference, argnums=(0, 1, 2))(params, head, x, side)
+    run = jax.jit(lambda params, outer, tokens, side: pipeline.value_and_grad(
+        embed_fn, stage_fn, head_fn, params, outer, tokens, side, schedule, mesh=mesh, lockstep=lockstep))
+    loss, grads = run(params, outer, tokens, side)
+    ref_loss, ref_grads = jax.value_and_grad(reference, argnums=(0, 1))(params, outer, tokens, side)
     assert rel_err(loss, ref_loss) < 1e-5
     for got, want in zip(grads, ref_grads):
         assert tree_rel_err(got, want) < 1e-5
@@ -99,6 +115,8 @@ def single_device_run():
     ("interleaved", 2, 4, 2, {}),
     ("1f1b", 2, 2, 1, dict(data=2, tensor=2)), ("gpipe", 2, 4, 1, dict(fsdp=2, tensor=2)),
     ("1f1b", 2, 2, 1, dict(seq=2, tensor=2)),  # pipe x seq (Ulysses) x tensor
+    ("1f1b", 2, 2, 1, dict(seq=2)),  # ring attention: lockstep
+    ("interleaved", 2, 2, 2, dict(tensor=(2, 2))),  # SUMMA: lockstep
 ], ids=lambda x: ",".join(f"{k}={v}" for k, v in x.items()) if isinstance(x, dict) else str(x))
 def test_training_through_the_pipeline_matches_one_device(single_device_run, kind, P, M, V, others):
     """Three AdamW steps: losses and parameters equal one device's (mean of microbatch
@@ -106,15 +124,14 @@ def test_training_through_the_pipeline_matches_one_device(single_device_run, kin
     data, (ref_losses, ref_params) = single_device_run
     count = P * int(np.prod(list(others.values()) or [1]))
     mesh = jaxpar.make_mesh(pipe=P, **others, devices=jax.devices()[:count])
-    losses, params = train(data, mesh, build(kind, P, M, V), SequenceOptions("ulysses"))
+    impl = "ring" if others.get("seq") and "tensor" not in others else "ulysses"
+    losses, params = train(data, mesh, build(kind, P, M, V), SequenceOptions(impl))
     assert rel_err(losses, ref_losses) < 1e-5
     assert tree_rel_err(params, ref_params) < 1e-5
 
 
 @pytest.mark.parametrize("sizes,schedule,message", [
     (dict(pipe=2), ("interleaved", 2, 4, 3), "4 layers do not split into pipe x virtual stages = 2 x 3 = 6"),
-    (dict(pipe=2, seq=2), ("1f1b", 2, 2), "pipeline parallelism with seq=2 needs the ulysses attention for now"),
-    (dict(pipe=2, tensor=(2, 2)), ("1f1b", 2, 2), "pipeline parallelism with a 2D tensor grid is not supported yet"),
 ])
 def test_unsupported_pipelines_are_refused(sizes, schedule, message):
     data = batches(np.random.default_rng(4), steps=1)

@@ -100,11 +100,6 @@ def pipeline_schedule(cfg: Config, mesh, rules) -> Schedule | None:
     P = mesh.shape["pipe"]
     if P == 1:
         return None
-    if mesh.shape["seq"] > 1 and cfg.mesh.seq_impl != "ulysses":
-        raise TrainingError(f"mesh.pipe={P} with mesh.seq={mesh.shape['seq']} needs "
-                            f"mesh.seq_impl=ulysses for now (not {cfg.mesh.seq_impl})")
-    if "tensor_row" in mesh.axis_names:
-        raise TrainingError(f"mesh.pipe={P} with mesh.tensor={list(cfg.mesh.tensor)} (2D) is not supported yet")
     pipe = cfg.pipeline
     M = pipe.microbatches or 2 * P
     V = pipe.virtual_stages if pipe.schedule == "interleaved" else 1
@@ -177,6 +172,20 @@ def _rewrite_metrics(path: pathlib.Path, upto: int) -> None:
         path.write_text("".join(l + "\n" for l in lines))
 
 
+def dry_run_profile(cfg: Config, step_fn, abstract_model, mesh, rules, schedule: Schedule | None) -> dict:
+    """The compile-only profile of ``step_fn`` (``jaxpar.profiler.profile``), with the
+    pipeline's bubble and per-stage memory when it runs ``schedule``."""
+    from jaxpar.profiler import profile
+
+    result = profile(step_fn.compile(abstract_model, cfg.batch_size, cfg.seq_len))
+    if schedule is not None:
+        from jaxpar.train.pipelined import profile_fields
+
+        result.update(profile_fields(schedule, step_fn.abstract_state(abstract_model), cfg.model,
+                                     mesh, rules, cfg.batch_size, cfg.seq_len))
+    return result
+
+
 def train(cfg: Config, *, progress: bool = True) -> list[dict]:
     """Runs (or resumes) the training ``cfg`` describes; returns the per-step metrics."""
     run_dir = pathlib.Path(cfg.run_dir)
@@ -187,13 +196,12 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
     abstract_model = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(cfg.seed)))
     tx, schedule = make_optimizer(cfg.optimizer, cfg.steps)
     sequence = SequenceOptions(cfg.mesh.seq_impl, cfg.mesh.seq_layout)
+    stages = pipeline_schedule(cfg, mesh, rules)
     step_fn = make_train_step(abstract_model, tx, mesh, rules, grad_accum=cfg.optimizer.grad_accum,
-                              sequence=sequence, pipeline=pipeline_schedule(cfg, mesh, rules))
+                              sequence=sequence, pipeline=stages)
 
     if cfg.dry_run:
-        from jaxpar.profiler import profile_json
-
-        print(profile_json(step_fn.compile(abstract_model, cfg.batch_size, cfg.seq_len)))
+        print(json.dumps(dry_run_profile(cfg, step_fn, abstract_model, mesh, rules, stages), separators=(",", ":")))
         return []
 
     checkpoints = Checkpoints(run_dir, keep=cfg.checkpoint.keep)

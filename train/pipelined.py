@@ -1,43 +1,44 @@
 """The transformer's loss and gradients through a pipeline schedule
-(``jaxpar.pipeline``): the embedding before the first stage, the stacked layers split
-into ``S = P V`` stages of ``L / S`` layers, the final norm, vocabulary projection and
-cross-entropy after the last.
+(``jaxpar.pipeline``): the stacked layers split into ``S = P V`` stages of ``L / S``
+layers, the token embedding computed by the first stage, the final norm, vocabulary
+projection and cross-entropy by the last.
 
 The batch ``[B, T]`` is cut into ``M`` microbatches of ``B / M`` rows (row ``r`` to
 microbatch ``r % M``); the loss is the mean of the microbatch losses, as with gradient
 accumulation. Inside the pipeline (``shard_map`` manual over ``pipe`` only) the other
 mesh axes stay automatic, so data, FSDP, 1D tensor and Ulysses sequence parallelism
-compose with it as they do without it.
+compose with it as they do without it. Every ``pipe`` device holds the embedding,
+final norm and head parameters (``pipe`` is not in their sharding), as Megatron-LM
+keeps the tied embedding on both the first and the last stage; their gradients are
+summed over ``pipe`` once per step.
 
-Refused for now: ring (and rsa) attention over ``seq`` and the 2D tensor grid. Both
-move data by ``ppermute``, and inside the schedule's per-device ``lax.switch`` (stage
-0 runs a forward while stage 1 idles) XLA:CPU pairs a collective-permute across
-devices in different branches: wrong values or a crash, measured. All-reduces and
-all-to-alls, grouped per pipeline stage, are unaffected.
+Ring (and rsa) attention over ``seq`` and the 2D tensor grid (SUMMA) move data by
+``ppermute`` inside a stage, which the schedule's per-device branches cannot hold; with
+either, the pipeline runs in lockstep (``jaxpar.pipeline.value_and_grad``): same
+results and memory, a forward plus a backward per mixed tick.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar import pipeline
-from jaxpar.models.transformer import run_layers
+from jaxpar import rules as rules_lib
+from jaxpar.models.transformer import ACT_BTD, run_layers
 from jaxpar.pipeline_schedule import Schedule
 from jaxpar.sequence_parallel import current_options
 from jaxpar.train.step import cross_entropy, microbatches
 
 
-def unsupported_with_pipeline(mesh) -> str | None:
-    """Why ``mesh`` (with the sequence options in force) cannot run the pipeline yet, or None."""
-    seq = mesh.shape.get("seq", 1)
-    if seq > 1 and current_options().impl != "ulysses":
-        return (f"pipeline parallelism with seq={seq} needs the ulysses attention for now "
-                f"(not {current_options().impl!r}: its ppermutes cannot run inside the schedule)")
-    if mesh.shape.get("tensor_row", 1) > 1:
-        return "pipeline parallelism with a 2D tensor grid is not supported yet (SUMMA's ppermutes)"
-    return None
+def needs_lockstep(mesh) -> bool:
+    """Whether a stage on ``mesh`` (with the sequence options in force) communicates by
+    ``ppermute``: ring or rsa attention over ``seq``, SUMMA over the 2D tensor grid."""
+    ring = mesh.shape.get("seq", 1) > 1 and current_options().impl != "ulysses"
+    return ring or mesh.shape.get("tensor_row", 1) > 1
 
 
 def loss_and_grads(graphdef, params, batch: dict, schedule: Schedule, mesh):
@@ -48,9 +49,6 @@ def loss_and_grads(graphdef, params, batch: dict, schedule: Schedule, mesh):
     if cfg.layers % S:
         raise ValueError(f"{cfg.layers} layers do not split into pipe x virtual stages = "
                          f"{schedule.devices} x {schedule.virtual} = {S}")
-    unsupported = unsupported_with_pipeline(mesh)
-    if unsupported:
-        raise ValueError(unsupported)
     split_def, layer_state, rest = nnx.split(model, nnx.PathContains("layers"), ...)
     layers_def, _ = nnx.split(model.layers)
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), layer_state)
@@ -68,8 +66,8 @@ def loss_and_grads(graphdef, params, batch: dict, schedule: Schedule, mesh):
         side["segment_ids"] = batch["segment_ids"]
     side = jax.tree.map(lambda x: microbatches(x, M), side)
 
-    def embed(rest):
-        return microbatches(shell(rest).embed_tokens(batch["inputs"], positions), M)
+    def embed(rest, tokens, side):
+        return shell(rest).embed_tokens(tokens, side["positions"])
 
     def stage(w, x, side):
         return run_layers(cfg, layers_def, w, x, side["positions"], side.get("segment_ids"))
@@ -77,11 +75,44 @@ def loss_and_grads(graphdef, params, batch: dict, schedule: Schedule, mesh):
     def head(rest, x, side):
         return cross_entropy(shell(rest).logits(x), side["targets"], side["mask"])
 
-    x, embed_vjp = jax.vjp(embed, rest)
     stages = jax.tree.map(lambda w: w.reshape(S, cfg.layers // S, *w.shape[1:]), layer_state)
-    loss, (g_stages, g_head, g_x) = pipeline.value_and_grad(stage, head, stages, rest, x, side,
-                                                            schedule, mesh=mesh)
+    loss, (g_stages, g_rest) = pipeline.value_and_grad(
+        embed, stage, head, stages, rest, microbatches(batch["inputs"], M), side, schedule, mesh=mesh,
+        lockstep=needs_lockstep(mesh))
     g_layers = jax.tree.map(lambda g: g.reshape(cfg.layers, *g.shape[2:]), g_stages)
-    g_rest = jax.tree.map(jnp.add, g_head, embed_vjp(g_x)[0])
     _, grads = nnx.split(nnx.merge(split_def, g_layers, g_rest))
     return loss, grads
+
+
+def profile_fields(schedule: Schedule, state, model_cfg, mesh, rules, batch_size: int, seq_len: int) -> dict:
+    """What the compile-only profiler adds for a pipelined step.
+
+    ``pipeline_bubble`` is counted from the schedule actually built (idle stage-ticks
+    over all stage-ticks), ``pipeline_bubble_theory`` is ``(P-1)/(VM+P-1)``. The
+    compiled program is one SPMD program, so its ``temp_bytes`` is the same on every
+    device, with the stash sized for the busiest one; ``pipeline_stages`` gives what
+    each ``pipe`` device actually holds: its stages, its layers' parameter bytes
+    (``state["params"]``, abstract arrays with their shardings), the most microbatches
+    whose stage input it keeps at once, and their bytes (``[B/M, T, D]`` in the compute
+    dtype, split as the rules lay the activations out).
+    """
+    P, V, M = schedule.devices, schedule.virtual, schedule.microbatches
+    layers = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(state["params"])
+              if any(getattr(k, "key", None) == "layers" for k in path)]
+    layer_bytes = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in layers)
+    spec = rules_lib.logical_to_spec(ACT_BTD, rules)
+    ways = [math.prod(mesh.shape[a] for a in rules_lib.as_tuple(axes)) for axes in spec]
+    shape = (batch_size // M, seq_len, model_cfg.dim)
+    stage_input = math.prod(n // w for n, w in zip(shape, ways)) * model_cfg.compute_dtype.itemsize
+    in_flight = schedule.in_flight()
+    return {
+        "pipeline_schedule": schedule.kind,
+        "pipeline_microbatches": M,
+        "pipeline_virtual_stages": V,
+        "pipeline_bubble": schedule.bubble(),
+        "pipeline_bubble_theory": schedule.bubble_theory(),
+        "pipeline_stages": [
+            {"device": p, "stages": [v * P + p for v in range(V)], "layer_parameter_bytes": layer_bytes,
+             "in_flight": int(in_flight[p]), "stage_input_bytes": int(in_flight[p]) * stage_input}
+            for p in range(P)],
+    }
