@@ -172,8 +172,12 @@ def value_and_grad(
         raise ValueError(f"the schedule has {P} pipeline devices, the mesh {axis}={mesh.shape[axis]}")
     p_plan = plan(schedule)
     tables = {k: jnp.asarray(getattr(p_plan, k)) for k in _PER_DEVICE}
-    tables["any_forward"] = jnp.asarray((p_plan.op == FORWARD).any(axis=1))  # [ticks]
+    # Per tick, the same on every device [ticks]: whether any device runs a forward
+    # (backward), and whether anything travels forward (backward) at the tick's end.
+    tables["any_forward"] = jnp.asarray((p_plan.op == FORWARD).any(axis=1))
     tables["any_backward"] = jnp.asarray((p_plan.op == BACKWARD).any(axis=1))
+    tables["sends_f"] = jnp.asarray((p_plan.arrive_f >= 0).any(axis=1))
+    tables["sends_b"] = jnp.asarray((p_plan.arrive_b >= 0).any(axis=1))
     # [S, ...] with s = v P + p -> [P, V, ...]: device p's block is its V stages.
     by_device = jax.tree.map(lambda a: jnp.swapaxes(a.reshape(V, P, *a.shape[1:]), 0, 1), stage_params)
 
@@ -187,6 +191,7 @@ def value_and_grad(
         params = jax.tree.map(lambda a: a[0], params)  # [V, ...]
         me = jax.lax.axis_index(axis)
         row = {k: tables[k][:, me] for k in _PER_DEVICE}  # [ticks] each
+        row.update({k: tables[k] for k in ("sends_f", "sends_b", "any_forward", "any_backward")})
         zeros_a = jnp.zeros(activation.shape, activation.dtype)
         state = dict(
             stash=jnp.zeros((p_plan.stash_size, *activation.shape), activation.dtype),
@@ -239,10 +244,15 @@ def value_and_grad(
             state, out_f, out_b = jax.lax.switch(op["op"], [idle, forward, backward], state, op)
             return send(state, op, out_f, out_b), None
 
+        def shift(sends, out, step):
+            """``out`` to device ``+step`` round the ring, at the ticks where any device
+            sends (GPipe's forward phase sends no gradients, idle ticks nothing)."""
+            pairs = [(d, (d + step) % P) for d in range(P)]
+            return jax.lax.cond(sends, lambda: jax.lax.ppermute(out, axis, pairs), lambda: zeros_a)
+
         def send(state, op, out_f, out_b):
             """Outputs to the next device, input gradients to the previous one."""
-            sent_f = jax.lax.ppermute(out_f, axis, [(d, (d + 1) % P) for d in range(P)])
-            sent_b = jax.lax.ppermute(out_b, axis, [(d, (d - 1) % P) for d in range(P)])
+            sent_f, sent_b = shift(op["sends_f"], out_f, 1), shift(op["sends_b"], out_b, -1)
             recv_f = jnp.where(op["arrive_f"] >= 0,
                                state["recv_f"].at[jnp.maximum(op["arrive_f"], 0)].set(sent_f), state["recv_f"])
             recv_b = jnp.where(op["arrive_b"] >= 0,
@@ -287,8 +297,6 @@ def value_and_grad(
                                         lambda state, op: (state, zeros_a), state, op)
             return send(state, op, out_f, out_b), None
 
-        if lockstep:
-            row = dict(row, any_forward=tables["any_forward"], any_backward=tables["any_backward"])
         state, _ = jax.lax.scan(lockstep_tick if lockstep else tick, state, row)
         total = functools.partial(jax.lax.psum, axis_name=axis)
         loss = total(state["loss"]) / M
