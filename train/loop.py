@@ -201,7 +201,8 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
                               sequence=sequence, pipeline=stages)
 
     if cfg.dry_run:
-        print(json.dumps(dry_run_profile(cfg, step_fn, abstract_model, mesh, rules, stages), separators=(",", ":")))
+        profile = dry_run_profile(cfg, step_fn, abstract_model, mesh, rules, stages)
+        print(json.dumps(profile, separators=(",", ":")))
         return []
 
     checkpoints = Checkpoints(run_dir, keep=cfg.checkpoint.keep)

@@ -1,12 +1,13 @@
 """The transformer's loss and gradients through a pipeline schedule
 (``jaxpar.pipeline``): the stacked layers split into ``S = P V`` stages of ``L / S``
-layers, the token embedding computed by the first stage, the final norm, vocabulary
-projection and cross-entropy by the last.
+layers; the token embedding before the schedule (every ``pipe`` device, see
+``jaxpar.pipeline.value_and_grad`` for why), the final norm, vocabulary projection and
+cross-entropy on the last stage.
 
 The batch ``[B, T]`` is cut into ``M`` microbatches of ``B / M`` rows (row ``r`` to
 microbatch ``r % M``); the loss is the mean of the microbatch losses, as with gradient
 accumulation. Inside the pipeline (``shard_map`` manual over ``pipe`` only) the other
-mesh axes stay automatic, so data, FSDP, 1D tensor and Ulysses sequence parallelism
+mesh axes stay automatic, so data, FSDP, tensor (1D and 2D) and sequence parallelism
 compose with it as they do without it. Every ``pipe`` device holds the embedding,
 final norm and head parameters (``pipe`` is not in their sharding), as Megatron-LM
 keeps the tied embedding on both the first and the last stage; their gradients are
