@@ -1,0 +1,11 @@
+"""Pallas kernels for the GPU hot paths (``jaxpar.kernels``).
+
+Every entry point takes ``interpret: bool | None = None``: ``None`` runs the compiled
+Pallas kernel on GPU and the plain-XLA reference beside it elsewhere; ``True`` runs the
+Pallas kernel in interpret mode on any backend (the CPU tests); ``False`` forces the
+compiled kernel. Each kernel module has its ``*_reference`` in plain ``jnp``.
+"""
+
+from jaxpar.kernels.norms import layer_norm, norm, norm_reference, rms_norm, use_pallas
+
+__all__ = ["layer_norm", "norm", "norm_reference", "rms_norm", "use_pallas"]
