@@ -7,7 +7,8 @@ compiled kernel. Each kernel module has its ``*_reference`` in plain ``jnp``.
 """
 
 from jaxpar.kernels.cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
-from jaxpar.kernels.norms import layer_norm, norm, norm_reference, rms_norm, use_pallas
+from jaxpar.kernels.dispatch import use_pallas
+from jaxpar.kernels.norms import layer_norm, norm, norm_reference, rms_norm
 
 __all__ = ["layer_norm", "linear_cross_entropy", "linear_cross_entropy_reference", "norm",
            "norm_reference", "rms_norm", "use_pallas"]

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxpar.kernels.norms import use_pallas
+from jaxpar.kernels.dispatch import use_pallas
 
 
 def linear_cross_entropy_reference(x, w, targets):

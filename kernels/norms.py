@@ -32,6 +32,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from jaxpar.kernels.dispatch import use_pallas
+
 KINDS = ("rms", "layer")
 
 
@@ -44,11 +46,6 @@ def norm_reference(x, scale, bias=None, *, kind: str = "rms", eps: float = 1e-6)
     if bias is not None:
         h = h + bias.astype(jnp.float32)
     return h.astype(x.dtype)
-
-
-def use_pallas(interpret: bool | None) -> bool:
-    """Whether a kernel entry point runs its Pallas kernel (see the module docstring)."""
-    return interpret is not None or jax.default_backend() == "gpu"
 
 
 def norm(x, scale, bias=None, *, kind: str = "rms", eps: float = 1e-6, block_rows: int = 8,
