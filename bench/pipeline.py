@@ -55,22 +55,19 @@ from jaxpar.models import Transformer  # noqa: E402
 from jaxpar.models.transformer import sharding_rules  # noqa: E402
 from jaxpar.pipeline_schedule import BACKWARD, FORWARD, IDLE, build  # noqa: E402
 from jaxpar.train.config import load_config  # noqa: E402
-from jaxpar.train.loop import flops_per_token  # noqa: E402
-from jaxpar.train.pipelined import profile_fields  # noqa: E402
+from jaxpar.train.loop import dry_run_profile, flops_per_token  # noqa: E402
 from jaxpar.train.step import make_train_step  # noqa: E402
 
 
 def measure(cfg, kind: str, P: int, M: int, V: int) -> dict:
-    """The compile-only profile of the pipelined step, with the pipeline's fields."""
+    """The compile-only profile of the pipelined step, with the pipeline's fields (what
+    ``jaxpar-train ... dry_run=true`` prints)."""
     model = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0)))
     mesh = jaxpar.make_mesh(pipe=P, devices=jax.devices()[:P])
     rules = sharding_rules(cfg.model, mesh)
     schedule = build(kind, P, M, V)
     step = make_train_step(model, optax.adamw(1e-4), mesh, rules, pipeline=schedule)
-    profile = jaxpar.profiler.profile(step.compile(model, cfg.batch_size, cfg.seq_len))
-    profile.update(profile_fields(schedule, step.abstract_state(model), cfg.model, mesh, rules,
-                                  cfg.batch_size, cfg.seq_len))
-    return profile
+    return dry_run_profile(cfg, step, model, mesh, rules, schedule)
 
 
 def predict(schedule, t_f: float, t_head: float, transfer: float, lockstep: bool = False) -> float:

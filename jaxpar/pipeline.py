@@ -190,8 +190,8 @@ def value_and_grad(
     def local(params, outer, x, side, tables):
         params = jax.tree.map(lambda a: a[0], params)  # [V, ...]
         me = jax.lax.axis_index(axis)
-        row = {k: tables[k][:, me] for k in _PER_DEVICE}  # [ticks] each
-        row.update({k: tables[k] for k in ("sends_f", "sends_b", "any_forward", "any_backward")})
+        # [ticks] each: this device's column of the per-device tables, the per-tick ones whole.
+        row = {k: t[:, me] if k in _PER_DEVICE else t for k, t in tables.items()}
         zeros_a = jnp.zeros(activation.shape, activation.dtype)
         state = dict(
             stash=jnp.zeros((p_plan.stash_size, *activation.shape), activation.dtype),
