@@ -1,7 +1,8 @@
 """The one attention entry point every model layer calls.
 
-Decoding caches and ring attention over the ``seq`` axis plug in behind this signature
-without touching the model; kernels (Pallas flash attention) will too.
+Decoding caches, ring attention over the ``seq`` axis and the fused kernels (Pallas
+flash and decode attention, cuDNN) plug in behind this signature without touching the
+model.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxpar import fused
 from jaxpar import rules as rules_lib
 from jaxpar.sequence_parallel import current_options, ring_attention
 from jaxpar.sharding import context_rules
@@ -48,6 +50,10 @@ def dot_product_attention(
     queries are the keys (no cache), this is ``jaxpar.ring_attention`` over that axis,
     with the impl and token layout set by ``jaxpar.sequence_parallel.sequence_options``
     (default: the blockwise ring, natural order).
+
+    Kernels: ``jaxpar.kernels.KernelOptions.attention`` (``attention.impl``) picks who
+    computes it: this function's XLA code, the Pallas flash attention kernel (and the
+    Pallas decode kernel over a cache), or cuDNN (``jaxpar.fused``).
     """
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
@@ -59,6 +65,16 @@ def dot_product_attention(
                               layout=options.layout)
     if N % K:
         raise ValueError(f"query heads N={N} must be a multiple of key/value heads K={K}")
+    if q_start is None and T == S:
+        out = fused.attention(q, k, v, causal=causal, segment_ids=segment_ids)
+    elif causal and segment_ids is None:
+        start = S - T if q_start is None else q_start
+        lengths = jnp.full((B,), start + T, jnp.int32)
+        out = fused.decode_attention(q, k, v, lengths)
+    else:
+        out = None
+    if out is not None:
+        return out
     q = q.reshape(B, T, K, N // K, H)
     scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32)
     scores = scores * (H ** -0.5)

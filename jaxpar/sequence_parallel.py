@@ -63,8 +63,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from jaxpar import rules as rules_lib
-from jaxpar.sharding import context_rules
+from jaxpar.fused import implementation, kv_heads_for, local_axes
+from jaxpar.kernels.dispatch import pallas_interpret
+from jaxpar.kernels.flash_attention import block_grads as kernel_block_grads
+from jaxpar.kernels.flash_attention import block_update as kernel_block_update
 
 IMPLS = ("ring", "rsa", "ulysses")
 LAYOUTS = ("natural", "zigzag")
@@ -203,8 +205,16 @@ def block_update(q, k, v, o, lse, q_pos, k_pos, q_seg=None, k_seg=None, *, causa
       ids or None.
     Returns:
       the updated ``(o, lse)``; rows that see no key here are unchanged. The keys are
-      walked in blocks of at most ``KV_BLOCK``.
+      walked in blocks of at most ``KV_BLOCK``; with ``attention.impl`` "pallas" (the GPU
+      default, ``jaxpar.kernels.KernelOptions``) by the flash attention kernel's step.
     """
+    if implementation("attention") == "pallas":
+        B, Tq, K, G, H = q.shape
+        o, lse = kernel_block_update(
+            q.reshape(B, Tq, K * G, H), k, v, o.reshape(B, Tq, K * G, H), lse.reshape(B, K * G, Tq),
+            q_pos, k_pos, q_seg, k_seg, causal=causal, interpret=pallas_interpret())
+        return o.reshape(q.shape), lse.reshape(B, K, G, Tq)
+
     def fold(state, block):
         o, lse = state
         k, v, k_pos, k_seg = block
@@ -235,8 +245,17 @@ def block_grads(q, k, v, do, lse, delta, q_pos, k_pos, q_seg=None, k_seg=None, *
       float32 (the final log-sum-exp, and ``sum(do * out, H)``); positions and segment
       ids as in ``block_update``.
     Returns:
-      ``(dq [B, Tq, K, G, H], dk [B, Tk, K, H], dv [B, Tk, K, H])``, float32.
+      ``(dq [B, Tq, K, G, H], dk [B, Tk, K, H], dv [B, Tk, K, H])``, float32; by the
+      flash attention kernel's backward under ``attention.impl`` "pallas".
     """
+    if implementation("attention") == "pallas":
+        B, Tq, K, G, H = q.shape
+        rows = lambda x: x.reshape(B, K * G, Tq)  # noqa: E731
+        dq, dk, dv = kernel_block_grads(
+            q.reshape(B, Tq, K * G, H), k, v, do.reshape(B, Tq, K * G, H), rows(lse), rows(delta),
+            q_pos, k_pos, q_seg, k_seg, causal=causal, interpret=pallas_interpret())
+        return dq.reshape(q.shape), dk, dv
+
     scale = q.shape[-1] ** -0.5
     q32, do32 = q.astype(jnp.float32), do.astype(jnp.float32)
 
@@ -582,9 +601,9 @@ def ring_attention(q, k, v, *, mesh, causal: bool = True, segment_ids=None, axis
     reorder = impl == "ring" and layout == "natural" and causal and n > 1 and T % (2 * n) == 0
     ring = _Ring(axis, n, 2 if (layout == "zigzag" or reorder) and n > 1 else 1, causal)
 
-    batch_axes = _split_axes(mesh, "activation_batch", B, axis)
-    head_axes = _split_axes(mesh, "activation_heads", N, axis)
-    kv_axes = _split_axes(mesh, "activation_kv_heads", K, axis)
+    batch_axes = local_axes(mesh, "activation_batch", B, exclude=axis)
+    head_axes = local_axes(mesh, "activation_heads", N, exclude=axis)
+    kv_axes = local_axes(mesh, "activation_kv_heads", K, exclude=axis)
     if kv_axes != head_axes:
         kv_axes = ()  # each device selects its query heads' kv heads below
     n_local = N // _size(mesh, head_axes)
@@ -596,7 +615,7 @@ def ring_attention(q, k, v, *, mesh, causal: bool = True, segment_ids=None, axis
     def local(q, k, v, seg):
         seg = None if seg is None else _tied(seg, q)
         if kv_axes != head_axes:
-            k, v = _kv_heads_for(q.shape[2], G, head_axes, mesh, k, v)
+            k, v = kv_heads_for(q.shape[2], G, head_axes, mesh, k, v)
         b, t, heads, _ = q.shape
         kv = k.shape[2]
         q = q.reshape(b, t, kv, heads // kv, H)
@@ -648,27 +667,3 @@ def _zigzag_to_natural(x, axis: str, n: int):
 
 def _size(mesh, axes) -> int:
     return math.prod(mesh.shape[a] for a in axes)
-
-
-def _split_axes(mesh, logical: str, size: int, seq_axis: str) -> tuple[str, ...]:
-    """The mesh axes the rules split ``logical`` over, if ``size`` divides over them."""
-    axes = rules_lib.as_tuple(dict(context_rules(mesh)).get(logical))
-    axes = tuple(a for a in axes if a != seq_axis and mesh.shape[a] > 1)
-    return axes if size % _size(mesh, axes) == 0 else ()
-
-
-def _kv_heads_for(n_local, G, head_axes, mesh, k, v):
-    """The kv heads this device's ``n_local`` query heads read, when the query heads are
-    split over ``head_axes`` and k/v ``[B, L, K, H]`` are whole: a slice when the query
-    heads map onto whole kv groups, otherwise one kv head per query head."""
-    shard = 0
-    for a in head_axes:  # row-major index of this device among the head shards
-        shard = shard * mesh.shape[a] + jax.lax.axis_index(a)
-    first = shard * n_local
-    if n_local % G == 0 or G % n_local == 0:
-        count = max(n_local // G, 1)
-        take = lambda x: jax.lax.dynamic_slice_in_dim(x, first // G, count, axis=2)  # noqa: E731
-    else:
-        index = (first + jnp.arange(n_local)) // G
-        take = lambda x: jnp.take(x, index, axis=2)  # noqa: E731
-    return take(k), take(v)

@@ -1,4 +1,11 @@
-"""The one rule every ``jaxpar.kernels`` entry point follows to pick its implementation."""
+"""Which implementation runs: the rule every ``jaxpar.kernels`` entry point follows, and
+the model's choice per operation (``KernelOptions``, set around tracing)."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
 
 import jax
 
@@ -8,3 +15,67 @@ def use_pallas(interpret: bool | None) -> bool:
     the plain-XLA reference elsewhere; ``True`` runs it in interpret mode on any backend
     (the CPU tests); ``False`` forces the compiled kernel."""
     return interpret is not None or jax.default_backend() == "gpu"
+
+
+def on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+# The choices per operation. "auto": the Pallas kernel on GPU, XLA elsewhere.
+IMPLS = {
+    "attention": ("auto", "xla", "cudnn", "pallas"),
+    "norm": ("auto", "xla", "pallas"),
+    "loss": ("auto", "xla", "pallas"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelOptions:
+    """How the model's attention, norms and loss run (``jaxpar-train``'s
+    ``attention.impl``, ``norm.impl``, ``loss.impl``): ``"xla"`` the plain-``jnp``
+    computation; ``"pallas"`` the ``jaxpar.kernels`` kernel (compiled on GPU, interpret
+    mode elsewhere: slow, for tests); ``"cudnn"`` (attention only, GPU only) cuDNN's
+    fused attention through ``jax.nn.dot_product_attention``; ``"auto"`` Pallas on GPU
+    and XLA elsewhere. What is computed is the same whichever runs."""
+
+    attention: str = "auto"
+    norm: str = "auto"
+    loss: str = "auto"
+
+    def __post_init__(self):
+        for op, allowed in IMPLS.items():
+            if getattr(self, op) not in allowed:
+                raise ValueError(f"{op}.impl={getattr(self, op)!r} must be one of {list(allowed)}")
+        if self.attention == "cudnn" and not on_gpu():
+            raise ValueError(f"attention.impl='cudnn' needs a GPU; JAX's backend here is "
+                             f"{jax.default_backend()!r}")
+
+    def resolve(self, op: str) -> str:
+        """The implementation that runs ``op`` on this backend ("auto" resolved)."""
+        choice = getattr(self, op)
+        if choice == "auto":
+            return "pallas" if on_gpu() else "xla"
+        return choice
+
+
+_OPTIONS = contextvars.ContextVar("jaxpar_kernel_options", default=None)
+
+
+def current_kernel_options() -> KernelOptions:
+    return _OPTIONS.get() or KernelOptions()
+
+
+@contextlib.contextmanager
+def kernel_options(options: KernelOptions):
+    """Sets how the model's attention, norms and loss run (trace inside)."""
+    token = _OPTIONS.set(options)
+    try:
+        yield options
+    finally:
+        _OPTIONS.reset(token)
+
+
+def pallas_interpret() -> bool:
+    """The ``interpret`` flag a chosen ``"pallas"`` implementation runs with: compiled on
+    GPU, interpret mode elsewhere."""
+    return not on_gpu()

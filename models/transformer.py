@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxpar import fused
 from jaxpar import rules as rules_lib
 from jaxpar.attention import dot_product_attention
 from jaxpar.linear import dense
@@ -104,6 +105,11 @@ class Norm(nnx.Module):
         self.bias = _zeros(rngs, cfg, (cfg.dim,), ("norm",)) if cfg.norm == "layer" else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        """``[B, T, D]`` -> ``[B, T, D]``; by the fused kernel under ``norm.impl`` "pallas"."""
+        bias = None if self.bias is None else self.bias[...]
+        fused_out = fused.norm(x, self.scale[...], bias, kind=self.kind, eps=self.eps)
+        if fused_out is not None:
+            return fused_out.astype(self.dtype)
         x = x.astype(jnp.float32)
         if self.kind == "layer":
             x = x - x.mean(-1, keepdims=True)
@@ -332,23 +338,31 @@ class Transformer(nnx.Module):
         Returns:
           logits ``[B, T, V]`` in the compute dtype; with a cache, ``(logits, cache)``.
         """
+        if cache is None:
+            return self.logits(self.features(tokens, positions=positions, segment_ids=segment_ids))
         B, T = tokens.shape
         if positions is None:
-            start = 0 if cache is None else cache.index
-            positions = jnp.broadcast_to(start + jnp.arange(T, dtype=jnp.int32), (B, T))
+            positions = jnp.broadcast_to(cache.index + jnp.arange(T, dtype=jnp.int32), (B, T))
         x = self.embed_tokens(tokens, positions)
         graphdef, layer_state = nnx.split(self.layers)
-        if cache is None:
-            x = run_layers(self.cfg, graphdef, layer_state, x, positions, segment_ids)
-        else:
-            def layer(x, xs):
-                state, k, v = xs
-                return nnx.merge(graphdef, state)(x, positions, segment_ids, (k, v, cache.index))
 
-            x, (k, v) = jax.lax.scan(layer, x, (layer_state, cache.k, cache.v))
-            cache = KVCache(k, v, cache.index + T)
-        logits = self.logits(x)
-        return logits if cache is None else (logits, cache)
+        def layer(x, xs):
+            state, k, v = xs
+            return nnx.merge(graphdef, state)(x, positions, segment_ids, (k, v, cache.index))
+
+        x, (k, v) = jax.lax.scan(layer, x, (layer_state, cache.k, cache.v))
+        return self.logits(x), KVCache(k, v, cache.index + T)
+
+    def features(self, tokens: jax.Array, *, positions: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
+        """The residual stream after the last layer (before the final norm), ``[B, T, D]``:
+        what ``logits`` (or a fused loss, ``jaxpar.fused.token_losses``) takes."""
+        B, T = tokens.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        x = self.embed_tokens(tokens, positions)
+        graphdef, layer_state = nnx.split(self.layers)
+        return run_layers(self.cfg, graphdef, layer_state, x, positions, segment_ids)
 
     def embed_tokens(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
         """int ``[B, T]`` tokens (and positions) -> the residual stream ``[B, T, D]``."""
@@ -359,12 +373,16 @@ class Transformer(nnx.Module):
 
     def logits(self, x: jax.Array) -> jax.Array:
         """The final norm and vocabulary projection: ``[B, T, D]`` -> ``[B, T, V]``."""
-        x, dtype = self.final_norm(x), self.cfg.compute_dtype
-        if self.cfg.tie_embeddings:
-            logits = dense(x, self.embed[...].astype(dtype).T, ("embed", "vocab"))
-        else:
-            logits = dense(x, self.lm_head[...].astype(dtype), ("embed", "vocab"))
+        logits = dense(self.final_norm(x), self.head_weight(), ("embed", "vocab"))
         return constrain(logits, ACT_BTV)
+
+    def head_weight(self) -> jax.Array:
+        """The vocabulary projection ``[D, V]`` in the compute dtype (the embedding's
+        transpose when tied)."""
+        dtype = self.cfg.compute_dtype
+        if self.cfg.tie_embeddings:
+            return self.embed[...].astype(dtype).T
+        return self.lm_head[...].astype(dtype)
 
 
 def run_layers(cfg: ModelConfig, graphdef, layer_state, x, positions, segment_ids):

@@ -3,12 +3,13 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
-
 from conftest import rel_err
-from jaxpar.decoding import generate, greedy_without_cache, sample
+from flax import nnx
+from jaxpar.kernels.dispatch import KernelOptions, kernel_options
 from jaxpar.models import ModelConfig, Transformer
 from jaxpar.models.transformer import init_cache
+
+from jaxpar.decoding import generate, greedy_without_cache, sample
 
 CFG = ModelConfig(vocab_size=64, dim=32, layers=2, heads=4, kv_heads=2, head_dim=8, mlp_dim=48, init_std=0.3)
 
@@ -25,16 +26,20 @@ def test_greedy_with_cache_equals_greedy_recomputed(rng, cfg):
     np.testing.assert_array_equal(cached, reference)
 
 
-def test_cached_logits_equal_full_forward(rng):
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_cached_logits_equal_full_forward(rng, impl):
+    """Prefill then steps over the cache; with attention.impl=pallas the steps run the
+    Pallas decode kernel (interpret mode) and the full forward the flash kernel."""
     model = Transformer(CFG, rngs=nnx.Rngs(0))
     tokens = jnp.asarray(rng.integers(0, CFG.vocab_size, (2, 10)))
-    full = model(tokens)
-    cache = init_cache(CFG, 2, 16)
-    first, cache = model(tokens[:, :6], cache=cache)
-    stepped = [first]
-    for i in range(6, 10):
-        logits, cache = model(tokens[:, i : i + 1], cache=cache)
-        stepped.append(logits)
+    with kernel_options(KernelOptions(attention=impl)):
+        full = model(tokens)
+        cache = init_cache(CFG, 2, 16)
+        first, cache = model(tokens[:, :6], cache=cache)
+        stepped = [first]
+        for i in range(6, 10):
+            logits, cache = model(tokens[:, i : i + 1], cache=cache)
+            stepped.append(logits)
     assert int(cache.index) == 10
     assert rel_err(jnp.concatenate(stepped, axis=1), full) < 1e-5
 

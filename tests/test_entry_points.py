@@ -54,3 +54,19 @@ def test_sequence_parallel_benchmark():
     rows = [line for line in out.stdout.splitlines() if line.startswith("| ring |")]
     assert len(rows) == 2
     assert "ring, longest at N=2 / (N x longest at N=1)" in out.stdout
+
+
+def test_kernels_benchmark_smoke():
+    """bench/kernels.py --smoke: tiny shapes, Pallas interpret mode on CPU (a correctness
+    smoke of the script, not a performance figure). The training part is skipped here:
+    test_train runs attention.impl=pallas."""
+    out = run("bench/kernels.py", "--smoke", "--skip-train")
+    assert out.returncode == 0, out.stderr
+    assert "| BxNxTxH | causal | impl | fwd ms | fwd TFLOP/s |" in out.stdout
+    xla = [line.split("|") for line in out.stdout.splitlines() if line.startswith("| 1x2x256x64 | yes | xla |")]
+    assert xla and float(xla[0][4]) > 0 and float(xla[0][7]) < 1e-2  # timed, and close to float32
+    assert "| 1x2x256x64 | yes | jaxpar |" in out.stdout and "| 1x2x256x64 | no | cudnn | needs GPU |" in out.stdout
+    for header in ("| B | S | T | KV MB | impl |", "| norm | mode | impl |", "| NxDxV | mode | impl |"):
+        assert header in out.stdout
+    last = out.stdout.strip().splitlines()
+    assert "| target (issue) | jaxpar measured | verdict |" in last[-7] and last[-1].startswith("| decode >= 70%")

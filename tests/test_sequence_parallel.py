@@ -10,6 +10,7 @@ import pytest
 import jaxpar
 from conftest import rel_err, train_steps, tree_rel_err
 from jaxpar import sequence_parallel as sp
+from jaxpar.kernels.dispatch import KernelOptions, kernel_options
 from jaxpar.models import ModelConfig
 from jaxpar.sequence_parallel import SequenceOptions, from_zigzag, ring_attention, to_zigzag
 
@@ -94,6 +95,16 @@ def test_other_axes_split_batch_and_heads(rng, others):
     q, k, v, g, seg = inputs(rng, B=4)
     check_against_reference(q, k, v, g, seg, seq_mesh(2, **others), causal=True, impl="ring",
                             layout="zigzag", n=2)
+
+
+@pytest.mark.parametrize("n,causal,layout", [(2, True, "zigzag"), (4, False, "natural")])
+def test_ring_on_the_flash_kernel(rng, n, causal, layout):
+    """attention.impl=pallas: the ring's inner steps run the Pallas flash kernel's
+    block_update / block_grads (interpret mode), with the rings' token positions."""
+    q, k, v, g, seg = inputs(rng, T=32, N=4, K=2, H=16)
+    with kernel_options(KernelOptions(attention="pallas")):
+        check_against_reference(q, k, v, g, seg, seq_mesh(n), causal=causal, impl="ring",
+                                layout=layout, n=n)
 
 
 def test_bfloat16(rng):

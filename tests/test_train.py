@@ -141,6 +141,21 @@ def test_4d_runs_match_one_device(tmp_path, cache):
         assert len(got) == len(reference) == 10 and rel_err(got, [r["loss"] for r in reference]) < 1e-5, name
 
 
+def test_pallas_kernels_train_like_xla(tmp_path, cache):
+    """attention.impl, norm.impl and loss.impl = pallas (interpret mode on CPU, each kernel
+    per device under shard_map on a data=2 x fsdp=4 mesh) give the losses and validation
+    loss of the XLA computations on one data-parallel mesh."""
+    common = ("steps=3", "eval.every=3", "checkpoint.every=0", "seq_len=32")
+    reference = train(config(tmp_path / "xla", cache, *common, "attention.impl=xla", "norm.impl=xla",
+                             "loss.impl=xla"), progress=False)
+    history = train(config(tmp_path / "pallas", cache, *common, "mesh.fsdp=4", "attention.impl=pallas",
+                           "norm.impl=pallas", "loss.impl=pallas"), progress=False)
+    for key in ("loss", "val_loss"):
+        got = [r[key] for r in history if key in r]
+        want = [r[key] for r in reference if key in r]
+        assert len(got) == len(want) > 0 and rel_err(got, want) < 1e-5, key
+
+
 def test_corrupt_latest_checkpoint_falls_back_to_the_previous(tmp_path, cache):
     run = tmp_path / "run"
     first = train(config(run, cache, "steps=8", "checkpoint.every=4", "eval.every=0"), progress=False)
@@ -173,6 +188,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, cache):
         ("mesh.fsdp=3", 1, "does not divide 8 devices"),
         ("mesh.pipe=2 pipeline.microbatches=3", 1, "batch_size=8 is not divisible by pipeline.microbatches x the data-parallel degree = 3 x 4 = 12"),
         ("mesh.pipe=2 pipeline.microbatches=1 batch_size=8", 1, "1f1b needs at least as many microbatches as pipeline stages: microbatches=1 < pipe=2"),
+        ("attention.impl=cudnn", 1, "attention.impl='cudnn' needs a GPU; JAX's backend here is 'cpu'"),
         ("mesh.seq=4 seq_len=60", 2, "seq_len=60 must be divisible by 2 x mesh.seq = 8 for mesh.seq_layout=zigzag"),
     ],
 )

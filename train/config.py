@@ -79,6 +79,29 @@ class PipelineConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """Who computes attention: "auto" (the Pallas kernels on GPU, XLA elsewhere), "xla",
+    "pallas" (on CPU in interpret mode: slow, for tests) or "cudnn" (GPU only)."""
+
+    impl: Literal["auto", "xla", "cudnn", "pallas"] = "auto"
+
+
+@dataclasses.dataclass(frozen=True)
+class NormConfig:
+    """Who computes the RMSNorm/LayerNorm: "auto", "xla" or "pallas" (as ``attention``)."""
+
+    impl: Literal["auto", "xla", "pallas"] = "auto"
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    """Who computes the vocabulary projection + cross-entropy: "auto", "xla" or "pallas"
+    (the fused kernel that never stores the logits)."""
+
+    impl: Literal["auto", "xla", "pallas"] = "auto"
+
+
+@dataclasses.dataclass(frozen=True)
 class EvalConfig:
     every: int = 50  # validation loss every N steps (and at the last step); 0 never
     batches: int = 4
@@ -93,6 +116,10 @@ class Config:
     optimizer: OptimizerConfig = OptimizerConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     eval: EvalConfig = EvalConfig()
+    # jaxpar.kernels.KernelOptions: who computes attention, norms and loss.
+    attention: AttentionConfig = AttentionConfig()
+    norm: NormConfig = NormConfig()
+    loss: LossConfig = LossConfig()
     run_dir: str = "runs/tiny"
     cache_dir: str | None = None  # tokenizer/packed-data cache; None: RUN_DIR/cache
     steps: int = 200

@@ -29,6 +29,7 @@ from jaxpar.models import Transformer
 from jaxpar import pipeline_schedule as pipeline_schedules
 from jaxpar.models.transformer import sharding_rules
 from jaxpar.pipeline_schedule import Schedule
+from jaxpar.kernels.dispatch import KernelOptions
 from jaxpar.sequence_parallel import SequenceOptions, to_zigzag
 from jaxpar.train import data as data_lib
 from jaxpar.train.checkpoints import Checkpoints
@@ -197,8 +198,9 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
     tx, schedule = make_optimizer(cfg.optimizer, cfg.steps)
     sequence = SequenceOptions(cfg.mesh.seq_impl, cfg.mesh.seq_layout)
     stages = pipeline_schedule(cfg, mesh, rules)
+    kernels = KernelOptions(cfg.attention.impl, cfg.norm.impl, cfg.loss.impl)
     step_fn = make_train_step(abstract_model, tx, mesh, rules, grad_accum=cfg.optimizer.grad_accum,
-                              sequence=sequence, pipeline=stages)
+                              sequence=sequence, kernels=kernels, pipeline=stages)
 
     if cfg.dry_run:
         profile = dry_run_profile(cfg, step_fn, abstract_model, mesh, rules, stages)

@@ -18,7 +18,9 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxpar import fused
 from jaxpar import rules as rules_lib
+from jaxpar.kernels.dispatch import KernelOptions, kernel_options
 from jaxpar.sequence_parallel import SequenceOptions, sequence_options
 from jaxpar.sharding import like_params, model_shardings, use_mesh
 
@@ -41,7 +43,11 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array | None 
     # vocab-parallel cross-entropy); the full [B, T, V] logits are never gathered.
     vocab = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
     picked = jnp.where(vocab == targets[..., None], logits, 0.0).sum(-1)
-    losses = logz - picked
+    return masked_mean(logz - picked, mask)
+
+
+def masked_mean(losses: jax.Array, mask: jax.Array | None) -> jax.Array:
+    """The mean of per-token ``losses [B, T]`` over the tokens ``mask`` counts."""
     if mask is None:
         return losses.mean()
     mask = mask.astype(jnp.float32)
@@ -50,11 +56,15 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array | None 
 
 def loss_fn(model: nnx.Module, batch: Batch) -> jax.Array:
     """Loss of ``model`` on a batch with ``inputs``, ``targets`` (int ``[B, T]``) and
-    optionally ``positions``, ``segment_ids`` and ``mask`` (all ``[B, T]``)."""
-    logits = model(
-        batch["inputs"], positions=batch.get("positions"), segment_ids=batch.get("segment_ids")
-    )
-    return cross_entropy(logits, batch["targets"], batch.get("mask"))
+    optionally ``positions``, ``segment_ids`` and ``mask`` (all ``[B, T]``). Under
+    ``loss.impl`` "pallas" the vocabulary projection and the cross-entropy run as one
+    fused kernel (``jaxpar.fused.token_losses``): the ``[B, T, V]`` logits never exist."""
+    x = model.features(batch["inputs"], positions=batch.get("positions"),
+                       segment_ids=batch.get("segment_ids"))
+    losses = fused.token_losses(model.final_norm(x), model.head_weight(), batch["targets"])
+    if losses is None:
+        return cross_entropy(model.logits(x), batch["targets"], batch.get("mask"))
+    return masked_mean(losses, batch.get("mask"))
 
 
 def microbatches(x: jax.Array, count: int) -> jax.Array:
@@ -71,6 +81,7 @@ class TrainStep:
     ``params_sharding`` / ``opt_sharding`` are what ``init`` places the state with
     (None without a mesh). ``sequence``: how attention runs over a length split over
     ``seq`` (with ``layout="zigzag"`` the batches' tokens must be in ``to_zigzag`` order).
+    ``kernels``: who computes attention, norms and loss (XLA, Pallas, cuDNN).
     """
 
     graphdef: Any
@@ -82,13 +93,15 @@ class TrainStep:
     batch_sharding: Any
     rules: rules_lib.Rules | None = None
     sequence: SequenceOptions = SequenceOptions()
+    kernels: KernelOptions | None = None  # None: KernelOptions() ("auto")
 
     def context(self):
-        """The mesh, rules and sequence options to trace and run under."""
+        """The mesh, rules, sequence and kernel options to trace and run under."""
         stack = contextlib.ExitStack()
         if self.mesh is not None:
             stack.enter_context(use_mesh(self.mesh, self.rules))
         stack.enter_context(sequence_options(self.sequence))
+        stack.enter_context(kernel_options(self.kernels or KernelOptions()))
         return stack
 
     def init(self, model: nnx.Module):
@@ -137,6 +150,7 @@ def make_train_step(
     grad_accum: int = 1,
     donate: bool = True,
     sequence: SequenceOptions = SequenceOptions(),
+    kernels: KernelOptions | None = None,
     pipeline=None,
 ) -> TrainStep:
     """Builds the jitted train step for ``model``'s structure on ``mesh`` (or one device).
@@ -178,7 +192,7 @@ def make_train_step(
     donate_argnums = (0, 1) if donate else ()
     if mesh is None:
         return TrainStep(graphdef, tx, jax.jit(step, donate_argnums=donate_argnums),
-                         None, None, None, None, rules, sequence)
+                         None, None, None, None, rules, sequence, kernels)
     params_sharding = model_shardings(params, mesh, rules)
     replicated = NamedSharding(mesh, PartitionSpec())
     opt_shape = jax.eval_shape(tx.init, params)
@@ -192,4 +206,4 @@ def make_train_step(
         donate_argnums=donate_argnums,
     )
     return TrainStep(graphdef, tx, jitted, mesh, params_sharding, opt_sharding, batch_sharding,
-                     rules, sequence)
+                     rules, sequence, kernels)

@@ -1,0 +1,195 @@
+"""The model's fused operations: attention, norm and loss, each run by the implementation
+``jaxpar.kernels.KernelOptions`` chooses (XLA, cuDNN or the Pallas kernels).
+
+A Pallas kernel is one device's program: XLA cannot partition it. So with a mesh in
+context each kernel runs under ``jax.shard_map`` on its device's slice (batch rows and
+heads split as the rules split the activations, everything a row needs whole). Where
+the rules split what the kernel must see whole (the model width of a norm's rows, the
+vocabulary of the loss: the 2D tensor grid, Megatron's vocab-parallel head) these return
+None and the caller runs the XLA computation, which GSPMD partitions; a vocab-parallel
+fused loss is a follow-up.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from jaxpar import kernels
+from jaxpar import rules as rules_lib
+from jaxpar.kernels.dispatch import current_kernel_options, pallas_interpret
+from jaxpar.sharding import context_rules
+
+
+def implementation(op: str) -> str:
+    """``"xla"``, ``"pallas"`` or ``"cudnn"``: what runs ``op`` here."""
+    return current_kernel_options().resolve(op)
+
+
+def _mesh():
+    mesh = jax.sharding.get_abstract_mesh()
+    return None if mesh.empty else mesh
+
+
+def local_axes(mesh, logical: str, size: int, exclude: str | None = None) -> tuple[str, ...]:
+    """The mesh axes of size > 1 the rules in force split ``logical`` over (without
+    ``exclude``), or () when ``size`` does not divide over them."""
+    axes = rules_lib.as_tuple(dict(context_rules(mesh)).get(logical))
+    axes = tuple(a for a in axes if a != exclude and mesh.shape[a] > 1)
+    return axes if size % _size(mesh, axes) == 0 else ()
+
+
+def _size(mesh, axes) -> int:
+    out = 1
+    for a in axes:
+        out *= mesh.shape[a]
+    return out
+
+
+def kv_heads_for(n_local, G, head_axes, mesh, k, v):
+    """The kv heads this device's ``n_local`` query heads read, when the query heads are
+    split over ``head_axes`` and k/v ``[B, L, K, H]`` are whole: a slice when the query
+    heads map onto whole kv groups, otherwise one kv head per query head."""
+    shard = 0
+    for a in head_axes:  # row-major index of this device among the head shards
+        shard = shard * mesh.shape[a] + jax.lax.axis_index(a)
+    first = shard * n_local
+    if n_local % G == 0 or G % n_local == 0:
+        count = max(n_local // G, 1)
+        take = lambda x: jax.lax.dynamic_slice_in_dim(x, first // G, count, axis=2)  # noqa: E731
+    else:
+        index = (first + jnp.arange(n_local)) // G
+        take = lambda x: jnp.take(x, index, axis=2)  # noqa: E731
+    return take(k), take(v)
+
+
+def _per_device(fn, mesh, in_specs, out_specs, *args):
+    if mesh is None:
+        return fn(*args)
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                         check_vma=False)(*args)
+
+
+# ------------------------------------------------------------------------ attention
+
+
+def _head_layout(mesh, B, N, K):
+    """How per-device attention splits ``q [B, T, N, H]`` and ``k, v [B, S, K, H]``:
+    ``(q_spec, kv_spec, local_kv)``, batch and heads as the rules split them; when the kv
+    heads cannot follow the query heads (fewer kv heads than head shards), k/v stay whole
+    and ``local_kv(q, k, v)`` takes each device's query heads' kv heads."""
+    batch_axes = head_axes = kv_axes = ()
+    if mesh is not None:
+        batch_axes = local_axes(mesh, "activation_batch", B)
+        head_axes = local_axes(mesh, "activation_heads", N)
+        kv_axes = local_axes(mesh, "activation_kv_heads", K)
+        if kv_axes != head_axes:
+            kv_axes = ()
+
+    def local_kv(q, k, v):
+        if kv_axes == head_axes:
+            return k, v
+        return kv_heads_for(q.shape[2], N // K, head_axes, mesh, k, v)
+
+    return (PartitionSpec(batch_axes or None, None, head_axes or None, None),
+            PartitionSpec(batch_axes or None, None, kv_axes or None, None), local_kv)
+
+
+def attention(q, k, v, *, causal: bool, segment_ids=None):
+    """Self-attention ``q [B, T, N, H]``, ``k, v [B, T, K, H]`` -> ``[B, T, N, H]`` by
+    the chosen fused implementation, or None when that is ``"xla"`` (the caller's)."""
+    impl = implementation("attention")
+    if impl == "xla":
+        return None
+    mesh = _mesh()
+    q_spec, kv_spec, local_kv = _head_layout(mesh, q.shape[0], q.shape[2], k.shape[2])
+
+    def local(q, k, v, seg):
+        k, v = local_kv(q, k, v)
+        if impl == "cudnn":
+            mask = None if seg is None else (seg[:, :, None] == seg[:, None, :])[:, None]
+            return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal,
+                                                implementation="cudnn")
+        return kernels.flash_attention(q, k, v, causal=causal, segment_ids=seg,
+                                       interpret=pallas_interpret())
+
+    seg_spec = None if segment_ids is None else PartitionSpec(q_spec[0], None)
+    with jax.named_scope(f"attention_{impl}"):
+        return _per_device(local, mesh, (q_spec, kv_spec, kv_spec, seg_spec), q_spec,
+                           q, k, v, segment_ids)
+
+
+# Query tokens per sequence up to which the decode kernel runs (a token tree being
+# verified); a longer prefill over a cache is XLA's.
+DECODE_MAX_QUERIES = 16
+
+
+def decode_attention(q, k_cache, v_cache, lengths):
+    """``q [B, T, N, H]`` over a cache ``[B, S, K, H]`` whose first ``lengths [B]`` slots
+    are filled (the T new tokens last) by the Pallas decode kernel, or None when the
+    chosen attention is not ``"pallas"`` or ``T > DECODE_MAX_QUERIES``."""
+    if implementation("attention") != "pallas" or q.shape[1] > DECODE_MAX_QUERIES:
+        return None
+    mesh = _mesh()
+    q_spec, kv_spec, local_kv = _head_layout(mesh, q.shape[0], q.shape[2], k_cache.shape[2])
+
+    def local(q, k, v, lengths):
+        k, v = local_kv(q, k, v)
+        return kernels.decode_attention(q, k, v, lengths, interpret=pallas_interpret())
+
+    return _per_device(local, mesh, (q_spec, kv_spec, kv_spec, PartitionSpec(q_spec[0])),
+                       q_spec, q, k_cache, v_cache, lengths)
+
+
+# ----------------------------------------------------------------------------- norm
+
+
+def norm(x, scale, bias, *, kind: str, eps: float):
+    """The fused norm of ``x [B, T, D]`` (float32 statistics, ``x``'s dtype out), or None
+    when the chosen norm is ``"xla"`` or the rules split the model width."""
+    if implementation("norm") != "pallas":
+        return None
+    mesh = _mesh()
+    spec = PartitionSpec()
+    if mesh is not None:
+        if local_axes(mesh, "activation_embed", x.shape[-1]):
+            return None
+        rows = (local_axes(mesh, "activation_batch", x.shape[0]),
+                local_axes(mesh, "activation_norm_length", x.shape[1]))
+        spec = PartitionSpec(*(axes or None for axes in rows), None)
+    fn = functools.partial(kernels.norm, kind=kind, eps=eps, interpret=pallas_interpret())
+    if bias is None:
+        return _per_device(lambda x, s: fn(x, s), mesh, (spec, PartitionSpec()), spec, x, scale)
+    return _per_device(fn, mesh, (spec, PartitionSpec(), PartitionSpec()), spec, x, scale, bias)
+
+
+# ----------------------------------------------------------------------------- loss
+
+
+def token_losses(x, w, targets):
+    """Per-token cross-entropy ``[B, T]`` float32 of ``softmax(x w)``: ``x [B, T, D]``
+    final hidden states, ``w [D, V]`` the vocabulary projection, ``targets [B, T]``; by the
+    fused kernel (the ``[B, T, V]`` logits never exist), or None when the chosen loss is
+    ``"xla"`` or the rules split the vocabulary."""
+    if implementation("loss") != "pallas":
+        return None
+    mesh = _mesh()
+    rows = PartitionSpec()
+    if mesh is not None:
+        if local_axes(mesh, "activation_vocab", w.shape[1]):
+            return None
+        rows = PartitionSpec(local_axes(mesh, "activation_batch", x.shape[0]) or None,
+                             local_axes(mesh, "activation_length", x.shape[1]) or None)
+
+    def local(x, w, targets):
+        B, T, D = x.shape
+        losses = kernels.linear_cross_entropy(x.reshape(B * T, D), w, targets.reshape(B * T),
+                                              interpret=pallas_interpret())
+        return losses.reshape(B, T)
+
+    x_spec = PartitionSpec(*rows, None)
+    return _per_device(local, mesh, (x_spec, PartitionSpec(), rows), rows,
+                       x, w, targets.astype(jnp.int32))

@@ -1,0 +1,215 @@
+"""Decode attention over a preallocated KV cache (flash-decoding), as a Pallas kernel:
+``T`` new query tokens per sequence attend to the filled part of the cache.
+
+``decode_attention(q, k_cache, v_cache, lengths, *, tree_mask=None)`` with ``q [B, T, N, H]``,
+``k_cache``/``v_cache [B, S, K, H]`` (``N`` a multiple of ``K``: query head ``n`` reads kv
+head ``n // G``, ``G = N // K``) and ``lengths [B]`` int returns ``[B, T, N, H]`` in
+``q``'s dtype. ``lengths[b]`` counts the filled slots *including* the ``T`` new tokens,
+whose keys and values are already written at slots ``lengths[b] - T .. lengths[b] - 1``;
+query ``t`` sits at position ``lengths[b] - T + t`` and sees
+
+* every context slot ``s < lengths[b] - T``;
+* new-token slot ``lengths[b] - T + j`` iff ``tree_mask[b, t, j]`` (``[B, T, T]`` bool, the
+  token tree of speculative decoding: ancestors-or-self); ``None`` is causal, ``j <= t``;
+* never a slot ``>= lengths[b]`` (whatever it holds).
+
+Softmax statistics and accumulation are float32 whatever the input dtype.
+
+Kernel: one program per (sequence ``b``, kv head ``h``, split ``p``). Its ``G * T`` query
+rows (all the query heads reading kv head ``h``, for every new token) attend together:
+one ``[G*T, H] x [H, block_k]`` matmul per cache block, an online softmax over the blocks
+(``lax.fori_loop`` with a trip count read from ``lengths``, so it stops at the last block
+holding a filled slot). At batch 1 a program per kv head would leave most of a GPU idle,
+so each sequence's filled length is cut into ``num_splits`` block-aligned partitions, one
+program each; a split writes its normalised partial output and log-sum-exp, and XLA
+combines the splits afterwards (weights ``softmax`` of the log-sum-exps). The splits
+divide ``lengths[b]``, not ``S``, so a cache filled to a tenth still keeps every split busy.
+``lengths`` reaches each program as a scalar block (``BlockSpec((None,), (b,))``) and the
+tree mask as one int32 bitmask per query row (bit ``j``: sees new token ``j``; hence
+``T <= 32``), so the mask is shifts and ands, no gather.
+
+HBM traffic: the filled part of the cache is read once per kv head, i.e. once in total,
+``2 * sum(lengths) * K * H * itemsize`` bytes; slots past a length are never loaded (the
+loads are masked), and ``q`` and the float32 partial outputs, ``B*K*num_splits*G*T*(H+1)``
+floats, are small beside it. That figure over the time is the benchmark's GB/s.
+
+Backend: ``pl.pallas_call`` with block specs (Triton on GPU): portable, and the same
+kernel body runs in interpret mode on CPU. Triton wants power-of-two tiles, so query rows
+are padded to a power of two >= 16 (``q`` is tiny; the cache is never copied or padded),
+``block_k`` must be a power of two >= 16, and ``H`` a power of two on GPU. Not yet
+measured on a GPU. Inference only: no backward pass. A paged cache (block tables instead
+of one contiguous ``[S]`` per sequence) is a possible follow-up; only the cache loads
+would change.
+
+Dispatch (``interpret``) as in ``jaxpar.kernels``: ``None`` is the compiled kernel on GPU
+and ``decode_attention_reference`` elsewhere.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jaxpar.kernels.dispatch import use_pallas
+
+# Programs the automatic split aims for: an H100 has 132 SMs.
+_TARGET_PROGRAMS = 128
+_MAX_SPLITS = 16
+
+
+@functools.partial(jax.jit, static_argnames="scale")
+def decode_attention_reference(q, k_cache, v_cache, lengths, *, tree_mask=None, scale=None):
+    """Plain ``jnp`` (materialises the ``[B, K, G, T, S]`` float32 scores)."""
+    B, T, N, H = q.shape
+    S, K = k_cache.shape[1:3]
+    scale = H**-0.5 if scale is None else scale
+    visible = _visible(lengths, T, S, tree_mask)  # [B, T, S]
+    scores = jnp.einsum("BTKGH,BSKH->BKGTS", q.reshape(B, T, K, N // K, H), k_cache,
+                        preferred_element_type=jnp.float32) * scale
+    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
+    top = scores.max(-1, keepdims=True)
+    p = jnp.exp(scores - jnp.where(top == -jnp.inf, 0.0, top))  # all zeros if nothing visible
+    total = p.sum(-1, keepdims=True)
+    p = p / jnp.where(total == 0, 1.0, total)
+    filled = jnp.arange(S)[None, :, None, None] < lengths[:, None, None, None]
+    v = jnp.where(filled, v_cache, 0)  # unwritten slots may hold inf/NaN: 0 * NaN is NaN
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.reshape(B, T, N, H).astype(q.dtype)
+
+
+def _visible(lengths, T, S, tree_mask):
+    """``[B, T, S]`` bool: which cache slots each new query sees."""
+    if tree_mask is None:
+        tree_mask = jnp.tril(jnp.ones((T, T), bool))[None]
+    start = (lengths - T)[:, None, None]  # first new token's slot
+    slot = jnp.arange(S)[None, None, :]
+    j = slot - start  # index among the new tokens
+    tree = jnp.take_along_axis(jnp.broadcast_to(tree_mask, (lengths.shape[0], T, T)),
+                               jnp.broadcast_to(jnp.clip(j, 0, T - 1), (lengths.shape[0], T, S)),
+                               axis=2)
+    return (slot < start) | ((j >= 0) & (j < T) & tree)
+
+
+def decode_attention(q, k_cache, v_cache, lengths, *, tree_mask=None, scale=None,
+                     block_k: int = 128, num_splits: int | None = None,
+                     interpret: bool | None = None):
+    """Attention of ``T`` new tokens to the filled cache (module docstring).
+
+    ``num_splits``: partitions of each sequence's filled length, one program each;
+    ``None`` picks ``min(16, ceil(128 / (B * K)))``, enough programs to fill a GPU at
+    small batch. ``lengths`` must satisfy ``T <= lengths[b] <= S`` (values outside are
+    clipped to ``[0, S]``, so no load ever leaves the cache)."""
+    if (q.ndim != 4 or k_cache.ndim != 4 or v_cache.shape != k_cache.shape
+            or q.shape[0] != k_cache.shape[0] or q.shape[3] != k_cache.shape[3]
+            or q.shape[2] % k_cache.shape[2] or lengths.shape != q.shape[:1]):
+        raise ValueError(f"decode_attention wants q [B, T, N, H], k_cache and v_cache [B, S, K, H] "
+                         f"with N a multiple of K, lengths [B]; got q {q.shape}, k_cache "
+                         f"{k_cache.shape}, v_cache {v_cache.shape}, lengths {lengths.shape}")
+    B, T, _, H = q.shape
+    S, K = k_cache.shape[1:3]
+    if T > S:
+        raise ValueError(f"decode_attention: T={T} new tokens do not fit a cache of S={S} slots")
+    if tree_mask is not None and tree_mask.shape != (B, T, T):
+        raise ValueError(f"decode_attention wants tree_mask [B, T, T] = {(B, T, T)}, got {tree_mask.shape}")
+    if block_k < 16 or block_k & (block_k - 1):
+        raise ValueError(f"block_k must be a power of two >= 16 (Triton tiles), got {block_k}")
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    scale = float(H**-0.5 if scale is None else scale)
+    lengths = jnp.clip(lengths.astype(jnp.int32), 0, S)
+    if tree_mask is not None:
+        tree_mask = tree_mask.astype(bool)
+    if not use_pallas(interpret):
+        return decode_attention_reference(q, k_cache, v_cache, lengths, tree_mask=tree_mask, scale=scale)
+    if T > 32:
+        raise ValueError(f"the decode_attention kernel packs the tree mask in int32 bits: T={T} > 32")
+    if num_splits is None:
+        num_splits = max(1, min(_MAX_SPLITS, -(-_TARGET_PROGRAMS // (B * K))))
+    return _decode(q, k_cache, v_cache, lengths, tree_mask, scale, block_k, num_splits, bool(interpret))
+
+
+def _kernel(len_ref, bits_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, T, scale, block_k, num_splits):
+    """One (sequence, kv head, split): ``q_ref [R, H]`` (``R`` padded query rows),
+    ``k_ref``/``v_ref [S, H]``, ``bits_ref [R, 1]``; writes this split's normalised output
+    ``[R, H]`` and log-sum-exp ``[R, 1]`` (``-inf`` where the split saw nothing)."""
+    length = len_ref[()]
+    context = length - T  # slots [context, length) hold the new tokens
+    per_split = pl.cdiv(pl.cdiv(length, num_splits), block_k) * block_k
+    start = pl.program_id(2) * per_split
+    end = jnp.minimum(start + per_split, length)
+    q, bits = q_ref[...], bits_ref[...]
+    R, H = q.shape
+
+    def body(i, carry):
+        acc, m, total = carry
+        first = start + i * block_k
+        slot = first + jnp.arange(block_k, dtype=jnp.int32)
+        filled = slot < length
+        rows = pl.ds(first, block_k)
+        # Masked loads: never read past the length, and never past S (S % block_k != 0).
+        k = plgpu.load(k_ref.at[rows, :], mask=filled[:, None], other=0)
+        v = plgpu.load(v_ref.at[rows, :], mask=filled[:, None], other=0)
+        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        j = (slot - context)[None, :]  # index among the new tokens
+        tree = (jnp.right_shift(bits, jnp.clip(j, 0, 31)) & 1) == 1
+        visible = (j < 0) | (filled[None, :] & tree)
+        s = jnp.where(visible, s * scale, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(-1, keepdims=True))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no NaN from -inf - -inf
+        p = jnp.exp(s - m_safe)
+        correction = jnp.exp(m - m_safe)
+        total = total * correction + p.sum(-1, keepdims=True)
+        acc = acc * correction + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        return acc, m_new, total
+
+    f32 = jnp.float32
+    init = (jnp.zeros((R, H), f32), jnp.full((R, 1), -jnp.inf, f32), jnp.zeros((R, 1), f32))
+    blocks = jnp.maximum(pl.cdiv(end - start, block_k), 0)
+    acc, m, total = jax.lax.fori_loop(0, blocks, body, init)
+    empty = total == 0
+    o_ref[...] = acc / jnp.where(empty, 1.0, total)
+    lse_ref[...] = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, total)))
+
+
+@functools.partial(jax.jit, static_argnums=(5, 6, 7, 8))
+def _decode(q, k_cache, v_cache, lengths, tree_mask, scale, block_k, num_splits, interpret):
+    B, T, N, H = q.shape
+    S, K = k_cache.shape[1:3]
+    G = N // K
+    R = max(16, pl.next_power_of_2(G * T))  # Triton: power-of-two tiles, dot M >= 16
+    # Rows of kv head h: r = g * T + t for query head h * G + g, token t.
+    rows = q.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, H)
+    rows = jnp.pad(rows, ((0, 0), (0, 0), (0, R - G * T), (0, 0)))
+    if tree_mask is None:
+        tree_mask = jnp.tril(jnp.ones((B, T, T), bool))
+    bits = (tree_mask.astype(jnp.int32) << jnp.arange(T, dtype=jnp.int32)).sum(-1, dtype=jnp.int32)
+    bits = jnp.pad(jnp.tile(bits, (1, G)), ((0, 0), (0, R - G * T)))[..., None]  # [B, R, 1]
+
+    grid = (B, K, num_splits)
+    cache = pl.BlockSpec((None, S, None, H), lambda b, h, p: (b, 0, h, 0))
+    o, lse = pl.pallas_call(
+        functools.partial(_kernel, T=T, scale=scale, block_k=block_k, num_splits=num_splits),
+        grid=grid,
+        in_specs=[pl.BlockSpec((None,), lambda b, h, p: (b,)),
+                  pl.BlockSpec((None, R, 1), lambda b, h, p: (b, 0, 0)),
+                  pl.BlockSpec((None, None, R, H), lambda b, h, p: (b, h, 0, 0)),
+                  cache, cache],
+        out_specs=[pl.BlockSpec((None, None, None, R, H), lambda b, h, p: (b, h, p, 0, 0)),
+                   pl.BlockSpec((None, None, None, R, 1), lambda b, h, p: (b, h, p, 0, 0))],
+        out_shape=[jax.ShapeDtypeStruct((*grid, R, H), jnp.float32),
+                   jax.ShapeDtypeStruct((*grid, R, 1), jnp.float32)],
+        interpret=interpret,
+        name="decode_attention",
+    )(lengths, bits, rows, k_cache, v_cache)
+
+    # Combine the splits: weights exp(lse_p - max lse), a split that saw nothing weighs 0.
+    top = lse.max(2, keepdims=True)
+    w = jnp.exp(lse - jnp.where(top == -jnp.inf, 0.0, top))
+    total = w.sum(2)
+    out = (o * w).sum(2) / jnp.where(total == 0, 1.0, total)  # [B, K, R, H]
+    out = out[:, :, :G * T].reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4)
+    return out.reshape(B, T, N, H).astype(q.dtype)

@@ -1,0 +1,551 @@
+"""Flash attention, forward and backward, as Pallas kernels; and the same kernels as one
+step of the online softmax, which the ring attention runs its inner blocks on.
+
+``flash_attention(q, k, v, *, causal, segment_ids=None, window=None, scale=None)``:
+``q [B, T, N, H]``, ``k, v [B, S, K, H]`` with ``N`` a multiple of ``K`` (grouped-query
+attention: query head ``n`` reads key/value head ``n // (N // K)``, as Hugging Face's
+``repeat_kv``), returns ``[B, T, N, H]`` in ``q``'s dtype. Scores, softmax statistics and
+products accumulate in float32 whatever the input dtype (bf16, fp16, fp32).
+
+Which keys a query sees: query ``t`` sits at position ``t`` and key ``s`` at ``s``
+(self-attention, ``T == S``; queries over a KV cache are ``decode_attention``'s job); with
+``causal`` keys at positions ``<=`` the query's; with ``window`` w only keys less than w positions
+away (a sliding window: ``q_pos - k_pos < w``, and ``k_pos - q_pos < w`` when not
+causal); with ``segment_ids [B, T]`` only keys of the same document (packed sequences).
+
+Algorithm (FlashAttention-2, Dao 2023):
+
+* Forward, one program per (batch, query head, block of ``block_q`` queries): walk the
+  key/value blocks of ``block_k`` with an online softmax, keeping the running max,
+  sum and unnormalised output in registers; write the output and the float32
+  log-sum-exp ``lse [B, N, T]``. Causal and windowed programs loop only over the key
+  blocks that can be visible (from the block indices), so causal attention does half the
+  work; partially visible blocks are masked element by element.
+* Backward, recomputing the probabilities from the saved ``lse`` (``p = exp(s - lse)``)
+  and ``delta = sum(do * o)`` (computed in XLA, one pass): a dK/dV kernel, one program per
+  (batch, key/value head, key block), that loops over the query blocks and over the
+  ``G = N / K`` query heads sharing the key/value head, so dK and dV are summed over the
+  group inside the kernel; and a dQ kernel, one program per (batch, query head, query
+  block), that loops over the key blocks.
+
+Lengths that are not multiples of the blocks are padded up in the wrapper; padded keys
+and padded query rows are masked (and the padding sliced off), so they never reach a sum.
+A query row that sees no key at all (possible in a ring block) keeps ``lse = -inf`` and a
+zero output instead of NaN.
+
+The ring attention's step (``block_update``) is the same forward kernel started from a
+running ``(o, lse)`` instead of an empty one, with explicit ``q_positions`` /
+``k_positions`` (the ring's token layout need not be contiguous: zigzag); its backward
+step (``block_grads``) is the backward kernels given the final ``lse`` and ``delta``.
+With explicit positions the block-skipping bounds are not known, so every key block is
+visited (masked where invisible).
+
+Backend: ``pl.pallas_call`` with block specs, which lowers through Triton on GPU. The
+kernel needs only 2D loads, two matmuls per tile and an online softmax, which Triton
+schedules well on Ampere and Hopper (JAX's own Pallas ``mha`` is the same design); the
+same kernel body runs in interpret mode on CPU, which is how it is tested. The Hopper
+path that beats it (Mosaic GPU: TMA bulk copies, wgmma, warp-specialised pipelining, as
+FlashAttention-3 does) is the next step once its speed can be measured on an H200; the
+Triton lowering is deprecated from JAX 0.11 but still ships. Not yet measured on a GPU.
+
+Dispatch (``interpret``) as every ``jaxpar.kernels`` entry point: ``None`` runs the
+compiled kernel on GPU and ``flash_attention_reference`` elsewhere; ``True`` runs the
+Pallas kernel in interpret mode on any backend; ``False`` forces the compiled kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+from jaxpar.kernels.dispatch import use_pallas
+
+
+# --------------------------------------------------------------------------- API
+
+
+def flash_attention(q, k, v, *, causal: bool, segment_ids=None, window: int | None = None,
+                    scale: float | None = None, block_q: int = 64, block_k: int = 64,
+                    interpret: bool | None = None):
+    """Softmax attention of ``q [B, T, N, H]`` over ``k, v [B, S, K, H]`` (module
+    docstring); ``segment_ids [B, T]`` int (needs ``T == S``). Differentiable in q, k, v."""
+    _check(q, k, v, segment_ids, window)
+    T, S, H = q.shape[1], k.shape[1], q.shape[3]
+    scale = H ** -0.5 if scale is None else float(scale)
+    if not use_pallas(interpret):
+        return flash_attention_reference(q, k, v, causal=causal, segment_ids=segment_ids,
+                                         window=window, scale=scale)
+    config = _Config(causal, window, scale, min(block_q, _pow2(T)), min(block_k, _pow2(S)),
+                     T, S, True, bool(interpret))
+    return _attention(config, q, k, v, segment_ids)
+
+
+def block_update(q, k, v, o, lse, q_positions, k_positions, q_segment_ids=None,
+                 k_segment_ids=None, *, causal: bool, window: int | None = None,
+                 scale: float | None = None, block_q: int = 64, block_k: int = 64,
+                 interpret: bool | None = None):
+    """One step of the online softmax: folds keys/values ``k, v [B, S, K, H]`` into the
+    running output ``o [B, T, N, H]`` (float32, normalised over the keys seen so far) and
+    log-sum-exp ``lse [B, N, T]`` (float32, ``-inf`` before any key) of ``q [B, T, N, H]``.
+
+    ``q_positions [T]``, ``k_positions [S]`` int: the tokens' positions (for ``causal``
+    and ``window``); segment ids ``[B, T]`` / ``[B, S]`` or None. Returns the updated
+    ``(o, lse)``; rows that see no key here are unchanged. Not differentiable: the
+    backward of a sequence of steps is ``block_grads`` per step.
+    """
+    _check(q, k, v, None, window)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if not use_pallas(interpret):
+        return block_update_reference(q, k, v, o, lse, q_positions, k_positions, q_segment_ids,
+                                      k_segment_ids, causal=causal, window=window, scale=scale)
+    T, S = q.shape[1], k.shape[1]
+    config = _Config(causal, window, scale, min(block_q, _pow2(T)), min(block_k, _pow2(S)),
+                     T, S, False, bool(interpret))
+    return _forward(config, q, k, v, q_segment_ids, k_segment_ids, q_positions, k_positions,
+                    o, lse, out_dtype=jnp.float32)
+
+
+def block_grads(q, k, v, do, lse, delta, q_positions, k_positions, q_segment_ids=None,
+                k_segment_ids=None, *, causal: bool, window: int | None = None,
+                scale: float | None = None, block_q: int = 64, block_k: int = 64,
+                interpret: bool | None = None):
+    """The gradient contributions of keys/values ``k, v [B, S, K, H]``: flash attention's
+    backward given the final ``lse [B, N, T]`` and ``delta = sum(do * out, H) [B, N, T]``
+    (float32) of the whole attention. Returns ``(dq [B, T, N, H], dk, dv [B, S, K, H])``
+    in float32."""
+    _check(q, k, v, None, window)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if not use_pallas(interpret):
+        return block_grads_reference(q, k, v, do, lse, delta, q_positions, k_positions,
+                                     q_segment_ids, k_segment_ids, causal=causal, window=window,
+                                     scale=scale)
+    T, S = q.shape[1], k.shape[1]
+    config = _Config(causal, window, scale, min(block_q, _pow2(T)), min(block_k, _pow2(S)),
+                     T, S, False, bool(interpret))
+    return _backward(config, q, k, v, q_segment_ids, k_segment_ids, q_positions, k_positions,
+                     do, lse, delta)
+
+
+def _check(q, k, v, segment_ids, window):
+    if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] \
+            or q.shape[3] != k.shape[3]:
+        raise ValueError(f"attention wants q [B, T, N, H], k and v [B, S, K, H]; got q={q.shape}, "
+                         f"k={k.shape}, v={v.shape}")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"query heads N={q.shape[2]} must be a multiple of key/value heads "
+                         f"K={k.shape[2]}")
+    if segment_ids is not None and (q.shape[1] != k.shape[1] or segment_ids.shape != q.shape[:2]):
+        raise ValueError(f"segment_ids={segment_ids.shape} need T == S and shape [B, T] = "
+                         f"{q.shape[:2]} (k has S={k.shape[1]})")
+    if window is not None and window < 1:
+        raise ValueError(f"window={window} must be at least 1")
+
+
+def _pow2(n: int) -> int:
+    """The smallest power of two >= n, at least 16 (Triton's smallest dot tile)."""
+    return max(16, 1 << (n - 1).bit_length())
+
+
+# ------------------------------------------------------------------------- kernels
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    """Everything static about one call: the mask, the tiles, the true lengths (before
+    padding), and whether positions are the indices ``0..T-1`` / ``0..S-1`` (then the
+    visible block ranges are known and the loops skip the rest)."""
+
+    causal: bool
+    window: int | None
+    scale: float
+    block_q: int
+    block_k: int
+    q_len: int
+    kv_len: int
+    contiguous: bool
+    interpret: bool
+
+    def padded(self, length, block):
+        return -(-length // block) * block
+
+    def call(self, kernel, grid, in_specs, out_specs, out_shape, name):
+        params = {}
+        if not self.interpret:
+            from jax.experimental.pallas import triton as plgpu
+            params["compiler_params"] = plgpu.CompilerParams(num_warps=4, num_stages=2)
+        return pl.pallas_call(functools.partial(kernel, config=self), grid=grid,
+                              in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+                              interpret=self.interpret, name=name, **params)
+
+
+def _visible(config: _Config, q_idx, k_idx, q_pos, k_pos, q_seg, k_seg):
+    """``[bq, bk]`` bool: which (query, key) pairs of a tile attend. ``*_idx`` are the
+    rows' indices in the padded arrays (padding is invisible), ``*_pos`` their positions,
+    ``*_seg`` their segment ids or None."""
+    mask = (q_idx < config.q_len)[:, None] & (k_idx < config.kv_len)[None, :]
+    distance = q_pos[:, None] - k_pos[None, :]
+    if config.causal:
+        mask &= distance >= 0
+    if config.window is not None:
+        mask &= distance < config.window
+        if not config.causal:
+            mask &= -distance < config.window
+    if q_seg is not None:
+        mask &= q_seg[:, None] == k_seg[None, :]
+    return mask
+
+
+def _key_blocks(config: _Config, i, count):
+    """The key blocks query block ``i`` can see: ``[lo, hi)`` (all when positions are
+    not contiguous)."""
+    if not config.contiguous:
+        return 0, count
+    bq, bk, w = config.block_q, config.block_k, config.window
+    first, last = i * bq, i * bq + bq - 1  # the block's query positions
+    lo = 0 if w is None else jnp.maximum(first - w + 1, 0) // bk
+    if config.causal:
+        hi = jnp.minimum(last // bk + 1, count)
+    elif w is not None:
+        hi = jnp.minimum((last + w - 1) // bk + 1, count)
+    else:
+        hi = count
+    return lo, hi
+
+
+def _query_blocks(config: _Config, j, count):
+    """The query blocks that can see key block ``j``: ``[lo, hi)``."""
+    if not config.contiguous:
+        return 0, count
+    bq, bk, w = config.block_q, config.block_k, config.window
+    first, last = j * bk, j * bk + bk - 1  # the block's key positions
+    if config.causal:
+        lo = first // bq
+    elif w is not None:
+        lo = jnp.maximum(first - w + 1, 0) // bq
+    else:
+        lo = 0
+    hi = count if w is None else jnp.minimum((last + w - 1) // bq + 1, count)
+    return lo, hi
+
+
+def _indices(start, size):
+    return start + jax.lax.broadcasted_iota(jnp.int32, (size,), 0)
+
+
+def _scores(config, q, k):
+    """``[bq, bk]`` float32 ``q k^T * scale``."""
+    s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return s * config.scale
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, q_pos_ref, k_pos_ref, o_in_ref,
+                    lse_in_ref, o_ref, lse_ref, *, config: _Config):
+    """One (batch, head, query block): q ``[bq, H]``, k/v ``[S_pad, H]``; o ``[bq, H]``,
+    lse ``[bq]``. Starts from ``(o_in, lse_in)`` when given (the ring's running state)."""
+    bq, bk = config.block_q, config.block_k
+    i = pl.program_id(2)
+    q = q_ref[...]
+    q_idx = _indices(i * bq, bq)
+    q_pos = q_idx if q_pos_ref is None else q_pos_ref[...]
+    q_seg = None if q_seg_ref is None else q_seg_ref[...]
+    if o_in_ref is None:
+        m = jnp.full((bq,), -jnp.inf, jnp.float32)
+        total = jnp.zeros((bq,), jnp.float32)
+        acc = jnp.zeros(o_ref.shape, jnp.float32)
+    else:  # a normalised (o, lse) is the state (acc=o, max=lse, sum=1)
+        m = lse_in_ref[...]
+        total = jnp.where(jnp.isfinite(m), 1.0, 0.0)
+        acc = o_in_ref[...].astype(jnp.float32)
+
+    def body(j, carry):
+        acc, m, total = carry
+        k = k_ref[pl.ds(j * bk, bk), :]
+        v = v_ref[pl.ds(j * bk, bk), :]
+        k_idx = _indices(j * bk, bk)
+        k_pos = k_idx if k_pos_ref is None else k_pos_ref[pl.ds(j * bk, bk)]
+        k_seg = None if k_seg_ref is None else k_seg_ref[pl.ds(j * bk, bk)]
+        visible = _visible(config, q_idx, k_idx, q_pos, k_pos, q_seg, k_seg)
+        s = jnp.where(visible, _scores(config, q, k), -jnp.inf)
+        new_m = jnp.maximum(m, s.max(-1))
+        safe_m = jnp.where(jnp.isfinite(new_m), new_m, 0.0)  # all -inf so far: no NaN
+        p = jnp.exp(s - safe_m[:, None])
+        correction = jnp.exp(m - safe_m)
+        pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        return acc * correction[:, None] + pv, new_m, total * correction + p.sum(-1)
+
+    lo, hi = _key_blocks(config, i, k_ref.shape[0] // bk)
+    acc, m, total = jax.lax.fori_loop(lo, hi, body, (acc, m, total))
+    seen = total > 0
+    o_ref[...] = jnp.where(seen[:, None], acc / jnp.where(seen, total, 1.0)[:, None],
+                           0.0).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
+
+
+def _probabilities(config, q, k, lse, q_idx, k_idx, q_pos, k_pos, q_seg, k_seg):
+    """The tile's softmax ``p = exp(s - lse)`` ``[bq, bk]``, zero where invisible."""
+    visible = _visible(config, q_idx, k_idx, q_pos, k_pos, q_seg, k_seg)
+    safe_lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    return jnp.where(visible, jnp.exp(_scores(config, q, k) - safe_lse[:, None]), 0.0)
+
+
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, k_seg_ref,
+                 q_pos_ref, k_pos_ref, dk_ref, dv_ref, *, config: _Config):
+    """One (batch, kv head, key block): k/v ``[bk, H]``; q/do ``[T_pad, G, H]``, lse and
+    delta ``[G, T_pad]`` of the G query heads reading this kv head; dk/dv ``[bk, H]`` f32."""
+    bq, bk = config.block_q, config.block_k
+    j = pl.program_id(2)
+    G = q_ref.shape[1]
+    k, v = k_ref[...], v_ref[...]
+    k_idx = _indices(j * bk, bk)
+    k_pos = k_idx if k_pos_ref is None else k_pos_ref[...]
+    k_seg = None if k_seg_ref is None else k_seg_ref[...]
+    lo, hi = _query_blocks(config, j, q_ref.shape[0] // bq)
+
+    def body(step, carry):
+        dk, dv = carry
+        g, i = step % G, lo + step // G
+        rows = pl.ds(i * bq, bq)
+        q, do = q_ref[rows, g, :], do_ref[rows, g, :]
+        lse, delta = lse_ref[g, rows], delta_ref[g, rows]
+        q_idx = _indices(i * bq, bq)
+        q_pos = q_idx if q_pos_ref is None else q_pos_ref[rows]
+        q_seg = None if q_seg_ref is None else q_seg_ref[rows]
+        p = _probabilities(config, q, k, lse, q_idx, k_idx, q_pos, k_pos, q_seg, k_seg)
+        dv += jax.lax.dot_general(p.astype(do.dtype), do, (((0,), (0,)), ((), ())),
+                                  preferred_element_type=jnp.float32)
+        dp = jax.lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        ds = p * (dp - delta[:, None]) * config.scale
+        dk += jax.lax.dot_general(ds.astype(q.dtype), q, (((0,), (0,)), ((), ())),
+                                  preferred_element_type=jnp.float32)
+        return dk, dv
+
+    zeros = jnp.zeros(dk_ref.shape, jnp.float32)
+    dk, dv = jax.lax.fori_loop(0, (hi - lo) * G, body, (zeros, zeros))
+    dk_ref[...], dv_ref[...] = dk, dv
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, k_seg_ref,
+               q_pos_ref, k_pos_ref, dq_ref, *, config: _Config):
+    """One (batch, query head, query block): q/do ``[bq, H]``, lse/delta ``[bq]``,
+    k/v ``[S_pad, H]``; dq ``[bq, H]`` float32."""
+    bq, bk = config.block_q, config.block_k
+    i = pl.program_id(2)
+    q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
+    q_idx = _indices(i * bq, bq)
+    q_pos = q_idx if q_pos_ref is None else q_pos_ref[...]
+    q_seg = None if q_seg_ref is None else q_seg_ref[...]
+
+    def body(j, dq):
+        k = k_ref[pl.ds(j * bk, bk), :]
+        v = v_ref[pl.ds(j * bk, bk), :]
+        k_idx = _indices(j * bk, bk)
+        k_pos = k_idx if k_pos_ref is None else k_pos_ref[pl.ds(j * bk, bk)]
+        k_seg = None if k_seg_ref is None else k_seg_ref[pl.ds(j * bk, bk)]
+        p = _probabilities(config, q, k, lse, q_idx, k_idx, q_pos, k_pos, q_seg, k_seg)
+        dp = jax.lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        ds = p * (dp - delta[:, None]) * config.scale
+        return dq + jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
+
+    lo, hi = _key_blocks(config, i, k_ref.shape[0] // bk)
+    dq_ref[...] = jax.lax.fori_loop(lo, hi, body, jnp.zeros(dq_ref.shape, jnp.float32))
+
+
+# ------------------------------------------------------------------------ launches
+
+
+def _pad(x, axis, length):
+    if x is None or x.shape[axis] == length:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, length - x.shape[axis])
+    return jnp.pad(x, widths)
+
+
+def _pad_inputs(config, q, k, v, q_seg, k_seg, q_pos, k_pos):
+    T_pad = config.padded(config.q_len, config.block_q)
+    S_pad = config.padded(config.kv_len, config.block_k)
+    q, q_seg, q_pos = _pad(q, 1, T_pad), _pad(q_seg, 1, T_pad), _pad(q_pos, 0, T_pad)
+    k, v, k_seg, k_pos = _pad(k, 1, S_pad), _pad(v, 1, S_pad), _pad(k_seg, 1, S_pad), _pad(k_pos, 0, S_pad)
+    return T_pad, S_pad, q, k, v, q_seg, k_seg, q_pos, k_pos
+
+
+def _query_block_side_specs(S, bq):
+    """Block specs of (q_seg, k_seg, q_pos, k_pos) on a grid (b, head, query block): the
+    queries' block, every key."""
+    return [pl.BlockSpec((None, bq), lambda b, n, i: (b, i)),
+            pl.BlockSpec((None, S), lambda b, n, i: (b, 0)),
+            pl.BlockSpec((bq,), lambda b, n, i: (i,)), pl.BlockSpec((S,), lambda b, n, i: (0,))]
+
+
+def _maybe(specs, *values):
+    return [None if v is None else s for s, v in zip(specs, values, strict=True)]
+
+
+def _forward(config: _Config, q, k, v, q_seg, k_seg, q_pos, k_pos, o_in=None, lse_in=None, *,
+             out_dtype):
+    """``(o [B, T, N, H] out_dtype, lse [B, N, T] f32)``, unpadded."""
+    B, T, N, H = q.shape
+    G, bq = q.shape[2] // k.shape[2], config.block_q
+    T_pad, S_pad, q, k, v, q_seg, k_seg, q_pos, k_pos = _pad_inputs(config, q, k, v, q_seg, k_seg,
+                                                                   q_pos, k_pos)
+    o_in, lse_in = _pad(o_in, 1, T_pad), _pad(lse_in, 2, T_pad)
+    query = pl.BlockSpec((None, bq, None, H), lambda b, n, i: (b, i, n, 0))
+    keys = pl.BlockSpec((None, S_pad, None, H), lambda b, n, i: (b, 0, n // G, 0))
+    rows = pl.BlockSpec((None, None, bq), lambda b, n, i: (b, n, i))
+    in_specs = [query, keys, keys,
+                *_maybe(_query_block_side_specs(S_pad, bq), q_seg, k_seg, q_pos, k_pos),
+                *_maybe([query, rows], o_in, lse_in)]
+    o, lse = config.call(
+        _forward_kernel, (B, N, T_pad // bq), in_specs, [query, rows],
+        [jax.ShapeDtypeStruct((B, T_pad, N, H), out_dtype),
+         jax.ShapeDtypeStruct((B, N, T_pad), jnp.float32)], "flash_attention_forward",
+    )(q, k, v, q_seg, k_seg, q_pos, k_pos, o_in, lse_in)
+    return o[:, :T], lse[:, :, :T]
+
+
+def _backward(config: _Config, q, k, v, q_seg, k_seg, q_pos, k_pos, do, lse, delta):
+    """``(dq [B, T, N, H], dk, dv [B, S, K, H])`` float32, unpadded."""
+    B, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
+    G = N // K
+    bq, bk = config.block_q, config.block_k
+    T_pad, S_pad, q, k, v, q_seg, k_seg, q_pos, k_pos = _pad_inputs(config, q, k, v, q_seg, k_seg,
+                                                                   q_pos, k_pos)
+    do, lse, delta = _pad(do, 1, T_pad), _pad(lse, 2, T_pad), _pad(delta, 2, T_pad)
+
+    # dK/dV: grid (B, K, key blocks); the G query heads of kv head h as [T_pad, G, H].
+    grouped = pl.BlockSpec((None, T_pad, None, G, H), lambda b, h, j: (b, 0, h, 0, 0))
+    grouped_rows = pl.BlockSpec((None, None, G, T_pad), lambda b, h, j: (b, h, 0, 0))
+    key = pl.BlockSpec((None, bk, None, H), lambda b, h, j: (b, j, h, 0))
+    side = [pl.BlockSpec((None, T_pad), lambda b, h, j: (b, 0)),
+            pl.BlockSpec((None, bk), lambda b, h, j: (b, j)),
+            pl.BlockSpec((T_pad,), lambda b, h, j: (0,)), pl.BlockSpec((bk,), lambda b, h, j: (j,))]
+    as_groups = lambda x: x.reshape(B, T_pad, K, G, H)  # noqa: E731
+    as_group_rows = lambda x: x.reshape(B, K, G, T_pad)  # noqa: E731
+    dk, dv = config.call(
+        _dkdv_kernel, (B, K, S_pad // bk),
+        [grouped, key, key, grouped, grouped_rows, grouped_rows,
+         *_maybe(side, q_seg, k_seg, q_pos, k_pos)],
+        [key, key], [jax.ShapeDtypeStruct((B, S_pad, K, H), jnp.float32)] * 2,
+        "flash_attention_dkdv",
+    )(as_groups(q), k, v, as_groups(do), as_group_rows(lse), as_group_rows(delta),
+      q_seg, k_seg, q_pos, k_pos)
+
+    # dQ: grid (B, N, query blocks).
+    query = pl.BlockSpec((None, bq, None, H), lambda b, n, i: (b, i, n, 0))
+    keys = pl.BlockSpec((None, S_pad, None, H), lambda b, n, i: (b, 0, n // G, 0))
+    rows = pl.BlockSpec((None, None, bq), lambda b, n, i: (b, n, i))
+    dq = config.call(
+        _dq_kernel, (B, N, T_pad // bq),
+        [query, keys, keys, query, rows, rows,
+         *_maybe(_query_block_side_specs(S_pad, bq), q_seg, k_seg, q_pos, k_pos)],
+        query, jax.ShapeDtypeStruct((B, T_pad, N, H), jnp.float32), "flash_attention_dq",
+    )(q, k, v, do, lse, delta, q_seg, k_seg, q_pos, k_pos)
+    return dq[:, :T], dk[:, :S], dv[:, :S]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(config: _Config, q, k, v, segment_ids):
+    return _attention_fwd(config, q, k, v, segment_ids)[0]
+
+
+def _attention_fwd(config, q, k, v, segment_ids):
+    out, lse = _forward(config, q, k, v, segment_ids, segment_ids, None, None, out_dtype=q.dtype)
+    return out, (q, k, v, segment_ids, out, lse)
+
+
+def _attention_bwd(config, residuals, do):
+    q, k, v, segment_ids, out, lse = residuals
+    delta = jnp.einsum("BTNH,BTNH->BNT", do.astype(jnp.float32), out.astype(jnp.float32))
+    dq, dk, dv = _backward(config, q, k, v, segment_ids, segment_ids, None, None, do, lse, delta)
+    no_grad = None if segment_ids is None else np.zeros(segment_ids.shape, jax.dtypes.float0)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), no_grad
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+# ---------------------------------------------------------------------- references
+
+
+def _reference_mask(T, S, q_positions, k_positions, q_segment_ids, k_segment_ids, causal, window):
+    """``[B or 1, 1, T, S]`` bool."""
+    q_pos = jnp.arange(T) if q_positions is None else q_positions
+    k_pos = jnp.arange(S) if k_positions is None else k_positions
+    distance = q_pos[:, None] - k_pos[None, :]
+    mask = jnp.ones((T, S), bool)
+    if causal:
+        mask &= distance >= 0
+    if window is not None:
+        mask &= (distance < window) & (causal | (-distance < window))
+    mask = mask[None, None]
+    if q_segment_ids is not None:
+        mask = mask & (q_segment_ids[:, :, None] == k_segment_ids[:, None, :])[:, None]
+    return mask
+
+
+def _reference_scores(q, k, mask, scale):
+    """``[B, N, T, S]`` float32, ``-inf`` where masked."""
+    G = q.shape[2] // k.shape[2]
+    k = jnp.repeat(k, G, axis=2)
+    s = jnp.einsum("BTNH,BSNH->BNTS", q, k, preferred_element_type=jnp.float32) * scale
+    return jnp.where(mask, s, -jnp.inf)
+
+
+def flash_attention_reference(q, k, v, *, causal: bool, segment_ids=None,
+                              window: int | None = None, scale: float | None = None):
+    """Plain ``jnp`` (materialises the ``[B, N, T, S]`` scores): what the kernel computes."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    T, S, G = q.shape[1], k.shape[1], q.shape[2] // k.shape[2]
+    s = _reference_scores(q, k, _reference_mask(T, S, None, None, segment_ids, segment_ids,
+                                                causal, window), scale)
+    p = jax.nn.softmax(s, axis=-1)
+    p = jnp.where(jnp.isnan(p), 0.0, p)  # rows that see nothing
+    out = jnp.einsum("BNTS,BSNH->BTNH", p.astype(v.dtype), jnp.repeat(v, G, axis=2),
+                     preferred_element_type=jnp.float32)
+    return out.astype(q.dtype)
+
+
+def block_update_reference(q, k, v, o, lse, q_positions, k_positions, q_segment_ids=None,
+                           k_segment_ids=None, *, causal: bool, window: int | None = None,
+                           scale: float | None = None):
+    """Plain ``jnp`` ``block_update``."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    G = q.shape[2] // k.shape[2]
+    mask = _reference_mask(q.shape[1], k.shape[1], q_positions, k_positions, q_segment_ids,
+                           k_segment_ids, causal, window)
+    s = _reference_scores(q, k, mask, scale)
+    block_lse = jax.nn.logsumexp(s, axis=-1)  # -inf where nothing is visible
+    new_lse = jnp.logaddexp(lse, block_lse)
+    safe = jnp.where(jnp.isfinite(new_lse), new_lse, 0.0)
+    p = jnp.exp(s - safe[..., None])
+    pv = jnp.einsum("BNTS,BSNH->BTNH", p.astype(v.dtype), jnp.repeat(v, G, axis=2),
+                    preferred_element_type=jnp.float32)
+    rows = lambda x: jnp.moveaxis(x, 2, 1)[..., None]  # noqa: E731  [B, N, T] -> [B, T, N, 1]
+    return o * rows(jnp.exp(lse - safe)) + pv, new_lse
+
+
+def block_grads_reference(q, k, v, do, lse, delta, q_positions, k_positions, q_segment_ids=None,
+                          k_segment_ids=None, *, causal: bool, window: int | None = None,
+                          scale: float | None = None):
+    """Plain ``jnp`` ``block_grads``: float32 ``(dq, dk, dv)``."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    B, S, K, H = k.shape
+    G = q.shape[2] // K
+    mask = _reference_mask(q.shape[1], S, q_positions, k_positions, q_segment_ids, k_segment_ids,
+                           causal, window)
+    s = _reference_scores(q, k, mask, scale)
+    p = jnp.where(mask, jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]), 0.0)
+    k32, v32 = jnp.repeat(k, G, axis=2).astype(jnp.float32), jnp.repeat(v, G, axis=2).astype(jnp.float32)
+    do32, q32 = do.astype(jnp.float32), q.astype(jnp.float32)
+    dv = jnp.einsum("BNTS,BTNH->BSNH", p, do32)
+    dp = jnp.einsum("BTNH,BSNH->BNTS", do32, v32)
+    ds = p * (dp - delta[..., None]) * scale
+    dq = jnp.einsum("BNTS,BSNH->BTNH", ds, k32)
+    dk = jnp.einsum("BNTS,BTNH->BSNH", ds, q32)
+    return dq, dk.reshape(B, S, K, G, H).sum(3), dv.reshape(B, S, K, G, H).sum(3)
