@@ -127,11 +127,14 @@ def test_sequence_parallel_run_matches_one_device(tmp_path, cache):
 def test_4d_runs_match_one_device(tmp_path, cache):
     """pipe=2 x seq=2 (ring) x tensor=[2,2] on 16 devices, and x data=2 on 32: ten steps'
     losses equal one device's (during tiny's warm-up: at full learning rate AdamW's
-    g / sqrt(v) amplifies float32 reduction-order differences step after step)."""
+    g / sqrt(v) amplifies float32 reduction-order differences step after step). The
+    16-device run uses the Pallas kernels (interpret mode): the ring's steps on the flash
+    kernel inside the pipeline's lockstep ticks, GPU's default path."""
     common = (*SMALL, "batch_size=16", "optimizer.warmup_steps=20", f"cache_dir={cache}", "steps=10",
               "eval.every=0", "checkpoint.every=0")
     four_d = ("mesh.pipe=2", "mesh.seq=2", "mesh.tensor=[2,2]")
-    runs = {"one": (1, []), "4d": (16, four_d), "4d_data": (32, ("mesh.data=2", *four_d))}
+    pallas = ("attention.impl=pallas", "norm.impl=pallas", "loss.impl=pallas")
+    runs = {"one": (1, []), "4d": (16, (*four_d, *pallas)), "4d_data": (32, ("mesh.data=2", *four_d))}
     for name, (devices, axes) in runs.items():
         out = cli("tiny", *common, f"run_dir={tmp_path / name}", *axes, devices=devices)
         assert out.returncode == 0, out.stderr[-2000:]
