@@ -28,6 +28,11 @@ Algorithm (FlashAttention-2, Dao 2023):
   group inside the kernel; and a dQ kernel, one program per (batch, query head, query
   block), that loops over the key blocks.
 
+Forward and dQ programs are per query head, so under grouped-query attention the ``G``
+heads of a group each stream the group's K/V (from L2, mostly); one program per group
+(``G * block_q`` rows) is a tuning step to try on the GPU. Block sizes default to 64 x 64
+and are not tuned (no GPU yet).
+
 Lengths that are not multiples of the blocks are padded up in the wrapper; padded keys
 and padded query rows are masked (and the padding sliced off), so they never reach a sum.
 A query row that sees no key at all (possible in a ring block) keeps ``lse = -inf`` and a
@@ -200,6 +205,11 @@ def _visible(config: _Config, q_idx, k_idx, q_pos, k_pos, q_seg, k_seg):
     return mask
 
 
+def _div(x, n: int):
+    """``x // n`` for a traced ``x >= 0`` (``lax.div``: Triton lowers it, not ``//``)."""
+    return jax.lax.div(x, n)
+
+
 def _key_blocks(config: _Config, i, count):
     """The key blocks query block ``i`` can see: ``[lo, hi)`` (all when positions are
     not contiguous)."""
@@ -207,11 +217,11 @@ def _key_blocks(config: _Config, i, count):
         return 0, count
     bq, bk, w = config.block_q, config.block_k, config.window
     first, last = i * bq, i * bq + bq - 1  # the block's query positions
-    lo = 0 if w is None else jnp.maximum(first - w + 1, 0) // bk
+    lo = 0 if w is None else _div(jnp.maximum(first - w + 1, 0), bk)
     if config.causal:
-        hi = jnp.minimum(last // bk + 1, count)
+        hi = jnp.minimum(_div(last, bk) + 1, count)
     elif w is not None:
-        hi = jnp.minimum((last + w - 1) // bk + 1, count)
+        hi = jnp.minimum(_div(last + w - 1, bk) + 1, count)
     else:
         hi = count
     return lo, hi
@@ -224,12 +234,12 @@ def _query_blocks(config: _Config, j, count):
     bq, bk, w = config.block_q, config.block_k, config.window
     first, last = j * bk, j * bk + bk - 1  # the block's key positions
     if config.causal:
-        lo = first // bq
+        lo = _div(first, bq)
     elif w is not None:
-        lo = jnp.maximum(first - w + 1, 0) // bq
+        lo = _div(jnp.maximum(first - w + 1, 0), bq)
     else:
         lo = 0
-    hi = count if w is None else jnp.minimum((last + w - 1) // bq + 1, count)
+    hi = count if w is None else jnp.minimum(_div(last + w - 1, bq) + 1, count)
     return lo, hi
 
 
@@ -308,7 +318,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, k_s
 
     def body(step, carry):
         dk, dv = carry
-        g, i = step % G, lo + step // G
+        g, i = jax.lax.rem(step, G), lo + _div(step, G)
         rows = pl.ds(i * bq, bq)
         q, do = q_ref[rows, g, :], do_ref[rows, g, :]
         lse, delta = lse_ref[g, rows], delta_ref[g, rows]
