@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxpar.kernels.dispatch import use_pallas
+from jaxpar.kernels.dispatch import triton, use_pallas
 
 
 def linear_cross_entropy_reference(x, w, targets):
@@ -138,7 +138,7 @@ def _forward(x, w, targets, bt, bv, interpret):
         grid=(pl.cdiv(N, bt), pl.cdiv(V, bv)),
         in_specs=_specs(D, bt, bv, False)[:3],
         out_specs=[column] * 4, out_shape=[f32] * 4,  # loss, lse, running max, running sum
-        interpret=interpret,
+        interpret=interpret, compiler_params=triton(),
     )(x, w, targets[:, None])
     return loss[:, 0], lse
 
@@ -163,7 +163,7 @@ def _fused_bwd(bt, bv, interpret, residuals, g):
         in_specs=_specs(D, bt, bv, False),
         out_specs=pl.BlockSpec((bt, D), lambda i, j: (i, 0)),
         out_shape=jax.ShapeDtypeStruct((N, D), jnp.float32),
-        interpret=interpret,
+        interpret=interpret, compiler_params=triton(),
     )(*args)
     dw = pl.pallas_call(
         functools.partial(_dw_kernel, rows=N, vocab=V),
@@ -171,7 +171,7 @@ def _fused_bwd(bt, bv, interpret, residuals, g):
         in_specs=_specs(D, bt, bv, True),
         out_specs=pl.BlockSpec((D, bv), lambda j, i: (0, j)),
         out_shape=jax.ShapeDtypeStruct((D, V), jnp.float32),
-        interpret=interpret,
+        interpret=interpret, compiler_params=triton(),
     )(*args)
     return dx.astype(x.dtype), dw.astype(w.dtype), None
 

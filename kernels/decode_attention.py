@@ -54,7 +54,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxpar.kernels.dispatch import use_pallas
+from jaxpar.kernels.dispatch import triton, use_pallas
 
 # Programs the automatic split aims for: an H100 has 132 SMs.
 _TARGET_PROGRAMS = 128
@@ -202,7 +202,7 @@ def _decode(q, k_cache, v_cache, lengths, tree_mask, scale, block_k, num_splits,
                    pl.BlockSpec((None, None, None, R, 1), lambda b, h, p: (b, h, p, 0, 0))],
         out_shape=[jax.ShapeDtypeStruct((*grid, R, H), jnp.float32),
                    jax.ShapeDtypeStruct((*grid, R, 1), jnp.float32)],
-        interpret=interpret,
+        interpret=interpret, compiler_params=triton(),
         name="decode_attention",
     )(lengths, bits, rows, k_cache, v_cache)
 

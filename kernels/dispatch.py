@@ -79,3 +79,12 @@ def pallas_interpret() -> bool:
     """The ``interpret`` flag a chosen ``"pallas"`` implementation runs with: compiled on
     GPU, interpret mode elsewhere."""
     return not on_gpu()
+
+
+def triton(num_warps: int = 4, num_stages: int = 2):
+    """``compiler_params`` that select the Triton lowering for a ``pl.pallas_call``: without
+    them JAX lowers ``pallas_call`` on CUDA through Mosaic GPU (``jax_pallas_use_mosaic_gpu``
+    defaults on), which our kernels are not written for. Ignored in interpret mode."""
+    from jax.experimental.pallas import triton as pltriton
+
+    return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)

@@ -68,7 +68,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from jaxpar.kernels.dispatch import use_pallas
+from jaxpar.kernels.dispatch import triton, use_pallas
 
 
 # --------------------------------------------------------------------------- API
@@ -179,13 +179,9 @@ class _Config:
         return -(-length // block) * block
 
     def call(self, kernel, grid, in_specs, out_specs, out_shape, name):
-        params = {}
-        if not self.interpret:
-            from jax.experimental.pallas import triton as plgpu
-            params["compiler_params"] = plgpu.CompilerParams(num_warps=4, num_stages=2)
         return pl.pallas_call(functools.partial(kernel, config=self), grid=grid,
                               in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-                              interpret=self.interpret, name=name, **params)
+                              interpret=self.interpret, name=name, compiler_params=triton())
 
 
 def _visible(config: _Config, q_idx, k_idx, q_pos, k_pos, q_seg, k_seg):

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxpar.kernels.dispatch import use_pallas
+from jaxpar.kernels.dispatch import triton, use_pallas
 
 KINDS = ("rms", "layer")
 
@@ -121,7 +121,7 @@ def _forward(x, scale, bias, kind, eps, block_rows, interpret):
         out_specs=[_rows(block_rows, D), _column(block_rows), _column(block_rows)],
         out_shape=[jax.ShapeDtypeStruct((rows, D), x.dtype), jax.ShapeDtypeStruct((rows, 1), f32),
                    jax.ShapeDtypeStruct((rows, 1), f32)],
-        interpret=interpret,
+        interpret=interpret, compiler_params=triton(),
     )(x, scale.astype(f32)[None], bias.astype(f32)[None])
     return y, mean, rstd
 
@@ -139,7 +139,7 @@ def _backward(x, g, scale, mean, rstd, kind, block_rows, interpret):
         out_shape=[jax.ShapeDtypeStruct((rows, D), x.dtype),
                    jax.ShapeDtypeStruct((blocks, D), jnp.float32),
                    jax.ShapeDtypeStruct((blocks, D), jnp.float32)],
-        interpret=interpret,
+        interpret=interpret, compiler_params=triton(),
     )(x, g, scale.astype(jnp.float32)[None], mean, rstd)
     return dx, dscale.sum(0), dbias.sum(0)
 

@@ -1,0 +1,80 @@
+"""Every kernel, forward and backward, lowers for CUDA through Pallas' Triton lowering,
+without a GPU (``lower(lowering_platforms=("cuda",))``): a primitive, block shape or
+indexing the Triton lowering does not support fails here, in CI, rather than on the first
+GPU. (Compiling the Triton IR to PTX and running it needs the GPU: bench/kernels.py.)"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxpar import kernels
+from jaxpar.kernels.flash_attention import block_grads, block_update
+
+
+def lowers_for_cuda(fn, *args):
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "custom_call @__gpu$xla.gpu.triton" in text  # the kernels became Triton calls
+
+
+def normal(rng, shape, dtype=jnp.bfloat16):
+    return jnp.asarray(rng.standard_normal(shape), dtype)
+
+
+@pytest.mark.parametrize("T,N,K,H,causal,window,packed,dtype", [
+    (200, 8, 2, 64, True, None, True, jnp.bfloat16),   # odd length, GQA, documents
+    (128, 4, 4, 128, False, 32, False, jnp.float16),
+    (96, 8, 1, 256, True, 16, False, jnp.float32),     # head_dim 256, MQA, window
+])
+def test_flash_attention(rng, T, N, K, H, causal, window, packed, dtype):
+    q, k, v = normal(rng, (2, T, N, H), dtype), normal(rng, (2, T, K, H), dtype), normal(rng, (2, T, K, H), dtype)
+    seg = jnp.asarray(np.sort(rng.integers(0, 3, (2, T)), axis=1), jnp.int32) if packed else None
+
+    def loss(q, k, v):
+        out = kernels.flash_attention(q, k, v, causal=causal, segment_ids=seg, window=window,
+                                      interpret=False)
+        return out.astype(jnp.float32).sum()
+
+    lowers_for_cuda(jax.grad(loss, (0, 1, 2)), q, k, v)
+
+
+def test_ring_steps(rng):
+    B, T, N, K, H = 2, 96, 4, 2, 64
+    q, k, v, do = (normal(rng, (B, T, N, H)), normal(rng, (B, T, K, H)), normal(rng, (B, T, K, H)),
+                   normal(rng, (B, T, N, H)))
+    o, lse = normal(rng, (B, T, N, H), jnp.float32), normal(rng, (B, N, T), jnp.float32)
+    pos = jnp.arange(T, dtype=jnp.int32)
+    lowers_for_cuda(lambda *a: block_update(*a, pos, pos, causal=True, interpret=False), q, k, v, o, lse)
+    lowers_for_cuda(lambda *a: block_grads(*a, pos, pos, causal=True, interpret=False),
+                    q, k, v, do, lse, lse)
+
+
+@pytest.mark.parametrize("T,tree", [(1, False), (5, True)])
+def test_decode_attention(rng, T, tree):
+    B, S, N, K, H = 2, 77, 8, 2, 64
+    q, k, v = normal(rng, (B, T, N, H)), normal(rng, (B, S, K, H)), normal(rng, (B, S, K, H))
+    lengths = jnp.asarray([T + 3, S], jnp.int32)
+    mask = jnp.asarray(np.tril(np.ones((B, T, T), bool))) if tree else None
+    lowers_for_cuda(lambda q, k, v: kernels.decode_attention(q, k, v, lengths, tree_mask=mask,
+                                                             interpret=False), q, k, v)
+
+
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+def test_norm(rng, kind):
+    x, scale = normal(rng, (37, 256)), normal(rng, (256,), jnp.float32)
+    bias = normal(rng, (256,), jnp.float32) if kind == "layer" else None
+
+    def loss(x, scale, bias):
+        return kernels.norm(x, scale, bias, kind=kind, interpret=False).astype(jnp.float32).sum()
+
+    lowers_for_cuda(jax.grad(loss, (0, 1, 2) if bias is not None else (0, 1)), x, scale, bias)
+
+
+def test_linear_cross_entropy(rng):
+    x, w = normal(rng, (100, 128)), normal(rng, (128, 1000))
+    targets = jnp.asarray(rng.integers(0, 1000, 100), jnp.int32)
+
+    def loss(x, w):
+        return kernels.linear_cross_entropy(x, w, targets, interpret=False).sum()
+
+    lowers_for_cuda(jax.grad(loss, (0, 1)), x, w)
