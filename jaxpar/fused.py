@@ -4,10 +4,9 @@
 A Pallas kernel is one device's program: XLA cannot partition it. So with a mesh in
 context each kernel runs under ``jax.shard_map`` on its device's slice (batch rows and
 heads split as the rules split the activations, everything a row needs whole). Where
-the rules split what the kernel must see whole (the model width of a norm's rows, the
-vocabulary of the loss: the 2D tensor grid, Megatron's vocab-parallel head) these return
-None and the caller runs the XLA computation, which GSPMD partitions; a vocab-parallel
-fused loss is a follow-up.
+the rules split what the kernel must see whole (the model width of a norm's rows on the
+2D tensor grid) ``norm`` returns None and the caller runs the XLA computation, which
+GSPMD partitions. The loss handles a split vocabulary itself (``token_losses``).
 """
 
 from __future__ import annotations
@@ -173,23 +172,36 @@ def token_losses(x, w, targets):
     """Per-token cross-entropy ``[B, T]`` float32 of ``softmax(x w)``: ``x [B, T, D]``
     final hidden states, ``w [D, V]`` the vocabulary projection, ``targets [B, T]``; by the
     fused kernel (the ``[B, T, V]`` logits never exist), or None when the chosen loss is
-    ``"xla"`` or the rules split the vocabulary."""
+    ``"xla"``.
+
+    When the rules split the vocabulary (tensor parallelism), each device runs the kernel
+    on its slice of ``w`` and the per-slice log-sum-exps and target logits combine across
+    the slices (Megatron's vocab-parallel cross-entropy, without its logits)."""
     if implementation("loss") != "pallas":
         return None
     mesh = _mesh()
-    rows = PartitionSpec()
+    rows, vocab_axes = PartitionSpec(), ()
     if mesh is not None:
-        if local_axes(mesh, "activation_vocab", w.shape[1]):
-            return None
+        vocab_axes = local_axes(mesh, "activation_vocab", w.shape[1])
         rows = PartitionSpec(local_axes(mesh, "activation_batch", x.shape[0]) or None,
                              local_axes(mesh, "activation_length", x.shape[1]) or None)
 
     def local(x, w, targets):
         B, T, D = x.shape
-        losses = kernels.linear_cross_entropy(x.reshape(B * T, D), w, targets.reshape(B * T),
-                                              interpret=pallas_interpret())
-        return losses.reshape(B, T)
+        targets = targets.reshape(B * T)
+        if vocab_axes:  # this device's slice of the vocabulary starts at shard * V_local
+            shard = 0
+            for a in vocab_axes:
+                shard = shard * mesh.shape[a] + jax.lax.axis_index(a)
+            targets = targets - shard * w.shape[1]  # outside [0, V_local): picks nothing here
+        lse, picked = kernels.log_sum_exp_and_target_logit(
+            x.reshape(B * T, D), w, targets, interpret=pallas_interpret())
+        if vocab_axes:
+            top = jax.lax.pmax(jax.lax.stop_gradient(lse), vocab_axes)
+            lse = top + jnp.log(jax.lax.psum(jnp.exp(lse - top), vocab_axes))
+            picked = jax.lax.psum(picked, vocab_axes)
+        return (lse - picked).reshape(B, T)
 
     x_spec = PartitionSpec(*rows, None)
-    return _per_device(local, mesh, (x_spec, PartitionSpec(), rows), rows,
-                       x, w, targets.astype(jnp.int32))
+    w_spec = PartitionSpec(None, vocab_axes or None)
+    return _per_device(local, mesh, (x_spec, w_spec, rows), rows, x, w, targets.astype(jnp.int32))

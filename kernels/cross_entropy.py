@@ -4,23 +4,28 @@ backward, as Pallas kernels: the ``[tokens, vocab]`` logits never exist in memor
 ``linear_cross_entropy(x, w, targets)`` with ``x [N, D]`` (the final hidden states),
 ``w [D, V]`` (the vocabulary projection) and ``targets [N]`` int returns the per-token
 losses ``logsumexp(x w) - (x w)[target]`` ``[N]`` in float32 (the caller masks and
-averages). Products accumulate in float32 whatever the input dtype.
+averages). It is made of two statistics, ``log_sum_exp_and_target_logit`` (the
+differentiable primitive the kernels implement), which is also what a vocabulary split
+across devices combines (``jaxpar.fused.token_losses``). Products accumulate in float32
+whatever the input dtype.
 
 * Forward: one program per (token block, vocabulary chunk), the chunk axis innermost.
   A token block's running max, running sum of exponentials and target logit stay in
   its output blocks while the chunks stream past (online logsumexp); the last chunk
-  writes the loss and the log-sum-exp, which the backward reuses.
+  writes the log-sum-exp, which the backward reuses.
 * Backward, two kernels over the same tiles, each recomputing its ``[tokens, chunk]``
-  logits from ``x`` and ``w`` and the saved log-sum-exp:
-  ``dx = sum over chunks of (softmax - onehot) g w_c^T`` (token blocks outer), and
-  ``dw_c = sum over token blocks of x^T (softmax - onehot) g`` (chunks outer).
+  logits from ``x`` and ``w`` and the saved log-sum-exp, with ``d = softmax * g_lse +
+  onehot * g_picked`` (the two statistics' cotangents; ``g, -g`` for the loss):
+  ``dx = sum over chunks of d w_c^T`` (token blocks outer), and
+  ``dw_c = sum over token blocks of x^T d`` (chunks outer).
 
 Memory beyond the inputs and gradients: one ``[block_tokens, chunk]`` tile per program
 and two floats per token. Rows and columns past the arrays' ends (partial blocks) are
 zeroed before use, so whatever the padding holds cannot leak into a sum.
 
-Backend: ``pl.pallas_call`` with block specs (Triton on GPU): portable, and the same
-kernel body runs in interpret mode on CPU. On Hopper a Mosaic GPU version with wgmma
+Backend: ``pl.pallas_call`` with block specs, Triton on GPU (selected explicitly:
+``jaxpar.kernels.dispatch.triton``): portable, and the same kernel body runs in interpret
+mode on CPU. On Hopper a Mosaic GPU version with wgmma
 would feed the tensor cores better; not yet measured either way.
 
 Dispatch (``interpret``) as in ``jaxpar.kernels``: ``None`` is the compiled kernel on GPU
@@ -40,19 +45,40 @@ from jaxpar.kernels.dispatch import triton, use_pallas
 
 def linear_cross_entropy_reference(x, w, targets):
     """Plain ``jnp`` (materialises the float32 logits): ``[N]`` losses."""
+    lse, picked = log_sum_exp_and_target_logit_reference(x, w, targets)
+    return lse - picked
+
+
+def log_sum_exp_and_target_logit_reference(x, w, targets):
+    """Plain ``jnp``: ``(logsumexp(x w), (x w)[target])``, each ``[N]`` float32; a
+    target outside ``[0, V)`` picks 0."""
     logits = jnp.dot(x, w, preferred_element_type=jnp.float32)
-    picked = jnp.take_along_axis(logits, targets[:, None], axis=-1)[:, 0]
-    return jax.nn.logsumexp(logits, axis=-1) - picked
+    vocab = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1)
+    picked = jnp.where(vocab == targets[:, None], logits, 0.0).sum(-1)
+    return jax.nn.logsumexp(logits, axis=-1), picked
 
 
 def linear_cross_entropy(x, w, targets, *, block_tokens: int = 16, chunk: int = 128,
                          interpret: bool | None = None):
     """Per-token cross-entropy of ``softmax(x w)`` against ``targets`` (module docstring)."""
+    lse, picked = log_sum_exp_and_target_logit(x, w, targets, block_tokens=block_tokens,
+                                               chunk=chunk, interpret=interpret)
+    return lse - picked
+
+
+def log_sum_exp_and_target_logit(x, w, targets, *, block_tokens: int = 16, chunk: int = 128,
+                                 interpret: bool | None = None):
+    """The two statistics the loss is made of, ``(lse [N], picked [N])`` float32:
+    ``logsumexp(x w)`` and the target's logit (0 for a target outside ``[0, V)``), by the
+    same kernels, differentiable in ``x`` and ``w``. With ``w`` one device's slice of a
+    vocabulary split across devices (and targets shifted by the slice's offset), these
+    combine into the full loss with a log-sum-exp and a sum across the devices
+    (``jaxpar.fused.token_losses``)."""
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0] or targets.shape != x.shape[:1]:
         raise ValueError(f"linear_cross_entropy wants x [N, D], w [D, V], targets [N]; got "
                          f"{x.shape}, {w.shape}, {targets.shape}")
     if not use_pallas(interpret):
-        return linear_cross_entropy_reference(x, w, targets)
+        return log_sum_exp_and_target_logit_reference(x, w, targets)
     return _fused(x, w, targets.astype(jnp.int32), block_tokens, chunk, bool(interpret))
 
 
@@ -68,95 +94,96 @@ def _tile(x_ref, w_ref, i, j, rows, vocab):
     return x, w, logits, col, row < rows, col < vocab
 
 
-def _forward_kernel(x_ref, w_ref, t_ref, loss_ref, lse_ref, max_ref, sum_ref, *, rows, vocab):
+def _forward_kernel(x_ref, w_ref, t_ref, picked_ref, lse_ref, max_ref, sum_ref, *, rows, vocab):
     i, j = pl.program_id(0), pl.program_id(1)
 
     @pl.when(j == 0)
     def _():
         max_ref[...] = jnp.full(max_ref.shape, -jnp.inf, jnp.float32)
         sum_ref[...] = jnp.zeros(sum_ref.shape, jnp.float32)
-        loss_ref[...] = jnp.zeros(loss_ref.shape, jnp.float32)  # minus the target logit, so far
+        picked_ref[...] = jnp.zeros(picked_ref.shape, jnp.float32)
 
     _, _, logits, col, _, in_vocab = _tile(x_ref, w_ref, i, j, rows, vocab)
     logits = jnp.where(in_vocab, logits, -jnp.inf)
     new_max = jnp.maximum(max_ref[...], logits.max(-1, keepdims=True))
     sum_ref[...] = sum_ref[...] * jnp.exp(max_ref[...] - new_max) + jnp.exp(logits - new_max).sum(-1, keepdims=True)
     max_ref[...] = new_max
-    loss_ref[...] -= jnp.where(col == t_ref[...], logits, 0.0).sum(-1, keepdims=True)
+    picked_ref[...] += jnp.where(in_vocab & (col == t_ref[...]), logits, 0.0).sum(-1, keepdims=True)
 
     @pl.when(j == pl.num_programs(1) - 1)
     def _():
-        lse = max_ref[...] + jnp.log(sum_ref[...])
-        lse_ref[...] = lse
-        loss_ref[...] += lse
+        lse_ref[...] = max_ref[...] + jnp.log(sum_ref[...])
 
 
-def _dlogits(x_ref, w_ref, t_ref, lse_ref, g_ref, i, j, rows, vocab):
-    """``(softmax - onehot) * g`` of tile (i, j), zero outside the arrays."""
+def _dlogits(x_ref, w_ref, t_ref, lse_ref, g_lse_ref, g_picked_ref, i, j, rows, vocab):
+    """``softmax * g_lse + onehot * g_picked`` of tile (i, j) (the cotangents of the two
+    statistics), zero outside the arrays."""
     x, w, logits, col, in_rows, in_vocab = _tile(x_ref, w_ref, i, j, rows, vocab)
-    p = jnp.exp(logits - lse_ref[...]) - (col == t_ref[...]).astype(jnp.float32)
-    return x, w, jnp.where(in_rows & in_vocab, p * g_ref[...], 0.0)
+    d = jnp.exp(logits - lse_ref[...]) * g_lse_ref[...] + jnp.where(col == t_ref[...], g_picked_ref[...], 0.0)
+    return x, w, jnp.where(in_rows & in_vocab, d, 0.0)
 
 
-def _dx_kernel(x_ref, w_ref, t_ref, lse_ref, g_ref, dx_ref, *, rows, vocab):
+def _dx_kernel(x_ref, w_ref, t_ref, lse_ref, g_lse_ref, g_picked_ref, dx_ref, *, rows, vocab):
     i, j = pl.program_id(0), pl.program_id(1)
 
     @pl.when(j == 0)
     def _():
         dx_ref[...] = jnp.zeros(dx_ref.shape, jnp.float32)
 
-    _, w, d = _dlogits(x_ref, w_ref, t_ref, lse_ref, g_ref, i, j, rows, vocab)
+    _, w, d = _dlogits(x_ref, w_ref, t_ref, lse_ref, g_lse_ref, g_picked_ref, i, j, rows, vocab)
     dx_ref[...] += jax.lax.dot_general(d.astype(w.dtype), w, (((1,), (1,)), ((), ())),
                                        preferred_element_type=jnp.float32)
 
 
-def _dw_kernel(x_ref, w_ref, t_ref, lse_ref, g_ref, dw_ref, *, rows, vocab):
+def _dw_kernel(x_ref, w_ref, t_ref, lse_ref, g_lse_ref, g_picked_ref, dw_ref, *, rows, vocab):
     j, i = pl.program_id(0), pl.program_id(1)
 
     @pl.when(i == 0)
     def _():
         dw_ref[...] = jnp.zeros(dw_ref.shape, jnp.float32)
 
-    x, _, d = _dlogits(x_ref, w_ref, t_ref, lse_ref, g_ref, i, j, rows, vocab)
+    x, _, d = _dlogits(x_ref, w_ref, t_ref, lse_ref, g_lse_ref, g_picked_ref, i, j, rows, vocab)
     dw_ref[...] += jax.lax.dot_general(x, d.astype(x.dtype), (((0,), (0,)), ((), ())),
                                        preferred_element_type=jnp.float32)
 
 
 def _specs(D, bt, bv, vocab_outer: bool):
-    """Block specs of x, w, targets, lse, g for the grid (i, j), or (j, i) if ``vocab_outer``."""
+    """Block specs of x, w, targets, lse, g_lse, g_picked for the grid (i, j), or (j, i)
+    if ``vocab_outer``."""
     order = (lambda f: (lambda j, i: f(i, j))) if vocab_outer else (lambda f: f)
     tokens = lambda width: pl.BlockSpec((bt, width), order(lambda i, j: (i, 0)))  # noqa: E731
-    return [tokens(D), pl.BlockSpec((D, bv), order(lambda i, j: (0, j))), tokens(1), tokens(1), tokens(1)]
+    return [tokens(D), pl.BlockSpec((D, bv), order(lambda i, j: (0, j))), tokens(1), tokens(1), tokens(1), tokens(1)]
 
 
 def _forward(x, w, targets, bt, bv, interpret):
     (N, D), V = x.shape, w.shape[1]
     column = pl.BlockSpec((bt, 1), lambda i, j: (i, 0))
     f32 = jax.ShapeDtypeStruct((N, 1), jnp.float32)
-    loss, lse, _, _ = pl.pallas_call(
+    picked, lse, _, _ = pl.pallas_call(
         functools.partial(_forward_kernel, rows=N, vocab=V),
         grid=(pl.cdiv(N, bt), pl.cdiv(V, bv)),
         in_specs=_specs(D, bt, bv, False)[:3],
-        out_specs=[column] * 4, out_shape=[f32] * 4,  # loss, lse, running max, running sum
+        out_specs=[column] * 4, out_shape=[f32] * 4,  # picked, lse, running max, running sum
         interpret=interpret, compiler_params=triton(),
     )(x, w, targets[:, None])
-    return loss[:, 0], lse
+    return lse[:, 0], picked[:, 0]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _fused(x, w, targets, bt, bv, interpret):
-    return _forward(x, w, targets, bt, bv, interpret)[0]
+    return _forward(x, w, targets, bt, bv, interpret)
 
 
 def _fused_fwd(x, w, targets, bt, bv, interpret):
-    loss, lse = _forward(x, w, targets, bt, bv, interpret)
-    return loss, (x, w, targets, lse)
+    lse, picked = _forward(x, w, targets, bt, bv, interpret)
+    return (lse, picked), (x, w, targets, lse)
 
 
-def _fused_bwd(bt, bv, interpret, residuals, g):
+def _fused_bwd(bt, bv, interpret, residuals, cotangents):
     x, w, targets, lse = residuals
     (N, D), V = x.shape, w.shape[1]
-    args = (x, w, targets[:, None], lse, g.astype(jnp.float32)[:, None])
+    g_lse, g_picked = (c.astype(jnp.float32)[:, None] for c in cotangents)
+    args = (x, w, targets[:, None], lse[:, None], g_lse, g_picked)
     dx = pl.pallas_call(
         functools.partial(_dx_kernel, rows=N, vocab=V),
         grid=(pl.cdiv(N, bt), pl.cdiv(V, bv)),

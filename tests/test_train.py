@@ -146,13 +146,15 @@ def test_4d_runs_match_one_device(tmp_path, cache):
 
 def test_pallas_kernels_train_like_xla(tmp_path, cache):
     """attention.impl, norm.impl and loss.impl = pallas (interpret mode on CPU, each kernel
-    per device under shard_map on a data=2 x fsdp=4 mesh) give the losses and validation
-    loss of the XLA computations on one data-parallel mesh."""
+    per device under shard_map on a data=2 x fsdp=2 x tensor=2 mesh: heads and the loss's
+    vocabulary split over tensor) give the losses and validation loss of the XLA
+    computations on one data-parallel mesh."""
     common = ("steps=3", "eval.every=3", "checkpoint.every=0", "seq_len=32")
     reference = train(config(tmp_path / "xla", cache, *common, "attention.impl=xla", "norm.impl=xla",
                              "loss.impl=xla"), progress=False)
-    history = train(config(tmp_path / "pallas", cache, *common, "mesh.fsdp=4", "attention.impl=pallas",
-                           "norm.impl=pallas", "loss.impl=pallas"), progress=False)
+    history = train(config(tmp_path / "pallas", cache, *common, "mesh.fsdp=2", "mesh.tensor=2",
+                           "attention.impl=pallas", "norm.impl=pallas", "loss.impl=pallas"),
+                    progress=False)
     for key in ("loss", "val_loss"):
         got = [r[key] for r in history if key in r]
         want = [r[key] for r in reference if key in r]
