@@ -12,6 +12,7 @@ GSPMD partitions. The loss handles a split vocabulary itself (``token_losses``).
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -38,24 +39,27 @@ def local_axes(mesh, logical: str, size: int, exclude: str | None = None) -> tup
     ``exclude``), or () when ``size`` does not divide over them."""
     axes = rules_lib.as_tuple(dict(context_rules(mesh)).get(logical))
     axes = tuple(a for a in axes if a != exclude and mesh.shape[a] > 1)
-    return axes if size % _size(mesh, axes) == 0 else ()
+    return axes if size % axes_size(mesh, axes) == 0 else ()
 
 
-def _size(mesh, axes) -> int:
-    out = 1
+def axes_size(mesh, axes) -> int:
+    """How many devices the mesh ``axes`` span together."""
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def _shard_index(mesh, axes):
+    """This device's row-major index among the shards over ``axes`` (inside shard_map)."""
+    index = 0
     for a in axes:
-        out *= mesh.shape[a]
-    return out
+        index = index * mesh.shape[a] + jax.lax.axis_index(a)
+    return index
 
 
 def kv_heads_for(n_local, G, head_axes, mesh, k, v):
     """The kv heads this device's ``n_local`` query heads read, when the query heads are
     split over ``head_axes`` and k/v ``[B, L, K, H]`` are whole: a slice when the query
     heads map onto whole kv groups, otherwise one kv head per query head."""
-    shard = 0
-    for a in head_axes:  # row-major index of this device among the head shards
-        shard = shard * mesh.shape[a] + jax.lax.axis_index(a)
-    first = shard * n_local
+    first = _shard_index(mesh, head_axes) * n_local
     if n_local % G == 0 or G % n_local == 0:
         count = max(n_local // G, 1)
         take = lambda x: jax.lax.dynamic_slice_in_dim(x, first // G, count, axis=2)  # noqa: E731
@@ -190,10 +194,8 @@ def token_losses(x, w, targets):
         B, T, D = x.shape
         targets = targets.reshape(B * T)
         if vocab_axes:  # this device's slice of the vocabulary starts at shard * V_local
-            shard = 0
-            for a in vocab_axes:
-                shard = shard * mesh.shape[a] + jax.lax.axis_index(a)
-            targets = targets - shard * w.shape[1]  # outside [0, V_local): picks nothing here
+            # (targets outside [0, V_local) pick nothing here)
+            targets = targets - _shard_index(mesh, vocab_axes) * w.shape[1]
         lse, picked = kernels.log_sum_exp_and_target_logit(
             x.reshape(B * T, D), w, targets, interpret=pallas_interpret())
         if vocab_axes:

@@ -56,14 +56,13 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from jaxpar.fused import implementation, kv_heads_for, local_axes
+from jaxpar.fused import axes_size, implementation, kv_heads_for, local_axes
 from jaxpar.kernels.dispatch import pallas_interpret
 from jaxpar.kernels.flash_attention import block_grads as kernel_block_grads
 from jaxpar.kernels.flash_attention import block_update as kernel_block_update
@@ -606,7 +605,7 @@ def ring_attention(q, k, v, *, mesh, causal: bool = True, segment_ids=None, axis
     kv_axes = local_axes(mesh, "activation_kv_heads", K, exclude=axis)
     if kv_axes != head_axes:
         kv_axes = ()  # each device selects its query heads' kv heads below
-    n_local = N // _size(mesh, head_axes)
+    n_local = N // axes_size(mesh, head_axes)
     if impl == "ulysses" and n_local % n:
         raise ValueError(f"ring_attention: ulysses splits the heads over {axis}={n}, but there "
                          f"are {n_local} query heads per device (N={N} over {head_axes or 'no axes'})")
@@ -663,7 +662,3 @@ def _zigzag_to_natural(x, axis: str, n: int):
     even = jax.lax.ppermute(even, axis, [(e, even_chunk(e) // 2) for e in range(n)])
     odd = jax.lax.ppermute(odd, axis, [(e, (2 * n - 1 - even_chunk(e)) // 2) for e in range(n)])
     return jnp.concatenate([even, odd], axis=1)
-
-
-def _size(mesh, axes) -> int:
-    return math.prod(mesh.shape[a] for a in axes)
