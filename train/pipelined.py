@@ -32,7 +32,7 @@ from jaxpar import rules as rules_lib
 from jaxpar.models.transformer import ACT_BTD, run_layers
 from jaxpar.pipeline_schedule import Schedule
 from jaxpar.sequence_parallel import current_options
-from jaxpar.train.step import cross_entropy, microbatches
+from jaxpar.train.step import head_loss, microbatches
 
 
 def needs_lockstep(mesh) -> bool:
@@ -74,7 +74,7 @@ def loss_and_grads(graphdef, params, batch: dict, schedule: Schedule, mesh):
         return run_layers(cfg, layers_def, w, x, side["positions"], side.get("segment_ids"))
 
     def head(rest, x, side):
-        return cross_entropy(shell(rest).logits(x), side["targets"], side["mask"])
+        return head_loss(shell(rest), x, side["targets"], side["mask"])
 
     stages = jax.tree.map(lambda w: w.reshape(S, cfg.layers // S, *w.shape[1:]), layer_state)
     loss, (g_stages, g_rest) = pipeline.value_and_grad(

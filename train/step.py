@@ -56,15 +56,22 @@ def masked_mean(losses: jax.Array, mask: jax.Array | None) -> jax.Array:
 
 def loss_fn(model: nnx.Module, batch: Batch) -> jax.Array:
     """Loss of ``model`` on a batch with ``inputs``, ``targets`` (int ``[B, T]``) and
-    optionally ``positions``, ``segment_ids`` and ``mask`` (all ``[B, T]``). Under
-    ``loss.impl`` "pallas" the vocabulary projection and the cross-entropy run as one
-    fused kernel (``jaxpar.fused.token_losses``): the ``[B, T, V]`` logits never exist."""
+    optionally ``positions``, ``segment_ids`` and ``mask`` (all ``[B, T]``)."""
     x = model.features(batch["inputs"], positions=batch.get("positions"),
                        segment_ids=batch.get("segment_ids"))
-    losses = fused.token_losses(model.final_norm(x), model.head_weight(), batch["targets"])
+    return head_loss(model, x, batch["targets"], batch.get("mask"))
+
+
+def head_loss(model: nnx.Module, x: jax.Array, targets: jax.Array,
+              mask: jax.Array | None = None) -> jax.Array:
+    """The mean next-token loss of the last layer's output ``x [B, T, D]``: final norm,
+    vocabulary projection and cross-entropy. Under ``loss.impl`` "pallas" the projection
+    and the cross-entropy run as one fused kernel (``jaxpar.fused.token_losses``): the
+    ``[B, T, V]`` logits never exist."""
+    losses = fused.token_losses(model.final_norm(x), model.head_weight(), targets)
     if losses is None:
-        return cross_entropy(model.logits(x), batch["targets"], batch.get("mask"))
-    return masked_mean(losses, batch.get("mask"))
+        return cross_entropy(model.logits(x), targets, mask)
+    return masked_mean(losses, mask)
 
 
 def microbatches(x: jax.Array, count: int) -> jax.Array:
