@@ -27,6 +27,8 @@ def dot_product_attention(
     causal: bool = True,
     segment_ids: jax.Array | None = None,
     q_start: jax.Array | int | None = None,
+    tree_mask: jax.Array | None = None,
+    mask: jax.Array | None = None,
 ) -> jax.Array:
     """Softmax attention with grouped-query heads, computed in float32.
 
@@ -38,9 +40,16 @@ def dot_product_attention(
       causal: query ``t`` sees keys ``s <= q_start + t``.
       segment_ids: ``[B, T]`` int document ids for packed sequences (needs ``T == S``);
         a query sees only keys of its own segment.
-      q_start: position of the first query among the keys (a scalar, possibly traced).
-        Default ``S - T``: the queries are the last ``T`` keys. A preallocated KV cache
-        passes its fill level, so slots not yet written are never seen.
+      q_start: slot of the first query among the keys: a scalar (possibly traced) or
+        one per sequence, int ``[B]``. Default ``S - T``: the queries are the last ``T``
+        keys. A preallocated KV cache passes its lengths before the new tokens, so
+        slots not yet written (or rolled back) are never seen.
+      tree_mask: bool ``[B, T, T]``, with ``q_start``: among the ``T`` new keys, query
+        ``t`` sees key ``j`` where ``tree_mask[b, t, j]`` (a token tree; ``causal``
+        then governs nothing more); every query sees all keys before ``q_start``.
+      mask: bool ``[B, T, S]``, an explicit mask (query ``t`` sees key ``s`` where
+        True) combined with the others: cross-attention into another model's cache.
+        Computed by this function's XLA code whatever the kernel options.
 
     Returns:
       ``[B, T, N, H]`` in ``q``'s dtype.
@@ -65,30 +74,32 @@ def dot_product_attention(
                               layout=options.layout)
     if N % K:
         raise ValueError(f"query heads N={N} must be a multiple of key/value heads K={K}")
-    if q_start is None and T == S:
+    start = jnp.broadcast_to(jnp.asarray(S - T if q_start is None else q_start, jnp.int32), (B,))
+    out = None
+    if mask is None and q_start is None and T == S and tree_mask is None:
         out = fused.attention(q, k, v, causal=causal, segment_ids=segment_ids)
-    elif causal and segment_ids is None:
-        start = S - T if q_start is None else q_start
-        lengths = jnp.full((B,), start + T, jnp.int32)
-        out = fused.decode_attention(q, k, v, lengths)
-    else:
-        out = None
+    elif mask is None and (causal or tree_mask is not None) and segment_ids is None:
+        out = fused.decode_attention(q, k, v, start + T, tree_mask)
     if out is not None:
         return out
     q = q.reshape(B, T, K, N // K, H)
     scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32)
     scores = scores * (H ** -0.5)
-    mask = jnp.ones((T, S), dtype=bool)
-    if causal:
-        start = S - T if q_start is None else q_start
-        mask = jnp.arange(T)[:, None] + start >= jnp.arange(S)[None, :]
-    mask = mask[None, None, None]  # [1, 1, 1, T, S]
+    visible = jnp.ones((B, T, S), dtype=bool)
+    keys = jnp.arange(S)[None, None, :]  # [1, 1, S]
+    if tree_mask is not None:
+        new = keys - start[:, None, None]  # a key's index among the new tokens
+        in_tree = jnp.take_along_axis(tree_mask, jnp.clip(new, 0, T - 1), axis=2)
+        visible = (new < 0) | ((new < T) & in_tree)
+    elif causal:
+        visible = keys <= start[:, None, None] + jnp.arange(T)[None, :, None]
     if segment_ids is not None:
         if T != S:
             raise ValueError(f"segment_ids need equal query and key lengths, got T={T}, S={S}")
-        same = segment_ids[:, :, None] == segment_ids[:, None, :]  # [B, T, S]
-        mask = mask & same[:, None, None]
-    scores = jnp.where(mask, scores, _MASK_VALUE)
+        visible = visible & (segment_ids[:, :, None] == segment_ids[:, None, :])
+    if mask is not None:
+        visible = visible & mask
+    scores = jnp.where(visible[:, None, None], scores, _MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("BKGTS,BSKH->BTKGH", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.reshape(B, T, N, H).astype(q.dtype)

@@ -130,21 +130,27 @@ def attention(q, k, v, *, causal: bool, segment_ids=None):
 DECODE_MAX_QUERIES = 16
 
 
-def decode_attention(q, k_cache, v_cache, lengths):
+def decode_attention(q, k_cache, v_cache, lengths, tree_mask=None):
     """``q [B, T, N, H]`` over a cache ``[B, S, K, H]`` whose first ``lengths [B]`` slots
-    are filled (the T new tokens last) by the Pallas decode kernel, or None when the
-    chosen attention is not ``"pallas"`` or ``T > DECODE_MAX_QUERIES``."""
+    are filled (the T new tokens last, seen causally or by ``tree_mask [B, T, T]``) by
+    the Pallas decode kernel, or None when the chosen attention is not ``"pallas"`` or
+    ``T > DECODE_MAX_QUERIES``."""
     if implementation("attention") != "pallas" or q.shape[1] > DECODE_MAX_QUERIES:
         return None
     mesh = _mesh()
     q_spec, kv_spec, local_kv = _head_layout(mesh, q.shape[0], q.shape[2], k_cache.shape[2])
+    batch_spec = PartitionSpec(q_spec[0])
 
-    def local(q, k, v, lengths):
+    def local(q, k, v, lengths, *tree):
         k, v = local_kv(q, k, v)
-        return kernels.decode_attention(q, k, v, lengths, interpret=pallas_interpret())
+        return kernels.decode_attention(q, k, v, lengths, tree_mask=tree[0] if tree else None,
+                                        interpret=pallas_interpret())
 
-    return _per_device(local, mesh, (q_spec, kv_spec, kv_spec, PartitionSpec(q_spec[0])),
-                       q_spec, q, k_cache, v_cache, lengths)
+    if tree_mask is None:
+        return _per_device(local, mesh, (q_spec, kv_spec, kv_spec, batch_spec), q_spec,
+                           q, k_cache, v_cache, lengths)
+    return _per_device(local, mesh, (q_spec, kv_spec, kv_spec, batch_spec, batch_spec), q_spec,
+                       q, k_cache, v_cache, lengths, tree_mask)
 
 
 # ----------------------------------------------------------------------------- norm

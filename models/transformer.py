@@ -134,12 +134,14 @@ class Attention(nnx.Module):
             self.v_bias = _zeros(rngs, cfg, (K, H), ("kv_heads", "kv"))
             self.o_bias = _zeros(rngs, cfg, (D,), ("embed",))
 
-    def __call__(self, x, positions, segment_ids, cache=None):
+    def __call__(self, x, positions, segment_ids, cache=None, tree_mask=None):
         """x ``[B, T, D]`` -> ``[B, T, D]``.
 
-        With ``cache = (k, v, index)`` (``k``/``v`` ``[B, S_max, K, H]``, ``index`` the
-        number of positions already written), the new keys/values are written at
-        ``index`` and the queries attend over the cache. Returns ``(y, (k, v))`` then.
+        With ``cache = (k, v, lengths)`` (``k``/``v`` ``[B, S_max, K, H]``, ``lengths``
+        ``[B]`` the slots each sequence has filled), sequence ``b``'s new keys/values are
+        written at slots ``lengths[b] + 0..T-1`` and its queries attend over the cache
+        (causally, or by ``tree_mask [B, T, T]`` among the new tokens). Returns
+        ``(y, (k, v))`` then.
         """
         cfg, dtype = self.cfg, self.cfg.compute_dtype
 
@@ -161,9 +163,9 @@ class Attention(nnx.Module):
         q_start = None
         if cache is not None:
             cache_k, cache_v, q_start = cache
-            k = jax.lax.dynamic_update_slice_in_dim(cache_k, k.astype(cache_k.dtype), q_start, axis=1)
-            v = jax.lax.dynamic_update_slice_in_dim(cache_v, v.astype(cache_v.dtype), q_start, axis=1)
-        out = dot_product_attention(q, k, v, causal=True, segment_ids=segment_ids, q_start=q_start)
+            k, v = write_cache(cache_k, k, q_start), write_cache(cache_v, v, q_start)
+        out = dot_product_attention(q, k, v, causal=True, segment_ids=segment_ids, q_start=q_start,
+                                    tree_mask=tree_mask)
         out = checkpoint_name(constrain(out, ACT_BTNH), "attention")
         N, H, D = self.o.shape
         y = dense(out.reshape(*out.shape[:-2], N * H), self.o[...].astype(dtype).reshape(N * H, D),
@@ -220,9 +222,9 @@ class DecoderLayer(nnx.Module):
         self.mlp_norm = Norm(cfg, rngs=rngs)
         self.mlp = MLP(cfg, rngs=rngs)
 
-    def __call__(self, x, positions, segment_ids, cache=None):
+    def __call__(self, x, positions, segment_ids, cache=None, tree_mask=None):
         with jax.named_scope("attention"):
-            attn = self.attn(self.attn_norm(x), positions, segment_ids, cache)
+            attn = self.attn(self.attn_norm(x), positions, segment_ids, cache, tree_mask)
             attn, new_cache = attn if cache is not None else (attn, None)
             x = x + attn
         with jax.named_scope("mlp"):
@@ -247,19 +249,30 @@ def _remat(fn, cfg: ModelConfig):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """Keys/values of every layer, preallocated: ``k``, ``v`` ``[L, B, S_max, K, H]``;
-    ``index`` (int32 scalar) positions are filled (the same for every sequence)."""
+    """Keys/values of every layer, preallocated: ``k``, ``v`` ``[L, B, S_max, K, H]``
+    (keys rotated at their positions); sequence ``b`` has filled slots
+    ``0..lengths[b]-1`` (``lengths`` int32 ``[B]``). Slots past a length are never read,
+    so rolling a sequence back is setting its length."""
 
     k: jax.Array
     v: jax.Array
-    index: jax.Array
+    lengths: jax.Array
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_length: int) -> KVCache:
     """An empty cache for ``batch`` sequences of up to ``max_length`` tokens."""
     shape = (cfg.layers, batch, max_length, cfg.kv_heads, cfg.head_dim)
     zeros = jnp.zeros(shape, cfg.compute_dtype)
-    return KVCache(zeros, zeros, jnp.zeros((), jnp.int32))
+    return KVCache(zeros, zeros, jnp.zeros((batch,), jnp.int32))
+
+
+def write_cache(cache: jax.Array, new: jax.Array, starts: jax.Array) -> jax.Array:
+    """Writes ``new [B, T, ...]`` into ``cache [B, S_max, ...]`` at slots
+    ``starts[b] + 0..T-1`` of each sequence (``starts`` int ``[B]``, or a scalar for
+    all). The caller keeps ``starts + T <= S_max``: a write past the end is clamped."""
+    starts = jnp.broadcast_to(starts, cache.shape[:1])
+    write = lambda c, x, s: jax.lax.dynamic_update_slice_in_dim(c, x, s, axis=0)
+    return jax.vmap(write)(cache, new.astype(cache.dtype), starts)
 
 
 def sharding_rules(cfg: ModelConfig, mesh, rules=None, *, sequence_parallel: bool = False):
@@ -325,33 +338,39 @@ class Transformer(nnx.Module):
         positions: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
         cache: KVCache | None = None,
+        tree_mask: jax.Array | None = None,
     ):
         """Args:
           tokens: int ``[B, T]``.
           positions: int ``[B, T]`` position of each token in its document (default
-            ``0..T-1``, or ``cache.index + 0..T-1`` with a cache); packed sequences
-            restart it at each document.
+            ``0..T-1``, or ``cache.lengths[b] + 0..T-1`` with a cache); packed
+            sequences restart it at each document.
           segment_ids: int ``[B, T]`` document ids of packed sequences, or None.
-          cache: a ``KVCache`` (``init_cache``): the tokens continue the cached
-            sequence; their keys/values are written into it.
+          cache: a ``KVCache`` (``init_cache``): each sequence's tokens continue its
+            cached prefix; their keys/values are written at its next slots.
+          tree_mask: bool ``[B, T, T]`` with a cache: ``tree_mask[b, t, j]`` lets new
+            token ``t`` see new token ``j`` (a token tree verified in one pass; give
+            each token its depth through ``positions``). Default causal.
 
         Returns:
-          logits ``[B, T, V]`` in the compute dtype; with a cache, ``(logits, cache)``.
+          logits ``[B, T, V]`` in the compute dtype; with a cache, ``(logits, cache)``
+          with every length advanced by ``T``.
         """
         if cache is None:
             return self.logits(self.features(tokens, positions=positions, segment_ids=segment_ids))
         B, T = tokens.shape
+        lengths = jnp.broadcast_to(cache.lengths, (B,))
         if positions is None:
-            positions = jnp.broadcast_to(cache.index + jnp.arange(T, dtype=jnp.int32), (B, T))
+            positions = lengths[:, None] + jnp.arange(T, dtype=jnp.int32)
         x = self.embed_tokens(tokens, positions)
         graphdef, layer_state = nnx.split(self.layers)
 
         def layer(x, xs):
             state, k, v = xs
-            return nnx.merge(graphdef, state)(x, positions, segment_ids, (k, v, cache.index))
+            return nnx.merge(graphdef, state)(x, positions, segment_ids, (k, v, lengths), tree_mask)
 
         x, (k, v) = jax.lax.scan(layer, x, (layer_state, cache.k, cache.v))
-        return self.logits(x), KVCache(k, v, cache.index + T)
+        return self.logits(x), KVCache(k, v, lengths + T)
 
     def features(self, tokens: jax.Array, *, positions: jax.Array | None = None,
                  segment_ids: jax.Array | None = None) -> jax.Array:

@@ -64,7 +64,7 @@ def test_short_run_learns_and_writes_its_outputs(tmp_path, cache):
 
     # The same model exported to Hugging Face format generates the same greedy tokens.
     from jaxpar.models import to_hf
-    from jaxpar.train.generate import load_run
+    from jaxpar.train.runs import load_run
 
     hf_dir = tmp_path / "hf"
     to_hf(load_run(run), hf_dir)

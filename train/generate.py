@@ -14,34 +14,11 @@ import pathlib
 import sys
 import time
 
-import jax
 import numpy as np
-import tokenizers
-from flax import nnx
-from jax.sharding import SingleDeviceSharding
 
 from jaxpar.decoding import generate
-from jaxpar.models import Transformer, from_hf
-from jaxpar.train.checkpoints import Checkpoints
-from jaxpar.train.config import load_config
 from jaxpar.train.data import EOS
-from jaxpar.train.loop import make_optimizer
-from jaxpar.train.step import make_train_step
-
-
-def load_run(run_dir: pathlib.Path) -> Transformer:
-    """The model of the latest readable checkpoint in a jaxpar run dir, on one device."""
-    cfg = load_config(str(run_dir / "config.yaml"))
-    model = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0)))
-    tx, _ = make_optimizer(cfg.optimizer, cfg.steps)
-    abstract = make_train_step(model, tx).abstract_state(model, SingleDeviceSharding(jax.devices()[0]))
-    checkpoints = Checkpoints(run_dir, keep=cfg.checkpoint.keep)
-    restored = checkpoints.restore_latest(abstract)
-    checkpoints.close()
-    if restored is None:
-        raise FileNotFoundError(f"no checkpoint in {run_dir / 'checkpoints'}")
-    nnx.update(model, restored[1]["params"])
-    return model
+from jaxpar.train.runs import load_model, load_tokenizer
 
 
 def main(argv=None) -> int:
@@ -58,11 +35,8 @@ def main(argv=None) -> int:
         parser.error("need --max-new-tokens >= 1, --temperature >= 0 and 0 < --top-p <= 1")
     run_dir = args.run_dir
     try:
-        if not (run_dir / "tokenizer.json").is_file():
-            raise FileNotFoundError(f"no tokenizer.json in {run_dir}")
-        tokenizer = tokenizers.Tokenizer.from_file(str(run_dir / "tokenizer.json"))
-        hf = (run_dir / "config.json").is_file() and not (run_dir / "config.yaml").is_file()
-        model = from_hf(run_dir) if hf else load_run(run_dir)
+        tokenizer = load_tokenizer(run_dir)
+        model = load_model(run_dir)
     except (FileNotFoundError, ValueError) as e:
         print(f"jaxpar-generate: error: {e}", file=sys.stderr)
         return 1

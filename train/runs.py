@@ -1,0 +1,69 @@
+"""Reading finished runs back: a ``jaxpar-train`` run directory (``config.yaml``,
+``tokenizer.json``, orbax ``checkpoints/``) or a Hugging Face Llama directory
+(``config.json``, ``*.safetensors``, ``tokenizer.json``), as ``jaxpar-generate`` and the
+GliDe trainer load their target and draft models."""
+
+from __future__ import annotations
+
+import pathlib
+
+import jax
+import tokenizers
+from flax import nnx
+from jax.sharding import SingleDeviceSharding
+
+from jaxpar.models import Transformer, from_hf
+from jaxpar.train.checkpoints import Checkpoints
+from jaxpar.train.config import Config, load_config
+
+
+def is_hf(run_dir: pathlib.Path) -> bool:
+    """A Hugging Face directory (``config.json``) rather than a jaxpar run (``config.yaml``)."""
+    run_dir = pathlib.Path(run_dir)
+    return (run_dir / "config.json").is_file() and not (run_dir / "config.yaml").is_file()
+
+
+def read_config(run_dir: pathlib.Path) -> Config:
+    """The resolved config a jaxpar run wrote (``RUN_DIR/config.yaml``)."""
+    path = pathlib.Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        raise FileNotFoundError(f"no config.yaml (a jaxpar run) or config.json (Hugging Face) in {run_dir}")
+    return load_config(str(path))
+
+
+def load_tokenizer(run_dir: pathlib.Path) -> tokenizers.Tokenizer:
+    path = pathlib.Path(run_dir) / "tokenizer.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no tokenizer.json in {run_dir}")
+    return tokenizers.Tokenizer.from_file(str(path))
+
+
+def restore_params(run_dir: pathlib.Path, model: nnx.Module, cfg: Config) -> nnx.Module:
+    """Fills ``model`` (abstract, ``nnx.eval_shape``) with the parameters of the latest
+    readable checkpoint in ``run_dir``, on one device."""
+    from jaxpar.train.loop import make_optimizer
+    from jaxpar.train.step import make_train_step
+
+    tx, _ = make_optimizer(cfg.optimizer, cfg.steps)
+    abstract = make_train_step(model, tx).abstract_state(model, SingleDeviceSharding(jax.devices()[0]))
+    checkpoints = Checkpoints(run_dir, keep=cfg.checkpoint.keep)
+    try:
+        restored = checkpoints.restore_latest(abstract)
+    finally:
+        checkpoints.close()
+    if restored is None:
+        raise FileNotFoundError(f"no checkpoint in {pathlib.Path(run_dir) / 'checkpoints'}")
+    nnx.update(model, restored[1]["params"])
+    return model
+
+
+def load_run(run_dir: pathlib.Path) -> Transformer:
+    """The model of the latest readable checkpoint in a jaxpar run dir, on one device."""
+    cfg = read_config(run_dir)
+    model = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0)))
+    return restore_params(run_dir, model, cfg)
+
+
+def load_model(run_dir: pathlib.Path) -> Transformer:
+    """A jaxpar run's model or a Hugging Face model (``from_hf``), on one device."""
+    return from_hf(run_dir) if is_hf(run_dir) else load_run(run_dir)
