@@ -1,37 +1,30 @@
-"""Autoregressive decoding with a preallocated KV cache: a jitted prefill over the
-prompt, then one jitted step per new token.
-
-The speculative-decoding work builds on this: draft models, tree verification and
-KV-cache reuse plug into the same cache.
+"""Decoding: autoregressive generation with a preallocated KV cache (``generate``, one
+jitted step per token, streamed), and speculative decoding that reuses the target's
+cache (``speculative_generate``, the whole loop in one jitted ``while_loop``, and
+``speculative_stream``, one jitted round at a time) with an independent draft model,
+a GliDe draft (``jaxpar.models.GlideDraft``) or GliDe with CaPE's token trees. The
+rounds themselves are ``jaxpar.speculative``'s.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import dataclasses
+import functools
+from collections.abc import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxpar import speculative
 from jaxpar.models.transformer import KVCache, Transformer, init_cache
+from jaxpar.sampling import probabilities, sample
+from jaxpar.speculative import METHODS, Method
+from jaxpar.token_tree import DEFAULT_BINS
 
-
-def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_p: jax.Array) -> jax.Array:
-    """Next tokens ``[B]`` from logits ``[B, V]``: greedy when ``temperature == 0``,
-    else nucleus sampling (the smallest set of tokens whose probability reaches
-    ``top_p``) at ``temperature``."""
-    logits = logits.astype(jnp.float32)
-    greedy = jnp.argmax(logits, axis=-1)
-    scaled = logits / jnp.maximum(temperature, 1e-6)
-    order = jnp.argsort(-scaled, axis=-1)
-    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
-    # Keep a token if the probability mass before it is still short of top_p.
-    keep = (jnp.cumsum(probs, axis=-1) - probs) < top_p
-    choice = jax.random.categorical(key, jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
-    sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
-    return jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32)
+__all__ = ["DEFAULT_BINS", "METHODS", "Generation", "generate", "greedy_without_cache",
+           "probabilities", "sample", "speculative_generate", "speculative_stream"]
 
 
 @nnx.jit
@@ -91,3 +84,123 @@ def greedy_without_cache(model: Transformer, prompt: np.ndarray, max_new_tokens:
     for _ in range(max_new_tokens):
         tokens = jnp.concatenate([tokens, jnp.argmax(forward(model, tokens), -1)[:, None]], axis=1)
     return np.asarray(tokens[:, prompt.shape[1]:])
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """What ``speculative_generate`` returns.
+
+    tokens: per sequence, int32 ``[<= max_new_tokens]``, cut after ``eos_id``.
+    accepted_per_step: mean tokens a round gave a sequence, the target's own (correction
+      or bonus) token included, as Spec-Bench counts it (1.0 for ``ar``).
+    rounds: int ``[B]``, the rounds (target forward passes) each sequence took.
+    """
+
+    tokens: list[np.ndarray]
+    accepted_per_step: float
+    rounds: np.ndarray
+
+
+def _prompts(prompt) -> tuple[jax.Array, jax.Array]:
+    """``(tokens [B, P], lengths [B])`` from an int ``[B, P]`` array or a list of 1-D
+    prompts of any lengths (right-padded)."""
+    rows = [np.asarray(p, np.int32).reshape(-1) for p in prompt]
+    if not rows or min(len(r) for r in rows) == 0:
+        raise ValueError("every prompt needs at least one token")
+    P = max(len(r) for r in rows)
+    tokens = np.zeros((len(rows), P), np.int32)
+    for b, r in enumerate(rows):
+        tokens[b, : len(r)] = r
+    return jnp.asarray(tokens), jnp.asarray([len(r) for r in rows], jnp.int32)
+
+
+@functools.lru_cache(maxsize=32)
+def _compiled(method: Method, max_new_tokens: int, eos_id: int | None):
+    return speculative.compiled(method, max_new_tokens, eos_id)
+
+
+def _setup(target, prompt, draft, method, gamma, bins, temperature, top_p, max_new_tokens):
+    method = Method(method, gamma, tuple(bins), float(temperature), float(top_p))
+    speculative.check(method, target, draft)
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be at least 1")
+    tokens, lengths = _prompts(prompt)
+    graph, params = nnx.split((target, draft if method.name != "ar" else None))
+    return method, tokens, lengths, graph, params
+
+
+def _tokens(state, eos_id, max_new_tokens) -> list[np.ndarray]:
+    out, count = np.asarray(state.out), np.asarray(state.count)
+    rows = []
+    for b in range(out.shape[0]):
+        row = out[b, : min(int(count[b]), max_new_tokens)]
+        if eos_id is not None and (row == eos_id).any():
+            row = row[: int(np.argmax(row == eos_id)) + 1]
+        rows.append(row)
+    return rows
+
+
+def speculative_generate(
+    target: Transformer,
+    prompt,
+    *,
+    draft=None,
+    method: str = "speculative",
+    gamma: int = 4,
+    bins: Sequence[int] = DEFAULT_BINS,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    eos_id: int | None = None,
+) -> Generation:
+    """Generates with ``method`` (``jaxpar.decoding.METHODS``), all rounds in one jitted
+    loop, every sequence of the batch accepting its own number of tokens per round.
+
+    Args:
+      target: the model whose output this is (greedy: exactly its greedy decoding;
+        sampling: exactly its distribution ``probabilities(logits, temperature, top_p)``).
+      prompt: int ``[B, P]``, or a list of 1-D prompts of different lengths.
+      draft: a ``Transformer`` sharing the target's tokenizer (``speculative``, ``cape``)
+        or a ``GlideDraft`` trained against this target (``glide``, ``cape``); None for
+        ``ar``.
+      method: ``ar`` (the baseline), ``speculative``, ``glide`` or ``cape``.
+      gamma: draft tokens per round (the tree's depth for ``cape``).
+      bins: CaPE's widths by draft confidence decile (11 ints).
+      temperature, top_p: 0 is greedy; ``cape`` is greedy only.
+      eos_id: a sequence stops after producing it.
+
+    Raises:
+      ValueError: a method, draft or setting that does not fit (one line).
+    """
+    method, tokens, lengths, graph, params = _setup(target, prompt, draft, method, gamma, bins,
+                                                    temperature, top_p, max_new_tokens)
+    _, _, loop = _compiled(method, max_new_tokens, eos_id)
+    state = loop(graph, params, tokens, lengths, jax.random.key(seed))
+    rounds, emitted = np.asarray(state.rounds), np.asarray(state.emitted)
+    accepted = float(emitted.sum() / max(rounds.sum(), 1)) if method.name != "ar" else 1.0
+    return Generation(_tokens(state, eos_id, max_new_tokens), accepted, rounds)
+
+
+def speculative_stream(target: Transformer, prompt, *, draft=None, method: str = "speculative",
+                       gamma: int = 4, bins: Sequence[int] = DEFAULT_BINS, max_new_tokens: int,
+                       temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
+                       eos_id: int | None = None) -> Iterator[tuple[list[np.ndarray], np.ndarray]]:
+    """``speculative_generate`` one jitted round at a time, for streaming: yields
+    ``(new_tokens, accepted)`` after the prefill and after every round, ``new_tokens`` a
+    list (per sequence) of the int32 tokens it just produced (empty once done), and
+    ``accepted [B]`` the tokens per round so far (mean, bonus token included)."""
+    method, tokens, lengths, graph, params = _setup(target, prompt, draft, method, gamma, bins,
+                                                    temperature, top_p, max_new_tokens)
+    prefill, round_, _ = _compiled(method, max_new_tokens, eos_id)
+    state = prefill(graph, params, tokens, lengths, jax.random.key(seed))
+    shown = np.zeros(tokens.shape[0], int)
+    while True:
+        rows = _tokens(state, eos_id, max_new_tokens)
+        new = [row[s:] for row, s in zip(rows, shown)]
+        shown = np.asarray([len(r) for r in rows])
+        rounds = np.maximum(np.asarray(state.rounds), 1)
+        yield new, np.asarray(state.emitted) / rounds if method.name != "ar" else np.ones(len(rows))
+        if bool(np.asarray(state.done).all()):
+            return
+        state = round_(graph, params, state)

@@ -1,0 +1,383 @@
+"""Speculative decoding rounds over preallocated KV caches: the draft proposes, the target
+verifies in one forward pass, and only the accepted tokens' cache entries stay.
+
+One round, for every sequence of the batch at once (each with its own cache length):
+
+* ``ar``: one target step (the baseline, run by the same loop).
+* ``speculative`` / ``glide``: the draft (an independent small model, or the GliDe draft
+  that cross-attends to the target's cache) proposes ``gamma`` tokens; the target runs
+  once over ``[last, d_1..d_gamma]``; greedy decoding accepts the longest prefix equal
+  to the target's own argmax, sampling accepts ``d_i`` with probability
+  ``min(1, p_target(d_i) / p_draft(d_i))`` and at the first rejection draws from
+  ``norm(max(0, p_target - p_draft))`` (Leviathan et al., 2023; Chen et al., 2023), so
+  the output follows the target's distribution exactly. The target's token after the
+  accepted prefix (the correction, or the bonus token) always comes too: a round emits
+  ``accepted + 1`` tokens.
+* ``cape``: the draft's greedy chain widened into a token tree by its confidence
+  (``jaxpar.token_tree``), verified in one target pass with a tree mask; the longest
+  path the target agrees with is accepted and its cache entries compacted into place.
+
+Cache bookkeeping, with ``n`` a sequence's target cache length: the target cache holds
+the ``n`` tokens before ``last``; a round writes ``[last, ...]`` at slots ``n..`` and the
+new length is ``n + accepted + 1``, so rollback is the length alone and the accepted
+prefix is never recomputed. The draft's cache runs one token behind: each round starts
+it at length ``n - 1`` and feeds ``[prev, last]`` (``prev`` at slot ``n - 1``), which
+rewrites a slot whose token the draft may not have seen yet (its last proposal, or a
+tree's accepted sibling) and costs nothing when it had.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpar import token_tree
+from jaxpar.models.glide import GlideDraft, inference_cross_mask
+from jaxpar.models.transformer import KVCache, Transformer, init_cache, write_cache
+from jaxpar.sampling import draw, probabilities
+
+METHODS = ("ar", "speculative", "glide", "cape")
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """A decoding method's static settings (what a compiled round depends on)."""
+
+    name: str = "speculative"
+    gamma: int = 4
+    bins: tuple[int, ...] = token_tree.DEFAULT_BINS
+    temperature: float = 0.0
+    top_p: float = 1.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def tree(self) -> token_tree.TreeLayout:
+        return token_tree.TreeLayout(self.gamma, max(self.bins))
+
+    @property
+    def tokens_per_round(self) -> int:
+        """The most tokens a round emits (accepted drafts plus the target's own)."""
+        return 1 if self.name == "ar" else self.gamma + 1
+
+    @property
+    def tokens_verified(self) -> int:
+        """The tokens a round's target pass writes into the cache."""
+        return {"ar": 1, "cape": self.tree.size}.get(self.name, self.gamma + 1)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class State:
+    """The decoding loop's carry. ``B`` sequences, ``C`` output slots.
+
+    target_cache: the target's cache; lengths ``n [B]`` (every token before ``last``).
+    draft_cache: the draft's cache (None for ``ar``).
+    prev, last: int32 ``[B]``, the tokens at positions ``n - 1`` and ``n``.
+    out: int32 ``[B, C]`` generated tokens; ``count [B]`` of them are filled.
+    done: bool ``[B]``; a done sequence's lengths and counts no longer move.
+    rounds, emitted: int32 ``[B]``, rounds run and tokens emitted while not done.
+    key: the PRNG key of sampling.
+    """
+
+    target_cache: KVCache
+    draft_cache: KVCache | None
+    prev: jax.Array
+    last: jax.Array
+    out: jax.Array
+    count: jax.Array
+    done: jax.Array
+    rounds: jax.Array
+    emitted: jax.Array
+    key: jax.Array
+
+
+def check(method: Method, target: Transformer, draft) -> None:
+    """Raises ValueError (one line) for a method, draft and settings that do not fit."""
+    if method.name not in METHODS:
+        raise ValueError(f"method={method.name!r} must be one of {', '.join(METHODS)}")
+    if method.gamma < 1:
+        raise ValueError(f"gamma={method.gamma} must be at least 1")
+    token_tree.check_bins(method.bins)
+    if method.temperature < 0 or not 0 < method.top_p <= 1:
+        raise ValueError(f"need temperature >= 0 (got {method.temperature}) and 0 < top_p <= 1 "
+                         f"(got {method.top_p})")
+    if method.name == "ar":
+        return
+    if draft is None:
+        raise ValueError(f"method {method.name!r} needs a draft model")
+    if draft.cfg.vocab_size != target.cfg.vocab_size:
+        raise ValueError(f"the draft's vocabulary ({draft.cfg.vocab_size} tokens) differs from the "
+                         f"target's ({target.cfg.vocab_size}); a draft must share the target's tokenizer")
+    if method.name == "glide" and not isinstance(draft, GlideDraft):
+        raise ValueError("method 'glide' needs a GliDe draft (jaxpar-train glide); this draft is an "
+                         "independent model: use method 'speculative'")
+    if method.name == "speculative" and isinstance(draft, GlideDraft):
+        raise ValueError("method 'speculative' takes an independent draft model; a GliDe draft "
+                         "runs with method 'glide' or 'cape'")
+    if isinstance(draft, GlideDraft):
+        check_glide_target(draft, target)
+    if method.name == "cape" and not method.greedy:
+        raise ValueError(f"method 'cape' is greedy (temperature 0), got temperature={method.temperature}; "
+                         "for sampling use 'glide' or 'speculative', which are lossless")
+
+
+# The target settings a GliDe draft's weights depend on: its cross-attention reads the
+# target's cached keys/values (heads, head size, RoPE) of fixed layers.
+GLIDE_TARGET_KEYS = ("vocab_size", "dim", "layers", "heads", "kv_heads", "head_dim", "position",
+                     "rope_theta", "rope_scaling")
+
+
+def check_glide_target(draft: GlideDraft, target: Transformer) -> None:
+    """A GliDe draft runs only with the target layout it was trained against."""
+    diffs = [f"{k} {getattr(draft.cfg, k)!r} vs {getattr(target.cfg, k)!r}"
+             for k in GLIDE_TARGET_KEYS if getattr(draft.cfg, k) != getattr(target.cfg, k)]
+    if diffs:
+        raise ValueError("the GliDe draft was trained for a target with another head layout "
+                         f"(draft's target vs this target: {'; '.join(diffs)})")
+
+
+# ------------------------------------------------------------------------- the draft
+
+
+def _target_layers(draft: GlideDraft, cache: KVCache) -> tuple[jax.Array, jax.Array]:
+    layers = draft.target_layers()
+    return cache.k[layers.start:layers.stop], cache.v[layers.start:layers.stop]
+
+
+def draft_cache(draft, target: Transformer, batch: int, max_length: int) -> KVCache:
+    cfg = draft.cfg
+    if isinstance(draft, GlideDraft):
+        cfg = dataclasses.replace(target.cfg, layers=draft.num_layers)
+    return init_cache(cfg, batch, max_length)
+
+
+def draft_prefill(draft, target: Transformer, prompt: jax.Array, lengths: jax.Array,
+                  cache: KVCache, target_cache: KVCache) -> KVCache:
+    """Runs the draft over the prompt ``[B, P]`` (the target's cache already holds it; a
+    GliDe query at ``t`` sees the target's keys ``<= t``, the first, causal block of its
+    training mask)."""
+    if not isinstance(draft, GlideDraft):
+        return draft(prompt, cache=cache)[1]
+    B, P = prompt.shape
+    k, v = _target_layers(draft, target_cache)
+    positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
+    keys = jnp.arange(k.shape[2])
+    mask = (keys[None, None, :] <= positions[:, :, None]) & (keys[None, None, :] < lengths[:, None, None])
+    return draft(prompt, target, k, v, mask, positions=positions, cache=cache)[1]
+
+
+def draft_forward(draft, target: Transformer, tokens: jax.Array, cache: KVCache,
+                  target_cache: KVCache) -> tuple[jax.Array, KVCache]:
+    """The draft over ``tokens [B, T]`` continuing its cache: ``(logits [B, T, V], cache)``.
+    A GliDe draft's queries see the target's verified tokens (``target_cache.lengths``)."""
+    if not isinstance(draft, GlideDraft):
+        return draft(tokens, cache=cache)
+    k, v = _target_layers(draft, target_cache)
+    T = tokens.shape[1]
+    positions = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)
+    mask = inference_cross_mask(target_cache.lengths, T, k.shape[2])
+    return draft(tokens, target, k, v, mask, positions=positions, cache=cache)
+
+
+def _choose(method: Method, logits: jax.Array, key: jax.Array) -> jax.Array:
+    if method.greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return draw(key, probabilities(logits, method.temperature, method.top_p))
+
+
+def propose(method: Method, step: Callable, state: State, cache: KVCache, key: jax.Array):
+    """The draft's chain of ``gamma`` tokens: ``(tokens [B, gamma], logits [B, gamma, V],
+    cache)``, token ``i`` drawn from ``logits[:, i]`` (greedy or sampled)."""
+    lengths = state.target_cache.lengths
+    cache = dataclasses.replace(cache, lengths=lengths - 1)
+    logits, cache = step(jnp.stack([state.prev, state.last], axis=1), cache)
+    key, sub = jax.random.split(key)
+    first = logits[:, -1]
+    token = _choose(method, first, sub)
+
+    def body(carry, _):
+        cache, token, key = carry
+        logits, cache = step(token[:, None], cache)
+        key, sub = jax.random.split(key)
+        nxt = _choose(method, logits[:, 0], sub)
+        return (cache, nxt, key), (logits[:, 0], nxt)
+
+    (cache, _, _), (rest_logits, rest) = jax.lax.scan(body, (cache, token, key), None,
+                                                      length=method.gamma - 1)
+    tokens = jnp.concatenate([token[:, None], rest.T], axis=1)
+    logits = jnp.concatenate([first[:, None], jnp.swapaxes(rest_logits, 0, 1)], axis=1)
+    return tokens, logits, cache
+
+
+# ---------------------------------------------------------------------- acceptance
+
+
+def accept_greedy(drafts: jax.Array, target_logits: jax.Array):
+    """Exact match: ``(accepted [B], next [B])`` for drafts ``[B, gamma]`` and the
+    target's logits ``[B, gamma + 1, V]`` after ``[last, d_1..d_gamma]``."""
+    choice = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)
+    match = drafts == choice[:, :-1]
+    accepted = jnp.cumprod(match, axis=1).sum(axis=1).astype(jnp.int32)
+    return accepted, jnp.take_along_axis(choice, accepted[:, None], axis=1)[:, 0]
+
+
+def accept_sampled(drafts: jax.Array, draft_probs: jax.Array, target_probs: jax.Array, key):
+    """The speculative-sampling rule: ``(accepted [B], next [B])``.
+
+    drafts ``[B, gamma]`` drawn from ``draft_probs [B, gamma, V]``; ``target_probs
+    [B, gamma + 1, V]`` after ``[last, d_1..d_gamma]``. ``d_i`` is kept with probability
+    ``min(1, p(d_i) / q(d_i))``; the first rejection draws from ``norm(max(0, p - q))``
+    at that depth, and when all are kept the bonus token is drawn from ``p`` after
+    ``d_gamma``.
+    """
+    B, gamma = drafts.shape
+    key_accept, key_next = jax.random.split(key)
+    p = jnp.take_along_axis(target_probs[:, :-1], drafts[..., None], axis=-1)[..., 0]
+    q = jnp.take_along_axis(draft_probs, drafts[..., None], axis=-1)[..., 0]
+    keep = jax.random.uniform(key_accept, (B, gamma)) * q < p
+    accepted = jnp.cumprod(keep, axis=1).sum(axis=1).astype(jnp.int32)
+    q_padded = jnp.concatenate([draft_probs, jnp.zeros_like(draft_probs[:, :1])], axis=1)
+    at = accepted[:, None, None]
+    p_at = jnp.take_along_axis(target_probs, at, axis=1)[:, 0]
+    residual = jnp.maximum(p_at - jnp.take_along_axis(q_padded, at, axis=1)[:, 0], 0.0)
+    # p == q leaves no residual mass, but then a rejection has probability 0 too.
+    residual = jnp.where(residual.sum(-1, keepdims=True) > 0, residual, p_at)
+    return accepted, draw(key_next, residual)
+
+
+# -------------------------------------------------------------------------- rounds
+
+
+def _finish(method: Method, state: State, target_cache: KVCache, path_tokens, accepted, nxt,
+            draft_cache, key, eos_id) -> State:
+    """Emits ``path_tokens[:, :accepted]`` and ``nxt`` for the sequences not done, sets
+    the caches' lengths to keep exactly the accepted tokens, updates the counters."""
+    B, R = path_tokens.shape[0], method.tokens_per_round
+    n = state.target_cache.lengths
+    live = ~state.done
+    slot = jnp.arange(R)[None, :]
+    padded = jnp.concatenate([path_tokens, jnp.zeros((B, R - path_tokens.shape[1]), jnp.int32)], axis=1)
+    emitted = jnp.where(slot < accepted[:, None], padded, nxt[:, None])
+    out = jnp.where(live[:, None], write_cache(state.out, emitted, state.count), state.out)
+    count = state.count + jnp.where(live, accepted + 1, 0)
+    chain = jnp.concatenate([state.last[:, None], path_tokens], axis=1)
+    prev = jnp.take_along_axis(chain, accepted[:, None], axis=1)[:, 0]
+    target_cache = dataclasses.replace(target_cache, lengths=jnp.where(live, n + accepted + 1, n))
+    hit_eos = False if eos_id is None else ((emitted == eos_id) & (slot <= accepted[:, None])).any(1)
+    max_new = state.out.shape[1] - R
+    return State(
+        target_cache=target_cache,
+        draft_cache=draft_cache,
+        prev=jnp.where(live, prev, state.prev),
+        last=jnp.where(live, nxt, state.last),
+        out=out,
+        count=count,
+        done=state.done | (live & (hit_eos | (count >= max_new))),
+        rounds=state.rounds + live,
+        emitted=state.emitted + jnp.where(live, accepted + 1, 0),
+        key=key,
+    )
+
+
+def make_round(method: Method, target: Transformer, draft, eos_id: int | None) -> Callable[[State], State]:
+    """One decoding round ``State -> State`` for ``method`` (traced inside ``jit``)."""
+
+    def round_(state: State) -> State:
+        key, draft_key, accept_key = jax.random.split(state.key, 3)
+        n = state.target_cache.lengths
+        if method.name == "ar":
+            logits, cache = target(state.last[:, None], cache=state.target_cache)
+            token = _choose(method, logits[:, 0], accept_key)
+            no_drafts = jnp.zeros((token.shape[0], 0), jnp.int32)
+            return _finish(method, state, cache, no_drafts, jnp.zeros_like(token), token, None, key, eos_id)
+
+        def step(tokens, cache):
+            return draft_forward(draft, target, tokens, cache, state.target_cache)
+
+        drafts, draft_logits, dcache = propose(method, step, state, state.draft_cache, draft_key)
+        if method.name == "cape":
+            layout = method.tree
+            confidence = jax.nn.softmax(draft_logits.astype(jnp.float32), axis=-1).max(-1)
+            top = jax.lax.top_k(draft_logits, layout.width)[1].at[:, :, 0].set(drafts)
+            tokens = layout.tokens(state.last, top)
+            valid = layout.valid(token_tree.widths(confidence, method.bins))
+            B = tokens.shape[0]
+            positions = n[:, None] + jnp.asarray(layout.depths)[None, :]
+            tree_mask = jnp.broadcast_to(jnp.asarray(layout.mask), (B, layout.size, layout.size))
+            logits, cache = target(tokens, positions=positions, cache=state.target_cache,
+                                   tree_mask=tree_mask)
+            target_next = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            path, accepted, nxt = token_tree.verify_greedy(layout, tokens, valid, target_next)
+            cache = token_tree.compact(cache, n, path)
+            path_tokens = jnp.take_along_axis(tokens, path[:, 1:], axis=1)
+            return _finish(method, state, cache, path_tokens, accepted, nxt, dcache, key, eos_id)
+
+        chain = jnp.concatenate([state.last[:, None], drafts], axis=1)
+        logits, cache = target(chain, cache=state.target_cache)
+        if method.greedy:
+            accepted, nxt = accept_greedy(drafts, logits)
+        else:
+            probs = lambda l: probabilities(l, method.temperature, method.top_p)
+            accepted, nxt = accept_sampled(drafts, probs(draft_logits), probs(logits), accept_key)
+        return _finish(method, state, cache, drafts, accepted, nxt, dcache, key, eos_id)
+
+    return round_
+
+
+def prefill(method: Method, target: Transformer, draft, prompt: jax.Array, lengths: jax.Array,
+            max_new_tokens: int, key: jax.Array, eos_id: int | None) -> State:
+    """The target (and draft) over the prompts ``[B, P]`` (sequence ``b``'s first
+    ``lengths[b]`` tokens; the rest is padding), and the target's first token."""
+    B, P = prompt.shape
+    max_length = P + max_new_tokens + method.tokens_verified
+    logits, cache = target(prompt, cache=init_cache(target.cfg, B, max_length))
+    cache = dataclasses.replace(cache, lengths=lengths)
+    key, sub = jax.random.split(key)
+    last_logits = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    first = _choose(method, last_logits, sub)
+    dcache = None
+    if method.name != "ar":
+        dcache = draft_prefill(draft, target, prompt, lengths,
+                               draft_cache(draft, target, B, max_length), cache)
+    out = jnp.zeros((B, max_new_tokens + method.tokens_per_round), jnp.int32).at[:, 0].set(first)
+    count = jnp.ones((B,), jnp.int32)
+    done = count >= max_new_tokens
+    if eos_id is not None:
+        done = done | (first == eos_id)
+    zeros = jnp.zeros((B,), jnp.int32)
+    prev = jnp.take_along_axis(prompt, (lengths - 1)[:, None], axis=1)[:, 0].astype(jnp.int32)
+    return State(cache, dcache, prev, first, out, count, done, zeros, zeros, key)
+
+
+def compiled(method: Method, max_new_tokens: int, eos_id: int | None):
+    """``(prefill, round, loop)`` jitted for ``method``, each taking the models' graph
+    and state (``nnx.split``): ``prefill(models, prompt, lengths, key) -> State``,
+    ``round(models, state) -> State`` and ``loop(models, prompt, lengths, key) -> State``
+    (prefill then rounds in a ``while_loop`` until every sequence is done)."""
+
+    def models_of(graph, params):
+        return nnx.merge(graph, params)
+
+    def do_prefill(graph, params, prompt, lengths, key):
+        target, draft = models_of(graph, params)
+        return prefill(method, target, draft, prompt, lengths, max_new_tokens, key, eos_id)
+
+    def do_round(graph, params, state):
+        target, draft = models_of(graph, params)
+        return make_round(method, target, draft, eos_id)(state)
+
+    def do_loop(graph, params, prompt, lengths, key):
+        target, draft = models_of(graph, params)
+        state = prefill(method, target, draft, prompt, lengths, max_new_tokens, key, eos_id)
+        body = make_round(method, target, draft, eos_id)
+        return jax.lax.while_loop(lambda s: ~s.done.all(), body, state)
+
+    jit = lambda f: jax.jit(f, static_argnums=0)
+    return jit(do_prefill), jit(do_round), jit(do_loop)

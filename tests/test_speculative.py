@@ -1,0 +1,224 @@
+"""Speculative decoding is lossless: greedy methods return exactly the target's greedy
+tokens, sampling follows the target's distribution (chi-square); the token tree's
+mask, verification and cache compaction are right on their own."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import rel_err
+from flax import nnx
+from jaxpar.decoding import generate, probabilities, speculative_generate
+from jaxpar.models import GlideDraft, ModelConfig, Transformer
+from jaxpar.models.transformer import KVCache, init_cache
+from jaxpar.token_tree import TreeLayout, compact, verify_greedy
+from scipy import stats
+
+CFG = ModelConfig(vocab_size=64, dim=32, layers=2, heads=4, kv_heads=2, head_dim=8, mlp_dim=48, init_std=0.3)
+
+
+def perturbed(model: Transformer, scale: float, seed: int) -> Transformer:
+    """A copy of ``model`` with every weight moved by relative noise ``scale``: a draft
+    that agrees with the target often but not always (so rounds accept 0..gamma)."""
+    graph, state = nnx.split(model)
+    leaves, tree = jax.tree.flatten(state)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    noisy = [x * (1 + scale * jax.random.normal(k, x.shape)) for x, k in zip(leaves, keys)]
+    return nnx.merge(graph, jax.tree.unflatten(tree, noisy))
+
+
+def greedy(model: Transformer, prompt: np.ndarray, max_new_tokens: int) -> np.ndarray:
+    """Plain greedy decoding, ``[B, max_new_tokens]`` (the cached loop, which
+    test_decoding checks against recomputing the whole sequence every step)."""
+    return np.stack(list(generate(model, prompt, max_new_tokens=max_new_tokens)), axis=1)
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = Transformer(CFG, rngs=nnx.Rngs(3))
+    return {"target": target, "close": perturbed(target, 0.05, 1),
+            "small": Transformer(dataclasses.replace(CFG, layers=1), rngs=nnx.Rngs(4)),
+            "glide": GlideDraft(CFG, rngs=nnx.Rngs(5))}
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("method,draft", [
+    ("ar", None), ("speculative", "close"), ("speculative", "small"), ("cape", "close"),
+    ("glide", "glide"), ("cape", "glide")])
+def test_greedy_methods_return_greedy_decoding(models, rng, method, draft, batch):
+    target = models["target"]
+    prompt = rng.integers(0, CFG.vocab_size, (batch, 6))
+    reference = greedy(target, prompt, 24)
+    out = speculative_generate(target, prompt, draft=models.get(draft), method=method, gamma=4,
+                               max_new_tokens=24)
+    for b in range(batch):
+        np.testing.assert_array_equal(out.tokens[b], reference[b])
+    assert 1.0 <= out.accepted_per_step <= 5.0
+    if draft == "close":  # the near copy is accepted often, but not always
+        assert 1.5 < out.accepted_per_step < 5.0
+
+
+def test_cape_accepts_siblings_and_beats_the_chain(models, rng):
+    """With a weak draft, CaPE's siblings catch target tokens the greedy chain misses."""
+    target, draft = models["target"], perturbed(models["target"], 0.5, 2)
+    prompt = rng.integers(0, CFG.vocab_size, (4, 6))
+    chain = speculative_generate(target, prompt, draft=draft, method="speculative", max_new_tokens=24)
+    tree = speculative_generate(target, prompt, draft=draft, method="cape", max_new_tokens=24)
+    assert tree.accepted_per_step > chain.accepted_per_step
+
+
+def test_ragged_prompts_and_eos(models, rng):
+    target = models["target"]
+    prompts = [rng.integers(0, CFG.vocab_size, n) for n in (2, 9, 5)]
+    out = speculative_generate(target, prompts, draft=models["close"], max_new_tokens=12)
+    for p, tokens in zip(prompts, out.tokens):
+        np.testing.assert_array_equal(tokens, greedy(target, p[None], 12)[0])
+    eos = int(out.tokens[1][3])
+    stopped = speculative_generate(target, prompts, draft=models["close"], max_new_tokens=12, eos_id=eos)
+    cut = list(out.tokens[1]).index(eos) + 1
+    np.testing.assert_array_equal(stopped.tokens[1], out.tokens[1][:cut])
+
+
+def _exact_marginals(target: Transformer, prompt: np.ndarray, steps: int, temperature, top_p):
+    """The target's exact distribution of generated tokens 1..steps (summing over every
+    path through a tiny vocabulary), ``[steps, V]``."""
+    V = target.cfg.vocab_size
+    forward = nnx.jit(lambda m, t: probabilities(m(t)[:, -1], temperature, top_p))
+    paths, weights, out = prompt[None, :], np.ones(1), []
+    for _ in range(steps):
+        probs = np.asarray(forward(target, jnp.asarray(paths)), np.float64)  # [paths, V]
+        joint = weights[:, None] * probs
+        out.append(joint.sum(0))
+        paths = np.concatenate([np.repeat(paths, V, 0), np.tile(np.arange(V), len(paths))[:, None]], 1)
+        weights = joint.reshape(-1)
+    return np.stack(out)
+
+
+@pytest.mark.parametrize("method,draft", [("speculative", "small"), ("glide", "glide")])
+def test_sampling_follows_the_target_distribution(method, draft, rng):
+    """Chi-square goodness of fit at significance 0.001, per generated position, for the
+    tokens the round's acceptance rule produced (positions 2 and 3: the first comes
+    from the prefill). 6000 samples, a vocabulary of 8; draft and target disagree (most
+    rounds reject something)."""
+    cfg = dataclasses.replace(CFG, vocab_size=8, init_std=0.5)
+    target = Transformer(cfg, rngs=nnx.Rngs(7))
+    drafts = {"small": Transformer(dataclasses.replace(cfg, layers=1), rngs=nnx.Rngs(8)),
+              "glide": GlideDraft(cfg, rngs=nnx.Rngs(9))}
+    prompt = rng.integers(0, 8, 5)
+    temperature, top_p, n = 1.0, 0.95, 6000
+    out = speculative_generate(target, np.tile(prompt, (n, 1)), draft=drafts[draft], method=method,
+                               gamma=3, max_new_tokens=3, temperature=temperature, top_p=top_p, seed=11)
+    assert out.accepted_per_step < 3.0  # rejections happened
+    exact = _exact_marginals(target, prompt, 3, temperature, top_p)
+    samples = np.stack(out.tokens)
+    for position in (1, 2):
+        counts = np.bincount(samples[:, position], minlength=8)
+        expected = exact[position] * n
+        assert counts[expected == 0].sum() == 0  # top_p cuts tokens: never drawn
+        rare = expected < 5  # pooled into one cell, as the test's approximation needs
+        observed = np.append(counts[~rare], counts[rare].sum())
+        expected = np.append(expected[~rare], expected[rare].sum())
+        observed, expected = observed[expected > 0], expected[expected > 0]
+        assert stats.chisquare(observed, expected * observed.sum() / expected.sum()).pvalue > 1e-3
+
+
+# ----------------------------------------------------------------------- the tree
+
+
+def test_tree_mask_layout():
+    layout = TreeLayout(gamma=3, width=2)  # root, then nodes (1,0) (1,1) (2,0) (2,1) (3,0) (3,1)
+    expected = np.array([
+        # 0  1  2  3  4  5  6
+        [1, 0, 0, 0, 0, 0, 0],  # root
+        [1, 1, 0, 0, 0, 0, 0],  # g1
+        [1, 0, 1, 0, 0, 0, 0],  # sibling of g1
+        [1, 1, 0, 1, 0, 0, 0],  # g2 (after g1)
+        [1, 1, 0, 0, 1, 0, 0],  # sibling of g2
+        [1, 1, 0, 1, 0, 1, 0],  # g3
+        [1, 1, 0, 1, 0, 0, 1],  # sibling of g3
+    ], bool)
+    np.testing.assert_array_equal(layout.mask, expected)
+    np.testing.assert_array_equal(layout.depths, [0, 1, 1, 2, 2, 3, 3])
+
+
+def test_verify_greedy_walks_the_tree():
+    layout = TreeLayout(gamma=3, width=2)
+    #                    root g1  s1  g2  s2  g3  s3
+    tokens = jnp.array([[9, 1, 2, 3, 4, 5, 6],    # target agrees with g1, then picks s2
+                        [9, 1, 2, 3, 4, 5, 6],    # all greedy, bonus from g3
+                        [9, 1, 2, 3, 4, 5, 6],    # target wants 2 at depth 1: the sibling
+                        [9, 1, 2, 3, 4, 5, 6]])   # wants s2's token but s2 is padding
+    valid = jnp.array([[1, 1, 1, 1, 1, 1, 1], [1, 1, 0, 1, 0, 1, 0],
+                       [1, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 1, 1]], bool)
+    # target_next[b, j]: the target's argmax after node j.
+    target_next = jnp.array([[1, 4, 0, 0, 7, 0, 0], [1, 3, 0, 5, 0, 8, 0],
+                             [2, 0, 6, 0, 0, 0, 0], [1, 4, 0, 0, 0, 0, 0]])
+    path, accepted, bonus = verify_greedy(layout, tokens, valid, target_next)
+    np.testing.assert_array_equal(accepted, [2, 3, 1, 1])
+    np.testing.assert_array_equal(bonus, [7, 8, 6, 4])
+    np.testing.assert_array_equal(path[:, :3], [[0, 1, 4], [0, 1, 3], [0, 2, 2], [0, 1, 1]])
+    np.testing.assert_array_equal(path[1], [0, 1, 3, 5])
+
+
+def test_compact_moves_the_accepted_path_into_place(rng):
+    L, B, S, K, H = 2, 2, 12, 2, 3
+    k = jnp.asarray(rng.standard_normal((L, B, S, K, H)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((L, B, S, K, H)), jnp.float32)
+    starts = jnp.array([2, 4])
+    path = jnp.array([[0, 2, 4, 4], [0, 1, 3, 6]])
+    out = compact(KVCache(k, v, starts + 7), starts, path)
+    for b in range(B):
+        s = int(starts[b])
+        for i in range(4):
+            np.testing.assert_array_equal(out.k[:, b, s + i], k[:, b, s + int(path[b, i])])
+            np.testing.assert_array_equal(out.v[:, b, s + i], v[:, b, s + int(path[b, i])])
+        untouched = [j for j in range(S) if not s <= j < s + 4]
+        np.testing.assert_array_equal(out.k[:, b, untouched], k[:, b, untouched])
+
+
+def test_tree_pass_equals_each_branch_run_alone(models, rng):
+    """The target over a whole tree (tree mask, depth positions, one pass over the cache)
+    gives every node the logits of its root-to-node sequence run on its own."""
+    target, layout = models["target"], TreeLayout(gamma=3, width=2)
+    B, P = 2, 5
+    prompt = jnp.asarray(rng.integers(0, CFG.vocab_size, (B, P)))
+    tree = jnp.asarray(rng.integers(0, CFG.vocab_size, (B, layout.size)))
+    cache = init_cache(CFG, B, 16)
+    _, cache = target(prompt, cache=cache)
+    positions = P + jnp.broadcast_to(jnp.asarray(layout.depths), (B, layout.size))
+    mask = jnp.broadcast_to(jnp.asarray(layout.mask), (B, layout.size, layout.size))
+    logits, _ = target(tree, positions=positions, cache=cache, tree_mask=mask)
+    for node in range(layout.size):
+        branch = np.flatnonzero(layout.mask[node])  # its ancestors and itself, in depth order
+        alone = target(jnp.concatenate([prompt, tree[:, branch]], axis=1))[:, -1]
+        assert rel_err(logits[:, node], alone) < 1e-5
+
+
+# ---------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(method="speculative", gamma=0), "gamma=0 must be at least 1"),
+    (dict(method="cape", bins=(8, 6, 4)), "bins=[8, 6, 4] must be 11 positive integers"),
+    (dict(method="beam"), "method='beam' must be one of"),
+    (dict(method="speculative", draft=None), "needs a draft model"),
+    (dict(method="cape", temperature=0.7), "'cape' is greedy"),
+    (dict(method="glide", draft="small"), "needs a GliDe draft"),
+])
+def test_bad_settings_are_one_clear_error(models, kwargs, message):
+    draft = models.get(kwargs.pop("draft", "glide"))
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        speculative_generate(models["target"], np.ones((1, 3), np.int32), draft=draft,
+                             max_new_tokens=4, **kwargs)
+
+
+def test_mismatched_drafts_are_refused(models):
+    target, prompt = models["target"], np.ones((1, 3), np.int32)
+    other_vocab = Transformer(dataclasses.replace(CFG, vocab_size=80, layers=1), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="the draft's vocabulary \\(80 tokens\\) differs"):
+        speculative_generate(target, prompt, draft=other_vocab, max_new_tokens=4)
+    other_heads = GlideDraft(dataclasses.replace(CFG, kv_heads=4), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="trained for a target with another head layout.*kv_heads 4 vs 2"):
+        speculative_generate(target, prompt, draft=other_heads, method="glide", max_new_tokens=4)
