@@ -189,11 +189,14 @@ def speculative_stream(target: Transformer, prompt, *, draft=None, method: str =
     """``speculative_generate`` one jitted round at a time, for streaming: yields
     ``(new_tokens, accepted)`` after the prefill and after every round, ``new_tokens`` a
     list (per sequence) of the int32 tokens it just produced (empty once done), and
-    ``accepted [B]`` the tokens per round so far (mean, bonus token included)."""
+    ``accepted [B]`` the tokens per round so far (mean, bonus token included). The
+    round is compiled (and run once, discarded) before the first yield, so time taken
+    between yields is decoding alone."""
     method, tokens, lengths, graph, params = _setup(target, prompt, draft, method, gamma, bins,
                                                     temperature, top_p, max_new_tokens)
     prefill, round_, _ = _compiled(method, max_new_tokens, eos_id)
     state = prefill(graph, params, tokens, lengths, jax.random.key(seed))
+    jax.block_until_ready(round_(graph, params, state))  # compile before the first yield
     shown = np.zeros(tokens.shape[0], int)
     while True:
         rows = _tokens(state, eos_id, max_new_tokens)

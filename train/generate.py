@@ -1,9 +1,18 @@
-"""``jaxpar-generate RUN_DIR --prompt TEXT``: sample from a trained run or an HF model.
+"""``jaxpar-generate RUN_DIR --prompt TEXT [--draft DRAFT_RUN_DIR --method M]``: generate
+from a trained run or an HF model, plainly or by speculative decoding.
 
 RUN_DIR is a ``jaxpar-train`` run directory (its latest checkpoint, ``config.yaml``
 and ``tokenizer.json``) or a Hugging Face Llama directory (``config.json``,
 ``*.safetensors``, ``tokenizer.json``). Text streams to stdout as it is produced, then
 a line with tokens/s goes to stderr; ``--json`` prints one JSON object instead.
+
+With ``--draft`` (a jaxpar run of a small model with the same tokenizer, or a
+``jaxpar-train glide`` run trained against RUN_DIR) the method defaults to
+``speculative`` or ``glide`` by the draft's kind; ``cape`` adds CaPE's token trees to
+either. The stderr line (and the JSON object) then add the mean accepted tokens per
+step, bonus token included, and the speedup over ``ar`` on the same prompt, which runs
+after it, untimed output not shown. Timing starts after the prefill and the first
+compile, for both.
 """
 
 from __future__ import annotations
@@ -16,12 +25,26 @@ import time
 
 import numpy as np
 
-from jaxpar.decoding import generate
+from jaxpar.decoding import DEFAULT_BINS, METHODS, speculative_stream
+from jaxpar.models import GlideDraft
 from jaxpar.train.data import EOS
-from jaxpar.train.runs import load_model, load_tokenizer
+from jaxpar.train.runs import is_hf, load_glide_draft, load_model, load_tokenizer, read_config
 
 
-def main(argv=None) -> int:
+def load_draft(draft_dir: pathlib.Path):
+    """A GliDe draft run (``task: glide``) or any model ``load_model`` reads."""
+    if not is_hf(draft_dir) and read_config(draft_dir).task == "glide":
+        return load_glide_draft(draft_dir)
+    return load_model(draft_dir)
+
+
+def check_same_tokenizer(target_dir: pathlib.Path, draft_dir: pathlib.Path) -> None:
+    if load_tokenizer(target_dir).get_vocab() != load_tokenizer(draft_dir).get_vocab():
+        raise ValueError(f"the draft's tokenizer ({draft_dir / 'tokenizer.json'}) differs from the "
+                         f"target's ({target_dir / 'tokenizer.json'}); a draft must share the target's")
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxpar-generate", description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", type=pathlib.Path)
     parser.add_argument("--prompt", required=True)
@@ -29,42 +52,83 @@ def main(argv=None) -> int:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--draft", type=pathlib.Path, metavar="DRAFT_RUN_DIR",
+                        help="draft model run dir (a small jaxpar model or a jaxpar-train glide run)")
+    parser.add_argument("--method", choices=METHODS,
+                        help="default: ar without --draft, else speculative or glide by the draft")
+    parser.add_argument("--gamma", type=int, default=4, help="draft tokens per step (tree depth for cape)")
+    parser.add_argument("--bins", type=int, nargs="+", default=list(DEFAULT_BINS), metavar="K",
+                        help="cape: 11 tree widths by draft confidence decile (default: %(default)s)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    return parser
+
+
+def _run(target, prompt, eos, args, method, draft, tokenizer=None):
+    """Streams one generation (printing it when ``tokenizer`` is given); returns
+    ``(ids, tokens_per_s, accepted_per_step, text_shown)``."""
+    ids, shown, started, accepted = [], "", None, 1.0
+    for new, accepted_now in speculative_stream(
+            target, prompt, draft=draft, method=method, gamma=args.gamma, bins=args.bins,
+            max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+            seed=args.seed, eos_id=eos):
+        if started is None:
+            started, first = time.perf_counter(), len(new[0])  # after the prefill's token
+        ids += [int(i) for i in new[0]]
+        accepted = float(accepted_now[0])
+        if tokenizer is not None:
+            text = tokenizer.decode([i for i in ids if i != eos])
+            if not text.endswith("\ufffd"):  # wait for whole UTF-8 characters
+                sys.stdout.write(text[len(shown):])
+                sys.stdout.flush()
+                shown = text
+    elapsed = time.perf_counter() - started
+    rate = (len(ids) - first) / elapsed if len(ids) > first and elapsed > 0 else 0.0
+    return ids, rate, accepted, shown
+
+
+def main(argv=None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1:
         parser.error("need --max-new-tokens >= 1, --temperature >= 0 and 0 < --top-p <= 1")
-    run_dir = args.run_dir
+    if args.method not in (None, "ar") and args.draft is None:
+        parser.error(f"--method {args.method} needs --draft DRAFT_RUN_DIR")
     try:
-        tokenizer = load_tokenizer(run_dir)
-        model = load_model(run_dir)
+        tokenizer = load_tokenizer(args.run_dir)
+        target = load_model(args.run_dir)
+        draft = None
+        if args.draft is not None:
+            check_same_tokenizer(args.run_dir, args.draft)
+            draft = load_draft(args.draft)
+        method = args.method or ("ar" if draft is None else
+                                 "glide" if isinstance(draft, GlideDraft) else "speculative")
+        prompt = np.asarray([tokenizer.encode(args.prompt).ids], np.int32)
+        if prompt.shape[1] == 0:
+            parser.error("--prompt encodes to no tokens")
+        eos = tokenizer.token_to_id(EOS)
+        if not args.json:
+            sys.stdout.write(args.prompt)
+        ids, rate, accepted, shown = _run(target, prompt, eos, args, method, draft,
+                                          None if args.json else tokenizer)
+        result = {"text": tokenizer.decode([i for i in ids if i != eos]), "tokens": ids,
+                  "tokens_per_s": rate}
+        if method != "ar":
+            ar_rate = _run(target, prompt, eos, args, "ar", None)[1]
+            result.update(method=method, gamma=args.gamma, accepted_per_step=accepted,
+                          ar_tokens_per_s=ar_rate, speedup=rate / ar_rate if ar_rate else None)
     except (FileNotFoundError, ValueError) as e:
         print(f"jaxpar-generate: error: {e}", file=sys.stderr)
         return 1
-    prompt = np.asarray([tokenizer.encode(args.prompt).ids], np.int32)
-    if prompt.shape[1] == 0:
-        parser.error("--prompt encodes to no tokens")
-    eos = tokenizer.token_to_id(EOS)
-    if not args.json:
-        sys.stdout.write(args.prompt)
-    ids, shown, started = [], "", time.perf_counter()
-    for token in generate(model, prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                          top_p=args.top_p, seed=args.seed, eos_id=eos):
-        if not ids:
-            started = time.perf_counter()  # time decoding, not compilation and prefill
-        ids.append(int(token[0]))
-        text = tokenizer.decode([i for i in ids if i != eos])
-        if not args.json and not text.endswith("\ufffd"):  # wait for whole UTF-8 characters
-            sys.stdout.write(text[len(shown):])
-            sys.stdout.flush()
-            shown = text
-    elapsed = time.perf_counter() - started
-    rate = (len(ids) - 1) / elapsed if len(ids) > 1 and elapsed > 0 else 0.0
-    text = tokenizer.decode([i for i in ids if i != eos])
     if args.json:
-        print(json.dumps({"text": text, "tokens": ids, "tokens_per_s": rate}))
-    else:
-        sys.stdout.write(text[len(shown):] + "\n")
-        print(f"[{len(ids)} tokens, {rate:.1f} tokens/s]", file=sys.stderr)
+        print(json.dumps(result))
+        return 0
+    sys.stdout.write(result["text"][len(shown):] + "\n")
+    line = f"[{len(ids)} tokens, {rate:.1f} tokens/s"
+    if method != "ar":
+        speedup = f"{result['speedup']:.2f}x" if result["speedup"] else "n/a"
+        line += (f"; {method}, gamma {args.gamma}: {accepted:.2f} accepted tokens per step, "
+                 f"{speedup} over ar ({result['ar_tokens_per_s']:.1f} tokens/s)")
+    print(line + "]", file=sys.stderr)
     return 0
 
 
