@@ -67,7 +67,8 @@ def dot_product_attention(
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
     options = current_options()
-    axis = _length_axis(options.always) if q_start is None and T == S else None
+    # The ring knows causal and segment masks only: an explicit mask stays on this path.
+    axis = _length_axis(options.always) if q_start is None and T == S and mask is None else None
     if axis is not None:
         return ring_attention(q, k, v, mesh=jax.sharding.get_abstract_mesh(), causal=causal,
                               segment_ids=segment_ids, axis=axis, impl=options.impl,

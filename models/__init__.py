@@ -1,7 +1,9 @@
-"""jaxpar's models: one decoder-only transformer for the Llama family and GPT-2 style."""
+"""jaxpar's models: one decoder-only transformer for the Llama family and GPT-2 style,
+and the GliDe draft model that reads its KV cache."""
 
 from jaxpar.models.config import PRESETS, ModelConfig, RopeScaling
+from jaxpar.models.glide import GlideDraft
 from jaxpar.models.hf import from_hf, to_hf
 from jaxpar.models.transformer import Transformer
 
-__all__ = ["PRESETS", "ModelConfig", "RopeScaling", "Transformer", "from_hf", "to_hf"]
+__all__ = ["PRESETS", "GlideDraft", "ModelConfig", "RopeScaling", "Transformer", "from_hf", "to_hf"]

@@ -51,7 +51,7 @@ def test_yaml_path_and_missing_config(tmp_path):
     path.write_text("steps: 7\nmodel:\n  layers: 1\n")
     cfg = load_config(str(path))
     assert cfg.steps == 7 and cfg.model.layers == 1 and cfg.model.dim == PRESETS["tiny"].dim
-    with pytest.raises(ConfigError, match="no config 'huge'; shipped configs: 1b, small, tiny"):
+    with pytest.raises(ConfigError, match="no config 'huge'; shipped configs: 1b, glide, small, tiny"):
         load_config("huge")
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(str(tmp_path / "nope.yaml"))

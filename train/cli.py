@@ -1,7 +1,8 @@
 """``jaxpar-train CONFIG [key=value ...]`` (also ``python -m jaxpar.train``).
 
-CONFIG is a shipped config (``tiny``, ``small``, ``1b``) or a YAML path; overrides are
-dotted keys (``mesh.fsdp=4 model.layers=2 steps=30 run_dir=runs/x``). Exit codes: 0
+CONFIG is a shipped config (``tiny``, ``small``, ``1b``; ``glide`` trains a GliDe draft
+for ``target_run_dir=DIR``) or a YAML path; overrides are dotted keys (``mesh.fsdp=4
+model.layers=2 steps=30 run_dir=runs/x``). Exit codes: 0
 done, 2 bad config or arguments (nothing written), 1 a run that could not start or go on.
 """
 
@@ -20,7 +21,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog="Keys: run_dir steps seed batch_size seq_len dry_run mesh.* model.* data.* "
                "optimizer.* checkpoint.every checkpoint.keep eval.every ...",
     )
-    parser.add_argument("config", help="shipped config name (tiny, small, 1b) or a YAML file")
+    parser.add_argument("config", help="shipped config name (tiny, small, 1b, glide) or a YAML file")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     parser.add_argument(
         "--simulate-devices", type=int, default=None, metavar="N",

@@ -108,7 +108,29 @@ class EvalConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class GlideConfig:
+    """With ``task: glide``: the GliDe draft (``jaxpar.models.glide``) trained for the
+    target in ``target_run_dir``."""
+
+    layers: int = 1  # L_d, the draft's decoder layers; they read the target's last L_d
+    # Tokens per block of the training cross mask, gamma + 1: a draft token sees the
+    # target's keys/values of the blocks before its own (jaxpar.models.glide.cross_block_mask).
+    block_size: int = 5
+    # Weight of KL(target || draft) per token, added to the next-token loss; 0: none.
+    kl_weight: float = 0.0
+
+    def __post_init__(self):
+        if self.layers < 1:
+            raise ValueError(f"glide.layers={self.layers!r} must be at least 1")
+        if self.block_size < 2:
+            raise ValueError(f"glide.block_size={self.block_size!r} must be at least 2 (gamma + 1)")
+        if not self.kl_weight >= 0:  # NaN too
+            raise ValueError(f"glide.kl_weight={self.kl_weight!r} must not be negative")
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
+    # With task glide, model.* is the target's (from target_run_dir), not set here.
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     mesh: MeshConfig = MeshConfig()
@@ -127,8 +149,16 @@ class Config:
     batch_size: int = 16  # global, in sequences
     seq_len: int = 128
     dry_run: bool = False  # compile the step, print the profiler's JSON line, exit
+    # "lm": train `model` as a language model; "glide": train a GliDe draft for the
+    # frozen target in target_run_dir (a jaxpar run dir or a Hugging Face directory).
+    task: Literal["lm", "glide"] = "lm"
+    target_run_dir: str | None = None
+    glide: GlideConfig = GlideConfig()
 
     def __post_init__(self):
+        if self.task == "glide" and not self.target_run_dir:
+            raise ValueError("task='glide' needs target_run_dir=DIR (the target model's jaxpar run "
+                             "or Hugging Face directory)")
         for key in ("steps", "batch_size", "mesh.fsdp", "mesh.pipe", "mesh.seq",
                     "optimizer.grad_accum", "checkpoint.keep", "eval.batches",
                     "pipeline.virtual_stages"):

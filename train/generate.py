@@ -25,7 +25,9 @@ import time
 
 import numpy as np
 
+from jaxpar import speculative
 from jaxpar.decoding import DEFAULT_BINS, METHODS, speculative_stream
+from jaxpar.speculative import Method
 from jaxpar.models import GlideDraft
 from jaxpar.train.data import EOS
 from jaxpar.train.runs import is_hf, load_glide_draft, load_model, load_tokenizer, read_config
@@ -102,6 +104,8 @@ def main(argv=None) -> int:
             draft = load_draft(args.draft)
         method = args.method or ("ar" if draft is None else
                                  "glide" if isinstance(draft, GlideDraft) else "speculative")
+        speculative.check(Method(method, args.gamma, tuple(args.bins), args.temperature, args.top_p),
+                          target, draft)
         prompt = np.asarray([tokenizer.encode(args.prompt).ids], np.int32)
         if prompt.shape[1] == 0:
             parser.error("--prompt encodes to no tokens")

@@ -6,6 +6,9 @@ JSON object per step: ``step``, ``loss``, ``lr``, ``grad_norm``, ``tokens_per_s`
 ``step_time_s``, and ``val_loss`` at eval steps), the same scalars as TensorBoard
 events in ``tensorboard/``, ``tokenizer.json``, ``checkpoints/`` (orbax) and the
 tokenizer/packed-data cache.
+
+With ``task: glide`` the trained model is a GliDe draft for the frozen target in
+``target_run_dir`` (``jaxpar.train.glide``); the loop is the same.
 """
 
 from __future__ import annotations
@@ -25,16 +28,17 @@ from tensorboardX import SummaryWriter
 from tqdm.auto import tqdm
 
 import jaxpar
-from jaxpar.models import Transformer
+from jaxpar.models import GlideDraft, Transformer
 from jaxpar import pipeline_schedule as pipeline_schedules
 from jaxpar.models.transformer import sharding_rules
 from jaxpar.pipeline_schedule import Schedule
 from jaxpar.kernels.dispatch import KernelOptions
 from jaxpar.sequence_parallel import SequenceOptions, to_zigzag
 from jaxpar.train import data as data_lib
+from jaxpar.train import glide
 from jaxpar.train.checkpoints import Checkpoints
 from jaxpar.train.config import Config, MeshConfig, OptimizerConfig, to_dict
-from jaxpar.train.step import loss_fn, make_train_step
+from jaxpar.train.step import make_train_step
 
 # Dense bf16 peak FLOP/s per device, for the MFU estimate; unknown devices show none.
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
@@ -141,15 +145,21 @@ def _check_same_model(checkpoints: Checkpoints, cfg: Config) -> None:
     (rather than letting the restore fail on it and start afresh over it)."""
     for step in reversed(checkpoints.steps()):
         try:
-            saved = checkpoints.read_meta(step).get("config", {}).get("model", {})
+            saved_cfg = checkpoints.read_meta(step).get("config", {})
             break
         except Exception:  # noqa: BLE001 - unreadable; restore_latest warns about it
             continue
     else:
         return
+    saved = saved_cfg.get("model", {})
     current = json.loads(json.dumps(dataclasses.asdict(cfg.model)))
     diffs = [f"model.{k}: {saved.get(k)!r} there, {v!r} here" for k, v in current.items()
              if k in SHAPE_KEYS and saved.get(k) != v]
+    if saved_cfg.get("task", "lm") != cfg.task:
+        diffs.append(f"task: {saved_cfg.get('task', 'lm')!r} there, {cfg.task!r} here")
+    elif cfg.task == "glide" and saved_cfg.get("glide", {}).get("layers") != cfg.glide.layers:
+        diffs.append(f"glide.layers: {saved_cfg.get('glide', {}).get('layers')!r} there, "
+                     f"{cfg.glide.layers!r} here")
     if diffs:
         raise TrainingError(
             f"{checkpoints.directory} holds a checkpoint of a different model ({'; '.join(diffs)}); "
@@ -187,20 +197,43 @@ def dry_run_profile(cfg: Config, step_fn, abstract_model, mesh, rules, schedule:
     return result
 
 
+def build_model(cfg: Config) -> nnx.Module:
+    """The model a run trains: the ``Transformer``, or with ``task: glide`` the GliDe
+    draft for the target's model config (``cfg.model``)."""
+    if cfg.task == "glide":
+        return GlideDraft(cfg.model, cfg.glide.layers, rngs=nnx.Rngs(cfg.seed))
+    return Transformer(cfg.model, rngs=nnx.Rngs(cfg.seed))
+
+
 def train(cfg: Config, *, progress: bool = True) -> list[dict]:
     """Runs (or resumes) the training ``cfg`` describes; returns the per-step metrics."""
+    target = None
+    if cfg.task == "glide":
+        cfg, target = glide.prepare(cfg)  # model.* and data.tokenizer become the target's
     run_dir = pathlib.Path(cfg.run_dir)
     mesh = build_mesh(cfg.mesh)
     model_cfg = cfg.model
     rules = sharding_rules(model_cfg, mesh, sequence_parallel=cfg.mesh.sequence_parallel)
     _check_batch(cfg, mesh, rules)
-    abstract_model = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(cfg.seed)))
+    abstract_model = nnx.eval_shape(lambda: build_model(cfg))
     tx, schedule = make_optimizer(cfg.optimizer, cfg.steps)
     sequence = SequenceOptions(cfg.mesh.seq_impl, cfg.mesh.seq_layout)
     stages = pipeline_schedule(cfg, mesh, rules)
     kernels = KernelOptions(cfg.attention.impl, cfg.norm.impl, cfg.loss.impl)
+    frozen, glide_step = (), {}
+    if target is not None:  # the frozen target: an argument of every step, never trained
+        frozen = (nnx.state(jaxpar.shard_model(target, mesh, rules)),)
+        glide_step = {"loss": glide.make_loss(cfg, target), "frozen": frozen[0]}
     step_fn = make_train_step(abstract_model, tx, mesh, rules, grad_accum=cfg.optimizer.grad_accum,
-                              sequence=sequence, kernels=kernels, pipeline=stages)
+                              sequence=sequence, kernels=kernels, pipeline=stages, **glide_step)
+    if target is None:
+        def batch_of(local):
+            return _global_batch(local, step_fn)
+    else:
+        teach = glide.teacher(target, cfg, step_fn.batch_sharding)
+
+        def batch_of(local):  # with the target's keys/values, computed outside the step
+            return teach(frozen[0], _global_batch(local, step_fn))
 
     if cfg.dry_run:
         profile = dry_run_profile(cfg, step_fn, abstract_model, mesh, rules, stages)
@@ -226,7 +259,7 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
     if restored is None:
         @nnx.jit
         def create():
-            return jaxpar.shard_model(Transformer(model_cfg, rngs=nnx.Rngs(cfg.seed)), mesh, rules)
+            return jaxpar.shard_model(build_model(cfg), mesh, rules)
 
         params, opt_state = step_fn.init(create())
         start = 0
@@ -238,9 +271,12 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
     if lead:
         _rewrite_metrics(metrics_path, start)
 
-    eval_fn = jax.jit(lambda params, batch: loss_fn(nnx.merge(step_fn.graphdef, params), batch))
+    eval_fn = jax.jit(lambda params, batch, *frozen: step_fn.loss(nnx.merge(step_fn.graphdef, params),
+                                                                  batch, *frozen))
     tokens_per_step = cfg.batch_size * cfg.seq_len
     peak = next((f for name, f in PEAK_FLOPS.items() if name in jax.devices()[0].device_kind), None)
+    if target is not None:
+        peak = None  # flops_per_token counts a Transformer's step, not the draft's and teacher's
     history, last_saved = [], start
     board = SummaryWriter(str(run_dir / "tensorboard")) if lead else None
     metrics_file = metrics_path.open("a") if lead else None
@@ -249,9 +285,9 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
     try:
         with step_fn.context():
             for step in range(start + 1, cfg.steps + 1):
-                batch = _global_batch(next(loader), step_fn)
+                batch = batch_of(next(loader))
                 began = time.perf_counter()
-                params, opt_state, out = step_fn(params, opt_state, batch)
+                params, opt_state, out = step_fn(params, opt_state, batch, *frozen)
                 loss = float(out["loss"])
                 elapsed = time.perf_counter() - began
                 if not math.isfinite(loss):
@@ -264,7 +300,7 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
                           "grad_norm": float(out["grad_norm"]), "tokens_per_s": tokens_per_step / elapsed,
                           "step_time_s": elapsed}
                 if val_batches and (step % cfg.eval.every == 0 or step == cfg.steps):
-                    losses = [eval_fn(params, _global_batch(b, step_fn)) for b in val_batches]
+                    losses = [eval_fn(params, batch_of(b), *frozen) for b in val_batches]
                     record["val_loss"] = float(np.mean([float(l) for l in losses]))
                 history.append(record)
                 if lead:

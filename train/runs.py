@@ -1,7 +1,8 @@
 """Reading finished runs back: a ``jaxpar-train`` run directory (``config.yaml``,
 ``tokenizer.json``, orbax ``checkpoints/``) or a Hugging Face Llama directory
 (``config.json``, ``*.safetensors``, ``tokenizer.json``), as ``jaxpar-generate`` and the
-GliDe trainer load their target and draft models."""
+GliDe trainer load their target and draft models; ``load_glide_draft`` reads a
+``jaxpar-train glide`` run."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import tokenizers
 from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
-from jaxpar.models import Transformer, from_hf
+from jaxpar.models import GlideDraft, Transformer, from_hf
 from jaxpar.train.checkpoints import Checkpoints
 from jaxpar.train.config import Config, load_config
 
@@ -60,6 +61,9 @@ def restore_params(run_dir: pathlib.Path, model: nnx.Module, cfg: Config) -> nnx
 def load_run(run_dir: pathlib.Path) -> Transformer:
     """The model of the latest readable checkpoint in a jaxpar run dir, on one device."""
     cfg = read_config(run_dir)
+    if cfg.task == "glide":
+        raise ValueError(f"{run_dir} holds a GliDe draft (task='glide'), not a language model; its "
+                         f"target is {cfg.target_run_dir}")
     model = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0)))
     return restore_params(run_dir, model, cfg)
 
@@ -67,3 +71,20 @@ def load_run(run_dir: pathlib.Path) -> Transformer:
 def load_model(run_dir: pathlib.Path) -> Transformer:
     """A jaxpar run's model or a Hugging Face model (``from_hf``), on one device."""
     return from_hf(run_dir) if is_hf(run_dir) else load_run(run_dir)
+
+
+def load_glide_draft(run_dir: pathlib.Path) -> GlideDraft:
+    """The GliDe draft of the latest readable checkpoint in a ``jaxpar-train glide`` run
+    dir, on one device. Its ``cfg`` is the target's model config it was trained for (the
+    run's ``model``); the target itself is ``load_model(read_config(run_dir).target_run_dir)``.
+
+    Raises:
+      ValueError: the run is not a GliDe run.
+      FileNotFoundError: no config or checkpoint.
+    """
+    cfg = read_config(run_dir)
+    if cfg.task != "glide":
+        raise ValueError(f"{run_dir} is not a GliDe draft run (task={cfg.task!r}); train one with "
+                         "jaxpar-train glide target_run_dir=TARGET")
+    model = nnx.eval_shape(lambda: GlideDraft(cfg.model, cfg.glide.layers, rngs=nnx.Rngs(0)))
+    return restore_params(run_dir, model, cfg)

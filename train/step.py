@@ -82,9 +82,11 @@ def microbatches(x: jax.Array, count: int) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class TrainStep:
-    """A compiled step ``(params, opt_state, batch) -> (params, opt_state, metrics)``.
+    """A compiled step ``(params, opt_state, batch) -> (params, opt_state, metrics)``
+    (``(params, opt_state, batch, frozen)`` when built with ``frozen``).
 
     ``params`` is the model's ``nnx.State``; ``graphdef`` rebuilds the model from it.
+    ``loss`` is the step's ``(model, batch[, frozen]) -> scalar``, for evaluation.
     ``params_sharding`` / ``opt_sharding`` are what ``init`` places the state with
     (None without a mesh). ``sequence``: how attention runs over a length split over
     ``seq`` (with ``layout="zigzag"`` the batches' tokens must be in ``to_zigzag`` order).
@@ -101,6 +103,7 @@ class TrainStep:
     rules: rules_lib.Rules | None = None
     sequence: SequenceOptions = SequenceOptions()
     kernels: KernelOptions | None = None  # None: KernelOptions() ("auto")
+    loss: Callable = loss_fn
 
     def context(self):
         """The mesh, rules, sequence and kernel options to trace and run under."""
@@ -143,9 +146,9 @@ class TrainStep:
         with self.context():
             return self.step.lower(params, opt_state, batch).compile()
 
-    def __call__(self, params, opt_state, batch: Batch):
+    def __call__(self, params, opt_state, batch: Batch, *frozen):
         with self.context():
-            return self.step(params, opt_state, batch)
+            return self.step(params, opt_state, batch, *frozen)
 
 
 def make_train_step(
@@ -159,6 +162,8 @@ def make_train_step(
     sequence: SequenceOptions = SequenceOptions(),
     kernels: KernelOptions | None = None,
     pipeline=None,
+    loss: Callable = loss_fn,
+    frozen: Any = None,
 ) -> TrainStep:
     """Builds the jitted train step for ``model``'s structure on ``mesh`` (or one device).
 
@@ -168,49 +173,63 @@ def make_train_step(
 
     ``pipeline``: a ``jaxpar.pipeline_schedule.Schedule`` over the mesh's ``pipe`` axis;
     the step then runs the model through it (``jaxpar.train.pipelined``).
+
+    ``loss``: ``(model, batch) -> scalar`` (default ``loss_fn``, next-token
+    cross-entropy), or ``(model, batch, frozen) -> scalar`` with ``frozen``.
+
+    ``frozen``: an ``nnx.State`` (another model's, as a GliDe draft reads its target's
+    embedding and LM head) that the loss reads and the step never trains. The step then
+    takes it on every call, ``step(params, opt_state, batch, frozen)``, placed like
+    parameters by its logical annotations. An argument rather than something the loss
+    closes over: a closed-over array becomes a constant of the compiled step (the
+    target's weights copied into its HLO), and no gradient is taken with respect to it
+    nor update made. Give its value (or abstract state) here for its shardings.
     """
     graphdef, params = nnx.split(model)
+    if pipeline is not None and (loss is not loss_fn or frozen is not None):
+        raise ValueError("a pipelined step computes its own next-token loss: no loss= or frozen=")
 
-    def loss_and_grads(params, batch):
+    def loss_and_grads(params, batch, *frozen):
         if pipeline is not None:
             from jaxpar.train import pipelined
 
             return pipelined.loss_and_grads(graphdef, params, batch, pipeline, mesh)
-        return jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p), batch))(params)
+        return jax.value_and_grad(lambda p: loss(nnx.merge(graphdef, p), batch, *frozen))(params)
 
-    def accumulated(params, batch):
+    def accumulated(params, batch, *frozen):
         def body(carry, micro):
-            loss, grads = loss_and_grads(params, micro)
-            return jax.tree.map(jnp.add, carry, (loss, grads)), None
+            value, grads = loss_and_grads(params, micro, *frozen)
+            return jax.tree.map(jnp.add, carry, (value, grads)), None
 
         zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
         total, _ = jax.lax.scan(body, zeros, jax.tree.map(lambda x: microbatches(x, grad_accum), batch))
         return jax.tree.map(lambda x: x / grad_accum, total)
 
-    def step(params, opt_state, batch):
+    def step(params, opt_state, batch, *frozen):
         if grad_accum == 1:
-            loss, grads = loss_and_grads(params, batch)
+            value, grads = loss_and_grads(params, batch, *frozen)
         else:
-            loss, grads = accumulated(params, batch)
+            value, grads = accumulated(params, batch, *frozen)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        return params, opt_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+        return params, opt_state, {"loss": value, "grad_norm": optax.tree.norm(grads)}
 
     donate_argnums = (0, 1) if donate else ()
     if mesh is None:
         return TrainStep(graphdef, tx, jax.jit(step, donate_argnums=donate_argnums),
-                         None, None, None, None, rules, sequence, kernels)
+                         None, None, None, None, rules, sequence, kernels, loss)
     params_sharding = model_shardings(params, mesh, rules)
     replicated = NamedSharding(mesh, PartitionSpec())
     opt_shape = jax.eval_shape(tx.init, params)
     opt_sharding = like_params(opt_shape, params, params_sharding, replicated)
     resolved = rules_lib.for_mesh(mesh, rules_lib.DEFAULT_RULES if rules is None else rules)
     batch_sharding = NamedSharding(mesh, rules_lib.logical_to_spec(BATCH_AXES, resolved))
+    frozen_sharding = () if frozen is None else (model_shardings(frozen, mesh, rules),)
     jitted = jax.jit(
         step,
-        in_shardings=(params_sharding, opt_sharding, batch_sharding),
+        in_shardings=(params_sharding, opt_sharding, batch_sharding, *frozen_sharding),
         out_shardings=(params_sharding, opt_sharding, replicated),
         donate_argnums=donate_argnums,
     )
     return TrainStep(graphdef, tx, jitted, mesh, params_sharding, opt_sharding, batch_sharding,
-                     rules, sequence, kernels)
+                     rules, sequence, kernels, loss)

@@ -1,0 +1,250 @@
+"""The GliDe draft model ("GliDe with a CaPE", Du et al., ICML 2024): a small decoder
+that cross-attends to the *target* model's own KV cache.
+
+Each draft layer is ``x += self_attn(norm(x))`` over the draft's own cache, then
+``x += cross_attn(norm(x))`` into the cached keys/values of one of the target's last
+layers (draft layer ``i`` of ``L_d`` reads target layer ``L - L_d + i``), then
+``x += mlp(norm(x))``. The token embedding and the LM head are the target's, shared and
+frozen; the draft owns its layers and its final norm. The layers have the target's
+widths, so the draft is built from the target's ``ModelConfig``.
+
+Parameter layout (stacked layers lead with L_d):
+  layers.attn.q, k, v, o       as the Transformer's self-attention
+  layers.cross.q               [L_d, D, N, H]  (layers, embed, heads, kv)
+  layers.cross.o               [L_d, N, H, D]  (layers, heads, kv, embed)
+  layers.cross.q_bias, o_bias  [L_d, N, H] / [L_d, D]    with attention_bias
+  layers.mlp.*                 as the Transformer's MLP
+  layers.*_norm, final_norm    [L_d, D] / [D]
+
+Training (``jaxpar-train glide``) feeds the target's teacher-forced keys/values of a
+whole row with ``cross_block_mask``: a draft query sees the target's keys of the blocks
+before its own, as at inference the target has verified the tokens before the ``gamma``
+the draft proposes. Inference gives the target's cache with ``inference_cross_mask``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpar.attention import dot_product_attention
+from jaxpar.linear import dense
+from jaxpar.models.config import ModelConfig
+from jaxpar.models.transformer import (
+    ACT_BTD,
+    ACT_BTNH,
+    ACT_BTV,
+    MLP,
+    Attention,
+    KVCache,
+    Norm,
+    _param,
+    _remat,
+    _zeros,
+    apply_rope,
+    init_cache,
+    rope_frequencies,
+)
+from jaxpar.sharding import constrain
+
+# Masks -------------------------------------------------------------------------------
+
+
+def cross_block_mask(positions: jax.Array, segment_ids: jax.Array | None, block_size: int) -> jax.Array:
+    """The training cross mask, bool ``[B, T, T]``: query ``t`` sees target key ``s`` iff
+    both are in one segment and ``block(s) < block(t)``, or ``block(t) == 0`` and
+    ``s <= t``, where ``block(i) = positions[b, i] // block_size``.
+
+    Positions restart at every packed document, so every document's first block is
+    causal (it has no earlier context to read) and every query sees at least itself.
+    Order within a document is compared by position, which there orders as the index
+    does, so a row permuted along its length gets the same mask, permuted.
+
+    Args:
+      positions: int ``[B, T]`` position of each token in its document.
+      segment_ids: int ``[B, T]`` document ids of packed rows, or None (one document).
+      block_size: tokens per block, ``gamma + 1``.
+    """
+    query, key = positions[:, :, None], positions[:, None, :]
+    q_block, k_block = query // block_size, key // block_size
+    visible = (k_block < q_block) | ((q_block == 0) & (key <= query))
+    if segment_ids is not None:
+        visible = visible & (segment_ids[:, :, None] == segment_ids[:, None, :])
+    return visible
+
+
+def inference_cross_mask(target_lengths: jax.Array, T: int, S: int) -> jax.Array:
+    """bool ``[B, T, S]``: every draft query sees the target's first ``target_lengths[b]``
+    cache slots (the tokens it has verified), int ``[B]``."""
+    lengths = jnp.asarray(target_lengths, jnp.int32)
+    visible = jnp.arange(S, dtype=jnp.int32)[None, None, :] < lengths[:, None, None]
+    return jnp.broadcast_to(visible, (lengths.shape[0], T, S))
+
+
+# Modules -----------------------------------------------------------------------------
+
+
+class CrossAttention(nnx.Module):
+    """Attention of the draft's queries over the target's cached keys/values: only the
+    query and output projections are the draft's; the keys (already rotated at their
+    positions) and values are the target's, used as they are."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        D, N, H = cfg.dim, cfg.heads, cfg.head_dim
+        self.cfg = cfg
+        self.q = _param(rngs, cfg, (D, N, H), ("embed", "heads", "kv"))
+        self.o = _param(rngs, cfg, (N, H, D), ("heads", "kv", "embed"))
+        if cfg.attention_bias:
+            self.q_bias = _zeros(rngs, cfg, (N, H), ("heads", "kv"))
+            self.o_bias = _zeros(rngs, cfg, (D,), ("embed",))
+
+    def __call__(self, x, positions, k, v, mask):
+        """x ``[B, T, D]``, positions int ``[B, T]``, k/v ``[B, S, K, H]``, mask bool
+        ``[B, T, S]`` -> ``[B, T, D]``."""
+        cfg, dtype = self.cfg, self.cfg.compute_dtype
+        D, N, H = self.q.shape
+        q = dense(x, self.q[...].astype(dtype).reshape(D, N * H), ("embed", "heads"))
+        q = q.reshape(*x.shape[:-1], N, H)
+        if cfg.attention_bias:
+            q = q + self.q_bias[...].astype(dtype)
+        q = constrain(q, ACT_BTNH)
+        if cfg.position == "rope":
+            q = apply_rope(q, positions, rope_frequencies(cfg))
+        out = dot_product_attention(q, k.astype(dtype), v.astype(dtype), causal=False, mask=mask)
+        # A query that sees no key would get a uniform average over all of them (the mask
+        # value is finite), future tokens included: it reads nothing instead.
+        out = jnp.where(mask.any(-1)[:, :, None, None], out, jnp.zeros((), out.dtype))
+        out = constrain(out, ACT_BTNH)
+        y = dense(out.reshape(*out.shape[:-2], N * H), self.o[...].astype(dtype).reshape(N * H, D),
+                  ("heads", "embed"))
+        if cfg.attention_bias:
+            y = y + self.o_bias[...].astype(dtype)
+        return constrain(y, ACT_BTD)
+
+
+class GlideLayer(nnx.Module):
+    """Pre-norm block: self-attention, cross-attention into the target, MLP."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.attn_norm = Norm(cfg, rngs=rngs)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.cross_norm = Norm(cfg, rngs=rngs)
+        self.cross = CrossAttention(cfg, rngs=rngs)
+        self.mlp_norm = Norm(cfg, rngs=rngs)
+        self.mlp = MLP(cfg, rngs=rngs)
+
+    def __call__(self, x, positions, segment_ids, target_k, target_v, cross_mask, cache=None):
+        with jax.named_scope("attention"):
+            attn = self.attn(self.attn_norm(x), positions, segment_ids, cache)
+            attn, new_cache = attn if cache is not None else (attn, None)
+            x = x + attn
+        with jax.named_scope("cross_attention"):
+            x = x + self.cross(self.cross_norm(x), positions, target_k, target_v, cross_mask)
+        with jax.named_scope("mlp"):
+            x = x + self.mlp(self.mlp_norm(x))
+        x = constrain(x, ACT_BTD)
+        return x if cache is None else (x, new_cache)
+
+
+class GlideDraft(nnx.Module):
+    """GliDe draft: L_draft decoder layers (default 1), each
+    x += self_attn(norm(x)) over the draft's own cache;
+    x += cross_attn(norm(x)) into the target's cached K/V of target layer L_target - L_draft + i;
+    x += mlp(norm(x)); then its own final norm and the TARGET's LM head (target.head_weight()).
+    Token embedding is the target's (target.embed_tokens(tokens, positions)). Both shared
+    and frozen: the draft holds no reference to the target, which each call passes.
+    """
+
+    def __init__(self, cfg: ModelConfig, layers: int = 1, *, rngs: nnx.Rngs):
+        """``cfg``: the TARGET's ``ModelConfig`` (the draft layers take its widths, norm,
+        MLP, position and bias settings); ``layers``: ``L_d``, at most ``cfg.layers``."""
+        if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= cfg.layers:
+            raise ValueError(f"GliDe draft layers={layers!r} must be between 1 and the target's "
+                             f"model.layers={cfg.layers}")
+        self.cfg = cfg
+        self.num_layers = layers
+
+        @nnx.split_rngs(splits=layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def stacked(rngs):
+            return GlideLayer(cfg, rngs=rngs)
+
+        self.layers = stacked(rngs)
+        self.final_norm = Norm(cfg, rngs=rngs)
+
+    def target_layers(self) -> range:
+        """The target layers whose keys/values the draft layers read, in order."""
+        return range(self.cfg.layers - self.num_layers, self.cfg.layers)
+
+    def cache_config(self) -> ModelConfig:
+        """The ``ModelConfig`` of the draft's own cache: the target's with ``L_d`` layers."""
+        return dataclasses.replace(self.cfg, layers=self.num_layers)
+
+    def init_cache(self, batch: int, max_length: int) -> KVCache:
+        """An empty draft cache (``init_cache(self.cache_config(), ...)``)."""
+        return init_cache(self.cache_config(), batch, max_length)
+
+    def __call__(
+        self,
+        tokens: jax.Array,
+        target,
+        target_k: jax.Array,
+        target_v: jax.Array,
+        cross_mask: jax.Array,
+        *,
+        positions: jax.Array,
+        segment_ids: jax.Array | None = None,
+        cache: KVCache | None = None,
+    ):
+        """Args:
+          tokens: int ``[B, T]``.
+          target: the target ``Transformer`` (or anything with its ``embed_tokens(tokens,
+            positions)`` and ``head_weight()``): only its embedding and LM head are used.
+          target_k, target_v: ``[L_d, B, S, K, H]``, the target's keys/values of layers
+            ``target_layers()`` (keys rotated at their positions: what ``KVCache.k``
+            holds), used as they are.
+          cross_mask: bool ``[B, T, S]``, which target keys each draft query sees
+            (``cross_block_mask`` in training, ``inference_cross_mask`` with a cache).
+          positions: int ``[B, T]`` absolute positions.
+          segment_ids: int ``[B, T]`` document ids of packed training rows (the
+            self-attention's), or None; not with a cache.
+          cache: the draft's own ``KVCache`` (``self.init_cache``) or None.
+
+        Returns:
+          logits ``[B, T, V]`` in the compute dtype; with a cache, ``(logits, cache)``
+          with every length advanced by ``T``.
+        """
+        B, T = tokens.shape
+        L_d, S = self.num_layers, target_k.shape[2]
+        for name, kv in (("target_k", target_k), ("target_v", target_v)):
+            if kv.ndim != 5 or kv.shape[:2] != (L_d, B):
+                raise ValueError(f"{name} {kv.shape} must be [L_d={L_d}, B={B}, S, K, H]")
+        if cross_mask.shape != (B, T, S):
+            raise ValueError(f"cross_mask {cross_mask.shape} must be [B, T, S] = {(B, T, S)}")
+        if cache is not None and segment_ids is not None:
+            raise ValueError("segment_ids (packed training rows) do not go with a cache")
+        x = target.embed_tokens(tokens, positions)
+        graphdef, layer_state = nnx.split(self.layers)
+        if cache is None:
+            def layer(x, xs):
+                state, k, v = xs
+                return nnx.merge(graphdef, state)(x, positions, segment_ids, k, v, cross_mask), None
+
+            x = jax.lax.scan(_remat(layer, self.cfg), x, (layer_state, target_k, target_v))[0]
+            return self.logits(x, target)
+        lengths = jnp.broadcast_to(cache.lengths, (B,))
+
+        def cached_layer(x, xs):
+            state, tk, tv, k, v = xs
+            return nnx.merge(graphdef, state)(x, positions, None, tk, tv, cross_mask, (k, v, lengths))
+
+        x, (k, v) = jax.lax.scan(cached_layer, x, (layer_state, target_k, target_v, cache.k, cache.v))
+        return self.logits(x, target), KVCache(k, v, lengths + T)
+
+    def logits(self, x: jax.Array, target) -> jax.Array:
+        """The draft's final norm and the target's LM head: ``[B, T, D]`` -> ``[B, T, V]``."""
+        logits = dense(self.final_norm(x), target.head_weight(), ("embed", "vocab"))
+        return constrain(logits, ACT_BTV)

@@ -1,0 +1,288 @@
+"""The GliDe draft model (jaxpar.models.glide) and its training (jaxpar-train glide)."""
+
+import dataclasses
+import json
+import math
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import yaml
+from flax import nnx
+
+import jaxpar
+from conftest import rel_err
+from jaxpar.models import GlideDraft, ModelConfig, Transformer
+from jaxpar.models.glide import CrossAttention, cross_block_mask, inference_cross_mask
+from jaxpar.models.transformer import init_cache
+from jaxpar.train import glide
+from jaxpar.train.config import ConfigError, load_config
+from jaxpar.train.cli import main
+from jaxpar.train.loop import train
+from jaxpar.train.step import make_train_step
+from test_train import SMALL
+
+CFG = ModelConfig(vocab_size=64, dim=32, layers=2, heads=4, kv_heads=2, head_dim=8, mlp_dim=48, init_std=0.3)
+GPT2_STYLE = dataclasses.replace(CFG, norm="layer", mlp="gelu", position="learned", max_position=64,
+                                 tie_embeddings=True, attention_bias=True, mlp_bias=True)
+
+
+def random_init(build, rng):
+    """``build()``'s module with its parameters drawn by numpy (norm scales near 1, the
+    rest, biases too, N(0, 0.3^2)): nonzero everywhere, and no XLA random-number
+    program to compile (on CPU that alone takes seconds per model)."""
+    model = nnx.eval_shape(build)
+
+    def draw(path, x):
+        noise = rng.standard_normal(x.shape)
+        scale = "scale" in jax.tree_util.keystr(path)
+        return jnp.asarray(1 + 0.1 * noise if scale else 0.3 * noise, x.dtype)
+
+    nnx.update(model, jax.tree.map_with_path(draw, nnx.state(model)))
+    return model
+
+
+def models(cfg, layers, rng):
+    target = random_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), rng)
+    return target, random_init(lambda: GlideDraft(cfg, layers, rngs=nnx.Rngs(0)), rng)
+
+
+@nnx.jit
+def target_cache(target, tokens):
+    """The target's keys/values of ``tokens [B, S]``: ``[L, B, S, K, H]`` each."""
+    B, S = tokens.shape
+    _, cache = target(tokens, cache=init_cache(target.cfg, B, S))
+    return cache.k, cache.v
+
+
+@nnx.jit
+def forward(draft, target, tokens, k, v, mask, positions, cache=None):
+    """The draft's call, jitted: one program per shape rather than one per operation."""
+    return draft(tokens, target, k, v, mask, positions=positions, cache=cache)
+
+
+# The model ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cfg,layers", [(CFG, 1), (GPT2_STYLE, 2)], ids=["llama-1", "gpt2-2"])
+def test_cached_draft_steps_equal_the_uncached_forward(rng, cfg, layers):
+    target, draft = models(cfg, layers, rng)
+    B, S, T = 2, 9, 8
+    k, v = target_cache(target, jnp.asarray(rng.integers(0, cfg.vocab_size, (B, S))))
+    k, v = k[draft.target_layers().start:], v[draft.target_layers().start:]
+    assert list(draft.target_layers()) == list(range(cfg.layers - layers, cfg.layers))
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, T)))
+    positions = jnp.asarray([[5 + t for t in range(T)], [7 + t for t in range(T)]], jnp.int32)
+    target_lengths = jnp.asarray([5, 7])  # each sequence has verified a different prefix
+
+    full = forward(draft, target, tokens, k, v, inference_cross_mask(target_lengths, T, S), positions)
+    cache = draft.init_cache(B, 12)
+    logits, cache = forward(draft, target, tokens[:, :5], k, v, inference_cross_mask(target_lengths, 5, S),
+                            positions[:, :5], cache)
+    stepped = [logits]
+    for t in range(5, T):
+        logits, cache = forward(draft, target, tokens[:, t : t + 1], k, v,
+                                inference_cross_mask(target_lengths, 1, S), positions[:, t : t + 1], cache)
+        stepped.append(logits)
+    np.testing.assert_array_equal(cache.lengths, [T, T])
+    assert full.shape == (B, T, cfg.vocab_size) and np.std(np.asarray(full)) > 0.1
+    assert rel_err(jnp.concatenate(stepped, axis=1), full) < 1e-5
+
+
+def cross_attention_reference(layer, cfg, x, positions, k, v, mask):
+    """Einsums and a softmax in float64 numpy; kv heads repeated for the query heads,
+    the query rotated as complex pairs (x[i], x[i + H/2]) times exp(i pos freq)."""
+    f64 = lambda a: np.asarray(a, np.float64)
+    N, K, H = cfg.heads, cfg.kv_heads, cfg.head_dim
+    q = np.einsum("BTD,DNH->BTNH", f64(x), f64(layer.q[...]))
+    if cfg.attention_bias:
+        q = q + f64(layer.q_bias[...])
+    if cfg.position == "rope":
+        freqs = 1.0 / cfg.rope_theta ** (np.arange(0, H, 2) / H)
+        z = (q[..., : H // 2] + 1j * q[..., H // 2 :]) * np.exp(1j * f64(positions)[:, :, None, None] * freqs)
+        q = np.concatenate([z.real, z.imag], -1)
+    k, v = np.repeat(f64(k), N // K, axis=2), np.repeat(f64(v), N // K, axis=2)
+    scores = np.einsum("BTNH,BSNH->BNTS", q, k) / np.sqrt(H)
+    scores = np.where(np.asarray(mask)[:, None], scores, -np.inf)
+    top = scores.max(-1, keepdims=True)
+    probs = np.exp(scores - np.where(np.isfinite(top), top, 0.0))
+    probs = probs / np.maximum(probs.sum(-1, keepdims=True), 1e-300)  # a row that sees nothing: 0
+    out = np.einsum("BNTS,BSNH->BTNH", probs, v)
+    y = np.einsum("BTNH,NHD->BTD", out, f64(layer.o[...]))
+    return y + f64(layer.o_bias[...]) if cfg.attention_bias else y
+
+
+@pytest.mark.parametrize("cfg", [CFG, dataclasses.replace(CFG, kv_heads=1, rope_theta=500.0), GPT2_STYLE],
+                         ids=["gqa-rope", "mqa-rope", "mha-learned-bias"])
+def test_cross_attention_matches_a_reference(rng, cfg):
+    layer = random_init(lambda: CrossAttention(cfg, rngs=nnx.Rngs(0)), rng)
+    B, T, S = 2, 5, 7
+    x = rng.standard_normal((B, T, cfg.dim), np.float32)
+    positions = rng.integers(0, 50, (B, T))
+    k = rng.standard_normal((B, S, cfg.kv_heads, cfg.head_dim), np.float32)
+    v = rng.standard_normal((B, S, cfg.kv_heads, cfg.head_dim), np.float32)
+    mask = rng.random((B, T, S)) < 0.6
+    mask[0, 1] = False  # a query that sees no key reads nothing (not an average of all)
+    mask[1, 2] = True
+    out = layer(jnp.asarray(x), jnp.asarray(positions), jnp.asarray(k), jnp.asarray(v), jnp.asarray(mask))
+    assert out.shape == (B, T, cfg.dim)
+    assert rel_err(out, cross_attention_reference(layer, cfg, x, positions, k, v, mask)) < 1e-5
+
+
+def test_cross_block_mask_of_two_packed_documents():
+    # Documents of 7 and 4 tokens, blocks of 3: [0 1 2][3 4 5][6] and [0 1 2][3].
+    positions = jnp.asarray([[0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3]])
+    segment_ids = jnp.asarray([[1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2]])
+    expected = np.array([
+        # 0  1  2  3  4  5  6  0  1  2  3   <- key positions
+        [1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],  # doc 1, block 0: causal
+        [1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0],  # block 1: block 0 only
+        [1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0],
+        [1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0],  # block 2: blocks 0 and 1
+        [0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0],  # doc 2, block 0: causal, its own document
+        [0, 0, 0, 0, 0, 0, 0, 1, 1, 0, 0],
+        [0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 0],
+        [0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 0],  # block 1
+    ], bool)
+    np.testing.assert_array_equal(cross_block_mask(positions, segment_ids, 3)[0], expected)
+    np.testing.assert_array_equal(inference_cross_mask(jnp.asarray([2, 4]), 2, 5),
+                                  [[[1, 1, 0, 0, 0]] * 2, [[1, 1, 1, 1, 0]] * 2])
+
+
+def test_training_mask_hides_the_targets_own_block_and_later(rng):
+    """Under cross_block_mask a draft token's logits do not move when the target's
+    keys/values of its own block or later change (the target has not verified them)."""
+    target, draft = models(CFG, 1, rng)
+    T = 9
+    tokens = jnp.asarray(rng.integers(0, CFG.vocab_size, (1, T)))
+    positions = jnp.arange(T)[None]
+    k, v = (x[1:] for x in target_cache(target, tokens))
+    mask = cross_block_mask(positions, None, 3)
+    logits = forward(draft, target, tokens, k, v, mask, positions)
+    moved = forward(draft, target, tokens, k.at[:, :, 4].add(1.0), v.at[:, :, 4].add(1.0), mask, positions)
+    changed = np.abs(np.asarray(moved - logits)).max(-1)[0] > 1e-6
+    np.testing.assert_array_equal(changed, [False] * 6 + [True] * 3)  # slot 4 is in block 1
+
+
+def test_draft_parameters_are_stacked_and_annotated():
+    draft = nnx.eval_shape(lambda: GlideDraft(GPT2_STYLE, 2, rngs=nnx.Rngs(0)))
+    flat = dict(nnx.to_flat_state(nnx.state(draft)))
+    for path, var in flat.items():
+        names = jaxpar.sharding.logical_axes(var)
+        assert names is not None and len(names) == var.get_value().ndim, path
+        if path[0] == "layers":
+            assert names[0] == "layers" and var.get_value().shape[0] == 2
+    assert {("layers", "cross", n) for n in ("q", "o", "q_bias", "o_bias")} <= set(flat)
+    assert not any(p[0] in ("embed", "lm_head", "positions") for p in flat)  # the target's
+    with pytest.raises(ValueError, match="GliDe draft layers=3 must be between 1 and the target's model.layers=2"):
+        nnx.eval_shape(lambda: GlideDraft(CFG, 3, rngs=nnx.Rngs(0)))
+
+
+def test_the_target_is_an_argument_of_the_step_not_a_constant(rng):
+    """The train step and the teacher take the target's state as an argument: its
+    weights are not in their programs, and they are not trained."""
+    cfg = dataclasses.replace(load_config("glide", ["target_run_dir=t", "glide.kl_weight=0.5"]), model=CFG)
+    target, draft = models(CFG, 1, rng)
+    state = nnx.state(target)
+    B, T = 2, 10
+    tokens = rng.integers(0, CFG.vocab_size, (B, T + 1))
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "positions": np.tile(np.arange(T), (B, 1)),
+             "segment_ids": np.ones((B, T), np.int32), "mask": np.ones((B, T), np.int32)}
+    teach = glide.teacher(target, cfg)
+    batch = teach(state, {k: jnp.asarray(x, jnp.int32) for k, x in batch.items()})
+    assert batch["target_k"].shape == (B, T, 1, CFG.kv_heads, CFG.head_dim)
+    assert batch["target_logprobs"].shape == (B, T, CFG.vocab_size)
+    step = make_train_step(draft, optax.adam(1e-2), loss=glide.make_loss(cfg, target), frozen=state)
+    params, opt_state = step.init(draft)
+    for program in (teach.lower(state, batch), step.step.lower(params, opt_state, batch, state)):
+        assert not re.search(r"dense<[^>]{200}", program.as_text())  # no large constant
+    before = jax.tree.map(np.array, state)
+    losses = []
+    for _ in range(5):
+        params, opt_state, metrics = step(params, opt_state, batch, state)
+        losses.append(float(metrics["loss"]))
+    assert losses[-1] < losses[0] and all(map(math.isfinite, losses))
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.array, state), before)
+
+
+# Training -------------------------------------------------------------------------------
+
+# The data settings of test_train's runs; model.* of a glide run comes from its target.
+DATA = [o for o in SMALL if not o.startswith("model.")] + ["data.max_files=40"]
+
+
+@pytest.fixture(scope="module")
+def target_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("glide")
+    run = root / "target"
+    train(load_config("tiny", SMALL + ["data.max_files=40", "steps=3", "eval.every=0",
+                                        f"run_dir={run}", f"cache_dir={root / 'cache'}"]), progress=False)
+    return run
+
+
+def test_glide_training_end_to_end(tmp_path, target_run, capsys):
+    from jaxpar.train.runs import load_glide_draft, load_model
+
+    run = tmp_path / "draft"
+    # The CLI's main in this process (its 8 devices): a subprocess would compile afresh.
+    code = main(["glide", f"target_run_dir={target_run}", f"run_dir={run}", f"cache_dir={target_run.parent / 'cache'}",
+                 *DATA, "steps=6", "eval.every=3", "checkpoint.every=3", "glide.kl_weight=0.5", "--no-progress"])
+    assert code == 0, capsys.readouterr().err
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    losses = [r["loss"] for r in rows] + [r["val_loss"] for r in rows if "val_loss" in r]
+    assert len(losses) == 8 and all(map(math.isfinite, losses))
+    assert min(r["loss"] for r in rows[3:]) < rows[0]["loss"]
+    assert sorted(os.listdir(run / "checkpoints")) == ["3", "6"]
+
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    target_cfg = yaml.safe_load((target_run / "config.yaml").read_text())
+    assert saved["task"] == "glide" and saved["target_run_dir"] == str(target_run)
+    assert saved["model"] == target_cfg["model"] and saved["glide"]["kl_weight"] == 0.5
+    assert saved["data"]["tokenizer"] == str(target_run / "tokenizer.json")
+    assert (run / "tokenizer.json").read_text() == (target_run / "tokenizer.json").read_text()
+
+    draft, target = load_glide_draft(run), load_model(target_run)
+    assert isinstance(draft, GlideDraft) and draft.cfg == target.cfg and draft.num_layers == 1
+    tokens = jnp.arange(12)[None] + 3
+    k, v = (x[draft.target_layers().start:] for x in target_cache(target, tokens))
+    logits = draft(tokens, target, k, v, cross_block_mask(jnp.arange(12)[None], None, 5), positions=jnp.arange(12)[None])
+    assert logits.shape == (1, 12, target.cfg.vocab_size) and np.isfinite(np.asarray(logits)).all()
+    with pytest.raises(ValueError, match="is not a GliDe draft run"):
+        load_glide_draft(target_run)
+
+
+def test_glide_without_a_target_is_one_line_and_writes_nothing(tmp_path, capsys):
+    assert main(["glide", f"run_dir={tmp_path / 'draft'}"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "target_run_dir" in lines[0], lines
+    assert not (tmp_path / "draft").exists()
+
+
+@pytest.mark.parametrize("override,message", [
+    ("glide.layers=3", "glide.layers=3 exceeds the target's model.layers=2"),
+    ("model.layers=3", "model.* of a glide run is its target's"),
+    ("dry_run=true", "dry_run=true is not supported with task=glide"),
+])
+def test_glide_settings_the_target_refuses(target_run, override, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        glide.prepare(load_config("glide", [f"target_run_dir={target_run}", override]))
+
+
+@pytest.mark.parametrize("override,message", [
+    ("glide.layers=0", "glide.layers=0 must be at least 1"),
+    ("glide.block_size=1", "glide.block_size=1 must be at least 2"),
+    ("glide.kl_weight=-1", "glide.kl_weight=-1.0 must not be negative"),
+])
+def test_glide_config(override, message):
+    cfg = load_config("glide", ["target_run_dir=runs/tiny"])
+    assert cfg.task == "glide" and cfg.glide.layers == 1 and cfg.glide.block_size == 5
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config("glide", ["target_run_dir=runs/tiny", override])
