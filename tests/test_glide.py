@@ -227,14 +227,20 @@ def target_run(tmp_path_factory):
     return run
 
 
-def test_glide_training_end_to_end(tmp_path, target_run, capsys):
-    from jaxpar.train.runs import load_glide_draft, load_model
-
-    run = tmp_path / "draft"
+@pytest.fixture(scope="module")
+def glide_run(target_run):
+    run = target_run.parent / "draft"
     # The CLI's main in this process (its 8 devices): a subprocess would compile afresh.
     code = main(["glide", f"target_run_dir={target_run}", f"run_dir={run}", f"cache_dir={target_run.parent / 'cache'}",
                  *DATA, "steps=6", "eval.every=3", "checkpoint.every=3", "glide.kl_weight=0.5", "--no-progress"])
-    assert code == 0, capsys.readouterr().err
+    assert code == 0
+    return run
+
+
+def test_glide_training_end_to_end(target_run, glide_run):
+    from jaxpar.train.runs import load_glide_draft, load_model
+
+    run = glide_run
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 7))
     losses = [r["loss"] for r in rows] + [r["val_loss"] for r in rows if "val_loss" in r]
@@ -286,3 +292,51 @@ def test_glide_config(override, message):
     assert cfg.task == "glide" and cfg.glide.layers == 1 and cfg.glide.block_size == 5
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config("glide", ["target_run_dir=runs/tiny", override])
+
+
+def generate_cli(capsys, *args):
+    """``jaxpar-generate ARGS --json`` in this process: ``(exit code, JSON or None, stderr)``."""
+    from jaxpar.train.generate import main as generate
+
+    code = generate([*map(str, args), "--json"])
+    out, err = capsys.readouterr()
+    return code, (json.loads(out) if code == 0 else None), err
+
+
+def test_generate_with_trained_drafts_gives_the_targets_tokens(target_run, glide_run, capsys, tmp_path):
+    """jaxpar-generate on trained runs: every method prints ar's greedy tokens and its
+    accepted tokens per step; mismatched drafts and settings are one line, exit 1."""
+    vanilla = target_run.parent / "vanilla"
+    if not vanilla.exists():
+        train(load_config("tiny", SMALL + ["data.max_files=40", "steps=3", "eval.every=0", "model.layers=1",
+                                            f"run_dir={vanilla}", f"cache_dir={target_run.parent / 'cache'}"]),
+              progress=False)
+    common = [target_run, "--prompt", "def main(", "--max-new-tokens", "20"]
+    code, ar, err = generate_cli(capsys, *common)
+    assert code == 0, err
+    assert "accepted_per_step" not in ar and len(ar["tokens"]) > 0
+    for draft, method in [(vanilla, "speculative"), (glide_run, "glide"), (glide_run, "cape"), (vanilla, "cape")]:
+        code, out, err = generate_cli(capsys, *common, "--draft", draft, "--method", method, "--gamma", "3")
+        assert code == 0, err
+        assert out["tokens"] == ar["tokens"] and out["text"] == ar["text"]
+        assert 1.0 <= out["accepted_per_step"] <= 4.0 and out["method"] == method and out["speedup"] > 0
+
+    other = tmp_path / "other-tokenizer"
+    other.mkdir()
+    (other / "config.yaml").write_text((vanilla / "config.yaml").read_text())
+    (other / "checkpoints").symlink_to(vanilla / "checkpoints")
+    vocab = json.loads((vanilla / "tokenizer.json").read_text())
+    first, second = list(vocab["model"]["vocab"])[300:302]  # two tokens swap ids
+    vocab["model"]["vocab"][first], vocab["model"]["vocab"][second] = (
+        vocab["model"]["vocab"][second], vocab["model"]["vocab"][first])
+    (other / "tokenizer.json").write_text(json.dumps(vocab))
+    for args, message in [
+        (["--draft", other], "the draft's tokenizer"),
+        (["--draft", glide_run, "--gamma", "0"], "gamma=0 must be at least 1"),
+        (["--draft", glide_run, "--method", "cape", "--bins", "4", "2"], "bins=[4, 2] must be 11 positive integers"),
+        (["--draft", glide_run, "--method", "cape", "--temperature", "0.8"], "'cape' is greedy"),
+        (["--draft", vanilla, "--method", "glide"], "needs a GliDe draft"),
+    ]:
+        code, _, err = generate_cli(capsys, *common, *args)
+        lines = err.strip().splitlines()
+        assert code == 1 and len(lines) == 1 and message in lines[0], err
