@@ -76,14 +76,21 @@ def generate(
             token, cache = _step(model, token, cache, sub, temperature, top_p)
 
 
+@nnx.jit
+def _next_token_without_cache(model: Transformer, tokens: jax.Array, at: jax.Array) -> jax.Array:
+    return jnp.argmax(model(tokens)[:, at], axis=-1).astype(jnp.int32)
+
+
 def greedy_without_cache(model: Transformer, prompt: np.ndarray, max_new_tokens: int) -> np.ndarray:
     """Plain greedy decoding that recomputes the whole sequence each step: the reference
-    the cached path is tested against. Returns ``[B, max_new_tokens]``."""
-    tokens = jnp.asarray(prompt, jnp.int32)
-    forward = nnx.jit(lambda m, t: m(t)[:, -1])
-    for _ in range(max_new_tokens):
-        tokens = jnp.concatenate([tokens, jnp.argmax(forward(model, tokens), -1)[:, None]], axis=1)
-    return np.asarray(tokens[:, prompt.shape[1]:])
+    the cached path is tested against. Returns ``[B, max_new_tokens]``. (The sequence is
+    held in a buffer of its final length, so one compiled forward serves every step;
+    causal attention keeps the unfilled tail from touching the filled head.)"""
+    B, P = prompt.shape
+    tokens = jnp.zeros((B, P + max_new_tokens), jnp.int32).at[:, :P].set(jnp.asarray(prompt, jnp.int32))
+    for i in range(max_new_tokens):
+        tokens = tokens.at[:, P + i].set(_next_token_without_cache(model, tokens, jnp.int32(P + i - 1)))
+    return np.asarray(tokens[:, P:])
 
 
 @dataclasses.dataclass(frozen=True)

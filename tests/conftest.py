@@ -11,8 +11,10 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["JAX_NUM_CPU_DEVICES"] = "8"
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from flax import nnx  # noqa: E402
 
 
 def rel_err(a, b) -> float:
@@ -28,6 +30,21 @@ def tree_rel_err(a, b) -> float:
         x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
         worst = max(worst, float(np.linalg.norm(x - y) / np.linalg.norm(y)))
     return worst
+
+
+def random_init(build, rng, std: float = 0.3):
+    """``build()``'s module with its parameters drawn by numpy (norm scales near 1, the
+    rest, biases too, N(0, std^2)): nonzero everywhere, and no XLA random-number
+    program to compile (on CPU that alone takes seconds per model)."""
+    model = nnx.eval_shape(build)
+
+    def draw(path, x):
+        noise = rng.standard_normal(x.shape)
+        scale = "scale" in jax.tree_util.keystr(path)
+        return jnp.asarray(1 + 0.1 * noise if scale else std * noise, x.dtype)
+
+    nnx.update(model, jax.tree.map_with_path(draw, nnx.state(model)))
+    return model
 
 
 def run_python(code: str, *, devices: int = 8, timeout: int = 300) -> subprocess.CompletedProcess:

@@ -15,7 +15,7 @@ import yaml
 from flax import nnx
 
 import jaxpar
-from conftest import rel_err
+from conftest import random_init, rel_err
 from jaxpar.models import GlideDraft, ModelConfig, Transformer
 from jaxpar.models.glide import CrossAttention, cross_block_mask, inference_cross_mask
 from jaxpar.models.transformer import init_cache
@@ -29,21 +29,6 @@ from test_train import SMALL
 CFG = ModelConfig(vocab_size=64, dim=32, layers=2, heads=4, kv_heads=2, head_dim=8, mlp_dim=48, init_std=0.3)
 GPT2_STYLE = dataclasses.replace(CFG, norm="layer", mlp="gelu", position="learned", max_position=64,
                                  tie_embeddings=True, attention_bias=True, mlp_bias=True)
-
-
-def random_init(build, rng):
-    """``build()``'s module with its parameters drawn by numpy (norm scales near 1, the
-    rest, biases too, N(0, 0.3^2)): nonzero everywhere, and no XLA random-number
-    program to compile (on CPU that alone takes seconds per model)."""
-    model = nnx.eval_shape(build)
-
-    def draw(path, x):
-        noise = rng.standard_normal(x.shape)
-        scale = "scale" in jax.tree_util.keystr(path)
-        return jnp.asarray(1 + 0.1 * noise if scale else 0.3 * noise, x.dtype)
-
-    nnx.update(model, jax.tree.map_with_path(draw, nnx.state(model)))
-    return model
 
 
 def models(cfg, layers, rng):
@@ -320,6 +305,19 @@ def test_generate_with_trained_drafts_gives_the_targets_tokens(target_run, glide
         assert code == 0, err
         assert out["tokens"] == ar["tokens"] and out["text"] == ar["text"]
         assert 1.0 <= out["accepted_per_step"] <= 4.0 and out["method"] == method and out["speedup"] > 0
+
+    # A Hugging Face target (the same weights, exported) pairs with the same GliDe draft.
+    from jaxpar.models import to_hf
+    from jaxpar.train.runs import load_run
+
+    hf_dir = tmp_path / "hf"
+    to_hf(load_run(target_run), hf_dir)
+    (hf_dir / "tokenizer.json").write_text((target_run / "tokenizer.json").read_text())
+    code, out, err = generate_cli(capsys, hf_dir, *common[1:], "--draft", glide_run, "--method", "cape")
+    assert code == 0, err
+    assert out["tokens"] == ar["tokens"]
+    prepared, target = glide.prepare(load_config("glide", [f"target_run_dir={hf_dir}"]))
+    assert target.cfg == prepared.model and prepared.data.tokenizer == str(hf_dir / "tokenizer.json")
 
     other = tmp_path / "other-tokenizer"
     other.mkdir()
