@@ -4,7 +4,10 @@ import dataclasses
 import json
 import math
 import os
+import pathlib
 import re
+import runpy
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -288,14 +291,21 @@ def generate_cli(capsys, *args):
     return code, (json.loads(out) if code == 0 else None), err
 
 
-def test_generate_with_trained_drafts_gives_the_targets_tokens(target_run, glide_run, capsys, tmp_path):
+@pytest.fixture(scope="module")
+def vanilla_run(target_run):
+    """An independent one-layer draft with the target's tokenizer (the same data cache)."""
+    run = target_run.parent / "vanilla"
+    train(load_config("tiny", SMALL + ["data.max_files=40", "steps=3", "eval.every=0", "model.layers=1",
+                                        f"run_dir={run}", f"cache_dir={target_run.parent / 'cache'}"]),
+          progress=False)
+    return run
+
+
+def test_generate_with_trained_drafts_gives_the_targets_tokens(target_run, glide_run, vanilla_run, capsys,
+                                                              tmp_path):
     """jaxpar-generate on trained runs: every method prints ar's greedy tokens and its
     accepted tokens per step; mismatched drafts and settings are one line, exit 1."""
-    vanilla = target_run.parent / "vanilla"
-    if not vanilla.exists():
-        train(load_config("tiny", SMALL + ["data.max_files=40", "steps=3", "eval.every=0", "model.layers=1",
-                                            f"run_dir={vanilla}", f"cache_dir={target_run.parent / 'cache'}"]),
-              progress=False)
+    vanilla = vanilla_run
     common = [target_run, "--prompt", "def main(", "--max-new-tokens", "20"]
     code, ar, err = generate_cli(capsys, *common)
     assert code == 0, err
@@ -338,3 +348,17 @@ def test_generate_with_trained_drafts_gives_the_targets_tokens(target_run, glide
         code, _, err = generate_cli(capsys, *common, *args)
         lines = err.strip().splitlines()
         assert code == 1 and len(lines) == 1 and message in lines[0], err
+
+
+def test_speculative_benchmark(target_run, glide_run, vanilla_run, capsys, monkeypatch):
+    """bench/speculative.py as a newcomer runs it (in this process, small): its table,
+    every method lossless."""
+    script = pathlib.Path(__file__).resolve().parents[1] / "bench" / "speculative.py"
+    monkeypatch.setattr(sys, "argv", [str(script), "--target", str(target_run), "--draft", str(vanilla_run),
+                                      "--glide", str(glide_run), "--prompts", "2", "--prompt-tokens", "8",
+                                      "--max-new-tokens", "12", "--batch", "2", "--repeats", "1"])
+    runpy.run_path(str(script), run_name="__main__")
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert rows[0].startswith("| method | batch | accepted/step |")
+    assert [r.split("|")[1].strip() for r in rows[1:]] == ["ar", "speculative", "glide", "cape"]
+    assert all(r.rstrip().endswith("| yes |") for r in rows[1:])

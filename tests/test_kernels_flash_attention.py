@@ -52,8 +52,8 @@ def test_outputs_and_gradients_match_the_reference(rng, causal, window, packed, 
     def reference(q, k, v):
         return flash_attention_reference(q, k, v, **options)
 
-    assert rel_err(kernel(q, k, v), reference(q, k, v)) < 1e-5
-    got = jax.grad(lambda *a: jnp.sum(kernel(*a) * g), (0, 1, 2))(q, k, v)
+    assert rel_err(jax.jit(kernel)(q, k, v), reference(q, k, v)) < 1e-5
+    got = jax.jit(jax.grad(lambda *a: jnp.sum(kernel(*a) * g), (0, 1, 2)))(q, k, v)
     want = jax.grad(lambda *a: jnp.sum(reference(*a) * g), (0, 1, 2))(q, k, v)
     for a, b in zip(got, want, strict=True):
         assert rel_err(a, b) < 1e-5
@@ -69,8 +69,8 @@ def test_head_dims(rng, H):
     def reference(q, k, v):
         return flash_attention_reference(q, k, v, causal=True)
 
-    assert rel_err(kernel(q, k, v), reference(q, k, v)) < 1e-5
-    got = jax.grad(lambda *a: jnp.sum(kernel(*a) * g), (0, 1, 2))(q, k, v)
+    assert rel_err(jax.jit(kernel)(q, k, v), reference(q, k, v)) < 1e-5
+    got = jax.jit(jax.grad(lambda *a: jnp.sum(kernel(*a) * g), (0, 1, 2)))(q, k, v)
     want = jax.grad(lambda *a: jnp.sum(reference(*a) * g), (0, 1, 2))(q, k, v)
     for a, b in zip(got, want, strict=True):
         assert rel_err(a, b) < 1e-5
@@ -89,9 +89,9 @@ def test_half_precision_inputs(rng, dtype):
         args = [a.astype(jnp.float32) for a in args]
         return flash_attention_reference(*args, causal=True, segment_ids=segment_ids)
 
-    out = kernel(q, k, v)
+    out = jax.jit(kernel)(q, k, v)
     assert out.dtype == dtype and rel_err(out, reference(q, k, v)) < 2e-2
-    got = jax.grad(lambda *a: jnp.sum(kernel(*a).astype(jnp.float32) * g), (0, 1, 2))(q, k, v)
+    got = jax.jit(jax.grad(lambda *a: jnp.sum(kernel(*a).astype(jnp.float32) * g), (0, 1, 2)))(q, k, v)
     want = jax.grad(lambda *a: jnp.sum(reference(*a) * g.astype(jnp.float32)), (0, 1, 2))(q, k, v)
     for a, b in zip(got, want, strict=True):
         assert a.dtype == dtype and rel_err(a, b) < 2e-2
