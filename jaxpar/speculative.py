@@ -151,11 +151,10 @@ def _target_layers(draft: GlideDraft, cache: KVCache) -> tuple[jax.Array, jax.Ar
     return cache.k[layers.start:layers.stop], cache.v[layers.start:layers.stop]
 
 
-def draft_cache(draft, target: Transformer, batch: int, max_length: int) -> KVCache:
-    cfg = draft.cfg
+def draft_cache(draft, batch: int, max_length: int) -> KVCache:
     if isinstance(draft, GlideDraft):
-        cfg = dataclasses.replace(target.cfg, layers=draft.num_layers)
-    return init_cache(cfg, batch, max_length)
+        return draft.init_cache(batch, max_length)
+    return init_cache(draft.cfg, batch, max_length)
 
 
 def draft_prefill(draft, target: Transformer, prompt: jax.Array, lengths: jax.Array,
@@ -286,12 +285,41 @@ def _finish(method: Method, state: State, target_cache: KVCache, path_tokens, ac
     )
 
 
+def verify_chain(method: Method, target: Transformer, state: State, drafts, draft_logits, key):
+    """The target over ``[last, d_1..d_gamma]`` in one pass; ``(cache, accepted, next)``
+    by exact match (greedy) or the speculative-sampling rule."""
+    chain = jnp.concatenate([state.last[:, None], drafts], axis=1)
+    logits, cache = target(chain, cache=state.target_cache)
+    if method.greedy:
+        return (cache, *accept_greedy(drafts, logits))
+    probs = lambda l: probabilities(l, method.temperature, method.top_p)
+    return (cache, *accept_sampled(drafts, probs(draft_logits), probs(logits), key))
+
+
+def verify_tree(method: Method, target: Transformer, state: State, drafts, draft_logits):
+    """CaPE: the draft's chain widened by its confidence into ``method.tree``, verified
+    in one target pass with the tree mask, the accepted path's cache entries compacted;
+    ``(cache, path_tokens [B, gamma], accepted, next)``."""
+    layout, n = method.tree, state.target_cache.lengths
+    confidence = jax.nn.softmax(draft_logits.astype(jnp.float32), axis=-1).max(-1)  # [B, gamma]
+    top = jax.lax.top_k(draft_logits, layout.width)[1].at[:, :, 0].set(drafts)
+    tokens = layout.tokens(state.last, top)
+    valid = layout.valid(token_tree.widths(confidence, method.bins))
+    B = tokens.shape[0]
+    positions = n[:, None] + jnp.asarray(layout.depths)[None, :]
+    tree_mask = jnp.broadcast_to(jnp.asarray(layout.mask), (B, layout.size, layout.size))
+    logits, cache = target(tokens, positions=positions, cache=state.target_cache, tree_mask=tree_mask)
+    target_next = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    path, accepted, nxt = token_tree.verify_greedy(layout, tokens, valid, target_next)
+    path_tokens = jnp.take_along_axis(tokens, path[:, 1:], axis=1)
+    return token_tree.compact(cache, n, path), path_tokens, accepted, nxt
+
+
 def make_round(method: Method, target: Transformer, draft, eos_id: int | None) -> Callable[[State], State]:
     """One decoding round ``State -> State`` for ``method`` (traced inside ``jit``)."""
 
     def round_(state: State) -> State:
         key, draft_key, accept_key = jax.random.split(state.key, 3)
-        n = state.target_cache.lengths
         if method.name == "ar":
             logits, cache = target(state.last[:, None], cache=state.target_cache)
             token = _choose(method, logits[:, 0], accept_key)
@@ -303,30 +331,11 @@ def make_round(method: Method, target: Transformer, draft, eos_id: int | None) -
 
         drafts, draft_logits, dcache = propose(method, step, state, state.draft_cache, draft_key)
         if method.name == "cape":
-            layout = method.tree
-            confidence = jax.nn.softmax(draft_logits.astype(jnp.float32), axis=-1).max(-1)
-            top = jax.lax.top_k(draft_logits, layout.width)[1].at[:, :, 0].set(drafts)
-            tokens = layout.tokens(state.last, top)
-            valid = layout.valid(token_tree.widths(confidence, method.bins))
-            B = tokens.shape[0]
-            positions = n[:, None] + jnp.asarray(layout.depths)[None, :]
-            tree_mask = jnp.broadcast_to(jnp.asarray(layout.mask), (B, layout.size, layout.size))
-            logits, cache = target(tokens, positions=positions, cache=state.target_cache,
-                                   tree_mask=tree_mask)
-            target_next = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-            path, accepted, nxt = token_tree.verify_greedy(layout, tokens, valid, target_next)
-            cache = token_tree.compact(cache, n, path)
-            path_tokens = jnp.take_along_axis(tokens, path[:, 1:], axis=1)
-            return _finish(method, state, cache, path_tokens, accepted, nxt, dcache, key, eos_id)
-
-        chain = jnp.concatenate([state.last[:, None], drafts], axis=1)
-        logits, cache = target(chain, cache=state.target_cache)
-        if method.greedy:
-            accepted, nxt = accept_greedy(drafts, logits)
+            cache, path_tokens, accepted, nxt = verify_tree(method, target, state, drafts, draft_logits)
         else:
-            probs = lambda l: probabilities(l, method.temperature, method.top_p)
-            accepted, nxt = accept_sampled(drafts, probs(draft_logits), probs(logits), accept_key)
-        return _finish(method, state, cache, drafts, accepted, nxt, dcache, key, eos_id)
+            cache, accepted, nxt = verify_chain(method, target, state, drafts, draft_logits, accept_key)
+            path_tokens = drafts
+        return _finish(method, state, cache, path_tokens, accepted, nxt, dcache, key, eos_id)
 
     return round_
 
@@ -344,8 +353,7 @@ def prefill(method: Method, target: Transformer, draft, prompt: jax.Array, lengt
     first = _choose(method, last_logits, sub)
     dcache = None
     if method.name != "ar":
-        dcache = draft_prefill(draft, target, prompt, lengths,
-                               draft_cache(draft, target, B, max_length), cache)
+        dcache = draft_prefill(draft, target, prompt, lengths, draft_cache(draft, B, max_length), cache)
     out = jnp.zeros((B, max_new_tokens + method.tokens_per_round), jnp.int32).at[:, 0].set(first)
     count = jnp.ones((B,), jnp.int32)
     done = count >= max_new_tokens
@@ -357,24 +365,23 @@ def prefill(method: Method, target: Transformer, draft, prompt: jax.Array, lengt
 
 
 def compiled(method: Method, max_new_tokens: int, eos_id: int | None):
-    """``(prefill, round, loop)`` jitted for ``method``, each taking the models' graph
-    and state (``nnx.split``): ``prefill(models, prompt, lengths, key) -> State``,
-    ``round(models, state) -> State`` and ``loop(models, prompt, lengths, key) -> State``
-    (prefill then rounds in a ``while_loop`` until every sequence is done)."""
-
-    def models_of(graph, params):
-        return nnx.merge(graph, params)
+    """``(prefill, round, loop)`` jitted for ``method``. Each takes the graph and the
+    state of the pair ``(target, draft)`` (``nnx.split``; the graph static) first:
+    ``prefill(graph, params, prompt, lengths, key) -> State``, ``round(graph, params,
+    state) -> State`` and ``loop(graph, params, prompt, lengths, key) -> State`` (prefill,
+    then rounds in a ``while_loop`` until every sequence is done). Temperature and top-p
+    are part of ``method``, so each setting compiles once."""
 
     def do_prefill(graph, params, prompt, lengths, key):
-        target, draft = models_of(graph, params)
+        target, draft = nnx.merge(graph, params)
         return prefill(method, target, draft, prompt, lengths, max_new_tokens, key, eos_id)
 
     def do_round(graph, params, state):
-        target, draft = models_of(graph, params)
+        target, draft = nnx.merge(graph, params)
         return make_round(method, target, draft, eos_id)(state)
 
     def do_loop(graph, params, prompt, lengths, key):
-        target, draft = models_of(graph, params)
+        target, draft = nnx.merge(graph, params)
         state = prefill(method, target, draft, prompt, lengths, max_new_tokens, key, eos_id)
         body = make_round(method, target, draft, eos_id)
         return jax.lax.while_loop(lambda s: ~s.done.all(), body, state)
