@@ -49,7 +49,8 @@ def dot_product_attention(
         then governs nothing more); every query sees all keys before ``q_start``.
       mask: bool ``[B, T, S]``, an explicit mask (query ``t`` sees key ``s`` where
         True) combined with the others: cross-attention into another model's cache.
-        Computed by this function's XLA code whatever the kernel options.
+        Computed by this function's XLA code whatever the kernel options; a query it
+        leaves no key gets zeros.
 
     Returns:
       ``[B, T, N, H]`` in ``q``'s dtype.
@@ -103,6 +104,8 @@ def dot_product_attention(
     scores = jnp.where(visible[:, None, None], scores, _MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("BKGTS,BSKH->BTKGH", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    if mask is not None:  # a query that sees no key reads nothing (as the Pallas kernels do)
+        out = jnp.where(visible.any(-1)[:, :, None, None, None], out, 0.0)
     return out.reshape(B, T, N, H).astype(q.dtype)
 
 

@@ -113,10 +113,8 @@ class CrossAttention(nnx.Module):
         q = constrain(q, ACT_BTNH)
         if cfg.position == "rope":
             q = apply_rope(q, positions, rope_frequencies(cfg))
+        # A query the mask leaves no key reads nothing (zeros), not an average of all.
         out = dot_product_attention(q, k.astype(dtype), v.astype(dtype), causal=False, mask=mask)
-        # A query that sees no key would get a uniform average over all of them (the mask
-        # value is finite), future tokens included: it reads nothing instead.
-        out = jnp.where(mask.any(-1)[:, :, None, None], out, jnp.zeros((), out.dtype))
         out = constrain(out, ACT_BTNH)
         y = dense(out.reshape(*out.shape[:-2], N * H), self.o[...].astype(dtype).reshape(N * H, D),
                   ("heads", "embed"))
