@@ -2,7 +2,7 @@
 
 Part 1, measured (compile-only, exact for the program XLA builds). For ``pipe=P`` on
 ``P`` simulated devices the training config's train step (AdamW) is compiled on
-abstract inputs with each schedule (``jaxpar.pipeline_schedule``) and ``M``
+abstract inputs with each schedule (``jaxpar.parallel.pipeline_schedule``) and ``M``
 microbatches of the config's global batch; per schedule and ``M`` the table gives the
 bubble counted from the schedule actually built beside ``(P-1)/(VM+P-1)``, the compiled
 program's per-device ``temp_bytes``, what stage 0 (the busiest) keeps at once (stage
@@ -53,7 +53,7 @@ from flax import nnx  # noqa: E402
 import jaxpar  # noqa: E402
 from jaxpar.models import Transformer  # noqa: E402
 from jaxpar.models.transformer import sharding_rules  # noqa: E402
-from jaxpar.pipeline_schedule import BACKWARD, FORWARD, IDLE, build  # noqa: E402
+from jaxpar.parallel.pipeline_schedule import BACKWARD, FORWARD, IDLE, build  # noqa: E402
 from jaxpar.train.config import load_config  # noqa: E402
 from jaxpar.train.loop import dry_run_profile, flops_per_token  # noqa: E402
 from jaxpar.train.step import make_train_step  # noqa: E402

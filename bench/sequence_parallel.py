@@ -2,7 +2,7 @@
 
 For N devices in a ``seq=N`` mesh, the ``small`` train step (AdamW) is compiled on
 abstract inputs for one sequence of T tokens (global batch 1: long-context training)
-with each of jaxpar's three sequence-parallel attentions (``jaxpar.sequence_parallel``),
+with each of jaxpar's three sequence-parallel attentions (``jaxpar.parallel.sequence``),
 tokens in the zigzag layout, ``always=True`` so that N = 1 runs the same algorithm on
 one device:
 
@@ -66,7 +66,7 @@ from flax import nnx  # noqa: E402
 import jaxpar  # noqa: E402
 from jaxpar.models import Transformer  # noqa: E402
 from jaxpar.models.transformer import sharding_rules  # noqa: E402
-from jaxpar.sequence_parallel import SequenceOptions  # noqa: E402
+from jaxpar.parallel.sequence import SequenceOptions  # noqa: E402
 from jaxpar.train.config import load_config  # noqa: E402
 from jaxpar.train.step import make_train_step  # noqa: E402
 

@@ -33,7 +33,7 @@ import time
 import jax
 import numpy as np
 
-from jaxpar.decoding import speculative_generate
+from jaxpar.inference.decoding import speculative_generate
 from jaxpar.train import data as data_lib
 from jaxpar.train.runs import load_glide_draft, load_model, load_tokenizer, read_config
 

@@ -3,14 +3,28 @@
 Dimension letters used in shape comments and einsums throughout the package (the
 scaling book's): B batch, T query length, S key/value length, D model width, F MLP
 width, N query heads, K key/value heads, H head dim, V vocabulary, L layers.
+
+Layout, one subpackage per concern, imports pointing one way only (``import-linter``
+holds it in CI; contracts in ``pyproject.toml``)::
+
+    jaxpar.kernels                       Pallas kernels and their plain-jnp references
+      <- jaxpar.placement, jaxpar.profiler  meshes, rules, sharding; compile-only profiles
+      <- jaxpar.parallel                 SUMMA, ring/Ulysses attention, pipeline
+      <- jaxpar.ops                      attention / linear / kernel entry points
+      <- jaxpar.models                   the transformer, GliDe draft, HF import
+      <- jaxpar.inference                decoding, speculative decoding
+      <- jaxpar.train                    the trainer and the command lines
+
+Nothing below ``jaxpar.models`` imports a model: the core sees arrays, rules and meshes.
 """
 
-from jaxpar import profiler, rules
-from jaxpar.attention import dot_product_attention
-from jaxpar.mesh import MESH_AXES, make_mesh
-from jaxpar.sequence_parallel import ring_attention
-from jaxpar.sharding import constrain, model_shardings, shard_model, use_mesh
-from jaxpar.summa import summa_matmul
+from jaxpar import profiler
+from jaxpar.placement import rules
+from jaxpar.ops.attention import dot_product_attention
+from jaxpar.placement.mesh import MESH_AXES, make_mesh
+from jaxpar.parallel.sequence import ring_attention
+from jaxpar.placement.sharding import constrain, model_shardings, shard_model, use_mesh
+from jaxpar.parallel.summa import summa_matmul
 
 __version__ = "0.1.0"
 

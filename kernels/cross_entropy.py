@@ -6,7 +6,7 @@ backward, as Pallas kernels: the ``[tokens, vocab]`` logits never exist in memor
 losses ``logsumexp(x w) - (x w)[target]`` ``[N]`` in float32 (the caller masks and
 averages). It is made of two statistics, ``log_sum_exp_and_target_logit`` (the
 differentiable primitive the kernels implement), which is also what a vocabulary split
-across devices combines (``jaxpar.fused.token_losses``). Products accumulate in float32
+across devices combines (``jaxpar.ops.kernel_ops.token_losses``). Products accumulate in float32
 whatever the input dtype.
 
 * Forward: one program per (token block, vocabulary chunk), the chunk axis innermost.
@@ -73,7 +73,7 @@ def log_sum_exp_and_target_logit(x, w, targets, *, block_tokens: int = 16, chunk
     same kernels, differentiable in ``x`` and ``w``. With ``w`` one device's slice of a
     vocabulary split across devices (and targets shifted by the slice's offset), these
     combine into the full loss with a log-sum-exp and a sum across the devices
-    (``jaxpar.fused.token_losses``)."""
+    (``jaxpar.ops.kernel_ops.token_losses``)."""
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0] or targets.shape != x.shape[:1]:
         raise ValueError(f"linear_cross_entropy wants x [N, D], w [D, V], targets [N]; got "
                          f"{x.shape}, {w.shape}, {targets.shape}")

@@ -75,6 +75,11 @@ def kernel_options(options: KernelOptions):
         _OPTIONS.reset(token)
 
 
+def implementation(op: str) -> str:
+    """``"xla"``, ``"pallas"`` or ``"cudnn"``: what runs ``op`` here."""
+    return current_kernel_options().resolve(op)
+
+
 def pallas_interpret() -> bool:
     """The ``interpret`` flag a chosen ``"pallas"`` implementation runs with: compiled on
     GPU, interpret mode elsewhere."""

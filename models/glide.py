@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar.attention import dot_product_attention
-from jaxpar.linear import dense
+from jaxpar.ops.attention import dot_product_attention
+from jaxpar.ops.linear import dense
 from jaxpar.models.config import ModelConfig
 from jaxpar.models.transformer import (
     ACT_BTD,
@@ -48,7 +48,7 @@ from jaxpar.models.transformer import (
     init_cache,
     rope_frequencies,
 )
-from jaxpar.sharding import constrain
+from jaxpar.placement.sharding import constrain
 
 # Masks -------------------------------------------------------------------------------
 

@@ -43,7 +43,7 @@ from flax import nnx
 
 from jaxpar.models.config import ModelConfig, RopeScaling
 from jaxpar.models.transformer import Transformer
-from jaxpar.sharding import shard_model
+from jaxpar.placement.sharding import shard_model
 
 # Transforms: (to ours: (hf array, our shape) -> array, to HF: our array -> array).
 _SAME = (lambda w, s: w.reshape(s), lambda w: w)

@@ -1,7 +1,7 @@
 """A decoder-only transformer in Flax NNX: the one model every parallel mode runs.
 
 Parallelism never enters here as code: every parameter carries logical axis names
-(``jaxpar.rules``), every activation that a parallel axis touches is constrained by its
+(``jaxpar.placement.rules``), every activation that a parallel axis touches is constrained by its
 logical names (``jaxpar.constrain``, a no-op without a mesh), and attention goes through
 ``jaxpar.dot_product_attention``. Layers are stacked on a leading ``layers`` axis and run
 with ``jax.lax.scan``, so pipeline stages and remat policies apply per layer.
@@ -29,15 +29,15 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxpar import fused
-from jaxpar import rules as rules_lib
-from jaxpar.attention import dot_product_attention
-from jaxpar.linear import dense
+from jaxpar.ops import kernel_ops
+from jaxpar.placement import rules as rules_lib
+from jaxpar.ops.attention import dot_product_attention
+from jaxpar.ops.linear import dense
 from jaxpar.models.config import ModelConfig, RopeScaling
-from jaxpar.sharding import constrain
+from jaxpar.placement.sharding import constrain
 
 # The residual stream (norms, residual adds): its length may be split over `tensor`
-# too (Megatron sequence parallelism, jaxpar.rules.SEQUENCE_PARALLEL).
+# too (Megatron sequence parallelism, jaxpar.placement.rules.SEQUENCE_PARALLEL).
 ACT_BTD = ("activation_batch", "activation_norm_length", "activation_embed")
 ACT_BTF = ("activation_batch", "activation_length", "activation_mlp")
 ACT_BTV = ("activation_batch", "activation_length", "activation_vocab")
@@ -107,7 +107,7 @@ class Norm(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         """``[B, T, D]`` -> ``[B, T, D]``; by the fused kernel under ``norm.impl`` "pallas"."""
         bias = None if self.bias is None else self.bias[...]
-        fused_out = fused.norm(x, self.scale[...], bias, kind=self.kind, eps=self.eps)
+        fused_out = kernel_ops.norm(x, self.scale[...], bias, kind=self.kind, eps=self.eps)
         if fused_out is not None:
             return fused_out.astype(self.dtype)
         x = x.astype(jnp.float32)
@@ -283,7 +283,7 @@ def sharding_rules(cfg: ModelConfig, mesh, rules=None, *, sequence_parallel: boo
       kv heads), the k/v projections and activations are replicated across them, as
       Megatron replicates kv heads when the tensor group outnumbers them; each device
       then computes the kv heads its query heads read.
-    * ``sequence_parallel``: ``jaxpar.rules.SEQUENCE_PARALLEL``.
+    * ``sequence_parallel``: ``jaxpar.placement.rules.SEQUENCE_PARALLEL``.
     * With a ``seq`` axis of size > 1 the weights' model dimension (``embed``) is split
       over ``seq`` too, where it divides: the sequence-parallel group holds one copy
       of the parameters and optimizer state between them (ZeRO-3 across it, as
@@ -291,7 +291,7 @@ def sharding_rules(cfg: ModelConfig, mesh, rules=None, *, sequence_parallel: boo
       which at long context is what leaves room for activations.
 
     On a 2D tensor grid (``tensor_row``/``tensor_col``) the default rules take
-    ``jaxpar.rules.TENSOR_2D``, and the projections run as SUMMA (``jaxpar.linear``).
+    ``jaxpar.placement.rules.TENSOR_2D``, and the projections run as SUMMA (``jaxpar.ops.linear``).
     """
     if rules is None:
         rules = rules_lib.DEFAULT_RULES
@@ -375,7 +375,7 @@ class Transformer(nnx.Module):
     def features(self, tokens: jax.Array, *, positions: jax.Array | None = None,
                  segment_ids: jax.Array | None = None) -> jax.Array:
         """The residual stream after the last layer (before the final norm), ``[B, T, D]``:
-        what ``logits`` (or a fused loss, ``jaxpar.fused.token_losses``) takes."""
+        what ``logits`` (or a fused loss, ``jaxpar.ops.kernel_ops.token_losses``) takes."""
         B, T = tokens.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))

@@ -163,7 +163,7 @@ def test_draft_parameters_are_stacked_and_annotated():
     draft = nnx.eval_shape(lambda: GlideDraft(GPT2_STYLE, 2, rngs=nnx.Rngs(0)))
     flat = dict(nnx.to_flat_state(nnx.state(draft)))
     for path, var in flat.items():
-        names = jaxpar.sharding.logical_axes(var)
+        names = jaxpar.placement.sharding.logical_axes(var)
         assert names is not None and len(names) == var.get_value().ndim, path
         if path[0] == "layers":
             assert names[0] == "layers" and var.get_value().shape[0] == 2

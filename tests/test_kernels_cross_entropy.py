@@ -9,11 +9,11 @@ import pytest
 
 import jaxpar
 from conftest import rel_err
-from jaxpar import fused
+from jaxpar.ops import kernel_ops
 from jaxpar.kernels import (KernelOptions, kernel_options, linear_cross_entropy,
                             linear_cross_entropy_reference, log_sum_exp_and_target_logit)
 from jaxpar.kernels.cross_entropy import log_sum_exp_and_target_logit_reference
-from jaxpar.sharding import use_mesh
+from jaxpar.placement.sharding import use_mesh
 
 
 def inputs(rng, N, D, V, dtype):
@@ -78,7 +78,7 @@ def test_targets_outside_the_vocabulary_pick_nothing(rng):
 @pytest.mark.parametrize("sizes", [dict(tensor=2), dict(data=2, tensor=4)],
                          ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
 def test_vocab_parallel_loss_matches_one_device(rng, sizes):
-    """jaxpar.fused.token_losses with the vocabulary split over tensor (each device's slice
+    """jaxpar.ops.kernel_ops.token_losses with the vocabulary split over tensor (each device's slice
     through the kernel, the statistics combined across slices) equals the one-device loss,
     and so do its gradients."""
     B, T, D, V = 4, 8, 32, 200
@@ -91,7 +91,7 @@ def test_vocab_parallel_loss_matches_one_device(rng, sizes):
         return jnp.sum(linear_cross_entropy_reference(x.reshape(-1, D), w, targets.reshape(-1)) * g.reshape(-1))
 
     def parallel(x, w):
-        return jnp.sum(fused.token_losses(x, w, targets) * g)
+        return jnp.sum(kernel_ops.token_losses(x, w, targets) * g)
 
     mesh = jaxpar.make_mesh(**sizes, devices=jax.devices()[:int(np.prod(list(sizes.values())))])
     with use_mesh(mesh), kernel_options(KernelOptions(loss="pallas")):

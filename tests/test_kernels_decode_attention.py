@@ -1,5 +1,5 @@
 """The decode-attention Pallas kernel (interpret mode) against the plain-jnp reference, and
-the reference against independent computations (``jaxpar.attention.dot_product_attention``
+the reference against independent computations (``jaxpar.ops.attention.dot_product_attention``
 per sequence; a float64 loop over the visible slots): grouped-query ratios 1, 4 and 8, one
 and four new tokens, token trees and the causal default, per-sequence lengths from ``T``
 (no context) to ``S``, ``S`` not a multiple of ``block_k``, split and unsplit cache, float32,
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import rel_err
-from jaxpar.attention import dot_product_attention
+from jaxpar.ops.attention import dot_product_attention
 from jaxpar.kernels import decode_attention, decode_attention_reference
 
 

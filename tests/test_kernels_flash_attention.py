@@ -2,7 +2,7 @@
 and the reference against the model's own attention: outputs and gradients; causal or
 not, sliding windows, packed documents, grouped-query ratios 1/4/8, lengths that are not
 multiples of the blocks, head_dim 64/128/256, float32, bfloat16 and float16. Then the
-ring attention's step (block_update / block_grads) against jaxpar.sequence_parallel's
+ring attention's step (block_update / block_grads) against jaxpar.parallel.sequence's
 plain-XLA step."""
 
 import jax
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from conftest import rel_err
-from jaxpar import sequence_parallel
-from jaxpar.attention import dot_product_attention
+from jaxpar.parallel import sequence as sequence_parallel
+from jaxpar.ops.attention import dot_product_attention
 from jaxpar.kernels import flash_attention
 from jaxpar.kernels.flash_attention import (block_grads, block_update, flash_attention_reference)
 

@@ -100,7 +100,7 @@ def test_llama3_rope_scaling_bands():
 def test_parameters_are_stacked_and_annotated(cfg):
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     for path, var in nnx.to_flat_state(nnx.state(model)):
-        names = jaxpar.sharding.logical_axes(var)
+        names = jaxpar.placement.sharding.logical_axes(var)
         assert names is not None and len(names) == var.get_value().ndim, path
         if path[0] == "layers":
             assert names[0] == "layers" and var.get_value().shape[0] == cfg.layers

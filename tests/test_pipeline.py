@@ -1,4 +1,4 @@
-"""The schedule-driven SPMD pipeline (jaxpar.pipeline) against plain autodiff on one
+"""The schedule-driven SPMD pipeline (jaxpar.parallel.pipeline) against plain autodiff on one
 device: loss, stage-parameter and embedding/head gradients, for every schedule."""
 
 import re
@@ -10,10 +10,10 @@ import pytest
 
 import jaxpar
 from conftest import rel_err, train_steps, tree_rel_err
-from jaxpar import pipeline
+from jaxpar.parallel import pipeline
 from jaxpar.models import ModelConfig
-from jaxpar.pipeline_schedule import build
-from jaxpar.sequence_parallel import SequenceOptions
+from jaxpar.parallel.pipeline_schedule import build
+from jaxpar.parallel.sequence import SequenceOptions
 
 
 def embed_fn(outer, tokens, side):

@@ -1,9 +1,9 @@
-"""Pipeline schedules as data (jaxpar.pipeline_schedule): every operation once, in
+"""Pipeline schedules as data (jaxpar.parallel.pipeline_schedule): every operation once, in
 dependency order, with the bubble the formula predicts."""
 
 import pytest
 
-from jaxpar.pipeline_schedule import BACKWARD, FORWARD, IDLE, build
+from jaxpar.parallel.pipeline_schedule import BACKWARD, FORWARD, IDLE, build
 
 CASES = [("gpipe", P, M, 1) for P, M in [(2, 2), (2, 4), (4, 4), (4, 8), (4, 5)]] + \
         [("1f1b", P, M, 1) for P, M in [(2, 2), (2, 3), (4, 4), (4, 8), (4, 7), (4, 16)]] + \

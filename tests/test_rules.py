@@ -4,7 +4,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxpar
-from jaxpar.rules import DEFAULT_RULES, for_mesh, logical_to_spec
+from jaxpar.placement.rules import DEFAULT_RULES, for_mesh, logical_to_spec
 
 
 def test_default_rules_are_plain_flax_data():

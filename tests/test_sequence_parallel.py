@@ -9,10 +9,10 @@ import pytest
 
 import jaxpar
 from conftest import rel_err, train_steps, tree_rel_err
-from jaxpar import sequence_parallel as sp
+from jaxpar.parallel import sequence as sp
 from jaxpar.kernels.dispatch import KernelOptions, kernel_options
 from jaxpar.models import ModelConfig
-from jaxpar.sequence_parallel import SequenceOptions, from_zigzag, ring_attention, to_zigzag
+from jaxpar.parallel.sequence import SequenceOptions, from_zigzag, ring_attention, to_zigzag
 
 
 def seq_mesh(n, **others):
@@ -200,7 +200,7 @@ def test_ring_memory_is_linear_rsa_holds_score_rows():
 @pytest.mark.parametrize("impl", ["ring", "ulysses"])
 def test_memory_stays_linear_inside_a_differentiated_layer_scan(impl):
     """The model scans its layers; nothing of the ring's forward may be kept per ring
-    step or key block there (jaxpar.sequence_parallel._tied): a scan over two layers
+    step or key block there (jaxpar.parallel.sequence._tied): a scan over two layers
     needs no more temporaries than the two layers unrolled, give or take."""
     B, T, N, H, n = 1, 8192, 8, 32, 8
     mesh = seq_mesh(n)

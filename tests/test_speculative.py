@@ -11,10 +11,10 @@ import pytest
 from conftest import random_init, rel_err
 from flax import nnx
 from jaxpar.kernels.dispatch import KernelOptions, kernel_options
-from jaxpar.decoding import generate, probabilities, speculative_generate
+from jaxpar.inference.decoding import generate, probabilities, speculative_generate
 from jaxpar.models import GlideDraft, ModelConfig, Transformer
 from jaxpar.models.transformer import KVCache, init_cache
-from jaxpar.token_tree import TreeLayout, compact, verify_greedy
+from jaxpar.inference.token_tree import TreeLayout, compact, verify_greedy
 from scipy import stats
 
 CFG = ModelConfig(vocab_size=64, dim=32, layers=2, heads=4, kv_heads=2, head_dim=8, mlp_dim=48, init_std=0.3)

@@ -1,4 +1,4 @@
-"""SUMMA products (jaxpar.summa): the three forms and their gradients against jnp, on
+"""SUMMA products (jaxpar.parallel.summa): the three forms and their gradients against jnp, on
 2x2, 3x3 and 4x4 grids; the compiled program's collectives and per-device traffic
 against the module's formula; the per-step issue order; the error messages."""
 
@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxpar
 from jaxpar.profiler import COLLECTIVE_KINDS, collective_stats
-from jaxpar.summa import _tree_rounds, communication, reference_matmul, summa_matmul
+from jaxpar.parallel.summa import _tree_rounds, communication, reference_matmul, summa_matmul
 
 M, K, N = 8, 12, 16
 FORMS = {"nn": (False, False), "nt": (False, True), "tn": (True, False)}
@@ -144,7 +144,7 @@ def test_q4_and_q3_grids_in_subprocess():
         from collections import Counter
         import jax, jax.numpy as jnp, numpy as np
         import jaxpar
-        from jaxpar.summa import communication, reference_matmul, summa_matmul
+        from jaxpar.parallel.summa import communication, reference_matmul, summa_matmul
 
         def rel(a, b):
             a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)

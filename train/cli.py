@@ -12,7 +12,7 @@ import argparse
 import os
 import sys
 
-from jaxpar.runtime import initialize_distributed, simulate_cpu_devices
+from jaxpar.placement.runtime import initialize_distributed, simulate_cpu_devices
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -38,7 +38,7 @@ class MeshConfig:
     seq: int = 1
     tensor: int | tuple[int, ...] = 1
     # Megatron sequence parallelism: with 1D `tensor`, norms and residual adds work on
-    # length-split activations (jaxpar.rules.SEQUENCE_PARALLEL).
+    # length-split activations (jaxpar.placement.rules.SEQUENCE_PARALLEL).
     sequence_parallel: bool = False
     # With seq > 1, how attention runs over the split length (jaxpar.ring_attention):
     # the blockwise ring, the paper's Ring Self-Attention, or Ulysses' all-to-all; and
@@ -70,7 +70,7 @@ class CheckpointConfig:
 
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
-    """With ``mesh.pipe`` > 1 (``jaxpar.pipeline_schedule``): the schedule, microbatches
+    """With ``mesh.pipe`` > 1 (``jaxpar.parallel.pipeline_schedule``): the schedule, microbatches
     per step (None: twice ``mesh.pipe``) and virtual stages per device (interleaved)."""
 
     schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"

@@ -25,10 +25,10 @@ import time
 
 import numpy as np
 
-from jaxpar import speculative
-from jaxpar.decoding import DEFAULT_BINS, METHODS, speculative_stream
+from jaxpar.inference import speculative
+from jaxpar.inference.decoding import DEFAULT_BINS, METHODS, speculative_stream
 from jaxpar.models import GlideDraft
-from jaxpar.speculative import Method
+from jaxpar.inference.speculative import Method
 from jaxpar.train.data import EOS
 from jaxpar.train.runs import is_hf, load_glide_draft, load_model, load_tokenizer, read_config
 

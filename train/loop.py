@@ -29,11 +29,11 @@ from tqdm.auto import tqdm
 
 import jaxpar
 from jaxpar.models import GlideDraft, Transformer
-from jaxpar import pipeline_schedule as pipeline_schedules
+from jaxpar.parallel import pipeline_schedule as pipeline_schedules
 from jaxpar.models.transformer import sharding_rules
-from jaxpar.pipeline_schedule import Schedule
+from jaxpar.parallel.pipeline_schedule import Schedule
 from jaxpar.kernels.dispatch import KernelOptions
-from jaxpar.sequence_parallel import SequenceOptions, to_zigzag
+from jaxpar.parallel.sequence import SequenceOptions, to_zigzag
 from jaxpar.train import data as data_lib
 from jaxpar.train import glide
 from jaxpar.train.checkpoints import Checkpoints
@@ -95,7 +95,7 @@ def flops_per_token(cfg) -> float:
 
 def _data_parallel(mesh, rules) -> tuple[tuple[str, ...], int]:
     """The mesh axes the rules split the batch over, and how many ways in all."""
-    axes = jaxpar.rules.as_tuple(jaxpar.rules.logical_to_spec(("batch",), rules)[0])
+    axes = jaxpar.placement.rules.as_tuple(jaxpar.placement.rules.logical_to_spec(("batch",), rules)[0])
     return axes, math.prod(mesh.shape[a] for a in axes)
 
 

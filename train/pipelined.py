@@ -1,7 +1,7 @@
 """The transformer's loss and gradients through a pipeline schedule
-(``jaxpar.pipeline``): the stacked layers split into ``S = P V`` stages of ``L / S``
+(``jaxpar.parallel.pipeline``): the stacked layers split into ``S = P V`` stages of ``L / S``
 layers; the token embedding before the schedule (every ``pipe`` device, see
-``jaxpar.pipeline.value_and_grad`` for why), the final norm, vocabulary projection and
+``jaxpar.parallel.pipeline.value_and_grad`` for why), the final norm, vocabulary projection and
 cross-entropy on the last stage.
 
 The batch ``[B, T]`` is cut into ``M`` microbatches of ``B / M`` rows (row ``r`` to
@@ -15,7 +15,7 @@ summed over ``pipe`` once per step.
 
 Ring (and rsa) attention over ``seq`` and the 2D tensor grid (SUMMA) move data by
 ``ppermute`` inside a stage, which the schedule's per-device branches cannot hold; with
-either, the pipeline runs in lockstep (``jaxpar.pipeline.value_and_grad``): same
+either, the pipeline runs in lockstep (``jaxpar.parallel.pipeline.value_and_grad``): same
 results and memory, a forward plus a backward per mixed tick.
 """
 
@@ -27,11 +27,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar import pipeline
-from jaxpar import rules as rules_lib
+from jaxpar.parallel import pipeline
+from jaxpar.placement import rules as rules_lib
 from jaxpar.models.transformer import ACT_BTD, run_layers
-from jaxpar.pipeline_schedule import Schedule
-from jaxpar.sequence_parallel import current_options
+from jaxpar.parallel.pipeline_schedule import Schedule
+from jaxpar.parallel.sequence import current_options
 from jaxpar.train.step import head_loss, microbatches
 
 

@@ -18,11 +18,11 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar import fused
-from jaxpar import rules as rules_lib
+from jaxpar.ops import kernel_ops
+from jaxpar.placement import rules as rules_lib
 from jaxpar.kernels.dispatch import KernelOptions, kernel_options
-from jaxpar.sequence_parallel import SequenceOptions, sequence_options
-from jaxpar.sharding import like_params, model_shardings, use_mesh
+from jaxpar.parallel.sequence import SequenceOptions, sequence_options
+from jaxpar.placement.sharding import like_params, model_shardings, use_mesh
 
 Batch = dict[str, jax.Array]
 BATCH_AXES = ("batch", "length")
@@ -66,9 +66,9 @@ def head_loss(model: nnx.Module, x: jax.Array, targets: jax.Array,
               mask: jax.Array | None = None) -> jax.Array:
     """The mean next-token loss of the last layer's output ``x [B, T, D]``: final norm,
     vocabulary projection and cross-entropy. Under ``loss.impl`` "pallas" the projection
-    and the cross-entropy run as one fused kernel (``jaxpar.fused.token_losses``): the
+    and the cross-entropy run as one fused kernel (``jaxpar.ops.kernel_ops.token_losses``): the
     ``[B, T, V]`` logits never exist."""
-    losses = fused.token_losses(model.final_norm(x), model.head_weight(), targets)
+    losses = kernel_ops.token_losses(model.final_norm(x), model.head_weight(), targets)
     if losses is None:
         return cross_entropy(model.logits(x), targets, mask)
     return masked_mean(losses, mask)
@@ -171,7 +171,7 @@ def make_train_step(
     ``B / k`` rows (row ``r`` goes to microbatch ``r % k``, so each device's rows stay
     on it) whose gradients are averaged inside the one jitted step.
 
-    ``pipeline``: a ``jaxpar.pipeline_schedule.Schedule`` over the mesh's ``pipe`` axis;
+    ``pipeline``: a ``jaxpar.parallel.pipeline_schedule.Schedule`` over the mesh's ``pipe`` axis;
     the step then runs the model through it (``jaxpar.train.pipelined``).
 
     ``loss``: ``(model, batch) -> scalar`` (default ``loss_fn``, next-token

@@ -14,7 +14,7 @@ One round, for every sequence of the batch at once (each with its own cache leng
   accepted prefix (the correction, or the bonus token) always comes too: a round emits
   ``accepted + 1`` tokens.
 * ``cape``: the draft's greedy chain widened into a token tree by its confidence
-  (``jaxpar.token_tree``), verified in one target pass with a tree mask; the longest
+  (``jaxpar.inference.token_tree``), verified in one target pass with a tree mask; the longest
   path the target agrees with is accepted and its cache entries compacted into place.
 
 Cache bookkeeping, with ``n`` a sequence's target cache length: the target cache holds
@@ -35,10 +35,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar import token_tree
+from jaxpar.inference import token_tree
 from jaxpar.models.glide import GlideDraft, inference_cross_mask
 from jaxpar.models.transformer import KVCache, Transformer, init_cache, write_cache
-from jaxpar.sampling import draw, probabilities
+from jaxpar.inference.sampling import draw, probabilities
 
 METHODS = ("ar", "speculative", "glide", "cape")
 

@@ -12,61 +12,19 @@ GSPMD partitions. The loss handles a split vocabulary itself (``token_losses``).
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jaxpar import kernels
-from jaxpar import rules as rules_lib
-from jaxpar.kernels.dispatch import current_kernel_options, pallas_interpret
-from jaxpar.sharding import context_rules
-
-
-def implementation(op: str) -> str:
-    """``"xla"``, ``"pallas"`` or ``"cudnn"``: what runs ``op`` here."""
-    return current_kernel_options().resolve(op)
+from jaxpar.kernels.dispatch import implementation, pallas_interpret
+from jaxpar.placement.axes import kv_heads_for, local_axes, shard_index
 
 
 def _mesh():
     mesh = jax.sharding.get_abstract_mesh()
     return None if mesh.empty else mesh
-
-
-def local_axes(mesh, logical: str, size: int, exclude: str | None = None) -> tuple[str, ...]:
-    """The mesh axes of size > 1 the rules in force split ``logical`` over (without
-    ``exclude``), or () when ``size`` does not divide over them."""
-    axes = rules_lib.as_tuple(dict(context_rules(mesh)).get(logical))
-    axes = tuple(a for a in axes if a != exclude and mesh.shape[a] > 1)
-    return axes if size % axes_size(mesh, axes) == 0 else ()
-
-
-def axes_size(mesh, axes) -> int:
-    """How many devices the mesh ``axes`` span together."""
-    return math.prod(mesh.shape[a] for a in axes)
-
-
-def _shard_index(mesh, axes):
-    """This device's row-major index among the shards over ``axes`` (inside shard_map)."""
-    index = 0
-    for a in axes:
-        index = index * mesh.shape[a] + jax.lax.axis_index(a)
-    return index
-
-
-def kv_heads_for(n_local, G, head_axes, mesh, k, v):
-    """The kv heads this device's ``n_local`` query heads read, when the query heads are
-    split over ``head_axes`` and k/v ``[B, L, K, H]`` are whole: a slice when the query
-    heads map onto whole kv groups, otherwise one kv head per query head."""
-    first = _shard_index(mesh, head_axes) * n_local
-    if n_local % G == 0 or G % n_local == 0:
-        count = max(n_local // G, 1)
-        take = lambda x: jax.lax.dynamic_slice_in_dim(x, first // G, count, axis=2)  # noqa: E731
-    else:
-        index = (first + jnp.arange(n_local)) // G
-        take = lambda x: jnp.take(x, index, axis=2)  # noqa: E731
-    return take(k), take(v)
 
 
 def _per_device(fn, mesh, in_specs, out_specs, *args):
@@ -201,7 +159,7 @@ def token_losses(x, w, targets):
         targets = targets.reshape(B * T)
         if vocab_axes:  # this device's slice of the vocabulary starts at shard * V_local
             # (targets outside [0, V_local) pick nothing here)
-            targets = targets - _shard_index(mesh, vocab_axes) * w.shape[1]
+            targets = targets - shard_index(mesh, vocab_axes) * w.shape[1]
         lse, picked = kernels.log_sum_exp_and_target_logit(
             x.reshape(B * T, D), w, targets, interpret=pallas_interpret())
         if vocab_axes:

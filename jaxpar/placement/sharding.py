@@ -14,7 +14,7 @@ from flax import nnx
 from flax.core import spmd as flax_spmd
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar import rules as rules_lib
+from jaxpar.placement import rules as rules_lib
 
 # Metadata keys NNX has used for `nnx.with_partitioning` annotations across versions.
 _ANNOTATION_KEYS = ("out_sharding", "sharding_names", "sharding")

@@ -1,4 +1,4 @@
-"""One SPMD program that runs any pipeline schedule (``jaxpar.pipeline_schedule``).
+"""One SPMD program that runs any pipeline schedule (``jaxpar.parallel.pipeline_schedule``).
 
 The schedule is data: a table of (operation, microbatch, stage) per tick and device.
 ``value_and_grad`` scans over its ticks under ``shard_map`` over ``pipe``; at every tick
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from jaxpar.pipeline_schedule import BACKWARD, FORWARD, Schedule
+from jaxpar.parallel.pipeline_schedule import BACKWARD, FORWARD, Schedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,7 +145,7 @@ def value_and_grad(
         read (the embedding, the final norm, the head; tied weights are shared).
       inputs: pytree with leading ``[M]``, what ``embed_fn`` reads (the tokens).
       side: pytree with leading ``[M]`` that stages and head read (targets, positions).
-      schedule: from ``jaxpar.pipeline_schedule.build``; mesh: has ``axis`` of size
+      schedule: from ``jaxpar.parallel.pipeline_schedule.build``; mesh: has ``axis`` of size
         ``schedule.devices``.
       lockstep: every device runs the same program at every tick (see below) instead
         of branching on its own operation. Needed when ``stage_fn`` or ``head_fn``

@@ -41,7 +41,7 @@ mask the ring reorders q, k, v to zigzag and the output back (when ``T`` divides
 
 Other mesh axes: the batch dimension is split as the rules split
 ``activation_batch``, query heads as ``activation_heads`` and kv heads as
-``activation_kv_heads`` (``jaxpar.sharding.context_rules``), each only where the size
+``activation_kv_heads`` (``jaxpar.placement.sharding.context_rules``), each only where the size
 divides; where the query heads are split but the kv heads are not (Megatron's
 replicated kv heads), each device picks the kv heads its query heads read.
 
@@ -62,8 +62,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from jaxpar.fused import axes_size, implementation, kv_heads_for, local_axes
-from jaxpar.kernels.dispatch import pallas_interpret
+from jaxpar.kernels.dispatch import implementation, pallas_interpret
+from jaxpar.placement.axes import axes_size, kv_heads_for, local_axes
 from jaxpar.kernels.flash_attention import block_grads as kernel_block_grads
 from jaxpar.kernels.flash_attention import block_update as kernel_block_update
 

@@ -7,7 +7,7 @@ other Flax projects can import the table as it is::
 
     import jaxpar, flax.linen as nn
     mesh = jaxpar.make_mesh(fsdp=8)
-    with jax.set_mesh(mesh), nn.logical_axis_rules(jaxpar.rules.for_mesh(mesh)):
+    with jax.set_mesh(mesh), nn.logical_axis_rules(jaxpar.placement.rules.for_mesh(mesh)):
         ...
 
 The logical names are MaxText's, the ecosystem's common vocabulary. Parameters:
@@ -36,7 +36,7 @@ from collections.abc import Sequence
 import jax
 from jax.sharding import PartitionSpec
 
-from jaxpar.mesh import ALL_AXES
+from jaxpar.placement.mesh import ALL_AXES
 
 MeshAxes = str | tuple[str, ...] | None
 Rules = Sequence[tuple[str, MeshAxes]]
@@ -85,7 +85,7 @@ SEQUENCE_PARALLEL: dict[str, MeshAxes] = {"activation_norm_length": ("seq", "ten
 # is blocked with its model dimension D over tensor_row (and fsdp) and its other
 # dimension over tensor_col; every activation has its tokens (the batch) over
 # tensor_row with the data-parallel axes and its features over tensor_col, so no
-# device holds a replicated activation. Projections run as SUMMA (jaxpar.linear.dense).
+# device holds a replicated activation. Projections run as SUMMA (jaxpar.ops.linear.dense).
 TENSOR_2D: dict[str, MeshAxes] = {
     "embed": ("fsdp", "tensor_row"),
     "vocab": "tensor_col",

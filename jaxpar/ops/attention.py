@@ -10,10 +10,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxpar import fused
-from jaxpar import rules as rules_lib
-from jaxpar.sequence_parallel import current_options, ring_attention
-from jaxpar.sharding import context_rules
+from jaxpar.ops import kernel_ops
+from jaxpar.placement import rules as rules_lib
+from jaxpar.parallel.sequence import current_options, ring_attention
+from jaxpar.placement.sharding import context_rules
 
 # Large but finite, so a fully masked row gives a uniform softmax rather than NaN.
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -58,12 +58,12 @@ def dot_product_attention(
     Sequence parallelism: when the mesh in context (``jax.set_mesh``) splits
     ``activation_length`` over an axis of size > 1 under the rules in force and the
     queries are the keys (no cache), this is ``jaxpar.ring_attention`` over that axis,
-    with the impl and token layout set by ``jaxpar.sequence_parallel.sequence_options``
+    with the impl and token layout set by ``jaxpar.parallel.sequence.sequence_options``
     (default: the blockwise ring, natural order).
 
     Kernels: ``jaxpar.kernels.KernelOptions.attention`` (``attention.impl``) picks who
     computes it: this function's XLA code, the Pallas flash attention kernel (and the
-    Pallas decode kernel over a cache), or cuDNN (``jaxpar.fused``).
+    Pallas decode kernel over a cache), or cuDNN (``jaxpar.ops.kernel_ops``).
     """
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
@@ -79,9 +79,9 @@ def dot_product_attention(
     start = jnp.broadcast_to(jnp.asarray(S - T if q_start is None else q_start, jnp.int32), (B,))
     out = None
     if mask is None and q_start is None and T == S and tree_mask is None:
-        out = fused.attention(q, k, v, causal=causal, segment_ids=segment_ids)
+        out = kernel_ops.attention(q, k, v, causal=causal, segment_ids=segment_ids)
     elif mask is None and (causal or tree_mask is not None) and segment_ids is None:
-        out = fused.decode_attention(q, k, v, start + T, tree_mask)
+        out = kernel_ops.decode_attention(q, k, v, start + T, tree_mask)
     if out is not None:
         return out
     q = q.reshape(B, T, K, N // K, H)

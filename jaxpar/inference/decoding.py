@@ -3,7 +3,7 @@ jitted step per token, streamed), and speculative decoding that reuses the targe
 cache (``speculative_generate``, the whole loop in one jitted ``while_loop``, and
 ``speculative_stream``, one jitted round at a time) with an independent draft model,
 a GliDe draft (``jaxpar.models.GlideDraft``) or GliDe with CaPE's token trees. The
-rounds themselves are ``jaxpar.speculative``'s.
+rounds themselves are ``jaxpar.inference.speculative``'s.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpar import speculative
+from jaxpar.inference import speculative
 from jaxpar.models.transformer import KVCache, Transformer, init_cache
-from jaxpar.sampling import probabilities, sample
-from jaxpar.speculative import METHODS, Method
-from jaxpar.token_tree import DEFAULT_BINS
+from jaxpar.inference.sampling import probabilities, sample
+from jaxpar.inference.speculative import METHODS, Method
+from jaxpar.inference.token_tree import DEFAULT_BINS
 
 __all__ = ["DEFAULT_BINS", "METHODS", "Generation", "generate", "greedy_without_cache",
            "probabilities", "sample", "speculative_generate", "speculative_stream"]
@@ -161,7 +161,7 @@ def speculative_generate(
     seed: int = 0,
     eos_id: int | None = None,
 ) -> Generation:
-    """Generates with ``method`` (``jaxpar.decoding.METHODS``), all rounds in one jitted
+    """Generates with ``method`` (``jaxpar.inference.decoding.METHODS``), all rounds in one jitted
     loop, every sequence of the batch accepting its own number of tokens per round.
 
     Args:

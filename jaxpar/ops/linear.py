@@ -3,7 +3,7 @@
 Without a 2D tensor grid this is a plain matmul and XLA partitions it by the rules
 (data, FSDP, Megatron 1D). On a mesh with a ``tensor_row x tensor_col`` grid (q >= 2)
 it runs Optimus's SUMMA (``jaxpar.summa_matmul``): weights blocked ``[D over
-tensor_row, X over tensor_col]`` by ``jaxpar.rules.TENSOR_2D``, activations with their
+tensor_row, X over tensor_col]`` by ``jaxpar.placement.rules.TENSOR_2D``, activations with their
 tokens over ``tensor_row`` (and the data-parallel axes) and features over
 ``tensor_col``.
 """
@@ -15,9 +15,9 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxpar import rules as rules_lib
-from jaxpar.sharding import context_rules
-from jaxpar.summa import summa_matmul
+from jaxpar.placement import rules as rules_lib
+from jaxpar.placement.sharding import context_rules
+from jaxpar.parallel.summa import summa_matmul
 
 ROW, COL = "tensor_row", "tensor_col"
 

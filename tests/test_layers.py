@@ -1,0 +1,31 @@
+"""The package's layers hold: import-linter's contracts in pyproject.toml (kernels <-
+placement/profiler <- parallel <- ops <- models <- inference <- train) checked over the
+source laid out as it installs."""
+
+import pathlib
+import shutil
+import subprocess
+import sys
+import tomllib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def installed_layout(into: pathlib.Path) -> None:
+    """Copies the sources where ``pip install`` puts them (pyproject's ``package-dir``):
+    kernels/, models/ and train/ become jaxpar/kernels, jaxpar/models, jaxpar/train."""
+    package_dir = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    for package, source in sorted(package_dir.items()):  # "jaxpar" before its children
+        shutil.copytree(ROOT / source, into / package.replace(".", "/"), dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("__pycache__", "configs"))
+
+
+def test_import_layers(tmp_path):
+    installed_layout(tmp_path / "src")
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    lint = pathlib.Path(sys.executable).with_name("lint-imports")
+    result = subprocess.run([str(lint), "--no-cache", "--config", str(tmp_path / "pyproject.toml")],
+                            cwd=tmp_path, env={"PYTHONPATH": str(tmp_path / "src"), "PATH": ""},
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "1 kept, 0 broken" in result.stdout, result.stdout
