@@ -23,9 +23,9 @@ def installed_layout(into: pathlib.Path) -> None:
 def test_import_layers(tmp_path):
     installed_layout(tmp_path / "src")
     shutil.copy(ROOT / "pyproject.toml", tmp_path)
-    lint = pathlib.Path(sys.executable).with_name("lint-imports")
-    result = subprocess.run([str(lint), "--no-cache", "--config", str(tmp_path / "pyproject.toml")],
-                            cwd=tmp_path, env={"PYTHONPATH": str(tmp_path / "src"), "PATH": ""},
+    lint = "from importlinter.cli import lint_imports_command; lint_imports_command()"
+    result = subprocess.run([sys.executable, "-c", lint, "--no-cache", "--config", "pyproject.toml"],
+                            cwd=tmp_path, env={"PYTHONPATH": str(tmp_path / "src")},
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "1 kept, 0 broken" in result.stdout, result.stdout
