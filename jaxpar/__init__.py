@@ -21,6 +21,7 @@ Nothing below ``jaxpar.models`` imports a model: the core sees arrays, rules and
 from jaxpar import profiler
 from jaxpar.placement import rules
 from jaxpar.ops.attention import dot_product_attention
+from jaxpar.placement.execution import Execution, SequenceOptions, jit, use_execution
 from jaxpar.placement.mesh import MESH_AXES, make_mesh
 from jaxpar.parallel.sequence import ring_attention
 from jaxpar.placement.sharding import constrain, model_shardings, shard_model, use_mesh
@@ -29,9 +30,12 @@ from jaxpar.parallel.summa import summa_matmul
 __version__ = "0.1.0"
 
 __all__ = [
+    "Execution",
     "MESH_AXES",
+    "SequenceOptions",
     "constrain",
     "dot_product_attention",
+    "jit",
     "make_mesh",
     "model_shardings",
     "profiler",
@@ -39,5 +43,6 @@ __all__ = [
     "rules",
     "shard_model",
     "summa_matmul",
+    "use_execution",
     "use_mesh",
 ]

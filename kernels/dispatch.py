@@ -1,10 +1,9 @@
 """Which implementation runs: the rule every ``jaxpar.kernels`` entry point follows, and
-the model's choice per operation (``KernelOptions``, set around tracing)."""
+the model's choice per operation (``KernelOptions``, a field of
+``jaxpar.placement.execution.Execution``)."""
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 
 import jax
@@ -56,28 +55,6 @@ class KernelOptions:
         if choice == "auto":
             return "pallas" if on_gpu() else "xla"
         return choice
-
-
-_OPTIONS = contextvars.ContextVar("jaxpar_kernel_options", default=None)
-
-
-def current_kernel_options() -> KernelOptions:
-    return _OPTIONS.get() or KernelOptions()
-
-
-@contextlib.contextmanager
-def kernel_options(options: KernelOptions):
-    """Sets how the model's attention, norms and loss run (trace inside)."""
-    token = _OPTIONS.set(options)
-    try:
-        yield options
-    finally:
-        _OPTIONS.reset(token)
-
-
-def implementation(op: str) -> str:
-    """``"xla"``, ``"pallas"`` or ``"cudnn"``: what runs ``op`` here."""
-    return current_kernel_options().resolve(op)
 
 
 def pallas_interpret() -> bool:

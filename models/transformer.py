@@ -1,7 +1,7 @@
 """A decoder-only transformer in Flax NNX: the one model every parallel mode runs.
 
 Parallelism never enters here as code: every parameter carries logical axis names
-(``jaxpar.placement.rules``), every activation that a parallel axis touches is constrained by its
+(``jaxpar.rules``), every activation that a parallel axis touches is constrained by its
 logical names (``jaxpar.constrain``, a no-op without a mesh), and attention goes through
 ``jaxpar.dot_product_attention``. Layers are stacked on a leading ``layers`` axis and run
 with ``jax.lax.scan``, so pipeline stages and remat policies apply per layer.
@@ -37,7 +37,7 @@ from jaxpar.models.config import ModelConfig, RopeScaling
 from jaxpar.placement.sharding import constrain
 
 # The residual stream (norms, residual adds): its length may be split over `tensor`
-# too (Megatron sequence parallelism, jaxpar.placement.rules.SEQUENCE_PARALLEL).
+# too (Megatron sequence parallelism, jaxpar.rules.SEQUENCE_PARALLEL).
 ACT_BTD = ("activation_batch", "activation_norm_length", "activation_embed")
 ACT_BTF = ("activation_batch", "activation_length", "activation_mlp")
 ACT_BTV = ("activation_batch", "activation_length", "activation_vocab")
@@ -283,7 +283,7 @@ def sharding_rules(cfg: ModelConfig, mesh, rules=None, *, sequence_parallel: boo
       kv heads), the k/v projections and activations are replicated across them, as
       Megatron replicates kv heads when the tensor group outnumbers them; each device
       then computes the kv heads its query heads read.
-    * ``sequence_parallel``: ``jaxpar.placement.rules.SEQUENCE_PARALLEL``.
+    * ``sequence_parallel``: ``jaxpar.rules.SEQUENCE_PARALLEL``.
     * With a ``seq`` axis of size > 1 the weights' model dimension (``embed``) is split
       over ``seq`` too, where it divides: the sequence-parallel group holds one copy
       of the parameters and optimizer state between them (ZeRO-3 across it, as
@@ -291,7 +291,7 @@ def sharding_rules(cfg: ModelConfig, mesh, rules=None, *, sequence_parallel: boo
       which at long context is what leaves room for activations.
 
     On a 2D tensor grid (``tensor_row``/``tensor_col``) the default rules take
-    ``jaxpar.placement.rules.TENSOR_2D``, and the projections run as SUMMA (``jaxpar.ops.linear``).
+    ``jaxpar.rules.TENSOR_2D``, and the projections run as SUMMA (``jaxpar.ops.linear``).
     """
     if rules is None:
         rules = rules_lib.DEFAULT_RULES

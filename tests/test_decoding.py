@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 from conftest import rel_err
 from flax import nnx
-from jaxpar.kernels.dispatch import KernelOptions, kernel_options
+from jaxpar import use_execution
+from jaxpar.kernels.dispatch import KernelOptions
 from jaxpar.models import ModelConfig, Transformer
 from jaxpar.models.transformer import init_cache
 
@@ -32,7 +33,7 @@ def test_cached_logits_equal_full_forward(rng, impl):
     Pallas decode kernel (interpret mode) and the full forward the flash kernel."""
     model = Transformer(CFG, rngs=nnx.Rngs(0))
     tokens = jnp.asarray(rng.integers(0, CFG.vocab_size, (2, 10)))
-    with kernel_options(KernelOptions(attention=impl)):
+    with use_execution(kernels=KernelOptions(attention=impl)):
         full = model(tokens)
         cache = init_cache(CFG, 2, 16)
         first, cache = model(tokens[:, :6], cache=cache)

@@ -10,7 +10,8 @@ import pytest
 import jaxpar
 from conftest import rel_err
 from jaxpar.ops import kernel_ops
-from jaxpar.kernels import (KernelOptions, kernel_options, linear_cross_entropy,
+from jaxpar import use_execution
+from jaxpar.kernels import (KernelOptions, linear_cross_entropy,
                             linear_cross_entropy_reference, log_sum_exp_and_target_logit)
 from jaxpar.kernels.cross_entropy import log_sum_exp_and_target_logit_reference
 from jaxpar.placement.sharding import use_mesh
@@ -94,7 +95,7 @@ def test_vocab_parallel_loss_matches_one_device(rng, sizes):
         return jnp.sum(kernel_ops.token_losses(x, w, targets) * g)
 
     mesh = jaxpar.make_mesh(**sizes, devices=jax.devices()[:int(np.prod(list(sizes.values())))])
-    with use_mesh(mesh), kernel_options(KernelOptions(loss="pallas")):
+    with use_mesh(mesh), use_execution(kernels=KernelOptions(loss="pallas")):
         got = jax.jit(jax.value_and_grad(parallel, (0, 1)))(x, w)
     want = jax.value_and_grad(reference, (0, 1))(x, w)
     assert rel_err(got[0], want[0]) < 1e-5

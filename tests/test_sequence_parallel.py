@@ -10,7 +10,8 @@ import pytest
 import jaxpar
 from conftest import rel_err, train_steps, tree_rel_err
 from jaxpar.parallel import sequence as sp
-from jaxpar.kernels.dispatch import KernelOptions, kernel_options
+from jaxpar import use_execution
+from jaxpar.kernels.dispatch import KernelOptions
 from jaxpar.models import ModelConfig
 from jaxpar.parallel.sequence import SequenceOptions, from_zigzag, ring_attention, to_zigzag
 
@@ -102,7 +103,7 @@ def test_ring_on_the_flash_kernel(rng, n, causal, layout):
     """attention.impl=pallas: the ring's inner steps run the Pallas flash kernel's
     block_update / block_grads (interpret mode), with the rings' token positions."""
     q, k, v, g, seg = inputs(rng, T=32, N=4, K=2, H=16)
-    with kernel_options(KernelOptions(attention="pallas")):
+    with use_execution(kernels=KernelOptions(attention="pallas")):
         check_against_reference(q, k, v, g, seg, seq_mesh(n), causal=causal, impl="ring",
                                 layout=layout, n=n)
 

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from conftest import random_init, rel_err
 from flax import nnx
-from jaxpar.kernels.dispatch import KernelOptions, kernel_options
+from jaxpar import use_execution
+from jaxpar.kernels.dispatch import KernelOptions
 from jaxpar.inference.decoding import generate, probabilities, speculative_generate
 from jaxpar.models import GlideDraft, ModelConfig, Transformer
 from jaxpar.models.transformer import KVCache, init_cache
@@ -75,7 +76,7 @@ def test_pallas_decode_kernel_verifies_chains_and_trees(models, rng):
     kernel (interpret mode here): per-sequence lengths, causal chains and tree masks."""
     target, prompt = models["target"], rng.integers(0, CFG.vocab_size, (2, 5))
     reference = greedy(target, prompt, 10)
-    with kernel_options(KernelOptions(attention="pallas")):
+    with use_execution(kernels=KernelOptions(attention="pallas")):
         for method in ("speculative", "cape"):  # bins of 2: a 9-node tree, within the kernel's 16
             out = speculative_generate(target, prompt, draft=models["close"], method=method,
                                        bins=(2,) * 11, max_new_tokens=10)

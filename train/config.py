@@ -38,7 +38,7 @@ class MeshConfig:
     seq: int = 1
     tensor: int | tuple[int, ...] = 1
     # Megatron sequence parallelism: with 1D `tensor`, norms and residual adds work on
-    # length-split activations (jaxpar.placement.rules.SEQUENCE_PARALLEL).
+    # length-split activations (jaxpar.rules.SEQUENCE_PARALLEL).
     sequence_parallel: bool = False
     # With seq > 1, how attention runs over the split length (jaxpar.ring_attention):
     # the blockwise ring, the paper's Ring Self-Attention, or Ulysses' all-to-all; and

@@ -95,7 +95,7 @@ def flops_per_token(cfg) -> float:
 
 def _data_parallel(mesh, rules) -> tuple[tuple[str, ...], int]:
     """The mesh axes the rules split the batch over, and how many ways in all."""
-    axes = jaxpar.placement.rules.as_tuple(jaxpar.placement.rules.logical_to_spec(("batch",), rules)[0])
+    axes = jaxpar.rules.as_tuple(jaxpar.rules.logical_to_spec(("batch",), rules)[0])
     return axes, math.prod(mesh.shape[a] for a in axes)
 
 

@@ -31,14 +31,14 @@ from jaxpar.parallel import pipeline
 from jaxpar.placement import rules as rules_lib
 from jaxpar.models.transformer import ACT_BTD, run_layers
 from jaxpar.parallel.pipeline_schedule import Schedule
-from jaxpar.parallel.sequence import current_options
+from jaxpar.placement.execution import current
 from jaxpar.train.step import head_loss, microbatches
 
 
 def needs_lockstep(mesh) -> bool:
     """Whether a stage on ``mesh`` (with the sequence options in force) communicates by
     ``ppermute``: ring or rsa attention over ``seq``, SUMMA over the 2D tensor grid."""
-    ring = mesh.shape.get("seq", 1) > 1 and current_options().impl != "ulysses"
+    ring = mesh.shape.get("seq", 1) > 1 and current().sequence.impl != "ulysses"
     return ring or mesh.shape.get("tensor_row", 1) > 1
 
 

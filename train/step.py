@@ -20,8 +20,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.ops import kernel_ops
 from jaxpar.placement import rules as rules_lib
-from jaxpar.kernels.dispatch import KernelOptions, kernel_options
-from jaxpar.parallel.sequence import SequenceOptions, sequence_options
+from jaxpar.kernels.dispatch import KernelOptions
+from jaxpar.placement.execution import Execution, SequenceOptions, use_execution
 from jaxpar.placement.sharding import like_params, model_shardings, use_mesh
 
 Batch = dict[str, jax.Array]
@@ -88,9 +88,10 @@ class TrainStep:
     ``params`` is the model's ``nnx.State``; ``graphdef`` rebuilds the model from it.
     ``loss`` is the step's ``(model, batch[, frozen]) -> scalar``, for evaluation.
     ``params_sharding`` / ``opt_sharding`` are what ``init`` places the state with
-    (None without a mesh). ``sequence``: how attention runs over a length split over
-    ``seq`` (with ``layout="zigzag"`` the batches' tokens must be in ``to_zigzag`` order).
-    ``kernels``: who computes attention, norms and loss (XLA, Pallas, cuDNN).
+    (None without a mesh). ``execution``: the rules, kernels and sequence options the
+    step was traced under, bound into the jitted step when it was built (so the context
+    a call is made in cannot change the program); with ``sequence.layout="zigzag"`` the
+    batches' tokens must be in ``to_zigzag`` order.
     """
 
     graphdef: Any
@@ -100,18 +101,20 @@ class TrainStep:
     params_sharding: Any
     opt_sharding: Any
     batch_sharding: Any
-    rules: rules_lib.Rules | None = None
-    sequence: SequenceOptions = SequenceOptions()
-    kernels: KernelOptions | None = None  # None: KernelOptions() ("auto")
+    execution: Execution = Execution()
     loss: Callable = loss_fn
 
+    @property
+    def sequence(self) -> SequenceOptions:
+        return self.execution.sequence
+
     def context(self):
-        """The mesh, rules, sequence and kernel options to trace and run under."""
+        """The mesh and rules to run under, and the step's ``execution`` (for work traced
+        beside the step, such as evaluation)."""
         stack = contextlib.ExitStack()
         if self.mesh is not None:
-            stack.enter_context(use_mesh(self.mesh, self.rules))
-        stack.enter_context(sequence_options(self.sequence))
-        stack.enter_context(kernel_options(self.kernels or KernelOptions()))
+            stack.enter_context(use_mesh(self.mesh, self.execution.rules))
+        stack.enter_context(use_execution(self.execution))
         return stack
 
     def init(self, model: nnx.Module):
@@ -186,6 +189,8 @@ def make_train_step(
     nor update made. Give its value (or abstract state) here for its shardings.
     """
     graphdef, params = nnx.split(model)
+    resolved = None if mesh is None else rules_lib.for_mesh(mesh, rules_lib.DEFAULT_RULES if rules is None else rules)
+    execution = Execution(resolved, kernels or KernelOptions(), sequence)
     if pipeline is not None and (loss is not loss_fn or frozen is not None):
         raise ValueError("a pipelined step computes its own next-token loss: no loss= or frozen=")
 
@@ -205,6 +210,7 @@ def make_train_step(
         total, _ = jax.lax.scan(body, zeros, jax.tree.map(lambda x: microbatches(x, grad_accum), batch))
         return jax.tree.map(lambda x: x / grad_accum, total)
 
+    @use_execution(execution)  # bound at trace time, whatever the caller's context
     def step(params, opt_state, batch, *frozen):
         if grad_accum == 1:
             value, grads = loss_and_grads(params, batch, *frozen)
@@ -217,12 +223,11 @@ def make_train_step(
     donate_argnums = (0, 1) if donate else ()
     if mesh is None:
         return TrainStep(graphdef, tx, jax.jit(step, donate_argnums=donate_argnums),
-                         None, None, None, None, rules, sequence, kernels, loss)
+                         None, None, None, None, execution, loss)
     params_sharding = model_shardings(params, mesh, rules)
     replicated = NamedSharding(mesh, PartitionSpec())
     opt_shape = jax.eval_shape(tx.init, params)
     opt_sharding = like_params(opt_shape, params, params_sharding, replicated)
-    resolved = rules_lib.for_mesh(mesh, rules_lib.DEFAULT_RULES if rules is None else rules)
     batch_sharding = NamedSharding(mesh, rules_lib.logical_to_spec(BATCH_AXES, resolved))
     frozen_sharding = () if frozen is None else (model_shardings(frozen, mesh, rules),)
     jitted = jax.jit(
@@ -232,4 +237,4 @@ def make_train_step(
         donate_argnums=donate_argnums,
     )
     return TrainStep(graphdef, tx, jitted, mesh, params_sharding, opt_sharding, batch_sharding,
-                     rules, sequence, kernels, loss)
+                     execution, loss)

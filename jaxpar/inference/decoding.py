@@ -18,6 +18,7 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.inference import speculative
+from jaxpar.placement.execution import jit
 from jaxpar.models.transformer import KVCache, Transformer, init_cache
 from jaxpar.inference.sampling import probabilities, sample
 from jaxpar.inference.speculative import METHODS, Method
@@ -27,13 +28,13 @@ __all__ = ["DEFAULT_BINS", "METHODS", "Generation", "generate", "greedy_without_
            "probabilities", "sample", "speculative_generate", "speculative_stream"]
 
 
-@nnx.jit
+@functools.partial(jit, transform=nnx.jit)
 def _prefill(model: Transformer, tokens: jax.Array, cache: KVCache):
     logits, cache = model(tokens, cache=cache)
     return logits[:, -1], cache
 
 
-@nnx.jit
+@functools.partial(jit, transform=nnx.jit)
 def _step(model: Transformer, token: jax.Array, cache: KVCache, key, temperature, top_p):
     logits, cache = model(token[:, None], cache=cache)
     return sample(logits[:, -1], key, temperature, top_p), cache
@@ -76,7 +77,7 @@ def generate(
             token, cache = _step(model, token, cache, sub, temperature, top_p)
 
 
-@nnx.jit
+@functools.partial(jit, transform=nnx.jit)
 def _next_token_without_cache(model: Transformer, tokens: jax.Array, at: jax.Array) -> jax.Array:
     return jnp.argmax(model(tokens)[:, at], axis=-1).astype(jnp.int32)
 

@@ -39,6 +39,7 @@ from jaxpar.inference import token_tree
 from jaxpar.models.glide import GlideDraft, inference_cross_mask
 from jaxpar.models.transformer import KVCache, Transformer, init_cache, write_cache
 from jaxpar.inference.sampling import draw, probabilities
+from jaxpar.placement.execution import jit
 
 METHODS = ("ar", "speculative", "glide", "cape")
 
@@ -386,5 +387,5 @@ def compiled(method: Method, max_new_tokens: int, eos_id: int | None):
         body = make_round(method, target, draft, eos_id)
         return jax.lax.while_loop(lambda s: ~s.done.all(), body, state)
 
-    jit = lambda f: jax.jit(f, static_argnums=0)
-    return jit(do_prefill), jit(do_round), jit(do_loop)
+    keyed = lambda f: jit(f, static_argnums=0)  # noqa: E731 (the Execution is in the key too)
+    return keyed(do_prefill), keyed(do_round), keyed(do_loop)

@@ -12,8 +12,8 @@ import jax.numpy as jnp
 
 from jaxpar.ops import kernel_ops
 from jaxpar.placement import rules as rules_lib
-from jaxpar.parallel.sequence import current_options, ring_attention
-from jaxpar.placement.sharding import context_rules
+from jaxpar.parallel.sequence import ring_attention
+from jaxpar.placement.execution import current, rules_for
 
 # Large but finite, so a fully masked row gives a uniform softmax rather than NaN.
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -58,7 +58,7 @@ def dot_product_attention(
     Sequence parallelism: when the mesh in context (``jax.set_mesh``) splits
     ``activation_length`` over an axis of size > 1 under the rules in force and the
     queries are the keys (no cache), this is ``jaxpar.ring_attention`` over that axis,
-    with the impl and token layout set by ``jaxpar.parallel.sequence.sequence_options``
+    with the impl and token layout of the ``Execution`` in force (``jaxpar.use_execution``)
     (default: the blockwise ring, natural order).
 
     Kernels: ``jaxpar.kernels.KernelOptions.attention`` (``attention.impl``) picks who
@@ -67,7 +67,7 @@ def dot_product_attention(
     """
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
-    options = current_options()
+    options = current().sequence
     # The ring knows causal and segment masks only: an explicit mask stays on this path.
     axis = _length_axis(options.always) if q_start is None and T == S and mask is None else None
     if axis is not None:
@@ -115,7 +115,7 @@ def _length_axis(always: bool) -> str | None:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return None
-    axes = rules_lib.as_tuple(dict(context_rules(mesh)).get("activation_length"))
+    axes = rules_lib.as_tuple(dict(rules_for(mesh, "jaxpar.dot_product_attention")).get("activation_length"))
     axes = tuple(a for a in axes if mesh.shape[a] > 1 or always)
     if len(axes) > 1:
         raise ValueError(f"attention: the rules split activation_length over {axes}; sequence "

@@ -1,5 +1,5 @@
 """The model's fused operations: attention, norm and loss, each run by the implementation
-``jaxpar.kernels.KernelOptions`` chooses (XLA, cuDNN or the Pallas kernels).
+the ``Execution``'s ``KernelOptions`` choose (XLA, cuDNN or the Pallas kernels).
 
 A Pallas kernel is one device's program: XLA cannot partition it. So with a mesh in
 context each kernel runs under ``jax.shard_map`` on its device's slice (batch rows and
@@ -18,7 +18,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jaxpar import kernels
-from jaxpar.kernels.dispatch import implementation, pallas_interpret
+from jaxpar.kernels.dispatch import pallas_interpret
+from jaxpar.placement.execution import implementation
 from jaxpar.placement.axes import kv_heads_for, local_axes, shard_index
 
 

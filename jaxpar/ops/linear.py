@@ -3,7 +3,7 @@
 Without a 2D tensor grid this is a plain matmul and XLA partitions it by the rules
 (data, FSDP, Megatron 1D). On a mesh with a ``tensor_row x tensor_col`` grid (q >= 2)
 it runs Optimus's SUMMA (``jaxpar.summa_matmul``): weights blocked ``[D over
-tensor_row, X over tensor_col]`` by ``jaxpar.placement.rules.TENSOR_2D``, activations with their
+tensor_row, X over tensor_col]`` by ``jaxpar.rules.TENSOR_2D``, activations with their
 tokens over ``tensor_row`` (and the data-parallel axes) and features over
 ``tensor_col``.
 """
@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.placement import rules as rules_lib
-from jaxpar.placement.sharding import context_rules
+from jaxpar.placement.execution import rules_for
 from jaxpar.parallel.summa import summa_matmul
 
 ROW, COL = "tensor_row", "tensor_col"
@@ -33,7 +33,7 @@ def dense(x: jax.Array, w: jax.Array, names: Sequence[str]) -> jax.Array:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or ROW not in mesh.axis_names or mesh.shape[ROW] < 2:
         return jnp.einsum("...K,KN->...N", x, w)
-    rules = context_rules(mesh)
+    rules = rules_for(mesh, "jaxpar.ops.linear.dense")
     spec = rules_lib.logical_to_spec(tuple(names), rules)
     batch = rules_lib.logical_to_spec(("activation_batch",), rules)[0]
     batch_axes = tuple(a for a in rules_lib.as_tuple(batch) if a != ROW and mesh.shape[a] > 1)

@@ -41,7 +41,7 @@ mask the ring reorders q, k, v to zigzag and the output back (when ``T`` divides
 
 Other mesh axes: the batch dimension is split as the rules split
 ``activation_batch``, query heads as ``activation_heads`` and kv heads as
-``activation_kv_heads`` (``jaxpar.placement.sharding.context_rules``), each only where the size
+``activation_kv_heads`` (``jaxpar.placement.execution.rules_for``), each only where the size
 divides; where the query heads are split but the kv heads are not (Megatron's
 replicated kv heads), each device picks the kv heads its query heads read.
 
@@ -52,8 +52,6 @@ inside ``shard_map`` ``L = T / n`` local tokens in ``P`` pieces of ``C = L / P``
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import functools
 
@@ -62,53 +60,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from jaxpar.kernels.dispatch import implementation, pallas_interpret
+from jaxpar.kernels.dispatch import pallas_interpret
 from jaxpar.placement.axes import axes_size, kv_heads_for, local_axes
+from jaxpar.placement.execution import SEQUENCE_IMPLS as IMPLS
+from jaxpar.placement.execution import SEQUENCE_LAYOUTS as LAYOUTS
+from jaxpar.placement.execution import SequenceOptions, implementation
 from jaxpar.kernels.flash_attention import block_grads as kernel_block_grads
 from jaxpar.kernels.flash_attention import block_update as kernel_block_update
-
-IMPLS = ("ring", "rsa", "ulysses")
-LAYOUTS = ("natural", "zigzag")
-
-
-# ------------------------------------------------------------------------- options
-
-
-@dataclasses.dataclass(frozen=True)
-class SequenceOptions:
-    """How the model's attention runs when the rules split ``activation_length`` over a
-    mesh axis of size > 1: ``impl`` in ``IMPLS``, ``layout`` in ``LAYOUTS`` (the order the
-    model's tokens are in; the caller permutes its batch with ``to_zigzag``).
-    ``always``: use ``impl`` even when that axis has size 1 (the ring is then
-    single-device blockwise attention, O(T) memory: the benchmarks' N = 1 rows)."""
-
-    impl: str = "ring"
-    layout: str = "natural"
-    always: bool = False
-
-    def __post_init__(self):
-        if self.impl not in IMPLS:
-            raise ValueError(f"sequence-parallel impl={self.impl!r} is not one of {IMPLS}")
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"sequence-parallel layout={self.layout!r} is not one of {LAYOUTS}")
-
-
-_OPTIONS = contextvars.ContextVar("jaxpar_sequence_options", default=SequenceOptions())
-
-
-def current_options() -> SequenceOptions:
-    return _OPTIONS.get()
-
-
-@contextlib.contextmanager
-def sequence_options(options: SequenceOptions):
-    """Sets how ``jaxpar.dot_product_attention`` runs over a split length (trace inside)."""
-    token = _OPTIONS.set(options)
-    try:
-        yield options
-    finally:
-        _OPTIONS.reset(token)
-
 
 # -------------------------------------------------------------------------- layouts
 

@@ -10,13 +10,13 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.placement import rules as rules_lib
-from jaxpar.placement.sharding import context_rules
+from jaxpar.placement.execution import rules_for
 
 
 def local_axes(mesh, logical: str, size: int, exclude: str | None = None) -> tuple[str, ...]:
     """The mesh axes of size > 1 the rules in force split ``logical`` over (without
     ``exclude``), or () when ``size`` does not divide over them."""
-    axes = rules_lib.as_tuple(dict(context_rules(mesh)).get(logical))
+    axes = rules_lib.as_tuple(dict(rules_for(mesh, f"a per-device kernel reading {logical!r}")).get(logical))
     axes = tuple(a for a in axes if a != exclude and mesh.shape[a] > 1)
     return axes if size % axes_size(mesh, axes) == 0 else ()
 

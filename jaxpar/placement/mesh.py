@@ -43,7 +43,7 @@ def make_mesh(
     The product of the sizes must equal the number of devices (``devices``, or all of
     ``jax.devices()``); every axis is present, size 1 when unused, so sharding rules can
     name any of them. Axes are ``AxisType.Auto``: the model states shardings through
-    logical-axis rules and XLA's partitioner propagates them (see ``jaxpar.placement.rules``).
+    logical-axis rules and XLA's partitioner propagates them (see ``jaxpar.rules``).
 
     Raises:
       ValueError: a size is not a positive int, a 2D grid is not square with q >= 2,

@@ -7,7 +7,7 @@ other Flax projects can import the table as it is::
 
     import jaxpar, flax.linen as nn
     mesh = jaxpar.make_mesh(fsdp=8)
-    with jax.set_mesh(mesh), nn.logical_axis_rules(jaxpar.placement.rules.for_mesh(mesh)):
+    with jax.set_mesh(mesh), nn.logical_axis_rules(jaxpar.rules.for_mesh(mesh)):
         ...
 
 The logical names are MaxText's, the ecosystem's common vocabulary. Parameters:
@@ -108,7 +108,7 @@ def override(rules: Rules, changes: dict[str, MeshAxes]) -> tuple[tuple[str, Mes
     Raises:
       ValueError: ``changes`` names a logical axis that ``rules`` does not have.
     """
-    rules = _freeze(rules)
+    rules = freeze(rules)
     known = {name for name, _ in rules}
     for name in changes:
         if name not in known:
@@ -129,7 +129,7 @@ def _suggest(name: str, choices: Sequence[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def _freeze(rules: Rules) -> tuple[tuple[str, MeshAxes], ...]:
+def freeze(rules: Rules) -> tuple[tuple[str, MeshAxes], ...]:
     """Validates the table's shape and returns it as a hashable tuple."""
     frozen = []
     seen = set()
@@ -159,7 +159,7 @@ def for_mesh(mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh, rules: Rules =
       A tuple of ``(logical_name, mesh_axes)`` pairs, usable with
       ``flax.linen.logical_axis_rules`` and ``jaxpar.shard_model``.
     """
-    return _for_axes(tuple(mesh.axis_names), _freeze(rules))
+    return _for_axes(tuple(mesh.axis_names), freeze(rules))
 
 
 @functools.lru_cache(maxsize=256)
@@ -188,7 +188,7 @@ def logical_to_spec(logical_axes: Sequence[str | None], rules: Rules) -> Partiti
     Raises:
       ValueError: a name has no rule, or two dimensions map to the same mesh axis.
     """
-    return _logical_to_spec(tuple(logical_axes), _freeze(rules))
+    return _logical_to_spec(tuple(logical_axes), freeze(rules))
 
 
 @functools.lru_cache(maxsize=4096)

@@ -15,6 +15,7 @@ from flax.core import spmd as flax_spmd
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.placement import rules as rules_lib
+from jaxpar.placement.execution import rules_for, use_execution
 
 # Metadata keys NNX has used for `nnx.with_partitioning` annotations across versions.
 _ANNOTATION_KEYS = ("out_sharding", "sharding_names", "sharding")
@@ -128,33 +129,29 @@ def like_params(tree, params, param_shardings, default):
     )
 
 
-def context_rules(mesh) -> tuple:
-    """The rules in force: ``flax.linen.logical_axis_rules``'s, else ``DEFAULT_RULES``,
-    restricted to ``mesh``."""
-    return rules_lib.for_mesh(mesh, flax_spmd.get_logical_axis_rules() or rules_lib.DEFAULT_RULES)
-
-
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     """Constrains an activation's sharding by its logical axis names.
 
-    Uses the mesh set by ``jax.set_mesh`` / ``jaxpar.use_mesh`` and the rules of
-    ``flax.linen.logical_axis_rules`` (``DEFAULT_RULES`` when none are set). Without a
+    Uses the mesh and rules set by ``jaxpar.use_mesh`` (or ``jax.set_mesh`` with
+    ``flax.linen.logical_axis_rules``); a mesh without rules is an error. Without a
     mesh, returns ``x`` unchanged.
     """
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return x
-    spec = rules_lib.logical_to_spec(names, context_rules(mesh))
+    spec = rules_lib.logical_to_spec(names, rules_for(mesh, "jaxpar.constrain"))
     return jax.lax.with_sharding_constraint(x, spec)
 
 
 @contextlib.contextmanager
 def use_mesh(mesh: jax.sharding.Mesh, rules: rules_lib.Rules | None = None):
-    """Sets ``mesh`` (``jax.set_mesh``) and its rules (``flax.linen.logical_axis_rules``).
+    """Sets ``mesh`` (``jax.set_mesh``) and its rules (``rules=None``: ``DEFAULT_RULES``)
+    as the ``Execution``'s rules and as ``flax.linen.logical_axis_rules`` (for Linen
+    modules' own constraints).
 
-    Inside, the model's activation constraints resolve against this mesh; trace (call
-    jitted functions for the first time) inside it.
+    Inside, the model's activation constraints resolve against this mesh; trace inside
+    it (``jaxpar.jit`` keys its programs by the rules in force).
     """
     resolved = rules_lib.for_mesh(mesh, rules_lib.DEFAULT_RULES if rules is None else rules)
-    with jax.set_mesh(mesh), flax_spmd.logical_axis_rules(resolved):
+    with jax.set_mesh(mesh), flax_spmd.logical_axis_rules(resolved), use_execution(rules=resolved):
         yield mesh
