@@ -6,7 +6,7 @@ GPU, one call (H100 or H200):
 
 CPU correctness smoke, not a performance figure (tiny shapes; jaxpar's kernels and JAX's
 Triton ones in Pallas interpret mode; cuDNN and Mosaic GPU cells say "needs GPU"; the
-`tiny` training step with ``attention.impl=xla``):
+`tiny` training step with ``execution.attention=xla``):
 
     python bench/kernels.py --smoke
 
@@ -60,7 +60,7 @@ targets table last; ``--json`` gets every figure and error):
   transposes are part of it and counted). Up to 8 input sets are chained in one jit
   (``optimization_barrier`` between calls) and the time divided, so that microsecond
   kernels are not timed as dispatch. ``err`` against float32 XLA attention.
-* ``train``: the ``1b`` training step with ``attention.impl=pallas``, ``xla`` and ``cudnn``
+* ``train``: the ``1b`` training step with ``execution.attention=pallas``, ``xla`` and ``cudnn``
   (``jaxpar-train`` in child processes, after the kernels, which also run in a child so
   that the GPU memory is free again): median step time of the steps after
   ``--train-warmup``, tokens/s and MFU (``flops_per_token``: 6N + attention, PaLM's
@@ -804,14 +804,14 @@ def train_part(args) -> list[dict]:
     try:
         for impl in args.train_impls:
             run_dir = work / f"run-{impl}"
-            overrides = [*base, f"run_dir={run_dir}", f"attention.impl={impl}"]
+            overrides = [*base, f"run_dir={run_dir}", f"execution.attention={impl}"]
             row = {"config": args.train_config, "impl": impl, "overrides": overrides}
             began = time.perf_counter()
             timeout = min(args.train_timeout, DEADLINE - time.time())
             if timeout < 20:
                 row["error"] = SKIPPED
                 results.append(row)
-                print(f"  train {args.train_config} attention.impl={impl}: {SKIPPED}", flush=True)
+                print(f"  train {args.train_config} execution.attention={impl}: {SKIPPED}", flush=True)
                 continue
             try:
                 proc = subprocess.run(
@@ -839,7 +839,7 @@ def train_part(args) -> list[dict]:
             results.append(row)
             shutil.rmtree(run_dir, ignore_errors=True)
             said = row["error"] if "error" in row else f"{row['step_s'] * 1e3:.0f} ms/step"
-            print(f"  train {args.train_config} attention.impl={impl}: {said} "
+            print(f"  train {args.train_config} execution.attention={impl}: {said} "
                   f"({time.perf_counter() - began:.0f} s)", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -870,7 +870,7 @@ def train_table(rows: list[dict], peak: float | None) -> str:
         out.append([r["config"], r["impl"], f"{r['step_s'] * 1e3:.0f}", f"{tps:,.0f}",
                     f"{achieved / peak * 100:.1f}%" if peak else "-", f"{achieved / NOMINAL_PEAK * 100:.1f}%",
                     f"{r['loss']:.3f}"])
-    return table(["config", "attention.impl", "step ms (median)", "tokens/s", "MFU (measured peak)",
+    return table(["config", "execution.attention", "step ms (median)", "tokens/s", "MFU (measured peak)",
                   "MFU (989 TFLOP/s)", "last loss"], out)
 
 

@@ -31,7 +31,7 @@ IMPLS = {
 @dataclasses.dataclass(frozen=True)
 class KernelOptions:
     """How the model's attention, norms and loss run (``jaxpar-train``'s
-    ``attention.impl``, ``norm.impl``, ``loss.impl``): ``"xla"`` the plain-``jnp``
+    ``execution.attention``, ``execution.norm``, ``execution.loss``): ``"xla"`` the plain-``jnp``
     computation; ``"pallas"`` the ``jaxpar.kernels`` kernel (compiled on GPU, interpret
     mode elsewhere: slow, for tests); ``"cudnn"`` (attention only, GPU only) cuDNN's
     fused attention through ``jax.nn.dot_product_attention``; ``"auto"`` Pallas on GPU
@@ -46,7 +46,7 @@ class KernelOptions:
             if getattr(self, op) not in allowed:
                 raise ValueError(f"{op}.impl={getattr(self, op)!r} must be one of {list(allowed)}")
         if self.attention == "cudnn" and not on_gpu():
-            raise ValueError(f"attention.impl='cudnn' needs a GPU; JAX's backend here is "
+            raise ValueError(f"execution.attention='cudnn' needs a GPU; JAX's backend here is "
                              f"{jax.default_backend()!r}")
 
     def resolve(self, op: str) -> str:

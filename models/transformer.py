@@ -105,7 +105,7 @@ class Norm(nnx.Module):
         self.bias = _zeros(rngs, cfg, (cfg.dim,), ("norm",)) if cfg.norm == "layer" else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        """``[B, T, D]`` -> ``[B, T, D]``; by the fused kernel under ``norm.impl`` "pallas"."""
+        """``[B, T, D]`` -> ``[B, T, D]``; by the fused kernel under ``execution.norm`` "pallas"."""
         bias = None if self.bias is None else self.bias[...]
         fused_out = kernel_ops.norm(x, self.scale[...], bias, kind=self.kind, eps=self.eps)
         if fused_out is not None:

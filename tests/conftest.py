@@ -2,13 +2,26 @@
 subprocess through ``run_python``."""
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 # Must happen before jax is imported anywhere.
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["JAX_NUM_CPU_DEVICES"] = "8"
+
+# One persistent compilation cache per test run, shared by both xdist workers and every
+# subprocess they start (the CLI runs, the notebook's kernel inherit the environment):
+# the same tiny train step is compiled once per run rather than once per process.
+# PYTEST_XDIST_TESTRUNUID is the same in every worker of one run; a serial run (-n 0)
+# uses its own pid. The directory is removed when the run ends (pytest_unconfigure).
+_RUN_ID = os.environ.get("PYTEST_XDIST_TESTRUNUID", f"serial-{os.getpid()}")
+COMPILATION_CACHE = os.path.join(tempfile.gettempdir(), f"jaxpar-tests-{_RUN_ID}")
+os.environ["JAX_COMPILATION_CACHE_DIR"] = COMPILATION_CACHE
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -27,6 +40,11 @@ SLOWEST_FIRST = (
     "test_parallel.py", "test_sequence_parallel.py", "test_glide.py", "test_speculative.py",
     "test_summa.py", "test_kernels_flash_attention.py", "test_notebook.py",
 )
+
+
+def pytest_unconfigure(config):
+    if not hasattr(config, "workerinput"):  # the controller (or a serial run), once at the end
+        shutil.rmtree(COMPILATION_CACHE, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -74,3 +74,40 @@ def test_data_paths_expand_the_home_directory():
     cfg = load_config("tiny", ["data.path=~/corpus", "data.tokenizer=~/tokenizer.json"])
     assert cfg.data.path == os.path.expanduser("~/corpus")
     assert cfg.data.tokenizer == os.path.expanduser("~/tokenizer.json")
+
+
+def test_presets_are_the_one_definition_of_each_model():
+    """The shipped configs name jaxpar.models.PRESETS rather than repeating them."""
+    import dataclasses
+
+    assert load_config("small").model == PRESETS["small"]
+    assert load_config("1b").model == dataclasses.replace(PRESETS["1b"], vocab_size=32768)
+    assert load_config("tiny", ["model=gpt2"]).model == PRESETS["gpt2"]
+    assert load_config("tiny", ["model.preset=small", "model.layers=2"]).model == \
+        dataclasses.replace(PRESETS["small"], layers=2)
+    with pytest.raises(ConfigError, match=r"model.preset='huge' is not one of \['1b', 'gpt2', 'small', 'tiny'\]"):
+        load_config("tiny", ["model.preset=huge"])
+
+
+def test_choice_lists_come_from_the_library():
+    import typing
+
+    from jaxpar.kernels.dispatch import IMPLS
+    from jaxpar.parallel.pipeline_schedule import KINDS
+    from jaxpar.placement.execution import SEQUENCE_IMPLS, SEQUENCE_LAYOUTS
+    from jaxpar.train.config import ExecutionConfig, PipelineConfig
+
+    hints = typing.get_type_hints(ExecutionConfig)
+    assert {op: typing.get_args(hints[op]) for op in IMPLS} == IMPLS
+    assert typing.get_args(hints["seq_impl"]) == SEQUENCE_IMPLS
+    assert typing.get_args(hints["seq_layout"]) == SEQUENCE_LAYOUTS
+    assert typing.get_args(typing.get_type_hints(PipelineConfig)["schedule"]) == KINDS
+    with pytest.raises(ConfigError, match=r"execution.attention='flash' must be one of \['auto', 'xla', 'cudnn', 'pallas'\]"):
+        load_config("tiny", ["execution.attention=flash"])
+
+
+def test_trained_tokenizer_takes_the_model_vocabulary():
+    with pytest.raises(ConfigError, match="model.vocab_size=100 must be >= 257 to train a byte-level BPE"):
+        load_config("tiny", ["model.vocab_size=100"])
+    with pytest.raises(ConfigError, match="unknown config key 'data.vocab_size'"):
+        load_config("tiny", ["data.vocab_size=512"])

@@ -9,7 +9,8 @@ from jaxpar.models import ModelConfig, Transformer
 from jaxpar.train import data
 
 # The first 60 standard-library files: a tokenizer trains on them in about a second.
-SMALL = data.DataConfig(vocab_size=512, val_fraction=0.2, max_files=60)
+SMALL = data.DataConfig(val_fraction=0.2, max_files=60)
+VOCAB = 512
 KEYS = ("inputs", "targets", "positions", "segment_ids", "mask")
 
 
@@ -20,7 +21,7 @@ def cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tokenizer(cache):
-    return data.load_tokenizer(SMALL, cache)
+    return data.load_tokenizer(SMALL, VOCAB, cache)
 
 
 def random_rows(rng, n_docs=40, seq_len=8) -> data.PackedRows:
@@ -60,8 +61,6 @@ def test_max_files_takes_the_first_files():
 def test_config_is_validated():
     with pytest.raises(ValueError, match="val_fraction"):
         data.DataConfig(val_fraction=1.0)
-    with pytest.raises(ValueError, match="vocab_size=100 must be >= 257"):
-        data.DataConfig(vocab_size=100)
     with pytest.raises(ValueError, match="split='test'"):
         data.documents(SMALL, "test")
 
@@ -87,24 +86,27 @@ def test_tokenizer_is_cached(tokenizer, cache, monkeypatch):
         raise AssertionError("trained again")
 
     monkeypatch.setattr(data, "_train_tokenizer", no_training)
-    assert data.load_tokenizer(SMALL, cache).to_str() == tokenizer.to_str()
+    assert data.load_tokenizer(SMALL, VOCAB, cache).to_str() == tokenizer.to_str()
     # Another vocabulary, or another train split, is another key.
-    for cfg in (data.DataConfig(vocab_size=600, val_fraction=0.2, max_files=60),
-                data.DataConfig(vocab_size=512, val_fraction=0.2, max_files=59)):
+    for cfg, vocab in ((SMALL, 600), (data.DataConfig(val_fraction=0.2, max_files=59), VOCAB)):
         with pytest.raises(AssertionError, match="trained again"):
-            data.load_tokenizer(cfg, cache)
+            data.load_tokenizer(cfg, vocab, cache)
 
 
 def test_given_tokenizer_and_vocab_check(tokenizer, tmp_path):
     path = tmp_path / "tok.json"
     tokenizer.save(str(path))
-    loaded = data.load_tokenizer(data.DataConfig(tokenizer=str(path)), tmp_path / "unused")
+    loaded = data.load_tokenizer(data.DataConfig(tokenizer=str(path)), VOCAB, tmp_path / "unused")
     assert loaded.to_str() == tokenizer.to_str()
     data.check_vocab(loaded, 512)
     with pytest.raises(ValueError, match="^tokenizer vocab 512 exceeds model.vocab_size 511$"):
         data.check_vocab(loaded, 511)
+    # A table larger than the tokenizer (past padding to a multiple of 128) wastes rows.
+    with pytest.raises(ValueError, match="^model.vocab_size=640 but the tokenizer has 512 tokens: 128 "
+                                         "embedding rows would never be read; set model.vocab_size=512"):
+        data.check_vocab(loaded, 640)
     with pytest.raises(ValueError, match="no such file"):
-        data.load_tokenizer(data.DataConfig(tokenizer=str(tmp_path / "missing.json")), tmp_path)
+        data.load_tokenizer(data.DataConfig(tokenizer=str(tmp_path / "missing.json")), VOCAB, tmp_path)
 
 
 # Packing -------------------------------------------------------------------------------
@@ -298,9 +300,10 @@ def test_user_data_end_to_end(tmp_path):
     root = tmp_path / "corpus"
     for i in range(12):
         write(root / f"{i:02d}.txt", f"Document {i}. " + "the quick brown fox jumps. " * (10 + i))
-    cfg = data.DataConfig(path=str(root), vocab_size=300, val_fraction=0.25)
-    tok = data.load_tokenizer(cfg, tmp_path / "cache")
+    cfg = data.DataConfig(path=str(root), val_fraction=0.25)
+    tok = data.load_tokenizer(cfg, 300, tmp_path / "cache")
     assert tok.get_vocab_size() <= 300
+    data.check_vocab(tok, 300)  # a small corpus gives fewer tokens: padding to 384 allows it
     train = data.packed_rows(cfg, tok, 16, "train", tmp_path / "cache")
     val = data.packed_rows(cfg, tok, 16, "validation", tmp_path / "cache")
     assert len(train) > len(val) > 0

@@ -29,7 +29,7 @@ def test_greedy_with_cache_equals_greedy_recomputed(rng, cfg):
 
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
 def test_cached_logits_equal_full_forward(rng, impl):
-    """Prefill then steps over the cache; with attention.impl=pallas the steps run the
+    """Prefill then steps over the cache; with execution.attention=pallas the steps run the
     Pallas decode kernel (interpret mode) and the full forward the flash kernel."""
     model = Transformer(CFG, rngs=nnx.Rngs(0))
     tokens = jnp.asarray(rng.integers(0, CFG.vocab_size, (2, 10)))

@@ -59,7 +59,7 @@ def test_sequence_parallel_benchmark():
 def test_kernels_benchmark_smoke():
     """bench/kernels.py --smoke: tiny shapes, Pallas interpret mode on CPU (a correctness
     smoke of the script, not a performance figure). The training part is skipped here:
-    test_train runs attention.impl=pallas."""
+    test_train runs execution.attention=pallas."""
     out = run("bench/kernels.py", "--smoke", "--skip-train")
     assert out.returncode == 0, out.stderr
     assert "| BxNxTxH | causal | impl | fwd ms | fwd TFLOP/s |" in out.stdout

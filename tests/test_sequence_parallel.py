@@ -100,7 +100,7 @@ def test_other_axes_split_batch_and_heads(rng, others):
 
 @pytest.mark.parametrize("n,causal,layout", [(2, True, "zigzag"), (4, False, "natural")])
 def test_ring_on_the_flash_kernel(rng, n, causal, layout):
-    """attention.impl=pallas: the ring's inner steps run the Pallas flash kernel's
+    """execution.attention=pallas: the ring's inner steps run the Pallas flash kernel's
     block_update / block_grads (interpret mode), with the rings' token positions."""
     q, k, v, g, seg = inputs(rng, T=32, N=4, K=2, H=16)
     with use_execution(kernels=KernelOptions(attention="pallas")):

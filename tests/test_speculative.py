@@ -72,7 +72,7 @@ def test_cape_accepts_siblings_and_beats_the_chain(models, rng):
 
 
 def test_pallas_decode_kernel_verifies_chains_and_trees(models, rng):
-    """Under attention.impl=pallas the target's verification passes run the Pallas decode
+    """Under execution.attention=pallas the target's verification passes run the Pallas decode
     kernel (interpret mode here): per-sequence lengths, causal chains and tree masks."""
     target, prompt = models["target"], rng.integers(0, CFG.vocab_size, (2, 5))
     reference = greedy(target, prompt, 10)

@@ -17,7 +17,7 @@ from jaxpar.train.config import load_config
 from jaxpar.train.loop import TrainingError, train
 
 SMALL = [
-    "model.layers=2", "model.vocab_size=512", "data.vocab_size=512", "data.max_files=120",
+    "model.layers=2", "model.vocab_size=512", "data.max_files=120",
     "data.val_fraction=0.1", "seq_len=64", "batch_size=8", "eval.batches=2",
     "optimizer.warmup_steps=2",
 ]
@@ -133,8 +133,8 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, cache):
         ("mesh.fsdp=3", 1, "does not divide 8 devices"),
         ("mesh.pipe=2 pipeline.microbatches=3", 1, "batch_size=8 is not divisible by pipeline.microbatches x the data-parallel degree = 3 x 4 = 12"),
         ("mesh.pipe=2 pipeline.microbatches=1 batch_size=8", 1, "1f1b needs at least as many microbatches as pipeline stages: microbatches=1 < pipe=2"),
-        ("attention.impl=cudnn", 1, "attention.impl='cudnn' needs a GPU; JAX's backend here is 'cpu'"),
-        ("mesh.seq=4 seq_len=60", 2, "seq_len=60 must be divisible by 2 x mesh.seq = 8 for mesh.seq_layout=zigzag"),
+        ("execution.attention=cudnn", 1, "execution.attention='cudnn' needs a GPU; JAX's backend here is 'cpu'"),
+        ("mesh.seq=4 seq_len=60", 2, "seq_len=60 must be divisible by 2 x mesh.seq = 8 for execution.seq_layout=zigzag"),
     ],
 )
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, cache, override, code, message):

@@ -21,7 +21,7 @@ def test_sequence_parallel_run_matches_one_device(tmp_path, cache):
     common = ("steps=4", "eval.every=2", "checkpoint.every=0", "model.heads=8")
     reference = train(config(tmp_path / "ref", cache, *common, "mesh.data=8"), progress=False)
     history = train(config(tmp_path / "ring", cache, *common, "mesh.data=2", "mesh.seq=4",
-                           "mesh.seq_impl=ring"), progress=False)
+                           "execution.seq_impl=ring"), progress=False)
     for key in ("loss", "val_loss"):
         got = [r[key] for r in history if key in r]
         want = [r[key] for r in reference if key in r]
@@ -37,7 +37,7 @@ def test_4d_runs_match_one_device(tmp_path, cache):
     common = (*SMALL, "batch_size=16", "optimizer.warmup_steps=20", f"cache_dir={cache}", "steps=10",
               "eval.every=0", "checkpoint.every=0")
     four_d = ("mesh.pipe=2", "mesh.seq=2", "mesh.tensor=[2,2]")
-    pallas = ("attention.impl=pallas", "norm.impl=pallas", "loss.impl=pallas")
+    pallas = ("execution.attention=pallas", "execution.norm=pallas", "execution.loss=pallas")
     runs = {"one": (1, []), "4d": (16, (*four_d, *pallas)), "4d_data": (32, ("mesh.data=2", *four_d))}
     for name, (devices, axes) in runs.items():
         out = cli("tiny", *common, f"run_dir={tmp_path / name}", *axes, devices=devices)
@@ -49,15 +49,15 @@ def test_4d_runs_match_one_device(tmp_path, cache):
 
 
 def test_pallas_kernels_train_like_xla(tmp_path, cache):
-    """attention.impl, norm.impl and loss.impl = pallas (interpret mode on CPU, each kernel
+    """execution.attention, execution.norm and execution.loss = pallas (interpret mode on CPU, each kernel
     per device under shard_map on a data=2 x fsdp=2 x tensor=2 mesh: heads and the loss's
     vocabulary split over tensor) give the losses and validation loss of the XLA
     computations on one data-parallel mesh."""
     common = ("steps=3", "eval.every=3", "checkpoint.every=0", "seq_len=32")
-    reference = train(config(tmp_path / "xla", cache, *common, "attention.impl=xla", "norm.impl=xla",
-                             "loss.impl=xla"), progress=False)
+    reference = train(config(tmp_path / "xla", cache, *common, "execution.attention=xla", "execution.norm=xla",
+                             "execution.loss=xla"), progress=False)
     history = train(config(tmp_path / "pallas", cache, *common, "mesh.fsdp=2", "mesh.tensor=2",
-                           "attention.impl=pallas", "norm.impl=pallas", "loss.impl=pallas"),
+                           "execution.attention=pallas", "execution.norm=pallas", "execution.loss=pallas"),
                     progress=False)
     for key in ("loss", "val_loss"):
         got = [r[key] for r in history if key in r]

@@ -17,7 +17,11 @@ from typing import Any, Literal
 
 import yaml
 
-from jaxpar.models.config import ModelConfig
+from jaxpar.kernels.dispatch import IMPLS as KERNEL_IMPLS
+from jaxpar.models.config import PRESETS, ModelConfig
+from jaxpar.parallel.pipeline_schedule import KINDS as PIPELINE_SCHEDULES
+from jaxpar.placement.execution import SEQUENCE_IMPLS, SEQUENCE_LAYOUTS, SequenceOptions
+from jaxpar.kernels.dispatch import KernelOptions
 from jaxpar.train.data import DataConfig
 
 CONFIG_DIR = pathlib.Path(__file__).parent / "configs"
@@ -37,15 +41,6 @@ class MeshConfig:
     pipe: int = 1
     seq: int = 1
     tensor: int | tuple[int, ...] = 1
-    # Megatron sequence parallelism: with 1D `tensor`, norms and residual adds work on
-    # length-split activations (jaxpar.rules.SEQUENCE_PARALLEL).
-    sequence_parallel: bool = False
-    # With seq > 1, how attention runs over the split length (jaxpar.ring_attention):
-    # the blockwise ring, the paper's Ring Self-Attention, or Ulysses' all-to-all; and
-    # the token order the model keeps (zigzag: causal load balance, the loader permutes
-    # every batch; needs seq_len divisible by 2 x seq).
-    seq_impl: Literal["ring", "rsa", "ulysses"] = "ring"
-    seq_layout: Literal["natural", "zigzag"] = "zigzag"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,32 +68,45 @@ class PipelineConfig:
     """With ``mesh.pipe`` > 1 (``jaxpar.parallel.pipeline_schedule``): the schedule, microbatches
     per step (None: twice ``mesh.pipe``) and virtual stages per device (interleaved)."""
 
-    schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
+    schedule: Literal[PIPELINE_SCHEDULES] = "1f1b"
     microbatches: int | None = None
     virtual_stages: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
-class AttentionConfig:
-    """Who computes attention: "auto" (the Pallas kernels on GPU, XLA elsewhere), "xla",
-    "pallas" (on CPU in interpret mode: slow, for tests) or "cudnn" (GPU only)."""
+class ExecutionConfig:
+    """How the step computes, beyond the mesh sizes (``jaxpar.Execution``).
 
-    impl: Literal["auto", "xla", "cudnn", "pallas"] = "auto"
+    Who computes each fused operation (``jaxpar.kernels.KernelOptions``): "auto" (the
+    Pallas kernels on GPU, XLA elsewhere), "xla", "pallas" (on CPU in interpret mode:
+    slow, for tests), and for attention "cudnn" (GPU only). ``loss`` "pallas" is the
+    fused vocabulary projection + cross-entropy that never stores the logits.
 
+    With ``mesh.seq`` > 1, how attention runs over the split length
+    (``jaxpar.ring_attention``): ``seq_impl`` the blockwise ring, the paper's Ring
+    Self-Attention or Ulysses' all-to-all; ``seq_layout`` the token order the model
+    keeps (zigzag: causal load balance, the loader permutes every batch; needs seq_len
+    divisible by 2 x mesh.seq). The library's own default is "natural" (right for any
+    caller); the trainer defaults to "zigzag" because it permutes its batches itself.
 
-@dataclasses.dataclass(frozen=True)
-class NormConfig:
-    """Who computes the RMSNorm/LayerNorm: "auto", "xla" or "pallas" (as ``attention``)."""
+    ``sequence_parallel``: Megatron sequence parallelism with 1D ``mesh.tensor``: norms
+    and residual adds work on length-split activations (``jaxpar.rules.SEQUENCE_PARALLEL``).
+    """
 
-    impl: Literal["auto", "xla", "pallas"] = "auto"
+    attention: Literal[KERNEL_IMPLS["attention"]] = "auto"
+    norm: Literal[KERNEL_IMPLS["norm"]] = "auto"
+    loss: Literal[KERNEL_IMPLS["loss"]] = "auto"
+    seq_impl: Literal[SEQUENCE_IMPLS] = "ring"
+    seq_layout: Literal[SEQUENCE_LAYOUTS] = "zigzag"
+    sequence_parallel: bool = False
 
+    @property
+    def kernels(self) -> KernelOptions:
+        return KernelOptions(self.attention, self.norm, self.loss)
 
-@dataclasses.dataclass(frozen=True)
-class LossConfig:
-    """Who computes the vocabulary projection + cross-entropy: "auto", "xla" or "pallas"
-    (the fused kernel that never stores the logits)."""
-
-    impl: Literal["auto", "xla", "pallas"] = "auto"
+    @property
+    def sequence(self) -> SequenceOptions:
+        return SequenceOptions(self.seq_impl, self.seq_layout)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,10 +146,7 @@ class Config:
     optimizer: OptimizerConfig = OptimizerConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     eval: EvalConfig = EvalConfig()
-    # jaxpar.kernels.KernelOptions: who computes attention, norms and loss.
-    attention: AttentionConfig = AttentionConfig()
-    norm: NormConfig = NormConfig()
-    loss: LossConfig = LossConfig()
+    execution: ExecutionConfig = ExecutionConfig()
     run_dir: str = "runs/tiny"
     cache_dir: str | None = None  # tokenizer/packed-data cache; None: RUN_DIR/cache
     steps: int = 200
@@ -172,14 +177,18 @@ class Config:
             raise ValueError(f"pipeline.microbatches={self.pipeline.microbatches!r} must be at least 1")
         if self.mesh.data is not None and self.mesh.data < 1:
             raise ValueError(f"mesh.data={self.mesh.data!r} must be at least 1")
+        # 256 byte symbols plus EOS is the smallest byte-level vocabulary.
+        if self.task == "lm" and self.data.tokenizer is None and self.model.vocab_size < 257:
+            raise ValueError(f"model.vocab_size={self.model.vocab_size} must be >= 257 to train a "
+                             "byte-level BPE of that size (256 bytes + EOS)")
         if self.seq_len < 2:
             raise ValueError(f"seq_len={self.seq_len!r} must be at least 2")
         seq = self.mesh.seq
-        ways = 2 * seq if self.mesh.seq_layout == "zigzag" else seq
+        ways = 2 * seq if self.execution.seq_layout == "zigzag" else seq
         if seq > 1 and self.seq_len % ways:
             raise ValueError(
                 f"seq_len={self.seq_len} must be divisible by "
-                + (f"2 x mesh.seq = {ways} for mesh.seq_layout=zigzag" if ways > seq else f"mesh.seq={seq}")
+                + (f"2 x mesh.seq = {ways} for execution.seq_layout=zigzag" if ways > seq else f"mesh.seq={seq}")
             )
 
 
@@ -325,6 +334,8 @@ def load_config(name_or_path: str, overrides: typing.Sequence[str] = ()) -> Conf
     if not isinstance(values, dict):
         raise ConfigError(f"{path}: a config file must be a mapping of keys to values")
     for item in overrides:
+        if isinstance(values.get("model"), str):  # "model: tiny": overrides go beside the preset
+            values["model"] = {"preset": values["model"]}
         key, sep, text = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r} must look like key=value")
@@ -333,7 +344,24 @@ def load_config(name_or_path: str, overrides: typing.Sequence[str] = ()) -> Conf
         except yaml.YAMLError:
             value = text
         _set(values, key.strip(), value)
+    if "model" in values:
+        values["model"] = _from_preset(values["model"])
     return _build(Config, values)
+
+
+def _from_preset(model: Any) -> Any:
+    """The ``model`` section with its preset (``model: small``, or ``model: {preset:
+    small, remat: full}``) expanded: the preset's fields (``jaxpar.models.PRESETS``, the
+    one definition of each), then the section's own keys over them."""
+    if isinstance(model, str):
+        model = {"preset": model}
+    if not isinstance(model, dict) or "preset" not in model:
+        return model
+    model = dict(model)
+    name = model.pop("preset")
+    if name not in PRESETS:
+        raise ConfigError(f"model.preset={name!r} is not one of {sorted(PRESETS)}")
+    return {**dataclasses.asdict(PRESETS[name]), **model}
 
 
 def to_dict(cfg: Config) -> dict:

@@ -71,8 +71,9 @@ class DataConfig:
     # every other file is one document, decoded as UTF-8 with errors="replace".
     path: str | None = None
     text_field: str = "text"  # the JSONL field holding a document's text
-    tokenizer: str | None = None  # a local tokenizer.json; None: train a byte-level BPE
-    vocab_size: int = 4096  # of the trained tokenizer, EOS included
+    # A local tokenizer.json; None: train a byte-level BPE of model.vocab_size tokens
+    # (EOS included), so the embedding has a row for every token and no more.
+    tokenizer: str | None = None
     # Share of documents held out for validation, decided by crc32 of the document's
     # name (its path relative to the corpus root; "file.jsonl:LINE" for JSONL lines).
     val_fraction: float = 0.05
@@ -86,9 +87,6 @@ class DataConfig:
             raise ValueError(f"data.val_fraction={self.val_fraction} must be in [0, 1)")
         if self.max_files is not None and self.max_files < 1:
             raise ValueError(f"data.max_files={self.max_files} must be >= 1 or None")
-        # 256 byte symbols plus EOS is the smallest byte-level vocabulary.
-        if self.tokenizer is None and self.vocab_size < 257:
-            raise ValueError(f"data.vocab_size={self.vocab_size} must be >= 257 (256 bytes + EOS)")
         if not self.text_field:
             raise ValueError("data.text_field must be a non-empty field name")
 
@@ -230,8 +228,9 @@ def _fingerprint(*parts) -> str:
 # Tokenizer -----------------------------------------------------------------------------
 
 
-def load_tokenizer(cfg: DataConfig, cache_dir: str | os.PathLike) -> tokenizers.Tokenizer:
-    """``cfg.tokenizer`` if given, else the byte-level BPE of the train split.
+def load_tokenizer(cfg: DataConfig, vocab_size: int, cache_dir: str | os.PathLike) -> tokenizers.Tokenizer:
+    """``cfg.tokenizer`` if given, else the byte-level BPE of the train split with
+    ``vocab_size`` tokens (the model's).
 
     The trained tokenizer is cached as ``cache_dir/tokenizer-<key>.json`` with key =
     hash(recipe version, vocab_size, EOS, every train document's name and text), so it
@@ -244,12 +243,12 @@ def load_tokenizer(cfg: DataConfig, cache_dir: str | os.PathLike) -> tokenizers.
             raise ValueError(f"data.tokenizer={cfg.tokenizer!r}: no such file")
         return tokenizers.Tokenizer.from_file(cfg.tokenizer)
     docs = split_documents(cfg, "train")
-    key = _fingerprint("bpe", _CACHE_VERSION, cfg.vocab_size, EOS, *docs)
+    key = _fingerprint("bpe", _CACHE_VERSION, vocab_size, EOS, *docs)
     path = pathlib.Path(cache_dir, f"tokenizer-{key}.json")
     if path.is_file():
         return tokenizers.Tokenizer.from_file(str(path))
     start = time.perf_counter()
-    tokenizer = _train_tokenizer([d.text for d in docs], cfg.vocab_size)
+    tokenizer = _train_tokenizer([d.text for d in docs], vocab_size)
     log.info("trained a %d-token BPE on %d documents in %.1f s",
              tokenizer.get_vocab_size(), len(docs), time.perf_counter() - start)
     _write_atomic(path, lambda f: f.write(tokenizer.to_str().encode("utf-8")))
@@ -280,11 +279,23 @@ def eos_id(tokenizer: tokenizers.Tokenizer) -> int:
     return i
 
 
+# Embedding rows a model may have past its tokenizer's vocabulary: padding the table to
+# a multiple of 128 (as Megatron and MaxText do, for tensor-parallel splits and tiles).
+VOCAB_PAD = 128
+
+
 def check_vocab(tokenizer: tokenizers.Tokenizer, model_vocab_size: int) -> None:
-    """Raises unless every token id fits the model's embedding table."""
+    """Raises unless the model's embedding table fits the tokenizer: a row for every token
+    id, and no more rows than padding to a multiple of ``VOCAB_PAD`` adds (rows no token
+    reads would be trained, stored and projected onto at every step for nothing)."""
     n = tokenizer.get_vocab_size(with_added_tokens=True)
     if n > model_vocab_size:
         raise ValueError(f"tokenizer vocab {n} exceeds model.vocab_size {model_vocab_size}")
+    padded = -(-n // VOCAB_PAD) * VOCAB_PAD
+    if model_vocab_size > padded:
+        raise ValueError(f"model.vocab_size={model_vocab_size} but the tokenizer has {n} tokens: "
+                         f"{model_vocab_size - n} embedding rows would never be read; set "
+                         f"model.vocab_size={n} (or up to {padded}), or use a tokenizer of that size")
 
 
 def tokenize(tokenizer: tokenizers.Tokenizer, texts: Sequence[str]) -> list[np.ndarray]:

@@ -29,11 +29,11 @@ from tqdm.auto import tqdm
 
 import jaxpar
 from jaxpar.models import GlideDraft, Transformer
+from jaxpar.models.config import WEIGHTS, ModelConfig
 from jaxpar.parallel import pipeline_schedule as pipeline_schedules
 from jaxpar.models.transformer import sharding_rules
 from jaxpar.parallel.pipeline_schedule import Schedule
-from jaxpar.kernels.dispatch import KernelOptions
-from jaxpar.parallel.sequence import SequenceOptions, to_zigzag
+from jaxpar.parallel.sequence import to_zigzag
 from jaxpar.train import data as data_lib
 from jaxpar.train import glide
 from jaxpar.train.checkpoints import Checkpoints
@@ -135,9 +135,7 @@ def _check_batch(cfg: Config, mesh, rules) -> None:
 
 
 # The model settings a checkpoint's arrays depend on.
-SHAPE_KEYS = ("vocab_size", "dim", "layers", "heads", "kv_heads", "head_dim", "mlp_dim",
-              "norm", "mlp", "position", "max_position", "tie_embeddings", "attention_bias",
-              "mlp_bias", "param_dtype")
+SHAPE_KEYS = ModelConfig.fields_tagged(WEIGHTS)
 
 
 def _check_same_model(checkpoints: Checkpoints, cfg: Config) -> None:
@@ -213,19 +211,18 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
     run_dir = pathlib.Path(cfg.run_dir)
     mesh = build_mesh(cfg.mesh)
     model_cfg = cfg.model
-    rules = sharding_rules(model_cfg, mesh, sequence_parallel=cfg.mesh.sequence_parallel)
+    rules = sharding_rules(model_cfg, mesh, sequence_parallel=cfg.execution.sequence_parallel)
     _check_batch(cfg, mesh, rules)
     abstract_model = nnx.eval_shape(lambda: build_model(cfg))
     tx, schedule = make_optimizer(cfg.optimizer, cfg.steps)
-    sequence = SequenceOptions(cfg.mesh.seq_impl, cfg.mesh.seq_layout)
     stages = pipeline_schedule(cfg, mesh, rules)
-    kernels = KernelOptions(cfg.attention.impl, cfg.norm.impl, cfg.loss.impl)
     frozen, glide_step = (), {}
     if target is not None:  # the frozen target: an argument of every step, never trained
         frozen = (nnx.state(jaxpar.shard_model(target, mesh, rules)),)
         glide_step = {"loss": glide.make_loss(cfg, target), "frozen": frozen[0]}
     step_fn = make_train_step(abstract_model, tx, mesh, rules, grad_accum=cfg.optimizer.grad_accum,
-                              sequence=sequence, kernels=kernels, pipeline=stages, **glide_step)
+                              sequence=cfg.execution.sequence, kernels=cfg.execution.kernels,
+                              pipeline=stages, **glide_step)
     if target is None:
         def batch_of(local):
             return _global_batch(local, step_fn)
@@ -243,7 +240,7 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
     checkpoints = Checkpoints(run_dir, keep=cfg.checkpoint.keep)
     _check_same_model(checkpoints, cfg)
     cache_dir = pathlib.Path(cfg.cache_dir) if cfg.cache_dir else run_dir / "cache"
-    tokenizer = data_lib.load_tokenizer(cfg.data, cache_dir)
+    tokenizer = data_lib.load_tokenizer(cfg.data, model_cfg.vocab_size, cache_dir)
     data_lib.check_vocab(tokenizer, model_cfg.vocab_size)
     train_rows = data_lib.packed_rows(cfg.data, tokenizer, cfg.seq_len, "train", cache_dir)
     val_rows = data_lib.packed_rows(cfg.data, tokenizer, cfg.seq_len, "validation", cache_dir)

@@ -65,7 +65,7 @@ def loss_fn(model: nnx.Module, batch: Batch) -> jax.Array:
 def head_loss(model: nnx.Module, x: jax.Array, targets: jax.Array,
               mask: jax.Array | None = None) -> jax.Array:
     """The mean next-token loss of the last layer's output ``x [B, T, D]``: final norm,
-    vocabulary projection and cross-entropy. Under ``loss.impl`` "pallas" the projection
+    vocabulary projection and cross-entropy. Under ``execution.loss`` "pallas" the projection
     and the cross-entropy run as one fused kernel (``jaxpar.ops.kernel_ops.token_losses``): the
     ``[B, T, V]`` logits never exist."""
     losses = kernel_ops.token_losses(model.final_norm(x), model.head_weight(), targets)

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.inference import token_tree
+from jaxpar.models.config import TARGET, ModelConfig
 from jaxpar.models.glide import GlideDraft, inference_cross_mask
 from jaxpar.models.transformer import KVCache, Transformer, init_cache, write_cache
 from jaxpar.inference.sampling import draw, probabilities
@@ -131,8 +132,7 @@ def check(method: Method, target: Transformer, draft) -> None:
 
 # The target settings a GliDe draft's weights depend on: its cross-attention reads the
 # target's cached keys/values (heads, head size, RoPE) of fixed layers.
-GLIDE_TARGET_KEYS = ("vocab_size", "dim", "layers", "heads", "kv_heads", "head_dim", "position",
-                     "rope_theta", "rope_scaling")
+GLIDE_TARGET_KEYS = ModelConfig.fields_tagged(TARGET)
 
 
 def check_glide_target(draft: GlideDraft, target: Transformer) -> None:

@@ -61,7 +61,7 @@ def dot_product_attention(
     with the impl and token layout of the ``Execution`` in force (``jaxpar.use_execution``)
     (default: the blockwise ring, natural order).
 
-    Kernels: ``jaxpar.kernels.KernelOptions.attention`` (``attention.impl``) picks who
+    Kernels: ``jaxpar.kernels.KernelOptions.attention`` (``execution.attention``) picks who
     computes it: this function's XLA code, the Pallas flash attention kernel (and the
     Pallas decode kernel over a cache), or cuDNN (``jaxpar.ops.kernel_ops``).
     """

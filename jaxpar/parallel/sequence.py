@@ -162,7 +162,7 @@ def block_update(q, k, v, o, lse, q_pos, k_pos, q_seg=None, k_seg=None, *, causa
       ids or None.
     Returns:
       the updated ``(o, lse)``; rows that see no key here are unchanged. The keys are
-      walked in blocks of at most ``KV_BLOCK``; with ``attention.impl`` "pallas" (the GPU
+      walked in blocks of at most ``KV_BLOCK``; with ``execution.attention`` "pallas" (the GPU
       default, ``jaxpar.kernels.KernelOptions``) by the flash attention kernel's step.
     """
     if implementation("attention") == "pallas":
@@ -203,7 +203,7 @@ def block_grads(q, k, v, do, lse, delta, q_pos, k_pos, q_seg=None, k_seg=None, *
       ids as in ``block_update``.
     Returns:
       ``(dq [B, Tq, K, G, H], dk [B, Tk, K, H], dv [B, Tk, K, H])``, float32; by the
-      flash attention kernel's backward under ``attention.impl`` "pallas".
+      flash attention kernel's backward under ``execution.attention`` "pallas".
     """
     if implementation("attention") == "pallas":
         B, Tq, K, G, H = q.shape
