@@ -3,13 +3,13 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import rel_err
+from conftest import greedy_without_cache, rel_err
 from flax import nnx
 from jaxpar.kernels.dispatch import KernelOptions, kernel_options
 from jaxpar.models import ModelConfig, Transformer
 from jaxpar.models.transformer import init_cache
 
-from jaxpar.inference.decoding import generate, greedy_without_cache, sample
+from jaxpar.inference.decoding import generate, sample
 
 CFG = ModelConfig(vocab_size=64, dim=32, layers=2, heads=4, kv_heads=2, head_dim=8, mlp_dim=48, init_std=0.3)
 

@@ -61,6 +61,17 @@ def test_greedy_methods_return_greedy_decoding(models, rng, method, draft, batch
         assert 1.5 < out.accepted_per_step < 5.0
 
 
+def test_generate_streams_the_ar_rounds(models, rng):
+    """``generate`` is the ``ar`` method one round at a time: the same tokens, sampled
+    ones included (same seed)."""
+    target, prompt = models["target"], rng.integers(0, CFG.vocab_size, (3, 5))
+    sampling = dict(max_new_tokens=8, temperature=1.0, top_p=0.9, seed=1)
+    streamed = np.stack(list(generate(target, prompt, **sampling)), axis=1)
+    looped = speculative_generate(target, prompt, method="ar", **sampling)
+    np.testing.assert_array_equal(np.stack(looped.tokens), streamed)
+    assert len(set(streamed.ravel().tolist())) > 3
+
+
 def test_cape_accepts_siblings_and_beats_the_chain(models, rng):
     """With a weak draft, CaPE's siblings catch target tokens the greedy chain misses."""
     target, draft = models["target"], perturbed(models["target"], 0.5, rng)

@@ -3,7 +3,8 @@ jitted step per token, streamed), and speculative decoding that reuses the targe
 cache (``speculative_generate``, the whole loop in one jitted ``while_loop``, and
 ``speculative_stream``, one jitted round at a time) with an independent draft model,
 a GliDe draft (``jaxpar.models.GlideDraft``) or GliDe with CaPE's token trees. The
-rounds themselves are ``jaxpar.inference.speculative``'s.
+rounds themselves are ``jaxpar.inference.speculative``'s; ``generate`` runs its ``ar``
+rounds, so plain and speculative decoding share one autoregressive step.
 """
 
 from __future__ import annotations
@@ -18,25 +19,13 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.inference import speculative
-from jaxpar.models.transformer import KVCache, Transformer, init_cache
+from jaxpar.models.transformer import Transformer
 from jaxpar.inference.sampling import probabilities, sample
 from jaxpar.inference.speculative import METHODS, Method
 from jaxpar.inference.token_tree import DEFAULT_BINS
 
-__all__ = ["DEFAULT_BINS", "METHODS", "Generation", "generate", "greedy_without_cache",
-           "probabilities", "sample", "speculative_generate", "speculative_stream"]
-
-
-@nnx.jit
-def _prefill(model: Transformer, tokens: jax.Array, cache: KVCache):
-    logits, cache = model(tokens, cache=cache)
-    return logits[:, -1], cache
-
-
-@nnx.jit
-def _step(model: Transformer, token: jax.Array, cache: KVCache, key, temperature, top_p):
-    logits, cache = model(token[:, None], cache=cache)
-    return sample(logits[:, -1], key, temperature, top_p), cache
+__all__ = ["DEFAULT_BINS", "METHODS", "Generation", "generate", "probabilities", "sample",
+           "speculative_generate", "speculative_stream"]
 
 
 def generate(
@@ -49,48 +38,24 @@ def generate(
     seed: int = 0,
     eos_id: int | None = None,
 ) -> Iterator[np.ndarray]:
-    """Yields the next token of every sequence, ``[B]`` int32, up to ``max_new_tokens``.
+    """Yields the next token of every sequence, ``[B]`` int32, up to ``max_new_tokens``:
+    the ``ar`` method's rounds of ``speculative_stream`` (one jitted target step each),
+    one yield per round.
 
     Args:
       prompt: int ``[B, T]`` prompt tokens (all sequences the same length).
-      eos_id: stop once every sequence has produced it.
+      eos_id: stop once every sequence has produced it; a sequence that produced it
+        repeats it while the others go on.
     """
-    prompt = jnp.asarray(prompt, jnp.int32)
-    B, T = prompt.shape
-    cache = init_cache(model.cfg, B, T + max_new_tokens)
-    temperature, top_p = jnp.float32(temperature), jnp.float32(top_p)
-    key = jax.random.key(seed)
-    logits, cache = _prefill(model, prompt, cache)
-    key, sub = jax.random.split(key)
-    token = sample(logits, sub, temperature, top_p)
-    done = np.zeros(B, bool)
-    for i in range(max_new_tokens):
-        out = np.asarray(token)
-        yield out
-        if eos_id is not None:
-            done |= out == eos_id
-            if done.all():
-                return
-        if i + 1 < max_new_tokens:
-            key, sub = jax.random.split(key)
-            token, cache = _step(model, token, cache, sub, temperature, top_p)
-
-
-@nnx.jit
-def _next_token_without_cache(model: Transformer, tokens: jax.Array, at: jax.Array) -> jax.Array:
-    return jnp.argmax(model(tokens)[:, at], axis=-1).astype(jnp.int32)
-
-
-def greedy_without_cache(model: Transformer, prompt: np.ndarray, max_new_tokens: int) -> np.ndarray:
-    """Plain greedy decoding that recomputes the whole sequence each step: the reference
-    the cached path is tested against. Returns ``[B, max_new_tokens]``. (The sequence is
-    held in a buffer of its final length, so one compiled forward serves every step;
-    causal attention keeps the unfilled tail from touching the filled head.)"""
-    B, P = prompt.shape
-    tokens = jnp.zeros((B, P + max_new_tokens), jnp.int32).at[:, :P].set(jnp.asarray(prompt, jnp.int32))
-    for i in range(max_new_tokens):
-        tokens = tokens.at[:, P + i].set(_next_token_without_cache(model, tokens, jnp.int32(P + i - 1)))
-    return np.asarray(tokens[:, P:])
+    method, tokens, lengths, graph, params = _setup(model, prompt, None, "ar", 1, DEFAULT_BINS,
+                                                    temperature, top_p, max_new_tokens)
+    prefill, round_, _ = _compiled(method, max_new_tokens, eos_id)
+    state = prefill(graph, params, tokens, lengths, jax.random.key(seed))
+    while True:
+        yield np.asarray(state.last)
+        if bool(np.asarray(state.done).all()):
+            return
+        state = round_(graph, params, state)
 
 
 @dataclasses.dataclass(frozen=True)

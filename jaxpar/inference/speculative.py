@@ -3,7 +3,8 @@ verifies in one forward pass, and only the accepted tokens' cache entries stay.
 
 One round, for every sequence of the batch at once (each with its own cache length):
 
-* ``ar``: one target step (the baseline, run by the same loop).
+* ``ar``: one target step (the baseline, run by the same loop; ``decoding.generate``
+  streams these rounds).
 * ``speculative`` / ``glide``: the draft (an independent small model, or the GliDe draft
   that cross-attends to the target's cache) proposes ``gamma`` tokens; the target runs
   once over ``[last, d_1..d_gamma]``; greedy decoding accepts the longest prefix equal
