@@ -36,7 +36,7 @@ def generate(
     temperature: float = 0.0,
     top_p: float = 1.0,
     seed: int = 0,
-    eos_id: int | None = None,
+    eos_ids: Sequence[int] = (),
 ) -> Iterator[np.ndarray]:
     """Yields the next token of every sequence, ``[B]`` int32, up to ``max_new_tokens``:
     the ``ar`` method's rounds of ``speculative_stream`` (one jitted target step each),
@@ -44,12 +44,12 @@ def generate(
 
     Args:
       prompt: int ``[B, T]`` prompt tokens (all sequences the same length).
-      eos_id: stop once every sequence has produced it; a sequence that produced it
-        repeats it while the others go on.
+      eos_ids: end-of-sequence tokens: stop once every sequence has produced one of
+        them; a sequence that has repeats its end token while the others go on.
     """
     method, tokens, lengths, graph, params = _setup(model, prompt, None, "ar", 1, DEFAULT_BINS,
                                                     temperature, top_p, max_new_tokens)
-    prefill, round_, _ = _compiled(method, max_new_tokens, eos_id)
+    prefill, round_, _ = _compiled(method, max_new_tokens, _eos(eos_ids))
     state = prefill(graph, params, tokens, lengths, jax.random.key(seed))
     while True:
         yield np.asarray(state.last)
@@ -62,7 +62,8 @@ def generate(
 class Generation:
     """What ``speculative_generate`` returns.
 
-    tokens: per sequence, int32 ``[<= max_new_tokens]``, cut after ``eos_id``.
+    tokens: per sequence, int32 ``[<= max_new_tokens]``, cut after its first end token
+      (any of ``eos_ids``).
     accepted_per_step: mean tokens a round gave a sequence, the target's own (correction
       or bonus) token included, as Spec-Bench counts it (1.0 for ``ar``).
     rounds: int ``[B]``, the rounds (target forward passes) each sequence took.
@@ -87,8 +88,16 @@ def _prompts(prompt) -> tuple[jax.Array, jax.Array]:
 
 
 @functools.lru_cache(maxsize=32)
-def _compiled(method: Method, max_new_tokens: int, eos_id: int | None):
-    return speculative.compiled(method, max_new_tokens, eos_id)
+def _compiled(method: Method, max_new_tokens: int, eos_ids: tuple[int, ...]):
+    return speculative.compiled(method, max_new_tokens, eos_ids)
+
+
+def _eos(eos_ids: Sequence[int]) -> tuple[int, ...]:
+    """``eos_ids`` as a sorted tuple of distinct ints (hashable: a static argument)."""
+    if isinstance(eos_ids, (int, np.integer)) or not all(
+            isinstance(i, (int, np.integer)) for i in eos_ids):
+        raise ValueError(f"eos_ids={eos_ids!r} must be a sequence of token ids")
+    return tuple(sorted({int(i) for i in eos_ids}))
 
 
 def _setup(target, prompt, draft, method, gamma, bins, temperature, top_p, max_new_tokens):
@@ -101,13 +110,14 @@ def _setup(target, prompt, draft, method, gamma, bins, temperature, top_p, max_n
     return method, tokens, lengths, graph, params
 
 
-def _tokens(state, eos_id, max_new_tokens) -> list[np.ndarray]:
+def _tokens(state, eos_ids: tuple[int, ...], max_new_tokens) -> list[np.ndarray]:
     out, count = np.asarray(state.out), np.asarray(state.count)
     rows = []
     for b in range(out.shape[0]):
         row = out[b, : min(int(count[b]), max_new_tokens)]
-        if eos_id is not None and (row == eos_id).any():
-            row = row[: int(np.argmax(row == eos_id)) + 1]
+        ends = np.isin(row, eos_ids)
+        if ends.any():
+            row = row[: int(np.argmax(ends)) + 1]
         rows.append(row)
     return rows
 
@@ -124,7 +134,7 @@ def speculative_generate(
     temperature: float = 0.0,
     top_p: float = 1.0,
     seed: int = 0,
-    eos_id: int | None = None,
+    eos_ids: Sequence[int] = (),
 ) -> Generation:
     """Generates with ``method`` (``jaxpar.inference.decoding.METHODS``), all rounds in one jitted
     loop, every sequence of the batch accepting its own number of tokens per round.
@@ -140,24 +150,25 @@ def speculative_generate(
       gamma: draft tokens per round (the tree's depth for ``cape``).
       bins: CaPE's widths by draft confidence decile (11 ints).
       temperature, top_p: 0 is greedy; ``cape`` is greedy only.
-      eos_id: a sequence stops after producing it.
+      eos_ids: end-of-sequence tokens; a sequence stops after producing any of them.
 
     Raises:
       ValueError: a method, draft or setting that does not fit (one line).
     """
     method, tokens, lengths, graph, params = _setup(target, prompt, draft, method, gamma, bins,
                                                     temperature, top_p, max_new_tokens)
-    _, _, loop = _compiled(method, max_new_tokens, eos_id)
+    eos_ids = _eos(eos_ids)
+    _, _, loop = _compiled(method, max_new_tokens, eos_ids)
     state = loop(graph, params, tokens, lengths, jax.random.key(seed))
     rounds, emitted = np.asarray(state.rounds), np.asarray(state.emitted)
     accepted = float(emitted.sum() / max(rounds.sum(), 1)) if method.name != "ar" else 1.0
-    return Generation(_tokens(state, eos_id, max_new_tokens), accepted, rounds)
+    return Generation(_tokens(state, eos_ids, max_new_tokens), accepted, rounds)
 
 
 def speculative_stream(target: Transformer, prompt, *, draft=None, method: str = "speculative",
                        gamma: int = 4, bins: Sequence[int] = DEFAULT_BINS, max_new_tokens: int,
                        temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
-                       eos_id: int | None = None) -> Iterator[tuple[list[np.ndarray], np.ndarray]]:
+                       eos_ids: Sequence[int] = ()) -> Iterator[tuple[list[np.ndarray], np.ndarray]]:
     """``speculative_generate`` one jitted round at a time, for streaming: yields
     ``(new_tokens, accepted)`` after the prefill and after every round, ``new_tokens`` a
     list (per sequence) of the int32 tokens it just produced (empty once done), and
@@ -166,12 +177,13 @@ def speculative_stream(target: Transformer, prompt, *, draft=None, method: str =
     between yields is decoding alone."""
     method, tokens, lengths, graph, params = _setup(target, prompt, draft, method, gamma, bins,
                                                     temperature, top_p, max_new_tokens)
-    prefill, round_, _ = _compiled(method, max_new_tokens, eos_id)
+    eos_ids = _eos(eos_ids)
+    prefill, round_, _ = _compiled(method, max_new_tokens, eos_ids)
     state = prefill(graph, params, tokens, lengths, jax.random.key(seed))
     jax.block_until_ready(round_(graph, params, state))  # compile before the first yield
     shown = np.zeros(tokens.shape[0], int)
     while True:
-        rows = _tokens(state, eos_id, max_new_tokens)
+        rows = _tokens(state, eos_ids, max_new_tokens)
         new = [row[s:] for row, s in zip(rows, shown)]
         shown = np.asarray([len(r) for r in rows])
         rounds = np.maximum(np.asarray(state.rounds), 1)
