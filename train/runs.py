@@ -71,20 +71,18 @@ def eos_ids(run_dir: pathlib.Path, tokenizer: tokenizers.Tokenizer) -> tuple[int
 
 def restore_params(run_dir: pathlib.Path, model: nnx.Module, cfg: Config) -> nnx.Module:
     """Fills ``model`` (abstract, ``nnx.eval_shape``) with the parameters of the latest
-    readable checkpoint in ``run_dir``, on one device."""
-    from jaxpar.train.loop import make_optimizer
-    from jaxpar.train.step import make_train_step
-
-    tx, _ = make_optimizer(cfg.optimizer, cfg.steps)
-    abstract = make_train_step(model, tx).abstract_state(model, SingleDeviceSharding(jax.devices()[0]))
+    readable checkpoint in ``run_dir``, on one device; the optimizer state stays on disk."""
+    device = SingleDeviceSharding(jax.devices()[0])
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
+                            nnx.state(model))
     checkpoints = Checkpoints(run_dir, keep=cfg.checkpoint.keep)
     try:
-        restored = checkpoints.restore_latest(abstract)
+        restored = checkpoints.restore_params(abstract)
     finally:
         checkpoints.close()
     if restored is None:
         raise FileNotFoundError(f"no checkpoint in {pathlib.Path(run_dir) / 'checkpoints'}")
-    nnx.update(model, restored[1]["params"])
+    nnx.update(model, restored[1])
     return model
 
 
