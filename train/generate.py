@@ -5,8 +5,9 @@ RUN_DIR is a ``jaxpar-train`` run directory (its latest checkpoint, ``config.yam
 and ``tokenizer.json``) or a Hugging Face Llama directory (``config.json``,
 ``*.safetensors``, ``tokenizer.json``). Generation stops at the end-of-sequence
 token (``jaxpar.train.runs.eos_ids``: a run's end-of-text token; in a Hugging Face
-directory ``generation_config.json``'s ids, as ``transformers`` stops). Text streams to stdout as it is produced, then
-a line with tokens/s goes to stderr; ``--json`` prints one JSON object instead.
+directory ``generation_config.json``'s ids, as ``transformers`` stops). Text streams
+to stdout as it is produced, then a line with tokens/s goes to stderr; ``--json``
+prints one JSON object instead.
 
 With ``--draft`` (a jaxpar run of a small model with the same tokenizer, or a
 ``jaxpar-train glide`` run trained against RUN_DIR) the method defaults to
