@@ -7,7 +7,7 @@ abstract inputs and reads the compiled program: ``argument_bytes``, ``temp_bytes
 budget comes from two compilations (temp bytes are affine in the batch: exact for
 these programs, whose buffers all scale with the batch or not at all).
 
-Theory, 2 bytes per bf16 element. 1D, per layer: forward and backward each all-reduce
+Theory, 2 bytes per bf16 element (4 per reduced float32 partial sum of SUMMA). 1D, per layer: forward and backward each all-reduce
 the attention and MLP outputs, 4 all-reduces of B T D elements moving ``2 (p-1)/p`` of
 them per device. 2D, per layer: each of the layer's SUMMA products (QKV, out, gate, up,
 down, and the vocabulary projection once) moves ``(q-1)/q^2`` of its moving operands
@@ -57,19 +57,21 @@ def measure(cfg, p: int, mode: str, batch: int, seq_len: int) -> dict:
 def summa_theory(cfg, p: int, tokens: int) -> float:
     """Bytes per device per step of the SUMMA products with no broadcast shared: an
     ``a @ b`` product moves (q-1)/q^2 (A + B) forward and twice that backward; an
-    ``a @ bᵀ`` one (output and down projections) moves B + C forward, C + 2 B backward."""
+    ``a @ bᵀ`` one (output and down projections) moves B + C forward, C + 2 B backward.
+    Operands move as bf16 (2 bytes), reduced partial sums as f32 (4 bytes): an ``a @ b``
+    reduces dA and dB backward, an ``a @ bᵀ`` C forward and dB backward."""
     q = int(round(p ** 0.5))
     D, F, V = cfg.dim, cfg.mlp_dim, cfg.vocab_size
     NH, KH = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
 
     def nn(k, n):  # activation [tokens, k] @ weight [k, n]
-        return 3 * (tokens * k + k * n)
+        return 2 * 2 * (tokens * k + k * n) + 4 * (tokens * k + k * n)
 
     def nt(k, n):  # activation [tokens, k] @ weight [k, n] stored transposed
-        return 3 * k * n + 2 * tokens * n
+        return 2 * (2 * k * n + tokens * n) + 4 * (tokens * n + k * n)
 
     per_layer = nn(D, NH) + 2 * nn(D, KH) + nt(NH, D) + 2 * nn(D, F) + nt(F, D)
-    return (cfg.layers * per_layer + nn(D, V)) * (q - 1) / q**2 * 2
+    return (cfg.layers * per_layer + nn(D, V)) * (q - 1) / q**2
 
 
 def main():

@@ -115,6 +115,24 @@ def train_steps(cfg, data, mesh=None, rules=None, *, prepare=lambda batch: batch
     return losses, params, opt_state
 
 
+@nnx.jit
+def _next_token_without_cache(model, tokens: jax.Array, at: jax.Array) -> jax.Array:
+    return jnp.argmax(model(tokens)[:, at], axis=-1).astype(jnp.int32)
+
+
+def greedy_without_cache(model, prompt: np.ndarray, max_new_tokens: int) -> np.ndarray:
+    """Plain greedy decoding of a ``Transformer`` that recomputes the whole sequence each
+    step: the oracle the cached decoders are tested against. ``prompt [B, P]``; returns
+    ``[B, max_new_tokens]``. (The sequence is held in a buffer of its final length, so
+    one compiled forward serves every step; causal attention keeps the unfilled tail
+    from touching the filled head.)"""
+    B, P = prompt.shape
+    tokens = jnp.zeros((B, P + max_new_tokens), jnp.int32).at[:, :P].set(jnp.asarray(prompt, jnp.int32))
+    for i in range(max_new_tokens):
+        tokens = tokens.at[:, P + i].set(_next_token_without_cache(model, tokens, jnp.int32(P + i - 1)))
+    return np.asarray(tokens[:, P:])
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)

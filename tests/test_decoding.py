@@ -3,14 +3,14 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import rel_err
+from conftest import greedy_without_cache, rel_err
 from flax import nnx
 from jaxpar import use_execution
 from jaxpar.kernels.dispatch import KernelOptions
 from jaxpar.models import ModelConfig, Transformer
 from jaxpar.models.transformer import init_cache
 
-from jaxpar.inference.decoding import generate, greedy_without_cache, sample
+from jaxpar.inference.decoding import generate, sample
 
 CFG = ModelConfig(vocab_size=64, dim=32, layers=2, heads=4, kv_heads=2, head_dim=8, mlp_dim=48, init_std=0.3)
 
@@ -57,9 +57,18 @@ def test_sampling_rules(rng):
     assert len(np.unique(draws[:, 0])) > 3
 
 
-def test_stops_at_eos(rng):
+def test_stops_at_any_eos_id_per_sequence(rng):
+    """Several end-of-sequence ids: each sequence stops at its first (then repeats it),
+    generation once every sequence has."""
     model = Transformer(CFG, rngs=nnx.Rngs(3))
-    prompt = rng.integers(0, CFG.vocab_size, (1, 5))
-    first = next(generate(model, prompt, max_new_tokens=5))
-    out = list(generate(model, prompt, max_new_tokens=5, eos_id=int(first[0])))
-    assert len(out) == 1
+    prompt = rng.integers(0, CFG.vocab_size, (2, 5))
+    free = np.stack(list(generate(model, prompt, max_new_tokens=8)), axis=1)
+    eos = (int(free[0, 1]), int(free[1, 3]))
+    out = np.stack(list(generate(model, prompt, max_new_tokens=8, eos_ids=eos)), axis=1)
+    stops = [next(i for i, t in enumerate(row) if t in eos) for row in free]
+    assert out.shape == (2, max(stops) + 1)
+    for row, got, stop in zip(free, out, stops):
+        np.testing.assert_array_equal(got[: stop + 1], row[: stop + 1])
+        assert (got[stop:] == row[stop]).all()
+    with pytest.raises(ValueError, match="eos_ids=3 must be a sequence of token ids"):
+        next(generate(model, prompt, max_new_tokens=8, eos_ids=3))

@@ -318,11 +318,14 @@ def test_generate_with_trained_drafts_gives_the_targets_tokens(target_run, glide
 
     # A Hugging Face target (the same weights, exported) pairs with the same GliDe draft.
     from jaxpar.models import to_hf
-    from jaxpar.train.runs import load_run
+    from jaxpar.train.data import EOS
+    from jaxpar.train.runs import load_run, load_tokenizer
 
     hf_dir = tmp_path / "hf"
     to_hf(load_run(target_run), hf_dir)
     (hf_dir / "tokenizer.json").write_text((target_run / "tokenizer.json").read_text())
+    eos = load_tokenizer(target_run).token_to_id(EOS)  # where the run stops, as HF names it
+    (hf_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
     code, out, err = generate_cli(capsys, hf_dir, *common[1:], "--draft", glide_run, "--method", "cape")
     assert code == 0, err
     assert out["tokens"] == ar["tokens"]

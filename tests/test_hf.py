@@ -222,3 +222,50 @@ def test_missing_and_misshapen_tensors(checkpoint, tmp_path):
     assert "\n" not in message and "unexpected tensors: model.layers.0.extra.weight" in message
     assert "model.layers.1.mlp.up_proj.weight" in message and "model.norm.weight" in message
     assert "model.layers.0.self_attn.k_proj.weight expected (32, 64), found (16, 64)" in message
+
+
+# Where generation stops -------------------------------------------------------------
+
+
+def test_generate_stops_where_transformers_stops(tmp_path, capsys):
+    """jaxpar-generate on a Hugging Face export of a tiny jaxpar model stops at
+    generation_config.json's eos_token_id (a list, as Llama 3 has) exactly where
+    transformers' greedy generate stops; without that file, config.json's id, then
+    tokenizer_config.json's eos_token name the end."""
+    import tokenizers
+    from conftest import random_init
+
+    from jaxpar.models import ModelConfig
+    from jaxpar.train.generate import main as generate
+    from jaxpar.train.runs import eos_ids
+
+    cfg = ModelConfig(vocab_size=128, dim=64, layers=2, heads=4, kv_heads=2, head_dim=16, mlp_dim=96)
+    path = tmp_path / "hf"
+    to_hf(random_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), np.random.default_rng(1)), path)
+    words = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"t{i}": i for i in range(128)}, "t0"))
+    words.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    words.save(str(path / "tokenizer.json"))
+    prompt = [5, 17, 42, 9]
+
+    def hf_greedy():
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0)
+        return out[0, len(prompt):].tolist()
+
+    free = hf_greedy()  # no end token anywhere yet
+    assert len(free) == 12 and eos_ids(path, words) == ()
+    stop = next(i for i in range(3, 12) if free[i] not in free[:i])  # the end, first seen there
+    unused = next(i for i in range(128) if i not in free)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [unused, free[stop]]}))
+    assert hf_greedy() == free[: stop + 1]
+    assert generate([str(path), "--prompt", " ".join(f"t{i}" for i in prompt),
+                     "--max-new-tokens", "12", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == free[: stop + 1]
+
+    (path / "generation_config.json").unlink()
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "eos_token_id": 3}))
+    assert eos_ids(path, words) == (3,)
+    (path / "config.json").write_text(json.dumps(config))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "t7"}}))
+    assert eos_ids(path, words) == (7,)

@@ -62,6 +62,17 @@ def test_greedy_methods_return_greedy_decoding(models, rng, method, draft, batch
         assert 1.5 < out.accepted_per_step < 5.0
 
 
+def test_generate_streams_the_ar_rounds(models, rng):
+    """``generate`` is the ``ar`` method one round at a time: the same tokens, sampled
+    ones included (same seed)."""
+    target, prompt = models["target"], rng.integers(0, CFG.vocab_size, (3, 5))
+    sampling = dict(max_new_tokens=8, temperature=1.0, top_p=0.9, seed=1)
+    streamed = np.stack(list(generate(target, prompt, **sampling)), axis=1)
+    looped = speculative_generate(target, prompt, method="ar", **sampling)
+    np.testing.assert_array_equal(np.stack(looped.tokens), streamed)
+    assert len(set(streamed.ravel().tolist())) > 3
+
+
 def test_cape_accepts_siblings_and_beats_the_chain(models, rng):
     """With a weak draft, CaPE's siblings catch target tokens the greedy chain misses."""
     target, draft = models["target"], perturbed(models["target"], 0.5, rng)
@@ -84,17 +95,18 @@ def test_pallas_decode_kernel_verifies_chains_and_trees(models, rng):
 
 
 def test_ragged_prompts_and_eos(models, rng):
-    """Prompts of three lengths in one batch; the sequences that produce ``eos`` stop
-    after it, the others go on."""
+    """Prompts of three lengths in one batch, two end ids; the sequences that produce
+    either stop after it, the others go on."""
     target = models["target"]
     prompts = [rng.integers(0, CFG.vocab_size, n) for n in (2, 9, 5)]
     references = [greedy(target, p[None], 12)[0] for p in prompts]
-    eos = int(references[1][3])
-    out = speculative_generate(target, prompts, draft=models["close"], max_new_tokens=12, eos_id=eos)
+    eos = (int(references[1][3]), int(references[0][2]))
+    out = speculative_generate(target, prompts, draft=models["close"], max_new_tokens=12, eos_ids=eos)
     for reference, tokens in zip(references, out.tokens):
-        stop = list(reference).index(eos) + 1 if eos in reference else len(reference)
+        ends = [i for i, t in enumerate(reference) if t in eos]
+        stop = ends[0] + 1 if ends else len(reference)
         np.testing.assert_array_equal(tokens, reference[:stop])
-    assert len(out.tokens[1]) <= 4  # stopped at its first eos
+    assert len(out.tokens[1]) <= 4 and len(out.tokens[0]) <= 3  # stopped at their first end id
 
 
 def _exact_marginals(target: Transformer, prompt: np.ndarray, steps: int, temperature, top_p):

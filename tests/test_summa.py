@@ -185,12 +185,44 @@ def test_q4_and_q3_grids_in_subprocess():
 
 
 def test_communication_formula():
-    # AB, q=4: (q-1)/q^2 (MK + KN) moved.
-    assert communication((64, 32), (32, 48), 4) == {"sent": 3 * (64 * 32 + 32 * 48) // 16}
-    assert communication((2, 64, 32), (48, 32), 4, transpose_b=True)["sent"] == (
-        3 * (48 * 32 + 2 * 64 * 48) // 16)
-    assert communication((32, 64), (32, 48), 2, transpose_a=True)["sent"] == (
-        (32 * 64 + 64 * 48) // 4)
+    # AB, q=4: (q-1)/q^2 (MK + KN) moved, no partial sums; backward both are reduced.
+    assert communication((64, 32), (32, 48), 4) == {"sent": 3 * (64 * 32 + 32 * 48) // 16,
+                                                    "partial_sums": 0}
+    assert communication((64, 32), (32, 48), 4, backward=True) == {
+        "sent": 2 * 3 * (64 * 32 + 32 * 48) // 16, "partial_sums": 3 * (64 * 32 + 32 * 48) // 16}
+    assert communication((2, 64, 32), (48, 32), 4, transpose_b=True) == {
+        "sent": 3 * (48 * 32 + 2 * 64 * 48) // 16, "partial_sums": 3 * 2 * 64 * 48 // 16}
+    assert communication((32, 64), (32, 48), 2, transpose_a=True) == {
+        "sent": (32 * 64 + 64 * 48) // 4, "partial_sums": 64 * 48 // 4}
+    assert communication((32, 64), (32, 48), 2, transpose_a=True, backward=True) == {
+        "sent": (2 * 32 * 64 + 64 * 48) // 4, "partial_sums": 32 * 64 // 4}
+
+
+def test_bfloat16_accumulates_and_reduces_in_float32(mesh, rng):
+    """bf16 operands: the product and both gradients (the weight gradient summed over
+    the data-parallel replicas too) are the float32 results on the same bf16 values,
+    rounded to bf16 once: within half a bf16 ulp of them, which partial sums rounded
+    to bf16 on the way exceed. The reduced partial sums travel as float32."""
+    bf16 = lambda shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)  # noqa: E731
+    a, b, w = bf16((64, 48)), bf16((48, 32)), bf16((64, 32))
+    fn = lambda a, b: summa_matmul(a, b, mesh=mesh, batch_axes=("data",))  # noqa: E731
+    c = jax.jit(fn)(a, b)
+    # d/dC of sum(C * w) is w exactly, so dA = w Bᵀ (nt) and dB = Aᵀ w (tn, then a psum).
+    da, db = jax.jit(jax.grad(lambda a, b: jnp.sum((fn(a, b) * w).astype(jnp.float32)),
+                              argnums=(0, 1)))(a, b)
+    f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
+    for got, want in ((c, f32(a) @ f32(b)), (da, f32(w) @ f32(b).T), (db, f32(a).T @ f32(w))):
+        assert got.dtype == jnp.bfloat16
+        bound = 2.0**-8 * np.abs(want) + 1e-6 * np.abs(want).max()  # half an ulp, f32 slack
+        assert np.all(np.abs(f32(got) - want) <= bound), np.max(np.abs(f32(got) - want) / bound)
+
+    # In the lowered program (XLA:CPU's compiler then widens every bf16 collective to
+    # f32, having no bf16 dot): AB^T's B panels [N/q, K/q] move as bf16, the partial
+    # sums of C [M/q, N/q] as f32, one tree round per step.
+    lowered = jax.jit(lambda x, y: summa_matmul(x, y, mesh=mesh, transpose_b=True)).lower(
+        bf16((M, K)), bf16((N, K))).as_text()
+    moved = Counter(re.findall(r"collective_permute.*?-> tensor<([^>]*)>", lowered))
+    assert moved == {f"{N // 2}x{K // 2}xbf16": 2, f"{M // 2}x{N // 2}xf32": 2}, moved
 
 
 # ------------------------------------------------------------------------------ errors

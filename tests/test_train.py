@@ -36,6 +36,23 @@ def metrics(run_dir):
     return [json.loads(l) for l in (pathlib.Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
+def tensorboard_steps(run_dir) -> dict[str, list[int]]:
+    """The steps of every scalar in the run's TensorBoard event files, in file order,
+    read record by record (no purging: what any reader sees)."""
+    from tensorboardX.proto.event_pb2 import Event
+
+    steps = {}
+    for path in sorted((pathlib.Path(run_dir) / "tensorboard").glob("events.out.tfevents.*")):
+        data, at = path.read_bytes(), 0
+        while at < len(data):
+            length = int.from_bytes(data[at:at + 8], "little")
+            event = Event.FromString(data[at + 12:at + 12 + length])
+            at += 16 + length
+            for value in event.summary.value:
+                steps.setdefault(value.tag, []).append(event.step)
+    return steps
+
+
 def cli(*args, timeout=600, devices=None):
     env = None if devices is None else dict(os.environ, JAX_NUM_CPU_DEVICES=str(devices))
     return subprocess.run([sys.executable, "-m", "jaxpar.train", *args],
@@ -99,6 +116,10 @@ def test_checkpoint_restores_on_another_mesh(tmp_path, cache):
     assert [r["step"] for r in second] == [5, 6, 7, 8]
     assert rel_err([r["loss"] for r in second], [r["loss"] for r in first[4:]]) < 1e-5
     assert [r["step"] for r in metrics(run)] == list(range(1, 9))
+    # TensorBoard too: steps 5-8 of the first run dropped, each step once, in order.
+    steps = tensorboard_steps(run)
+    assert set(steps) == {"loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"}
+    assert all(s == list(range(1, 9)) for s in steps.values()), steps
 
 
 def test_corrupt_latest_checkpoint_falls_back_to_the_previous(tmp_path, cache):

@@ -3,8 +3,11 @@ from a trained run or an HF model, plainly or by speculative decoding.
 
 RUN_DIR is a ``jaxpar-train`` run directory (its latest checkpoint, ``config.yaml``
 and ``tokenizer.json``) or a Hugging Face Llama directory (``config.json``,
-``*.safetensors``, ``tokenizer.json``). Text streams to stdout as it is produced, then
-a line with tokens/s goes to stderr; ``--json`` prints one JSON object instead.
+``*.safetensors``, ``tokenizer.json``). Generation stops at the end-of-sequence
+token (``jaxpar.train.runs.eos_ids``: a run's end-of-text token; in a Hugging Face
+directory ``generation_config.json``'s ids, as ``transformers`` stops). Text streams
+to stdout as it is produced, then a line with tokens/s goes to stderr; ``--json``
+prints one JSON object instead.
 
 With ``--draft`` (a jaxpar run of a small model with the same tokenizer, or a
 ``jaxpar-train glide`` run trained against RUN_DIR) the method defaults to
@@ -29,8 +32,7 @@ from jaxpar.inference import speculative
 from jaxpar.inference.decoding import DEFAULT_BINS, METHODS, speculative_stream
 from jaxpar.models import GlideDraft
 from jaxpar.inference.speculative import Method
-from jaxpar.train.data import EOS
-from jaxpar.train.runs import is_hf, load_glide_draft, load_model, load_tokenizer, read_config
+from jaxpar.train.runs import eos_ids, is_hf, load_glide_draft, load_model, load_tokenizer, read_config
 
 
 def load_draft(draft_dir: pathlib.Path):
@@ -66,19 +68,20 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _run(target, prompt, eos, args, method, draft, tokenizer=None):
-    """Streams one generation (printing it when ``tokenizer`` is given); returns
-    ``(ids, tokens_per_s, accepted_per_step, text_shown)``."""
+    """Streams one generation (printing it when ``tokenizer`` is given), stopping at any
+    of the ids ``eos``, which the text leaves out; returns ``(ids, tokens_per_s,
+    accepted_per_step, text_shown)``."""
     ids, shown, started, accepted = [], "", None, 1.0
     for new, accepted_now in speculative_stream(
             target, prompt, draft=draft, method=method, gamma=args.gamma, bins=args.bins,
             max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-            seed=args.seed, eos_id=eos):
+            seed=args.seed, eos_ids=eos):
         if started is None:
             started, first = time.perf_counter(), len(new[0])  # after the prefill's token
         ids += [int(i) for i in new[0]]
         accepted = float(accepted_now[0])
         if tokenizer is not None:
-            text = tokenizer.decode([i for i in ids if i != eos])
+            text = tokenizer.decode([i for i in ids if i not in eos])
             if not text.endswith("\ufffd"):  # wait for whole UTF-8 characters
                 sys.stdout.write(text[len(shown):])
                 sys.stdout.flush()
@@ -109,12 +112,12 @@ def main(argv=None) -> int:
         prompt = np.asarray([tokenizer.encode(args.prompt).ids], np.int32)
         if prompt.shape[1] == 0:
             parser.error("--prompt encodes to no tokens")
-        eos = tokenizer.token_to_id(EOS)
+        eos = eos_ids(args.run_dir, tokenizer)
         if not args.json:
             sys.stdout.write(args.prompt)
         ids, rate, accepted, shown = _run(target, prompt, eos, args, method, draft,
                                           None if args.json else tokenizer)
-        result = {"text": tokenizer.decode([i for i in ids if i != eos]), "tokens": ids,
+        result = {"text": tokenizer.decode([i for i in ids if i not in eos]), "tokens": ids,
                   "tokens_per_s": rate}
         if method != "ar":
             ar_rate = _run(target, prompt, eos, args, "ar", None)[1]

@@ -4,8 +4,9 @@ checkpoints, metrics.
 Outputs in ``RUN_DIR``: ``config.yaml`` (the resolved config), ``metrics.jsonl`` (one
 JSON object per step: ``step``, ``loss``, ``lr``, ``grad_norm``, ``tokens_per_s``,
 ``step_time_s``, and ``val_loss`` at eval steps), the same scalars as TensorBoard
-events in ``tensorboard/``, ``tokenizer.json``, ``checkpoints/`` (orbax) and the
-tokenizer/packed-data cache.
+events in ``tensorboard/`` (a resumed run first drops the steps after its
+checkpoint from both, so each step is logged once), ``tokenizer.json``,
+``checkpoints/`` (orbax) and the tokenizer/packed-data cache.
 
 With ``task: glide`` the trained model is a GliDe draft for the frozen target in
 ``target_run_dir`` (``jaxpar.train.glide``); the loop is the same.
@@ -16,7 +17,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import pathlib
+import struct
 import time
 
 import jax
@@ -25,6 +28,8 @@ import optax
 import yaml
 from flax import nnx
 from tensorboardX import SummaryWriter
+from tensorboardX.proto.event_pb2 import Event
+from tensorboardX.record_writer import RecordWriter
 from tqdm.auto import tqdm
 
 import jaxpar
@@ -181,6 +186,34 @@ def _rewrite_metrics(path: pathlib.Path, upto: int) -> None:
         path.write_text("".join(l + "\n" for l in lines))
 
 
+def _records(data: bytes) -> list[bytes]:
+    """The records of a TFRecord file (each ``length: u64, crc: u32, data, crc: u32``);
+    a last record torn by a kill is left out."""
+    records, at = [], 0
+    while at + 12 <= len(data):
+        (length,) = struct.unpack("<Q", data[at:at + 8])
+        if at + 16 + length > len(data):
+            break
+        records.append(data[at + 12:at + 12 + length])
+        at += 16 + length
+    return records
+
+
+def _rewrite_events(directory: pathlib.Path, upto: int) -> None:
+    """Drops TensorBoard events of steps after ``upto`` from the event files in
+    ``directory``, as ``_rewrite_metrics`` does from metrics.jsonl (a resumed run logs
+    them again, and every reader, not only TensorBoard's purging one, shows each step
+    once)."""
+    for path in sorted(directory.glob("events.out.tfevents.*")):
+        kept = [r for r in _records(path.read_bytes()) if Event.FromString(r).step <= upto]
+        scratch = directory / ".rewriting"  # not an event file name, should a kill leave it
+        writer = RecordWriter(str(scratch))
+        for record in kept:
+            writer.write(record)
+        writer.close()
+        os.replace(scratch, path)
+
+
 def dry_run_profile(cfg: Config, step_fn, abstract_model, mesh, rules, schedule: Schedule | None) -> dict:
     """The compile-only profile of ``step_fn`` (``jaxpar.profiler.profile``), with the
     pipeline's bubble and per-stage memory when it runs ``schedule``."""
@@ -267,6 +300,7 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
     metrics_path = run_dir / "metrics.jsonl"
     if lead:
         _rewrite_metrics(metrics_path, start)
+        _rewrite_events(run_dir / "tensorboard", start)
 
     eval_fn = jax.jit(lambda params, batch, *frozen: step_fn.loss(nnx.merge(step_fn.graphdef, params),
                                                                   batch, *frozen))

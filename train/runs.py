@@ -6,6 +6,7 @@ GliDe trainer load their target and draft models; ``load_glide_draft`` reads a
 
 from __future__ import annotations
 
+import json
 import pathlib
 
 import jax
@@ -16,6 +17,7 @@ from jax.sharding import SingleDeviceSharding
 from jaxpar.models import GlideDraft, Transformer, from_hf
 from jaxpar.train.checkpoints import Checkpoints
 from jaxpar.train.config import Config, load_config
+from jaxpar.train.data import EOS
 
 
 def is_hf(run_dir: pathlib.Path) -> bool:
@@ -39,22 +41,48 @@ def load_tokenizer(run_dir: pathlib.Path) -> tokenizers.Tokenizer:
     return tokenizers.Tokenizer.from_file(str(path))
 
 
+def eos_ids(run_dir: pathlib.Path, tokenizer: tokenizers.Tokenizer) -> tuple[int, ...]:
+    """The end-of-sequence token ids generation stops at, as ``transformers`` stops.
+
+    A jaxpar run: the tokenizer's end-of-text token (``jaxpar.train.data.EOS``). A Hugging
+    Face directory: ``generation_config.json``'s ``eos_token_id`` (an int or a list, as
+    Llama 3 has), else ``config.json``'s, else ``tokenizer_config.json``'s ``eos_token``
+    looked up in ``tokenizer``; ``()`` (no stop) when none names one.
+    """
+    run_dir = pathlib.Path(run_dir)
+    if not is_hf(run_dir):
+        eos = tokenizer.token_to_id(EOS)
+        return () if eos is None else (eos,)
+    for name in ("generation_config.json", "config.json"):
+        path = run_dir / name
+        ids = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
+        if ids is not None:
+            ids = ids if isinstance(ids, list) else [ids]
+            if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+                raise ValueError(f"eos_token_id={ids!r} in {path} must be a token id or a list of them")
+            return tuple(ids)
+    path = run_dir / "tokenizer_config.json"
+    token = json.loads(path.read_text()).get("eos_token") if path.is_file() else None
+    if isinstance(token, dict):  # an AddedToken: {"content": "</s>", ...}
+        token = token.get("content")
+    eos = tokenizer.token_to_id(token) if isinstance(token, str) else None
+    return () if eos is None else (eos,)
+
+
 def restore_params(run_dir: pathlib.Path, model: nnx.Module, cfg: Config) -> nnx.Module:
     """Fills ``model`` (abstract, ``nnx.eval_shape``) with the parameters of the latest
-    readable checkpoint in ``run_dir``, on one device."""
-    from jaxpar.train.loop import make_optimizer
-    from jaxpar.train.step import make_train_step
-
-    tx, _ = make_optimizer(cfg.optimizer, cfg.steps)
-    abstract = make_train_step(model, tx).abstract_state(model, SingleDeviceSharding(jax.devices()[0]))
+    readable checkpoint in ``run_dir``, on one device; the optimizer state stays on disk."""
+    device = SingleDeviceSharding(jax.devices()[0])
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
+                            nnx.state(model))
     checkpoints = Checkpoints(run_dir, keep=cfg.checkpoint.keep)
     try:
-        restored = checkpoints.restore_latest(abstract)
+        restored = checkpoints.restore_params(abstract)
     finally:
         checkpoints.close()
     if restored is None:
         raise FileNotFoundError(f"no checkpoint in {pathlib.Path(run_dir) / 'checkpoints'}")
-    nnx.update(model, restored[1]["params"])
+    nnx.update(model, restored[1])
     return model
 
 

@@ -3,7 +3,8 @@ jitted step per token, streamed), and speculative decoding that reuses the targe
 cache (``speculative_generate``, the whole loop in one jitted ``while_loop``, and
 ``speculative_stream``, one jitted round at a time) with an independent draft model,
 a GliDe draft (``jaxpar.models.GlideDraft``) or GliDe with CaPE's token trees. The
-rounds themselves are ``jaxpar.inference.speculative``'s.
+rounds themselves are ``jaxpar.inference.speculative``'s; ``generate`` runs its ``ar``
+rounds, so plain and speculative decoding share one autoregressive step.
 """
 
 from __future__ import annotations
@@ -18,26 +19,13 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.inference import speculative
-from jaxpar.placement.execution import jit
-from jaxpar.models.transformer import KVCache, Transformer, init_cache
+from jaxpar.models.transformer import Transformer
 from jaxpar.inference.sampling import probabilities, sample
 from jaxpar.inference.speculative import METHODS, Method
 from jaxpar.inference.token_tree import DEFAULT_BINS
 
-__all__ = ["DEFAULT_BINS", "METHODS", "Generation", "generate", "greedy_without_cache",
-           "probabilities", "sample", "speculative_generate", "speculative_stream"]
-
-
-@functools.partial(jit, transform=nnx.jit)
-def _prefill(model: Transformer, tokens: jax.Array, cache: KVCache):
-    logits, cache = model(tokens, cache=cache)
-    return logits[:, -1], cache
-
-
-@functools.partial(jit, transform=nnx.jit)
-def _step(model: Transformer, token: jax.Array, cache: KVCache, key, temperature, top_p):
-    logits, cache = model(token[:, None], cache=cache)
-    return sample(logits[:, -1], key, temperature, top_p), cache
+__all__ = ["DEFAULT_BINS", "METHODS", "Generation", "generate", "probabilities", "sample",
+           "speculative_generate", "speculative_stream"]
 
 
 def generate(
@@ -48,57 +36,34 @@ def generate(
     temperature: float = 0.0,
     top_p: float = 1.0,
     seed: int = 0,
-    eos_id: int | None = None,
+    eos_ids: Sequence[int] = (),
 ) -> Iterator[np.ndarray]:
-    """Yields the next token of every sequence, ``[B]`` int32, up to ``max_new_tokens``.
+    """Yields the next token of every sequence, ``[B]`` int32, up to ``max_new_tokens``:
+    the ``ar`` method's rounds of ``speculative_stream`` (one jitted target step each),
+    one yield per round.
 
     Args:
       prompt: int ``[B, T]`` prompt tokens (all sequences the same length).
-      eos_id: stop once every sequence has produced it.
+      eos_ids: end-of-sequence tokens: stop once every sequence has produced one of
+        them; a sequence that has repeats its end token while the others go on.
     """
-    prompt = jnp.asarray(prompt, jnp.int32)
-    B, T = prompt.shape
-    cache = init_cache(model.cfg, B, T + max_new_tokens)
-    temperature, top_p = jnp.float32(temperature), jnp.float32(top_p)
-    key = jax.random.key(seed)
-    logits, cache = _prefill(model, prompt, cache)
-    key, sub = jax.random.split(key)
-    token = sample(logits, sub, temperature, top_p)
-    done = np.zeros(B, bool)
-    for i in range(max_new_tokens):
-        out = np.asarray(token)
-        yield out
-        if eos_id is not None:
-            done |= out == eos_id
-            if done.all():
-                return
-        if i + 1 < max_new_tokens:
-            key, sub = jax.random.split(key)
-            token, cache = _step(model, token, cache, sub, temperature, top_p)
-
-
-@functools.partial(jit, transform=nnx.jit)
-def _next_token_without_cache(model: Transformer, tokens: jax.Array, at: jax.Array) -> jax.Array:
-    return jnp.argmax(model(tokens)[:, at], axis=-1).astype(jnp.int32)
-
-
-def greedy_without_cache(model: Transformer, prompt: np.ndarray, max_new_tokens: int) -> np.ndarray:
-    """Plain greedy decoding that recomputes the whole sequence each step: the reference
-    the cached path is tested against. Returns ``[B, max_new_tokens]``. (The sequence is
-    held in a buffer of its final length, so one compiled forward serves every step;
-    causal attention keeps the unfilled tail from touching the filled head.)"""
-    B, P = prompt.shape
-    tokens = jnp.zeros((B, P + max_new_tokens), jnp.int32).at[:, :P].set(jnp.asarray(prompt, jnp.int32))
-    for i in range(max_new_tokens):
-        tokens = tokens.at[:, P + i].set(_next_token_without_cache(model, tokens, jnp.int32(P + i - 1)))
-    return np.asarray(tokens[:, P:])
+    method, tokens, lengths, graph, params = _setup(model, prompt, None, "ar", 1, DEFAULT_BINS,
+                                                    temperature, top_p, max_new_tokens)
+    prefill, round_, _ = _compiled(method, max_new_tokens, _eos(eos_ids))
+    state = prefill(graph, params, tokens, lengths, jax.random.key(seed))
+    while True:
+        yield np.asarray(state.last)
+        if bool(np.asarray(state.done).all()):
+            return
+        state = round_(graph, params, state)
 
 
 @dataclasses.dataclass(frozen=True)
 class Generation:
     """What ``speculative_generate`` returns.
 
-    tokens: per sequence, int32 ``[<= max_new_tokens]``, cut after ``eos_id``.
+    tokens: per sequence, int32 ``[<= max_new_tokens]``, cut after its first end token
+      (any of ``eos_ids``).
     accepted_per_step: mean tokens a round gave a sequence, the target's own (correction
       or bonus) token included, as Spec-Bench counts it (1.0 for ``ar``).
     rounds: int ``[B]``, the rounds (target forward passes) each sequence took.
@@ -123,8 +88,16 @@ def _prompts(prompt) -> tuple[jax.Array, jax.Array]:
 
 
 @functools.lru_cache(maxsize=32)
-def _compiled(method: Method, max_new_tokens: int, eos_id: int | None):
-    return speculative.compiled(method, max_new_tokens, eos_id)
+def _compiled(method: Method, max_new_tokens: int, eos_ids: tuple[int, ...]):
+    return speculative.compiled(method, max_new_tokens, eos_ids)
+
+
+def _eos(eos_ids: Sequence[int]) -> tuple[int, ...]:
+    """``eos_ids`` as a sorted tuple of distinct ints (hashable: a static argument)."""
+    if isinstance(eos_ids, (int, np.integer)) or not all(
+            isinstance(i, (int, np.integer)) for i in eos_ids):
+        raise ValueError(f"eos_ids={eos_ids!r} must be a sequence of token ids")
+    return tuple(sorted({int(i) for i in eos_ids}))
 
 
 def _setup(target, prompt, draft, method, gamma, bins, temperature, top_p, max_new_tokens):
@@ -137,13 +110,14 @@ def _setup(target, prompt, draft, method, gamma, bins, temperature, top_p, max_n
     return method, tokens, lengths, graph, params
 
 
-def _tokens(state, eos_id, max_new_tokens) -> list[np.ndarray]:
+def _tokens(state, eos_ids: tuple[int, ...], max_new_tokens) -> list[np.ndarray]:
     out, count = np.asarray(state.out), np.asarray(state.count)
     rows = []
     for b in range(out.shape[0]):
         row = out[b, : min(int(count[b]), max_new_tokens)]
-        if eos_id is not None and (row == eos_id).any():
-            row = row[: int(np.argmax(row == eos_id)) + 1]
+        ends = np.isin(row, eos_ids)
+        if ends.any():
+            row = row[: int(np.argmax(ends)) + 1]
         rows.append(row)
     return rows
 
@@ -160,7 +134,7 @@ def speculative_generate(
     temperature: float = 0.0,
     top_p: float = 1.0,
     seed: int = 0,
-    eos_id: int | None = None,
+    eos_ids: Sequence[int] = (),
 ) -> Generation:
     """Generates with ``method`` (``jaxpar.inference.decoding.METHODS``), all rounds in one jitted
     loop, every sequence of the batch accepting its own number of tokens per round.
@@ -176,24 +150,25 @@ def speculative_generate(
       gamma: draft tokens per round (the tree's depth for ``cape``).
       bins: CaPE's widths by draft confidence decile (11 ints).
       temperature, top_p: 0 is greedy; ``cape`` is greedy only.
-      eos_id: a sequence stops after producing it.
+      eos_ids: end-of-sequence tokens; a sequence stops after producing any of them.
 
     Raises:
       ValueError: a method, draft or setting that does not fit (one line).
     """
     method, tokens, lengths, graph, params = _setup(target, prompt, draft, method, gamma, bins,
                                                     temperature, top_p, max_new_tokens)
-    _, _, loop = _compiled(method, max_new_tokens, eos_id)
+    eos_ids = _eos(eos_ids)
+    _, _, loop = _compiled(method, max_new_tokens, eos_ids)
     state = loop(graph, params, tokens, lengths, jax.random.key(seed))
     rounds, emitted = np.asarray(state.rounds), np.asarray(state.emitted)
     accepted = float(emitted.sum() / max(rounds.sum(), 1)) if method.name != "ar" else 1.0
-    return Generation(_tokens(state, eos_id, max_new_tokens), accepted, rounds)
+    return Generation(_tokens(state, eos_ids, max_new_tokens), accepted, rounds)
 
 
 def speculative_stream(target: Transformer, prompt, *, draft=None, method: str = "speculative",
                        gamma: int = 4, bins: Sequence[int] = DEFAULT_BINS, max_new_tokens: int,
                        temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
-                       eos_id: int | None = None) -> Iterator[tuple[list[np.ndarray], np.ndarray]]:
+                       eos_ids: Sequence[int] = ()) -> Iterator[tuple[list[np.ndarray], np.ndarray]]:
     """``speculative_generate`` one jitted round at a time, for streaming: yields
     ``(new_tokens, accepted)`` after the prefill and after every round, ``new_tokens`` a
     list (per sequence) of the int32 tokens it just produced (empty once done), and
@@ -202,12 +177,13 @@ def speculative_stream(target: Transformer, prompt, *, draft=None, method: str =
     between yields is decoding alone."""
     method, tokens, lengths, graph, params = _setup(target, prompt, draft, method, gamma, bins,
                                                     temperature, top_p, max_new_tokens)
-    prefill, round_, _ = _compiled(method, max_new_tokens, eos_id)
+    eos_ids = _eos(eos_ids)
+    prefill, round_, _ = _compiled(method, max_new_tokens, eos_ids)
     state = prefill(graph, params, tokens, lengths, jax.random.key(seed))
     jax.block_until_ready(round_(graph, params, state))  # compile before the first yield
     shown = np.zeros(tokens.shape[0], int)
     while True:
-        rows = _tokens(state, eos_id, max_new_tokens)
+        rows = _tokens(state, eos_ids, max_new_tokens)
         new = [row[s:] for row, s in zip(rows, shown)]
         shown = np.asarray([len(r) for r in rows])
         rounds = np.maximum(np.asarray(state.rounds), 1)

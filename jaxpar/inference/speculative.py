@@ -3,7 +3,8 @@ verifies in one forward pass, and only the accepted tokens' cache entries stay.
 
 One round, for every sequence of the batch at once (each with its own cache length):
 
-* ``ar``: one target step (the baseline, run by the same loop).
+* ``ar``: one target step (the baseline, run by the same loop; ``decoding.generate``
+  streams these rounds).
 * ``speculative`` / ``glide``: the draft (an independent small model, or the GliDe draft
   that cross-attends to the target's cache) proposes ``gamma`` tokens; the target runs
   once over ``[last, d_1..d_gamma]``; greedy decoding accepts the longest prefix equal
@@ -255,8 +256,16 @@ def accept_sampled(drafts: jax.Array, draft_probs: jax.Array, target_probs: jax.
 # -------------------------------------------------------------------------- rounds
 
 
+def is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
+    """Whether each of ``tokens`` (int, any shape) is one of ``eos_ids``; bool, same shape."""
+    hit = jnp.zeros(tokens.shape, bool)
+    for eos in eos_ids:
+        hit = hit | (tokens == eos)
+    return hit
+
+
 def _finish(method: Method, state: State, target_cache: KVCache, path_tokens, accepted, nxt,
-            draft_cache, key, eos_id) -> State:
+            draft_cache, key, eos_ids: tuple[int, ...]) -> State:
     """Emits ``path_tokens[:, :accepted]`` and ``nxt`` for the sequences not done, sets
     the caches' lengths to keep exactly the accepted tokens, updates the counters."""
     B, R = path_tokens.shape[0], method.tokens_per_round
@@ -270,7 +279,7 @@ def _finish(method: Method, state: State, target_cache: KVCache, path_tokens, ac
     chain = jnp.concatenate([state.last[:, None], path_tokens], axis=1)
     prev = jnp.take_along_axis(chain, accepted[:, None], axis=1)[:, 0]
     target_cache = dataclasses.replace(target_cache, lengths=jnp.where(live, n + accepted + 1, n))
-    hit_eos = False if eos_id is None else ((emitted == eos_id) & (slot <= accepted[:, None])).any(1)
+    hit_eos = (is_eos(emitted, eos_ids) & (slot <= accepted[:, None])).any(1)
     max_new = state.out.shape[1] - R
     return State(
         target_cache=target_cache,
@@ -316,8 +325,10 @@ def verify_tree(method: Method, target: Transformer, state: State, drafts, draft
     return token_tree.compact(cache, n, path), path_tokens, accepted, nxt
 
 
-def make_round(method: Method, target: Transformer, draft, eos_id: int | None) -> Callable[[State], State]:
-    """One decoding round ``State -> State`` for ``method`` (traced inside ``jit``)."""
+def make_round(method: Method, target: Transformer, draft,
+               eos_ids: tuple[int, ...]) -> Callable[[State], State]:
+    """One decoding round ``State -> State`` for ``method`` (traced inside ``jit``); a
+    sequence is done after emitting any of ``eos_ids``."""
 
     def round_(state: State) -> State:
         key, draft_key, accept_key = jax.random.split(state.key, 3)
@@ -325,7 +336,7 @@ def make_round(method: Method, target: Transformer, draft, eos_id: int | None) -
             logits, cache = target(state.last[:, None], cache=state.target_cache)
             token = _choose(method, logits[:, 0], accept_key)
             no_drafts = jnp.zeros((token.shape[0], 0), jnp.int32)
-            return _finish(method, state, cache, no_drafts, jnp.zeros_like(token), token, None, key, eos_id)
+            return _finish(method, state, cache, no_drafts, jnp.zeros_like(token), token, None, key, eos_ids)
 
         def step(tokens, cache):
             return draft_forward(draft, target, tokens, cache, state.target_cache)
@@ -336,13 +347,13 @@ def make_round(method: Method, target: Transformer, draft, eos_id: int | None) -
         else:
             cache, accepted, nxt = verify_chain(method, target, state, drafts, draft_logits, accept_key)
             path_tokens = drafts
-        return _finish(method, state, cache, path_tokens, accepted, nxt, dcache, key, eos_id)
+        return _finish(method, state, cache, path_tokens, accepted, nxt, dcache, key, eos_ids)
 
     return round_
 
 
 def prefill(method: Method, target: Transformer, draft, prompt: jax.Array, lengths: jax.Array,
-            max_new_tokens: int, key: jax.Array, eos_id: int | None) -> State:
+            max_new_tokens: int, key: jax.Array, eos_ids: tuple[int, ...]) -> State:
     """The target (and draft) over the prompts ``[B, P]`` (sequence ``b``'s first
     ``lengths[b]`` tokens; the rest is padding), and the target's first token."""
     B, P = prompt.shape
@@ -357,34 +368,33 @@ def prefill(method: Method, target: Transformer, draft, prompt: jax.Array, lengt
         dcache = draft_prefill(draft, target, prompt, lengths, draft_cache(draft, B, max_length), cache)
     out = jnp.zeros((B, max_new_tokens + method.tokens_per_round), jnp.int32).at[:, 0].set(first)
     count = jnp.ones((B,), jnp.int32)
-    done = count >= max_new_tokens
-    if eos_id is not None:
-        done = done | (first == eos_id)
+    done = (count >= max_new_tokens) | is_eos(first, eos_ids)
     zeros = jnp.zeros((B,), jnp.int32)
     prev = jnp.take_along_axis(prompt, (lengths - 1)[:, None], axis=1)[:, 0].astype(jnp.int32)
     return State(cache, dcache, prev, first, out, count, done, zeros, zeros, key)
 
 
-def compiled(method: Method, max_new_tokens: int, eos_id: int | None):
+def compiled(method: Method, max_new_tokens: int, eos_ids: tuple[int, ...]):
     """``(prefill, round, loop)`` jitted for ``method``. Each takes the graph and the
     state of the pair ``(target, draft)`` (``nnx.split``; the graph static) first:
     ``prefill(graph, params, prompt, lengths, key) -> State``, ``round(graph, params,
     state) -> State`` and ``loop(graph, params, prompt, lengths, key) -> State`` (prefill,
     then rounds in a ``while_loop`` until every sequence is done). Temperature and top-p
-    are part of ``method``, so each setting compiles once."""
+    are part of ``method``, and the end-of-sequence ids ``eos_ids`` (any of them ends a
+    sequence; none, ``()``) static too, so each setting compiles once."""
 
     def do_prefill(graph, params, prompt, lengths, key):
         target, draft = nnx.merge(graph, params)
-        return prefill(method, target, draft, prompt, lengths, max_new_tokens, key, eos_id)
+        return prefill(method, target, draft, prompt, lengths, max_new_tokens, key, eos_ids)
 
     def do_round(graph, params, state):
         target, draft = nnx.merge(graph, params)
-        return make_round(method, target, draft, eos_id)(state)
+        return make_round(method, target, draft, eos_ids)(state)
 
     def do_loop(graph, params, prompt, lengths, key):
         target, draft = nnx.merge(graph, params)
-        state = prefill(method, target, draft, prompt, lengths, max_new_tokens, key, eos_id)
-        body = make_round(method, target, draft, eos_id)
+        state = prefill(method, target, draft, prompt, lengths, max_new_tokens, key, eos_ids)
+        body = make_round(method, target, draft, eos_ids)
         return jax.lax.while_loop(lambda s: ~s.done.all(), body, state)
 
     keyed = lambda f: jit(f, static_argnums=0)  # noqa: E731 (the Execution is in the key too)

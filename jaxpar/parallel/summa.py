@@ -46,7 +46,8 @@ nt    B, C            ``(q - 1) / q^2 * (N K + beta M N)``
 tn    A, C            ``(q - 1) / q^2 * (K M + M N)``
 ====  ==============  ===================================================
 
-(i.e. ``(q - 1)`` blocks of each moving matrix), times the dtype's bytes. A backward
+(i.e. ``(q - 1)`` blocks of each moving matrix), times the bytes of the operands' dtype,
+or of float32 for the reduced C of ``nt`` and ``tn`` (see Precision). A backward
 pass runs the other two forms; for ``nn`` they move ``2 (A + B)``, twice the forward.
 For ``nt`` and ``tn`` both gradient products broadcast the cotangent dC along the same
 grid axis from the same roots, and XLA's CSE keeps one copy (checked on XLA:CPU), so
@@ -66,8 +67,11 @@ into an async start/done pair that its latency-hiding scheduler places around th
 XLA:CPU's collectives are synchronous, so tests check the issue order in the lowered
 program.
 
-Precision: block products accumulate in at least float32; partial sums of ``nt``/``tn``
-travel and are added in the result dtype (as Megatron's bf16 all-reduces do).
+Precision: block products, the partial sums ``nt`` and ``tn`` reduce over the grid, and
+their sum over ``batch_axes`` (a weight gradient's over data-parallel replicas) are all
+float32 (at least), rounded to the result dtype once at the end, as the rest of the
+library accumulates. The moving operands travel in their own dtype, the reduced
+partial sums in float32 (``communication`` counts them apart).
 """
 
 from __future__ import annotations
@@ -161,20 +165,23 @@ def communication(
       backward: the figures for the gradients of both operands instead of the product.
 
     Returns:
-      ``{"sent": n}``: elements each device sends, equal to what it receives and to
-      ``jaxpar.profiler``'s per-device figure. Multiply by the itemsize for bytes.
+      ``{"sent": n, "partial_sums": p}``: elements each device sends, equal to what it
+      receives and to ``jaxpar.profiler``'s per-device figure; ``p`` of them are the
+      float32 partial sums of reduced products, the rest operands in their own dtype.
+      Bytes: ``(n - p) * itemsize + 4 * p``.
     """
     *batch, rows, cols = a_shape
     beta = math.prod(batch)
-    if transpose_a:  # A [K, M] and C [M, N] move
+    if transpose_a:  # A [K, M] and C [M, N] move; backward, dA [K, M] is reduced
         fwd, c = rows * cols, cols * b_shape[1]
-        moving = 2 * fwd + c if backward else fwd + c
-    elif transpose_b:  # B [N, K] and C [beta M, N] move
+        moving, reduced = (2 * fwd + c, fwd) if backward else (fwd + c, c)
+    elif transpose_b:  # B [N, K] and C [beta M, N] move; backward, dB [N, K] is reduced
         fwd, c = math.prod(b_shape), beta * rows * b_shape[0]
-        moving = 2 * fwd + c if backward else fwd + c
-    else:  # A [beta M, K] and B [K, N] move
-        moving = (2 if backward else 1) * (beta * rows * cols + math.prod(b_shape))
-    return {"sent": (q - 1) * moving // q**2}
+        moving, reduced = (2 * fwd + c, fwd) if backward else (fwd + c, c)
+    else:  # A [beta M, K] and B [K, N] move; backward, dA and dB are reduced
+        operands = beta * rows * cols + math.prod(b_shape)
+        moving, reduced = (2 * operands, operands) if backward else (operands, 0)
+    return {"sent": (q - 1) * moving // q**2, "partial_sums": (q - 1) * reduced // q**2}
 
 
 # --------------------------------------------------------------------------- validation
@@ -290,15 +297,20 @@ def _summa(form: Form, grid: _Grid, x: jax.Array, y: jax.Array) -> jax.Array:
     # a backward pass contracts activations) also split their rows over them.
     activation = PartitionSpec((*grid.batch, grid.row), grid.col) if grid.batch else None
     out_ndim = 2 if form == "tn" else x.ndim
-    kernel = functools.partial({"nn": _summa_nn, "nt": _summa_nt, "tn": _summa_tn}[form], grid=grid)
+    product = functools.partial({"nn": _summa_nn, "nt": _summa_nt, "tn": _summa_tn}[form], grid=grid)
     in_specs, out_spec = (spec(x.ndim), spec(y.ndim)), spec(out_ndim)
+    # `tn` contracts the rows the batch axes split, so its replicas' sums are added up.
+    summed = grid.batch if activation is not None and form == "tn" else ()
     if activation is not None:
-        if form == "tn":
-            in_specs = (activation, activation)
-            contracted = kernel
-            kernel = lambda x, y: jax.lax.psum(contracted(x, y), grid.batch)  # noqa: E731
-        else:
-            in_specs, out_spec = (activation, spec(2)), activation
+        in_specs = (activation, activation) if form == "tn" else (activation, spec(2))
+        out_spec = out_spec if form == "tn" else activation
+
+    def kernel(x, y):
+        acc = product(x, y)  # float32 (at least), summed over the grid
+        if summed:
+            acc = jax.lax.psum(acc, summed)
+        return acc.astype(x.dtype)  # the one rounding to the result dtype
+
     with jax.named_scope(f"summa_{form}"):
         return jax.shard_map(kernel, mesh=grid.mesh, in_specs=in_specs, out_specs=out_spec)(x, y)
 
@@ -309,7 +321,7 @@ def _acc_dtype(dtype) -> jnp.dtype:
 
 def _summa_nn(x, y, *, grid: _Grid):
     """Device (i, j): x = A[i, j] ``[..., M/q, K/q]``, y = B[i, j] ``[K/q, N/q]``;
-    returns C[i, j] = sum_k A[i, k] B[k, j] ``[..., M/q, N/q]``."""
+    returns C[i, j] = sum_k A[i, k] B[k, j] ``[..., M/q, N/q]`` in the accumulation dtype."""
     q = grid.q
     a = x.reshape(-1, x.shape[-1])  # [beta M/q, K/q]
 
@@ -326,17 +338,17 @@ def _summa_nn(x, y, *, grid: _Grid):
         with jax.named_scope(f"product_{k}"):
             prod = jnp.einsum("MK,KN->MN", a_k, b_k, preferred_element_type=_acc_dtype(x.dtype))
         acc = prod if acc is None else acc + prod
-    return acc.astype(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+    return acc.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def _summa_nt(x, y, *, grid: _Grid):
     """Device (i, l): x = A[i, l] ``[..., M/q, K/q]``, y = B[i, l] ``[N/q, K/q]``;
-    returns C[i, l] = sum_j A[i, j] B[l, j]ᵀ ``[..., M/q, N/q]``."""
+    returns C[i, l] = sum_j A[i, j] B[l, j]ᵀ ``[..., M/q, N/q]`` in the accumulation dtype."""
     a = x.reshape(-1, x.shape[-1])  # [beta M/q, K/q]
     out = _broadcast_multiply_reduce(
         y, lambda b_k: jnp.einsum("MK,NK->MN", a, b_k, preferred_element_type=_acc_dtype(x.dtype)),
         broadcast_axis=grid.row, reduce_axis=grid.col, q=grid.q,
-        shape=(a.shape[0], y.shape[0]), dtype=x.dtype,
+        shape=(a.shape[0], y.shape[0]), dtype=_acc_dtype(x.dtype),
     )  # B[k, l] broadcast down the columns; C[i, k] reduced onto column k
     return out.reshape(*x.shape[:-1], y.shape[0])
 
@@ -344,13 +356,13 @@ def _summa_nt(x, y, *, grid: _Grid):
 def _summa_tn(x, y, *, grid: _Grid):
     """Device (l, j): x = A[l, j] ``[..., K/q, M/q]``, y = B[l, j] ``[..., K/q, N/q]``
     (same leading dims, contracted with K); returns C[l, j] = sum_i A[i, l]ᵀ B[i, j]
-    ``[M/q, N/q]``."""
+    ``[M/q, N/q]`` in the accumulation dtype."""
     a = x.reshape(-1, x.shape[-1])  # [beta K/q, M/q]
     b = y.reshape(-1, y.shape[-1])  # [beta K/q, N/q]
     return _broadcast_multiply_reduce(
         a, lambda a_k: jnp.einsum("KM,KN->MN", a_k, b, preferred_element_type=_acc_dtype(x.dtype)),
         broadcast_axis=grid.col, reduce_axis=grid.row, q=grid.q,
-        shape=(a.shape[1], b.shape[1]), dtype=x.dtype,
+        shape=(a.shape[1], b.shape[1]), dtype=_acc_dtype(x.dtype),
     )  # A[l, k] broadcast along the rows; C[k, j] reduced onto row k
 
 
@@ -358,8 +370,9 @@ def _broadcast_multiply_reduce(moving, product, *, broadcast_axis, reduce_axis, 
     """The loop of the ``nt`` and ``tn`` forms: at step k, grid line k broadcasts its
     panel of ``moving`` along ``broadcast_axis``, every device multiplies it with its own
     stationary block (``product``), and the partial products are reduced along
-    ``reduce_axis`` onto grid line k, which keeps the sum. Step k+1's broadcast is issued
-    before step k's product."""
+    ``reduce_axis`` onto grid line k, which keeps the sum (``shape``, in ``dtype``, the
+    accumulation dtype: partial sums travel and are added unrounded). Step k+1's
+    broadcast is issued before step k's product."""
     mine = jax.lax.axis_index(reduce_axis)
     out = jnp.zeros(shape, dtype)
     nxt = _broadcast(moving, 0, broadcast_axis, q)
@@ -371,7 +384,7 @@ def _broadcast_multiply_reduce(moving, product, *, broadcast_axis, reduce_axis, 
         with jax.named_scope(f"product_{k}"):
             part = product(panel)
         with jax.named_scope(f"reduce_{k}"):
-            c_k = _reduce(part.astype(dtype), k, reduce_axis, q)
+            c_k = _reduce(part, k, reduce_axis, q)
         out = jnp.where(mine == k, c_k, out)
     return out
 

@@ -1,0 +1,49 @@
+"""Reading runs back (jaxpar.train.runs): a run's parameters, never its optimizer state."""
+
+import warnings
+
+import jax
+import numpy as np
+import yaml
+from conftest import random_init
+from flax import nnx
+
+from jaxpar.models import Transformer
+from jaxpar.train.checkpoints import Checkpoints
+from jaxpar.train.config import load_config, to_dict
+from jaxpar.train.loop import make_optimizer
+from jaxpar.train.runs import load_run
+
+SMALL = ["model.vocab_size=300", "data.vocab_size=300", "model.dim=32", "model.layers=1",
+         "model.heads=2", "model.kv_heads=1", "model.head_dim=16", "model.mlp_dim=48"]
+
+
+def write_run(run_dir, rng, *, opt_state: bool) -> nnx.State:
+    """A run dir (config.yaml, one checkpoint at step 3) of a random small model, its
+    checkpoint holding the optimizer state beside the parameters or not; returns the
+    parameters."""
+    cfg = load_config("tiny", [*SMALL, f"run_dir={run_dir}"])
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    params = nnx.state(random_init(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0)), rng))
+    state = {"params": params}
+    if opt_state:
+        state["opt_state"] = make_optimizer(cfg.optimizer, cfg.steps)[0].init(params)
+    checkpoints = Checkpoints(run_dir, keep=1)
+    checkpoints.save(3, state, {"step": 3})
+    checkpoints.wait()
+    checkpoints.close()
+    return params
+
+
+def test_a_run_loads_its_parameters_alone(tmp_path, rng):
+    """load_run restores the checkpoint's parameters only (orbax's partial restore), so
+    a checkpoint whose optimizer state is gone loads as well as a whole one, silently."""
+    for opt_state in (True, False):
+        run = tmp_path / f"opt_state_{opt_state}"
+        params = write_run(run, rng, opt_state=opt_state)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no checkpoint skipped as unreadable
+            loaded = nnx.state(load_run(run))
+        for got, want in zip(jax.tree.leaves(loaded), jax.tree.leaves(params), strict=True):
+            np.testing.assert_array_equal(got, want)
