@@ -173,22 +173,6 @@ def jaxpar_kernel(name: str):
     return fn
 
 
-def _stub_tensorboardx() -> None:
-    """jaxpar.train.loop imports tensorboardX, which the GPU image lacks; the benchmark
-    writes no events, so a no-op stand-in is enough there."""
-    try:
-        import tensorboardX  # noqa: F401
-    except ImportError:
-        import types
-
-        class SummaryWriter:
-            def __init__(self, *args, **kwargs): ...
-            def add_scalar(self, *args, **kwargs): ...
-            def close(self): ...
-
-        sys.modules["tensorboardX"] = types.SimpleNamespace(SummaryWriter=SummaryWriter)
-
-
 # ------------------------------------------------------------------------- timing
 
 
@@ -780,9 +764,9 @@ def ce_table(rows: list[dict], peak: float | None, copy_bw: float | None) -> str
 
 def train_child(argv: list[str]) -> int:
     """``jaxpar-train`` as the benchmark runs it (see the module docstring): jaxpar
-    importable from this checkout, tensorboardX optional, no checkpoint written."""
+    importable from this checkout, no checkpoint written (TensorBoard events only where
+    tensorboardX is installed: the GPU image lacks it)."""
     _jaxpar_importable()
-    _stub_tensorboardx()
     from jaxpar.train import loop
 
     class NoSave(loop.Checkpoints):
@@ -846,7 +830,6 @@ def train_part(args) -> list[dict]:
     try:
         from jaxpar.train.config import load_config
 
-        _stub_tensorboardx()
         from jaxpar.train.loop import flops_per_token
 
         cfg = load_config(args.train_config, [f"batch_size={args.train_batch}", *args.train_overrides])

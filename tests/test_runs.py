@@ -14,7 +14,7 @@ from jaxpar.train.config import load_config, to_dict
 from jaxpar.train.loop import make_optimizer
 from jaxpar.train.runs import load_run
 
-SMALL = ["model.vocab_size=300", "data.vocab_size=300", "model.dim=32", "model.layers=1",
+SMALL = ["model.vocab_size=300", "model.dim=32", "model.layers=1",
          "model.heads=2", "model.kv_heads=1", "model.head_dim=16", "model.mlp_dim=48"]
 
 
@@ -47,3 +47,21 @@ def test_a_run_loads_its_parameters_alone(tmp_path, rng):
             loaded = nnx.state(load_run(run))
         for got, want in zip(jax.tree.leaves(loaded), jax.tree.leaves(params), strict=True):
             np.testing.assert_array_equal(got, want)
+
+
+def test_training_runs_without_tensorboardx(tmp_path):
+    """tensorboardX is optional (the GPU image lacks it): a run without it writes no
+    events and everything else."""
+    from conftest import run_python
+
+    result = run_python(f"""
+        import sys
+        sys.modules["tensorboardX"] = None  # import fails as if not installed
+        from jaxpar.train.config import load_config
+        from jaxpar.train.loop import train
+        train(load_config("tiny", {SMALL + ["steps=2", "eval.every=0", "data.max_files=20", "batch_size=8", "seq_len=32", f"run_dir={tmp_path / 'run'}"]!r}),
+              progress=False)
+    """, devices=1)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "run" / "metrics.jsonl").read_text().count("\n") == 2
+    assert not (tmp_path / "run" / "tensorboard").exists()

@@ -27,9 +27,12 @@ import numpy as np
 import optax
 import yaml
 from flax import nnx
-from tensorboardX import SummaryWriter
-from tensorboardX.proto.event_pb2 import Event
-from tensorboardX.record_writer import RecordWriter
+try:  # TensorBoard events are a convenience: a run without tensorboardX writes none
+    from tensorboardX import SummaryWriter
+    from tensorboardX.proto.event_pb2 import Event
+    from tensorboardX.record_writer import RecordWriter
+except ImportError:
+    SummaryWriter = None
 from tqdm.auto import tqdm
 
 import jaxpar
@@ -300,7 +303,8 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
     metrics_path = run_dir / "metrics.jsonl"
     if lead:
         _rewrite_metrics(metrics_path, start)
-        _rewrite_events(run_dir / "tensorboard", start)
+        if SummaryWriter is not None:
+            _rewrite_events(run_dir / "tensorboard", start)
 
     eval_fn = jax.jit(lambda params, batch, *frozen: step_fn.loss(nnx.merge(step_fn.graphdef, params),
                                                                   batch, *frozen))
@@ -309,7 +313,7 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
     if target is not None:
         peak = None  # flops_per_token counts a Transformer's step, not the draft's and teacher's
     history, last_saved = [], start
-    board = SummaryWriter(str(run_dir / "tensorboard")) if lead else None
+    board = SummaryWriter(str(run_dir / "tensorboard")) if lead and SummaryWriter else None
     metrics_file = metrics_path.open("a") if lead else None
     bar = tqdm(total=cfg.steps, initial=start, disable=not progress or not lead,
                dynamic_ncols=True, desc="train")
@@ -338,7 +342,7 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
                     metrics_file.write(json.dumps(record) + "\n")
                     metrics_file.flush()
                     for name, value in record.items():
-                        if name != "step":
+                        if name != "step" and board is not None:
                             board.add_scalar(name, value, step)
                 every = cfg.checkpoint.every
                 if (every and step % every == 0) or step == cfg.steps:
@@ -355,8 +359,9 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
                 bar.update(1)
     finally:
         bar.close()
-        if lead:
+        if board is not None:
             board.close()
+        if lead:
             metrics_file.close()
     checkpoints.wait()
     checkpoints.close()
