@@ -69,6 +69,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from jaxpar.kernels.dispatch import triton, use_pallas
+from jaxpar.kernels.tiles import is_pow2, pow2
 
 
 # --------------------------------------------------------------------------- API
@@ -79,15 +80,16 @@ def flash_attention(q, k, v, *, causal: bool, segment_ids=None, window: int | No
                     interpret: bool | None = None):
     """Softmax attention of ``q [B, T, N, H]`` over ``k, v [B, S, K, H]`` (module
     docstring); ``segment_ids [B, T]`` int (needs ``T == S``). Differentiable in q, k, v."""
-    _check(q, k, v, segment_ids, window)
+    _check(q, k, v, segment_ids, window, block_q, block_k, interpret)
     T, S, H = q.shape[1], k.shape[1], q.shape[3]
     scale = H ** -0.5 if scale is None else float(scale)
     if not use_pallas(interpret):
         return flash_attention_reference(q, k, v, causal=causal, segment_ids=segment_ids,
                                          window=window, scale=scale)
-    config = _Config(causal, window, scale, min(block_q, _pow2(T)), min(block_k, _pow2(S)),
+    config = _Config(causal, window, scale, min(block_q, pow2(T)), min(block_k, pow2(S)),
                      T, S, True, bool(interpret))
-    return _attention(config, q, k, v, segment_ids)
+    q, k, v = (_pad(x, 3, pow2(H)) for x in (q, k, v))
+    return _attention(config, q, k, v, segment_ids)[..., :H]
 
 
 def block_update(q, k, v, o, lse, q_positions, k_positions, q_segment_ids=None,
@@ -103,16 +105,18 @@ def block_update(q, k, v, o, lse, q_positions, k_positions, q_segment_ids=None,
     ``(o, lse)``; rows that see no key here are unchanged. Not differentiable: the
     backward of a sequence of steps is ``block_grads`` per step.
     """
-    _check(q, k, v, None, window)
+    _check(q, k, v, None, window, block_q, block_k, interpret)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if not use_pallas(interpret):
         return block_update_reference(q, k, v, o, lse, q_positions, k_positions, q_segment_ids,
                                       k_segment_ids, causal=causal, window=window, scale=scale)
-    T, S = q.shape[1], k.shape[1]
-    config = _Config(causal, window, scale, min(block_q, _pow2(T)), min(block_k, _pow2(S)),
+    T, S, H = q.shape[1], k.shape[1], q.shape[3]
+    config = _Config(causal, window, scale, min(block_q, pow2(T)), min(block_k, pow2(S)),
                      T, S, False, bool(interpret))
-    return _forward(config, q, k, v, q_segment_ids, k_segment_ids, q_positions, k_positions,
-                    o, lse, out_dtype=jnp.float32)
+    q, k, v, o = (_pad(x, 3, pow2(H)) for x in (q, k, v, o))
+    o, lse = _forward(config, q, k, v, q_segment_ids, k_segment_ids, q_positions, k_positions,
+                      o, lse, out_dtype=jnp.float32)
+    return o[..., :H], lse
 
 
 def block_grads(q, k, v, do, lse, delta, q_positions, k_positions, q_segment_ids=None,
@@ -123,20 +127,28 @@ def block_grads(q, k, v, do, lse, delta, q_positions, k_positions, q_segment_ids
     backward given the final ``lse [B, N, T]`` and ``delta = sum(do * out, H) [B, N, T]``
     (float32) of the whole attention. Returns ``(dq [B, T, N, H], dk, dv [B, S, K, H])``
     in float32."""
-    _check(q, k, v, None, window)
+    _check(q, k, v, None, window, block_q, block_k, interpret)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if not use_pallas(interpret):
         return block_grads_reference(q, k, v, do, lse, delta, q_positions, k_positions,
                                      q_segment_ids, k_segment_ids, causal=causal, window=window,
                                      scale=scale)
-    T, S = q.shape[1], k.shape[1]
-    config = _Config(causal, window, scale, min(block_q, _pow2(T)), min(block_k, _pow2(S)),
+    T, S, H = q.shape[1], k.shape[1], q.shape[3]
+    config = _Config(causal, window, scale, min(block_q, pow2(T)), min(block_k, pow2(S)),
                      T, S, False, bool(interpret))
-    return _backward(config, q, k, v, q_segment_ids, k_segment_ids, q_positions, k_positions,
-                     do, lse, delta)
+    q, k, v, do = (_pad(x, 3, pow2(H)) for x in (q, k, v, do))
+    dq, dk, dv = _backward(config, q, k, v, q_segment_ids, k_segment_ids, q_positions, k_positions,
+                           do, lse, delta)
+    return dq[..., :H], dk[..., :H], dv[..., :H]
 
 
-def _check(q, k, v, segment_ids, window):
+def _check(q, k, v, segment_ids, window, block_q, block_k, interpret):
+    """Shapes the kernels take: any ``B, T, S, N, K, H`` with ``N % K == 0``. Triton wants
+    power-of-two tiles, so the wrappers pad: ``T`` and ``S`` up to whole blocks (padded rows
+    and keys masked) and ``H`` with zeros up to ``pow2(H)`` (at least 16: 72, 80 and 96 run
+    as 128), which leaves every ``q.k`` and every output column unchanged (the padded
+    columns are sliced off). ``block_q``, ``block_k``: powers of two, at least 16 compiled
+    (Triton's smallest dot tile)."""
     if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] \
             or q.shape[3] != k.shape[3]:
         raise ValueError(f"attention wants q [B, T, N, H], k and v [B, S, K, H]; got q={q.shape}, "
@@ -149,11 +161,10 @@ def _check(q, k, v, segment_ids, window):
                          f"{q.shape[:2]} (k has S={k.shape[1]})")
     if window is not None and window < 1:
         raise ValueError(f"window={window} must be at least 1")
-
-
-def _pow2(n: int) -> int:
-    """The smallest power of two >= n, at least 16 (Triton's smallest dot tile)."""
-    return max(16, 1 << (n - 1).bit_length())
+    least = 1 if interpret else 16
+    for name, size in (("block_q", block_q), ("block_k", block_k)):
+        if size < least or not is_pow2(size):
+            raise ValueError(f"flash attention {name}={size} must be a power of two >= {least}")
 
 
 # ------------------------------------------------------------------------- kernels

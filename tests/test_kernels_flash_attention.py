@@ -1,7 +1,7 @@
 """The flash attention Pallas kernels (interpret mode) against the plain-jnp reference,
 and the reference against the model's own attention: outputs and gradients; causal or
 not, sliding windows, packed documents, grouped-query ratios 1/4/8, lengths that are not
-multiples of the blocks, head_dim 64/128/256, float32, bfloat16 and float16. Then the
+multiples of the blocks, head_dim 64/72/80/96/128/256, float32, bfloat16 and float16. Then the
 ring attention's step (block_update / block_grads) against jaxpar.parallel.sequence's
 plain-XLA step."""
 
@@ -59,8 +59,9 @@ def test_outputs_and_gradients_match_the_reference(rng, causal, window, packed, 
         assert rel_err(a, b) < 1e-5
 
 
-@pytest.mark.parametrize("H", [128, 256])  # 64: test_half_precision_inputs
+@pytest.mark.parametrize("H", [72, 80, 96, 128, 256])  # 64: test_half_precision_inputs
 def test_head_dims(rng, H):
+    """Powers of two, and GPT-2's / SmolLM2's / Qwen's 72, 80, 96 (padded to 128 inside)."""
     q, k, v, g = inputs(rng, 1, 24, 2, 1, H)
 
     def kernel(q, k, v):
