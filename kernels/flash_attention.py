@@ -7,8 +7,11 @@ attention: query head ``n`` reads key/value head ``n // (N // K)``, as Hugging F
 ``repeat_kv``), returns ``[B, T, N, H]`` in ``q``'s dtype. Scores, softmax statistics and
 products accumulate in float32 whatever the input dtype (bf16, fp16, fp32).
 
-Which keys a query sees: query ``t`` sits at position ``t`` and key ``s`` at ``s``
-(self-attention, ``T == S``; queries over a KV cache are ``decode_attention``'s job); with
+Which keys a query sees: key ``s`` sits at position ``s`` and query ``t`` at ``S - T + t``
+(the queries are the last ``T`` of the ``S`` tokens: with ``causal`` the mask is aligned
+bottom-right, as ``jaxpar.dot_product_attention``'s, so query ``t`` sees keys
+``s <= t + S - T``; when ``T > S`` the first ``T - S`` queries see no key and give zeros;
+a preallocated KV cache with per-sequence lengths is ``decode_attention``'s job); with
 ``causal`` keys at positions ``<=`` the query's; with ``window`` w only keys less than w positions
 away (a sliding window: ``q_pos - k_pos < w``, and ``k_pos - q_pos < w`` when not
 causal); with ``segment_ids [B, T]`` only keys of the same document (packed sequences).
@@ -79,7 +82,9 @@ def flash_attention(q, k, v, *, causal: bool, segment_ids=None, window: int | No
                     scale: float | None = None, block_q: int = 64, block_k: int = 64,
                     interpret: bool | None = None):
     """Softmax attention of ``q [B, T, N, H]`` over ``k, v [B, S, K, H]`` (module
-    docstring); ``segment_ids [B, T]`` int (needs ``T == S``). Differentiable in q, k, v."""
+    docstring); with ``causal`` and ``T != S`` the mask is aligned bottom-right (query
+    ``t`` sees keys ``s <= t + S - T``); ``segment_ids [B, T]`` int (needs ``T == S``).
+    Differentiable in q, k, v."""
     _check(q, k, v, segment_ids, window, block_q, block_k, interpret)
     T, S, H = q.shape[1], k.shape[1], q.shape[3]
     scale = H ** -0.5 if scale is None else float(scale)
@@ -173,8 +178,9 @@ def _check(q, k, v, segment_ids, window, block_q, block_k, interpret):
 @dataclasses.dataclass(frozen=True)
 class _Config:
     """Everything static about one call: the mask, the tiles, the true lengths (before
-    padding), and whether positions are the indices ``0..T-1`` / ``0..S-1`` (then the
-    visible block ranges are known and the loops skip the rest)."""
+    padding), and whether positions are implicit (then the visible block ranges are known
+    and the loops skip the rest): keys at ``0..S-1``, queries at ``S-T..S-1`` (the last
+    ``T`` keys' positions: the causal mask aligned bottom-right)."""
 
     causal: bool
     window: int | None
@@ -185,6 +191,11 @@ class _Config:
     kv_len: int
     contiguous: bool
     interpret: bool
+
+    @property
+    def q_offset(self) -> int:
+        """Position of query 0 when positions are implicit: ``S - T``."""
+        return self.kv_len - self.q_len
 
     def padded(self, length, block):
         return -(-length // block) * block
@@ -217,21 +228,27 @@ def _div(x, n: int):
     return jax.lax.div(x, n)
 
 
+def _cdiv(x, n: int):
+    """``ceil(max(x, 0) / n)`` for a traced ``x``."""
+    return _div(jnp.maximum(x, 0) + n - 1, n)
+
+
 def _key_blocks(config: _Config, i, count):
     """The key blocks query block ``i`` can see: ``[lo, hi)`` (all when positions are
-    not contiguous)."""
+    not implicit)."""
     if not config.contiguous:
         return 0, count
     bq, bk, w = config.block_q, config.block_k, config.window
-    first, last = i * bq, i * bq + bq - 1  # the block's query positions
+    first = i * bq + config.q_offset  # the block's query positions: first .. last
+    last = first + bq - 1
     lo = 0 if w is None else _div(jnp.maximum(first - w + 1, 0), bk)
-    if config.causal:
-        hi = jnp.minimum(_div(last, bk) + 1, count)
-    elif w is not None:
-        hi = jnp.minimum(_div(last + w - 1, bk) + 1, count)
+    if config.causal:  # keys <= last
+        hi = jnp.minimum(_cdiv(last + 1, bk), count)
+    elif w is not None:  # keys <= last + w - 1
+        hi = jnp.minimum(_cdiv(last + w, bk), count)
     else:
         hi = count
-    return lo, hi
+    return jnp.minimum(lo, hi), hi
 
 
 def _query_blocks(config: _Config, j, count):
@@ -239,15 +256,16 @@ def _query_blocks(config: _Config, j, count):
     if not config.contiguous:
         return 0, count
     bq, bk, w = config.block_q, config.block_k, config.window
-    first, last = j * bk, j * bk + bk - 1  # the block's key positions
-    if config.causal:
-        lo = _div(first, bq)
+    first = j * bk - config.q_offset  # the block's key positions, as query indices
+    last = first + bk - 1
+    if config.causal:  # queries at or after the first key
+        lo = _div(jnp.maximum(first, 0), bq)
     elif w is not None:
         lo = _div(jnp.maximum(first - w + 1, 0), bq)
     else:
         lo = 0
-    hi = count if w is None else jnp.minimum(_div(last + w - 1, bq) + 1, count)
-    return lo, hi
+    hi = count if w is None else jnp.minimum(_cdiv(last + w, bq), count)
+    return jnp.minimum(lo, hi), hi
 
 
 def _indices(start, size):
@@ -268,7 +286,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, q_pos_ref, k_pos_
     i = pl.program_id(2)
     q = q_ref[...]
     q_idx = _indices(i * bq, bq)
-    q_pos = q_idx if q_pos_ref is None else q_pos_ref[...]
+    q_pos = q_idx + config.q_offset if q_pos_ref is None else q_pos_ref[...]
     q_seg = None if q_seg_ref is None else q_seg_ref[...]
     if o_in_ref is None:
         m = jnp.full((bq,), -jnp.inf, jnp.float32)
@@ -330,7 +348,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, k_s
         q, do = q_ref[rows, g, :], do_ref[rows, g, :]
         lse, delta = lse_ref[g, rows], delta_ref[g, rows]
         q_idx = _indices(i * bq, bq)
-        q_pos = q_idx if q_pos_ref is None else q_pos_ref[rows]
+        q_pos = q_idx + config.q_offset if q_pos_ref is None else q_pos_ref[rows]
         q_seg = None if q_seg_ref is None else q_seg_ref[rows]
         p = _probabilities(config, q, k, lse, q_idx, k_idx, q_pos, k_pos, q_seg, k_seg)
         dv += jax.lax.dot_general(p.astype(do.dtype), do, (((0,), (0,)), ((), ())),
@@ -354,7 +372,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, k_seg
     i = pl.program_id(2)
     q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
     q_idx = _indices(i * bq, bq)
-    q_pos = q_idx if q_pos_ref is None else q_pos_ref[...]
+    q_pos = q_idx + config.q_offset if q_pos_ref is None else q_pos_ref[...]
     q_seg = None if q_seg_ref is None else q_seg_ref[...]
 
     def body(j, dq):
@@ -492,7 +510,7 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 def _reference_mask(T, S, q_positions, k_positions, q_segment_ids, k_segment_ids, causal, window):
     """``[B or 1, 1, T, S]`` bool."""
-    q_pos = jnp.arange(T) if q_positions is None else q_positions
+    q_pos = jnp.arange(T) + S - T if q_positions is None else q_positions  # bottom-right
     k_pos = jnp.arange(S) if k_positions is None else k_positions
     distance = q_pos[:, None] - k_pos[None, :]
     mask = jnp.ones((T, S), bool)
