@@ -58,6 +58,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jaxpar.kernels.dispatch import triton, use_pallas
+from jaxpar.kernels.masks import tree_visible
 from jaxpar.kernels.tiles import fall_back, load, pow2, tile_index
 
 # Programs the automatic split aims for: an H100 has 132 SMs.
@@ -91,13 +92,7 @@ def _visible(lengths, T, S, tree_mask):
     """``[B, T, S]`` bool: which cache slots each new query sees."""
     if tree_mask is None:
         tree_mask = jnp.tril(jnp.ones((T, T), bool))[None]
-    start = (lengths - T)[:, None, None]  # first new token's slot
-    slot = jnp.arange(S)[None, None, :]
-    j = slot - start  # index among the new tokens
-    tree = jnp.take_along_axis(jnp.broadcast_to(tree_mask, (lengths.shape[0], T, T)),
-                               jnp.broadcast_to(jnp.clip(j, 0, T - 1), (lengths.shape[0], T, S)),
-                               axis=2)
-    return (slot < start) | ((j >= 0) & (j < T) & tree)
+    return tree_visible(lengths - T, T, S, tree_mask)
 
 
 def decode_attention(q, k_cache, v_cache, lengths, *, tree_mask=None, scale=None,

@@ -38,6 +38,9 @@ and are not tuned (no GPU yet).
 
 Lengths that are not multiples of the blocks are padded up in the wrapper; padded keys
 and padded query rows are masked (and the padding sliced off), so they never reach a sum.
+A head dim that is not a power of two (72, 80, 96: Triton's tiles must be) is padded
+with zeros to the next one, which changes no ``q.k`` and no output column (the extra
+columns are sliced off), as JAX's own Pallas ``mha`` does.
 A query row that sees no key at all (possible in a ring block) keeps ``lse = -inf`` and a
 zero output instead of NaN.
 
@@ -46,7 +49,10 @@ running ``(o, lse)`` instead of an empty one, with explicit ``q_positions`` /
 ``k_positions`` (the ring's token layout need not be contiguous: zigzag); its backward
 step (``block_grads``) is the backward kernels given the final ``lse`` and ``delta``.
 With explicit positions the block-skipping bounds are not known, so every key block is
-visited (masked where invisible).
+visited (masked where invisible). ``block_update_reference`` / ``block_grads_reference``
+are the same step in plain XLA, which the ring runs when attention is not on Pallas.
+Which keys a query sees is ``jaxpar.kernels.masks.visible`` everywhere: in the kernels'
+tiles, the references, the ring and ``jaxpar.dot_product_attention``.
 
 Backend: ``pl.pallas_call`` with block specs, which lowers through Triton on GPU. The
 kernel needs only 2D loads, two matmuls per tile and an online softmax, which Triton
@@ -72,6 +78,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from jaxpar.kernels.dispatch import triton, use_pallas
+from jaxpar.kernels.masks import visible
 from jaxpar.kernels.tiles import is_pow2, pow2
 
 
@@ -211,16 +218,8 @@ def _visible(config: _Config, q_idx, k_idx, q_pos, k_pos, q_seg, k_seg):
     rows' indices in the padded arrays (padding is invisible), ``*_pos`` their positions,
     ``*_seg`` their segment ids or None."""
     mask = (q_idx < config.q_len)[:, None] & (k_idx < config.kv_len)[None, :]
-    distance = q_pos[:, None] - k_pos[None, :]
-    if config.causal:
-        mask &= distance >= 0
-    if config.window is not None:
-        mask &= distance < config.window
-        if not config.causal:
-            mask &= -distance < config.window
-    if q_seg is not None:
-        mask &= q_seg[:, None] == k_seg[None, :]
-    return mask
+    rule = visible(q_pos, k_pos, q_seg, k_seg, causal=config.causal, window=config.window)
+    return mask if rule is None else mask & rule
 
 
 def _div(x, n: int):
@@ -509,78 +508,83 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def _reference_mask(T, S, q_positions, k_positions, q_segment_ids, k_segment_ids, causal, window):
-    """``[B or 1, 1, T, S]`` bool."""
-    q_pos = jnp.arange(T) + S - T if q_positions is None else q_positions  # bottom-right
+    """``[T, S]`` or ``[B, T, S]`` bool, or None (all visible); implicit positions put the
+    queries last (bottom-right)."""
+    q_pos = jnp.arange(T) + S - T if q_positions is None else q_positions
     k_pos = jnp.arange(S) if k_positions is None else k_positions
-    distance = q_pos[:, None] - k_pos[None, :]
-    mask = jnp.ones((T, S), bool)
-    if causal:
-        mask &= distance >= 0
-    if window is not None:
-        mask &= (distance < window) & (causal | (-distance < window))
-    mask = mask[None, None]
-    if q_segment_ids is not None:
-        mask = mask & (q_segment_ids[:, :, None] == k_segment_ids[:, None, :])[:, None]
-    return mask
+    return visible(q_pos, k_pos, q_segment_ids, k_segment_ids, causal=causal, window=window)
+
+
+def _grouped(x, K):
+    """``[B, T, N, H]`` -> ``[B, T, K, G, H]``; ``[B, N, T]`` -> ``[B, K, G, T]``."""
+    if x.ndim == 4:
+        return x.reshape(*x.shape[:2], K, x.shape[2] // K, x.shape[3])
+    return x.reshape(x.shape[0], K, x.shape[1] // K, x.shape[2])
 
 
 def _reference_scores(q, k, mask, scale):
-    """``[B, N, T, S]`` float32, ``-inf`` where masked."""
-    G = q.shape[2] // k.shape[2]
-    k = jnp.repeat(k, G, axis=2)
-    s = jnp.einsum("BTNH,BSNH->BNTS", q, k, preferred_element_type=jnp.float32) * scale
-    return jnp.where(mask, s, -jnp.inf)
+    """``q [B, T, K, G, H]``, ``k [B, S, K, H]`` -> ``[B, K, G, T, S]`` float32, ``-inf``
+    where ``mask [(B,) T, S]`` is False (None: nowhere). Each kv head is read by its G
+    query heads in the einsum: k is never repeated."""
+    s = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32) * scale
+    return s if mask is None else jnp.where(mask[..., None, None, :, :], s, -jnp.inf)
+
+
+def _rows(x):
+    """``[B, K, G, T]`` -> ``[B, T, K, G, 1]``, to scale output rows."""
+    return jnp.moveaxis(x, 3, 1)[..., None]
 
 
 def flash_attention_reference(q, k, v, *, causal: bool, segment_ids=None,
                               window: int | None = None, scale: float | None = None):
     """Plain ``jnp`` (materialises the ``[B, N, T, S]`` scores): what the kernel computes."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    T, S, G = q.shape[1], k.shape[1], q.shape[2] // k.shape[2]
-    s = _reference_scores(q, k, _reference_mask(T, S, None, None, segment_ids, segment_ids,
-                                                causal, window), scale)
-    p = jax.nn.softmax(s, axis=-1)
+    (B, T, N, H), (S, K) = q.shape, k.shape[1:3]
+    mask = _reference_mask(T, S, None, None, segment_ids, segment_ids, causal, window)
+    p = jax.nn.softmax(_reference_scores(_grouped(q, K), k, mask, scale), axis=-1)
     p = jnp.where(jnp.isnan(p), 0.0, p)  # rows that see nothing
-    out = jnp.einsum("BNTS,BSNH->BTNH", p.astype(v.dtype), jnp.repeat(v, G, axis=2),
-                     preferred_element_type=jnp.float32)
-    return out.astype(q.dtype)
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.reshape(B, T, N, H).astype(q.dtype)
 
 
 def block_update_reference(q, k, v, o, lse, q_positions, k_positions, q_segment_ids=None,
                            k_segment_ids=None, *, causal: bool, window: int | None = None,
                            scale: float | None = None):
-    """Plain ``jnp`` ``block_update``."""
+    """Plain ``jnp`` ``block_update`` (same arguments and result): the XLA online-softmax
+    step, which the ring attention's XLA path runs on each block of keys."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    G = q.shape[2] // k.shape[2]
-    mask = _reference_mask(q.shape[1], k.shape[1], q_positions, k_positions, q_segment_ids,
-                           k_segment_ids, causal, window)
-    s = _reference_scores(q, k, mask, scale)
-    block_lse = jax.nn.logsumexp(s, axis=-1)  # -inf where nothing is visible
-    new_lse = jnp.logaddexp(lse, block_lse)
+    (B, T, N, H), K = q.shape, k.shape[2]
+    mask = _reference_mask(T, k.shape[1], q_positions, k_positions, q_segment_ids, k_segment_ids,
+                           causal, window)
+    s = _reference_scores(_grouped(q, K), k, mask, scale)
+    lse = _grouped(lse, K)
+    m = s.max(-1)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)  # a row that sees nothing here: p = 0, no NaN
+    p = jnp.exp(s - m[..., None])
+    new_lse = jnp.logaddexp(lse, m + jnp.log(p.sum(-1)))  # unchanged where nothing is seen
     safe = jnp.where(jnp.isfinite(new_lse), new_lse, 0.0)
-    p = jnp.exp(s - safe[..., None])
-    pv = jnp.einsum("BNTS,BSNH->BTNH", p.astype(v.dtype), jnp.repeat(v, G, axis=2),
-                    preferred_element_type=jnp.float32)
-    rows = lambda x: jnp.moveaxis(x, 2, 1)[..., None]  # noqa: E731  [B, N, T] -> [B, T, N, 1]
-    return o * rows(jnp.exp(lse - safe)) + pv, new_lse
+    pv = jnp.einsum("BKGTS,BSKH->BTKGH", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    o = _grouped(o, K) * _rows(jnp.exp(lse - safe)) + pv * _rows(jnp.exp(m - safe))
+    return o.reshape(B, T, N, H), new_lse.reshape(B, N, T)
 
 
 def block_grads_reference(q, k, v, do, lse, delta, q_positions, k_positions, q_segment_ids=None,
                           k_segment_ids=None, *, causal: bool, window: int | None = None,
                           scale: float | None = None):
-    """Plain ``jnp`` ``block_grads``: float32 ``(dq, dk, dv)``."""
+    """Plain ``jnp`` ``block_grads``: float32 ``(dq [B, T, N, H], dk, dv [B, S, K, H])``;
+    the backward step of the ring attention's XLA path."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    B, S, K, H = k.shape
-    G = q.shape[2] // K
-    mask = _reference_mask(q.shape[1], S, q_positions, k_positions, q_segment_ids, k_segment_ids,
+    (B, T, N, H), K = q.shape, k.shape[2]
+    mask = _reference_mask(T, k.shape[1], q_positions, k_positions, q_segment_ids, k_segment_ids,
                            causal, window)
-    s = _reference_scores(q, k, mask, scale)
-    p = jnp.where(mask, jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]), 0.0)
-    k32, v32 = jnp.repeat(k, G, axis=2).astype(jnp.float32), jnp.repeat(v, G, axis=2).astype(jnp.float32)
-    do32, q32 = do.astype(jnp.float32), q.astype(jnp.float32)
-    dv = jnp.einsum("BNTS,BTNH->BSNH", p, do32)
-    dp = jnp.einsum("BTNH,BSNH->BNTS", do32, v32)
+    q32, do32 = (_grouped(x, K).astype(jnp.float32) for x in (q, do))
+    k32, v32 = k.astype(jnp.float32), v.astype(jnp.float32)
+    lse, delta = _grouped(lse, K), _grouped(delta, K)
+    s = _reference_scores(q32, k32, mask, scale)
+    p = jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None])  # 0 where masked
+    dv = jnp.einsum("BKGTS,BTKGH->BSKH", p, do32)
+    dp = jnp.einsum("BTKGH,BSKH->BKGTS", do32, v32)
     ds = p * (dp - delta[..., None]) * scale
-    dq = jnp.einsum("BNTS,BSNH->BTNH", ds, k32)
-    dk = jnp.einsum("BNTS,BTNH->BSNH", ds, q32)
-    return dq, dk.reshape(B, S, K, G, H).sum(3), dv.reshape(B, S, K, G, H).sum(3)
+    dq = jnp.einsum("BKGTS,BSKH->BTKGH", ds, k32)
+    dk = jnp.einsum("BKGTS,BTKGH->BSKH", ds, q32)
+    return dq.reshape(B, T, N, H), dk, dv
