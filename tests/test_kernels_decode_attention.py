@@ -2,8 +2,8 @@
 the reference against independent computations (``jaxpar.ops.attention.dot_product_attention``
 per sequence; a float64 loop over the visible slots): grouped-query ratios 1, 4 and 8, one
 and four new tokens (and 40: the reference), head dims 16, 32, 72, 80, 96, token trees and
-the causal default, per-sequence lengths from ``T`` (no context) to ``S``, ``S`` not a multiple of ``block_k``, split and unsplit cache, float32,
-bfloat16 and float16. Every slot past a sequence's length holds huge random garbage, so a
+the causal default, per-sequence lengths from ``T`` (no context) to ``S``, ``S`` not a
+multiple of ``block_k``, split and unsplit cache, float32, bfloat16 and float16. Every slot past a sequence's length holds huge random garbage, so a
 kernel that read one could not pass."""
 
 import logging

@@ -80,5 +80,5 @@ def test_dispatch_and_bad_arguments(rng):
         norm(x, scale, kind="layer")
     with pytest.raises(ValueError, match="block_rows=6 must be a power of two"):
         norm(x, scale, block_rows=6, interpret=True)
-    with pytest.raises(ValueError, match=r"x \[..., D\], scale and bias \[D\]; got x \(4, 16\), scale \(8,\)"):
+    with pytest.raises(ValueError, match=r"scale and bias \[D\]; got x \(4, 16\), scale \(8,\)"):
         norm(x, scale[:8])

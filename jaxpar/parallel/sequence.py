@@ -190,7 +190,9 @@ def _unblock(x):
 def _flat(x):
     """The ring's ``[B, T, K, G, H]`` / ``[B, K, G, T]`` as the kernels' ``[B, T, N, H]`` /
     ``[B, N, T]`` (free reshapes: query head ``n = k * G + g``)."""
-    return x.reshape(*x.shape[:2], -1, x.shape[-1]) if x.ndim == 5 else x.reshape(x.shape[0], -1, x.shape[-1])
+    if x.ndim == 5:
+        return x.reshape(*x.shape[:2], -1, x.shape[-1])
+    return x.reshape(x.shape[0], -1, x.shape[-1])
 
 
 def block_update(q, k, v, o, lse, q_pos, k_pos, q_seg=None, k_seg=None, *, causal: bool):
