@@ -66,7 +66,7 @@ from flax import nnx  # noqa: E402
 import jaxpar  # noqa: E402
 from jaxpar.models import Transformer  # noqa: E402
 from jaxpar.models.transformer import sharding_rules  # noqa: E402
-from jaxpar.parallel.sequence import SequenceOptions  # noqa: E402
+from jaxpar import SequenceOptions  # noqa: E402
 from jaxpar.train.config import load_config  # noqa: E402
 from jaxpar.train.step import make_train_step  # noqa: E402
 

@@ -26,7 +26,7 @@ combines the splits afterwards (weights ``softmax`` of the log-sum-exps). The sp
 divide ``lengths[b]``, not ``S``, so a cache filled to a tenth still keeps every split busy.
 ``lengths`` reaches each program as a scalar block (``BlockSpec((None,), (b,))``) and the
 tree mask as one int32 bitmask per query row (bit ``j``: sees new token ``j``; hence
-``T <= 32``), so the mask is shifts and ands, no gather.
+``T <= 32``; more run the reference), so the mask is shifts and ands, no gather.
 
 HBM traffic: the filled part of the cache is read once per kv head, i.e. once in total,
 ``2 * sum(lengths) * K * H * itemsize`` bytes; slots past a length are never loaded (the
@@ -35,8 +35,12 @@ floats, are small beside it. That figure over the time is the benchmark's GB/s.
 
 Backend: ``pl.pallas_call`` with block specs (Triton on GPU): portable, and the same
 kernel body runs in interpret mode on CPU. Triton wants power-of-two tiles, so query rows
-are padded to a power of two >= 16 (``q`` is tiny; the cache is never copied or padded),
-``block_k`` must be a power of two >= 16, and ``H`` a power of two on GPU. Not yet
+are padded to a power of two >= 16 and ``q``'s head_dim with zeros to ``pow2(H)`` (``q``
+is tiny); the cache is never copied or padded: its tiles are loaded as ``[block_k,
+pow2(H)]`` with the slots past the length and the columns past ``H`` masked to zeros
+(``q.k`` unchanged; the output's extra columns are sliced off). ``block_k`` must be a
+power of two >= 16. ``T > 32`` new tokens (more than the bitmask holds) run the XLA
+reference, logged once. Not yet
 measured on a GPU. Inference only: no backward pass. A paged cache (block tables instead
 of one contiguous ``[S]`` per sequence) is a possible follow-up; only the cache loads
 would change.
@@ -52,13 +56,16 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from jaxpar.kernels.dispatch import triton, use_pallas
+from jaxpar.kernels.masks import tree_visible
+from jaxpar.kernels.tiles import fall_back, load, pow2, tile_index
 
 # Programs the automatic split aims for: an H100 has 132 SMs.
 _TARGET_PROGRAMS = 128
 _MAX_SPLITS = 16
+# New tokens per sequence the kernel takes: the tree mask is one int32 bitmask per row.
+_MAX_QUERIES = 32
 
 
 @functools.partial(jax.jit, static_argnames="scale")
@@ -85,13 +92,7 @@ def _visible(lengths, T, S, tree_mask):
     """``[B, T, S]`` bool: which cache slots each new query sees."""
     if tree_mask is None:
         tree_mask = jnp.tril(jnp.ones((T, T), bool))[None]
-    start = (lengths - T)[:, None, None]  # first new token's slot
-    slot = jnp.arange(S)[None, None, :]
-    j = slot - start  # index among the new tokens
-    tree = jnp.take_along_axis(jnp.broadcast_to(tree_mask, (lengths.shape[0], T, T)),
-                               jnp.broadcast_to(jnp.clip(j, 0, T - 1), (lengths.shape[0], T, S)),
-                               axis=2)
-    return (slot < start) | ((j >= 0) & (j < T) & tree)
+    return tree_visible(lengths - T, T, S, tree_mask)
 
 
 def decode_attention(q, k_cache, v_cache, lengths, *, tree_mask=None, scale=None,
@@ -103,14 +104,36 @@ def decode_attention(q, k_cache, v_cache, lengths, *, tree_mask=None, scale=None
     ``None`` picks ``min(16, ceil(128 / (B * K)))``, enough programs to fill a GPU at
     small batch. ``lengths`` must satisfy ``T <= lengths[b] <= S`` (values outside are
     clipped to ``[0, S]``, so no load ever leaves the cache)."""
+    _check(q, k_cache, v_cache, lengths, tree_mask, block_k, num_splits)
+    B, T, _, H = q.shape
+    S, K = k_cache.shape[1:3]
+    scale = float(H**-0.5 if scale is None else scale)
+    lengths = jnp.clip(lengths.astype(jnp.int32), 0, S)
+    if tree_mask is not None:
+        tree_mask = tree_mask.astype(bool)
+    if not use_pallas(interpret):
+        return decode_attention_reference(q, k_cache, v_cache, lengths, tree_mask=tree_mask, scale=scale)
+    if T > _MAX_QUERIES:
+        fall_back(f"decode_attention packs the tree mask in int32 bits, so the kernel takes "
+                  f"T <= {_MAX_QUERIES} new tokens, got T={T}")
+        return decode_attention_reference(q, k_cache, v_cache, lengths, tree_mask=tree_mask, scale=scale)
+    if num_splits is None:
+        num_splits = max(1, min(_MAX_SPLITS, -(-_TARGET_PROGRAMS // (B * K))))
+    return _decode(q, k_cache, v_cache, lengths, tree_mask, scale, block_k, num_splits, bool(interpret))
+
+
+def _check(q, k_cache, v_cache, lengths, tree_mask, block_k, num_splits):
+    """Shapes the kernel takes: any ``B, S, K``, ``N`` a multiple of ``K``, any ``H``
+    (tiles padded to ``pow2(H)``), ``T <= S`` new tokens (``T > 32`` runs the reference);
+    ``block_k`` a power of two >= 16 (Triton tiles)."""
     if (q.ndim != 4 or k_cache.ndim != 4 or v_cache.shape != k_cache.shape
             or q.shape[0] != k_cache.shape[0] or q.shape[3] != k_cache.shape[3]
             or q.shape[2] % k_cache.shape[2] or lengths.shape != q.shape[:1]):
         raise ValueError(f"decode_attention wants q [B, T, N, H], k_cache and v_cache [B, S, K, H] "
                          f"with N a multiple of K, lengths [B]; got q {q.shape}, k_cache "
                          f"{k_cache.shape}, v_cache {v_cache.shape}, lengths {lengths.shape}")
-    B, T, _, H = q.shape
-    S, K = k_cache.shape[1:3]
+    B, T = q.shape[:2]
+    S = k_cache.shape[1]
     if T > S:
         raise ValueError(f"decode_attention: T={T} new tokens do not fit a cache of S={S} slots")
     if tree_mask is not None and tree_mask.shape != (B, T, T):
@@ -119,23 +142,14 @@ def decode_attention(q, k_cache, v_cache, lengths, *, tree_mask=None, scale=None
         raise ValueError(f"block_k must be a power of two >= 16 (Triton tiles), got {block_k}")
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    scale = float(H**-0.5 if scale is None else scale)
-    lengths = jnp.clip(lengths.astype(jnp.int32), 0, S)
-    if tree_mask is not None:
-        tree_mask = tree_mask.astype(bool)
-    if not use_pallas(interpret):
-        return decode_attention_reference(q, k_cache, v_cache, lengths, tree_mask=tree_mask, scale=scale)
-    if T > 32:
-        raise ValueError(f"the decode_attention kernel packs the tree mask in int32 bits: T={T} > 32")
-    if num_splits is None:
-        num_splits = max(1, min(_MAX_SPLITS, -(-_TARGET_PROGRAMS // (B * K))))
-    return _decode(q, k_cache, v_cache, lengths, tree_mask, scale, block_k, num_splits, bool(interpret))
 
 
 def _kernel(len_ref, bits_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, T, scale, block_k, num_splits):
-    """One (sequence, kv head, split): ``q_ref [R, H]`` (``R`` padded query rows),
-    ``k_ref``/``v_ref [S, H]``, ``bits_ref [R, 1]``; writes this split's normalised output
-    ``[R, H]`` and log-sum-exp ``[R, 1]`` (``-inf`` where the split saw nothing)."""
+    """One (sequence, kv head, split): ``q_ref [R, Hp]`` (``R`` padded query rows, ``Hp =
+    pow2(H)`` columns, zeros past H), ``k_ref``/``v_ref [S, H]``, ``bits_ref [R, 1]``;
+    writes this split's normalised output ``[R, Hp]`` and log-sum-exp ``[R, 1]`` (``-inf``
+    where the split saw nothing)."""
+    head_dim = k_ref.shape[1]
     length = len_ref[()]
     context = length - T  # slots [context, length) hold the new tokens
     per_split = pl.cdiv(pl.cdiv(length, num_splits), block_k) * block_k
@@ -149,10 +163,11 @@ def _kernel(len_ref, bits_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, T, scale,
         first = start + i * block_k
         slot = first + jnp.arange(block_k, dtype=jnp.int32)
         filled = slot < length
-        rows = pl.ds(first, block_k)
-        # Masked loads: never read past the length, and never past S (S % block_k != 0).
-        k = plgpu.load(k_ref.at[rows, :], mask=filled[:, None], other=0)
-        v = plgpu.load(v_ref.at[rows, :], mask=filled[:, None], other=0)
+        # Masked loads: never read past the length (nor past S when S % block_k != 0),
+        # nor past the true head_dim (the tile is [block_k, pow2(H)], zeros beyond).
+        r, c = tile_index(first, block_k, q.shape[1])
+        k = load(k_ref, r, c, (length, head_dim))
+        v = load(v_ref, r, c, (length, head_dim))
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         j = (slot - context)[None, :]  # index among the new tokens
         tree = (jnp.right_shift(bits, jnp.clip(j, 0, 31)) & 1) == 1
@@ -180,10 +195,11 @@ def _decode(q, k_cache, v_cache, lengths, tree_mask, scale, block_k, num_splits,
     B, T, N, H = q.shape
     S, K = k_cache.shape[1:3]
     G = N // K
-    R = max(16, pl.next_power_of_2(G * T))  # Triton: power-of-two tiles, dot M >= 16
+    R = pow2(G * T)  # Triton: power-of-two tiles, dot M >= 16
+    Hp = pow2(H)  # zero columns: q.k unchanged, the output's extra columns sliced off
     # Rows of kv head h: r = g * T + t for query head h * G + g, token t.
     rows = q.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, H)
-    rows = jnp.pad(rows, ((0, 0), (0, 0), (0, R - G * T), (0, 0)))
+    rows = jnp.pad(rows, ((0, 0), (0, 0), (0, R - G * T), (0, Hp - H)))
     if tree_mask is None:
         tree_mask = jnp.tril(jnp.ones((B, T, T), bool))
     bits = (tree_mask.astype(jnp.int32) << jnp.arange(T, dtype=jnp.int32)).sum(-1, dtype=jnp.int32)
@@ -196,11 +212,11 @@ def _decode(q, k_cache, v_cache, lengths, tree_mask, scale, block_k, num_splits,
         grid=grid,
         in_specs=[pl.BlockSpec((None,), lambda b, h, p: (b,)),
                   pl.BlockSpec((None, R, 1), lambda b, h, p: (b, 0, 0)),
-                  pl.BlockSpec((None, None, R, H), lambda b, h, p: (b, h, 0, 0)),
+                  pl.BlockSpec((None, None, R, Hp), lambda b, h, p: (b, h, 0, 0)),
                   cache, cache],
-        out_specs=[pl.BlockSpec((None, None, None, R, H), lambda b, h, p: (b, h, p, 0, 0)),
+        out_specs=[pl.BlockSpec((None, None, None, R, Hp), lambda b, h, p: (b, h, p, 0, 0)),
                    pl.BlockSpec((None, None, None, R, 1), lambda b, h, p: (b, h, p, 0, 0))],
-        out_shape=[jax.ShapeDtypeStruct((*grid, R, H), jnp.float32),
+        out_shape=[jax.ShapeDtypeStruct((*grid, R, Hp), jnp.float32),
                    jax.ShapeDtypeStruct((*grid, R, 1), jnp.float32)],
         interpret=interpret, compiler_params=triton(),
         name="decode_attention",
@@ -210,6 +226,6 @@ def _decode(q, k_cache, v_cache, lengths, tree_mask, scale, block_k, num_splits,
     top = lse.max(2, keepdims=True)
     w = jnp.exp(lse - jnp.where(top == -jnp.inf, 0.0, top))
     total = w.sum(2)
-    out = (o * w).sum(2) / jnp.where(total == 0, 1.0, total)  # [B, K, R, H]
-    out = out[:, :, :G * T].reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4)
+    out = (o * w).sum(2) / jnp.where(total == 0, 1.0, total)  # [B, K, R, Hp]
+    out = out[:, :, :G * T, :H].reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4)
     return out.reshape(B, T, N, H).astype(q.dtype)

@@ -7,8 +7,11 @@ attention: query head ``n`` reads key/value head ``n // (N // K)``, as Hugging F
 ``repeat_kv``), returns ``[B, T, N, H]`` in ``q``'s dtype. Scores, softmax statistics and
 products accumulate in float32 whatever the input dtype (bf16, fp16, fp32).
 
-Which keys a query sees: query ``t`` sits at position ``t`` and key ``s`` at ``s``
-(self-attention, ``T == S``; queries over a KV cache are ``decode_attention``'s job); with
+Which keys a query sees: key ``s`` sits at position ``s`` and query ``t`` at ``S - T + t``
+(the queries are the last ``T`` of the ``S`` tokens: with ``causal`` the mask is aligned
+bottom-right, as ``jaxpar.dot_product_attention``'s, so query ``t`` sees keys
+``s <= t + S - T``; when ``T > S`` the first ``T - S`` queries see no key and give zeros;
+a preallocated KV cache with per-sequence lengths is ``decode_attention``'s job); with
 ``causal`` keys at positions ``<=`` the query's; with ``window`` w only keys less than w positions
 away (a sliding window: ``q_pos - k_pos < w``, and ``k_pos - q_pos < w`` when not
 causal); with ``segment_ids [B, T]`` only keys of the same document (packed sequences).
@@ -35,6 +38,9 @@ and are not tuned (no GPU yet).
 
 Lengths that are not multiples of the blocks are padded up in the wrapper; padded keys
 and padded query rows are masked (and the padding sliced off), so they never reach a sum.
+A head dim that is not a power of two (72, 80, 96: Triton's tiles must be) is padded
+with zeros to the next one, which changes no ``q.k`` and no output column (the extra
+columns are sliced off), as JAX's own Pallas ``mha`` does.
 A query row that sees no key at all (possible in a ring block) keeps ``lse = -inf`` and a
 zero output instead of NaN.
 
@@ -43,7 +49,10 @@ running ``(o, lse)`` instead of an empty one, with explicit ``q_positions`` /
 ``k_positions`` (the ring's token layout need not be contiguous: zigzag); its backward
 step (``block_grads``) is the backward kernels given the final ``lse`` and ``delta``.
 With explicit positions the block-skipping bounds are not known, so every key block is
-visited (masked where invisible).
+visited (masked where invisible). ``block_update_reference`` / ``block_grads_reference``
+are the same step in plain XLA, which the ring runs when attention is not on Pallas.
+Which keys a query sees is ``jaxpar.kernels.masks.visible`` everywhere: in the kernels'
+tiles, the references, the ring and ``jaxpar.dot_product_attention``.
 
 Backend: ``pl.pallas_call`` with block specs, which lowers through Triton on GPU. The
 kernel needs only 2D loads, two matmuls per tile and an online softmax, which Triton
@@ -69,6 +78,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from jaxpar.kernels.dispatch import triton, use_pallas
+from jaxpar.kernels.masks import visible
+from jaxpar.kernels.tiles import is_pow2, pow2
 
 
 # --------------------------------------------------------------------------- API
@@ -78,16 +89,19 @@ def flash_attention(q, k, v, *, causal: bool, segment_ids=None, window: int | No
                     scale: float | None = None, block_q: int = 64, block_k: int = 64,
                     interpret: bool | None = None):
     """Softmax attention of ``q [B, T, N, H]`` over ``k, v [B, S, K, H]`` (module
-    docstring); ``segment_ids [B, T]`` int (needs ``T == S``). Differentiable in q, k, v."""
-    _check(q, k, v, segment_ids, window)
+    docstring); with ``causal`` and ``T != S`` the mask is aligned bottom-right (query
+    ``t`` sees keys ``s <= t + S - T``); ``segment_ids [B, T]`` int (needs ``T == S``).
+    Differentiable in q, k, v."""
+    _check(q, k, v, segment_ids, window, block_q, block_k, interpret)
     T, S, H = q.shape[1], k.shape[1], q.shape[3]
     scale = H ** -0.5 if scale is None else float(scale)
     if not use_pallas(interpret):
         return flash_attention_reference(q, k, v, causal=causal, segment_ids=segment_ids,
                                          window=window, scale=scale)
-    config = _Config(causal, window, scale, min(block_q, _pow2(T)), min(block_k, _pow2(S)),
+    config = _Config(causal, window, scale, min(block_q, pow2(T)), min(block_k, pow2(S)),
                      T, S, True, bool(interpret))
-    return _attention(config, q, k, v, segment_ids)
+    q, k, v = (_pad(x, 3, pow2(H)) for x in (q, k, v))
+    return _attention(config, q, k, v, segment_ids)[..., :H]
 
 
 def block_update(q, k, v, o, lse, q_positions, k_positions, q_segment_ids=None,
@@ -103,16 +117,18 @@ def block_update(q, k, v, o, lse, q_positions, k_positions, q_segment_ids=None,
     ``(o, lse)``; rows that see no key here are unchanged. Not differentiable: the
     backward of a sequence of steps is ``block_grads`` per step.
     """
-    _check(q, k, v, None, window)
+    _check(q, k, v, None, window, block_q, block_k, interpret)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if not use_pallas(interpret):
         return block_update_reference(q, k, v, o, lse, q_positions, k_positions, q_segment_ids,
                                       k_segment_ids, causal=causal, window=window, scale=scale)
-    T, S = q.shape[1], k.shape[1]
-    config = _Config(causal, window, scale, min(block_q, _pow2(T)), min(block_k, _pow2(S)),
+    T, S, H = q.shape[1], k.shape[1], q.shape[3]
+    config = _Config(causal, window, scale, min(block_q, pow2(T)), min(block_k, pow2(S)),
                      T, S, False, bool(interpret))
-    return _forward(config, q, k, v, q_segment_ids, k_segment_ids, q_positions, k_positions,
-                    o, lse, out_dtype=jnp.float32)
+    q, k, v, o = (_pad(x, 3, pow2(H)) for x in (q, k, v, o))
+    o, lse = _forward(config, q, k, v, q_segment_ids, k_segment_ids, q_positions, k_positions,
+                      o, lse, out_dtype=jnp.float32)
+    return o[..., :H], lse
 
 
 def block_grads(q, k, v, do, lse, delta, q_positions, k_positions, q_segment_ids=None,
@@ -123,20 +139,28 @@ def block_grads(q, k, v, do, lse, delta, q_positions, k_positions, q_segment_ids
     backward given the final ``lse [B, N, T]`` and ``delta = sum(do * out, H) [B, N, T]``
     (float32) of the whole attention. Returns ``(dq [B, T, N, H], dk, dv [B, S, K, H])``
     in float32."""
-    _check(q, k, v, None, window)
+    _check(q, k, v, None, window, block_q, block_k, interpret)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if not use_pallas(interpret):
         return block_grads_reference(q, k, v, do, lse, delta, q_positions, k_positions,
                                      q_segment_ids, k_segment_ids, causal=causal, window=window,
                                      scale=scale)
-    T, S = q.shape[1], k.shape[1]
-    config = _Config(causal, window, scale, min(block_q, _pow2(T)), min(block_k, _pow2(S)),
+    T, S, H = q.shape[1], k.shape[1], q.shape[3]
+    config = _Config(causal, window, scale, min(block_q, pow2(T)), min(block_k, pow2(S)),
                      T, S, False, bool(interpret))
-    return _backward(config, q, k, v, q_segment_ids, k_segment_ids, q_positions, k_positions,
-                     do, lse, delta)
+    q, k, v, do = (_pad(x, 3, pow2(H)) for x in (q, k, v, do))
+    dq, dk, dv = _backward(config, q, k, v, q_segment_ids, k_segment_ids, q_positions, k_positions,
+                           do, lse, delta)
+    return dq[..., :H], dk[..., :H], dv[..., :H]
 
 
-def _check(q, k, v, segment_ids, window):
+def _check(q, k, v, segment_ids, window, block_q, block_k, interpret):
+    """Shapes the kernels take: any ``B, T, S, N, K, H`` with ``N % K == 0``. Triton wants
+    power-of-two tiles, so the wrappers pad: ``T`` and ``S`` up to whole blocks (padded rows
+    and keys masked) and ``H`` with zeros up to ``pow2(H)`` (at least 16: 72, 80 and 96 run
+    as 128), which leaves every ``q.k`` and every output column unchanged (the padded
+    columns are sliced off). ``block_q``, ``block_k``: powers of two, at least 16 compiled
+    (Triton's smallest dot tile)."""
     if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] \
             or q.shape[3] != k.shape[3]:
         raise ValueError(f"attention wants q [B, T, N, H], k and v [B, S, K, H]; got q={q.shape}, "
@@ -149,11 +173,10 @@ def _check(q, k, v, segment_ids, window):
                          f"{q.shape[:2]} (k has S={k.shape[1]})")
     if window is not None and window < 1:
         raise ValueError(f"window={window} must be at least 1")
-
-
-def _pow2(n: int) -> int:
-    """The smallest power of two >= n, at least 16 (Triton's smallest dot tile)."""
-    return max(16, 1 << (n - 1).bit_length())
+    least = 1 if interpret else 16
+    for name, size in (("block_q", block_q), ("block_k", block_k)):
+        if size < least or not is_pow2(size):
+            raise ValueError(f"flash attention {name}={size} must be a power of two >= {least}")
 
 
 # ------------------------------------------------------------------------- kernels
@@ -162,8 +185,9 @@ def _pow2(n: int) -> int:
 @dataclasses.dataclass(frozen=True)
 class _Config:
     """Everything static about one call: the mask, the tiles, the true lengths (before
-    padding), and whether positions are the indices ``0..T-1`` / ``0..S-1`` (then the
-    visible block ranges are known and the loops skip the rest)."""
+    padding), and whether positions are implicit (then the visible block ranges are known
+    and the loops skip the rest): keys at ``0..S-1``, queries at ``S-T..S-1`` (the last
+    ``T`` keys' positions: the causal mask aligned bottom-right)."""
 
     causal: bool
     window: int | None
@@ -174,6 +198,11 @@ class _Config:
     kv_len: int
     contiguous: bool
     interpret: bool
+
+    @property
+    def q_offset(self) -> int:
+        """Position of query 0 when positions are implicit: ``S - T``."""
+        return self.kv_len - self.q_len
 
     def padded(self, length, block):
         return -(-length // block) * block
@@ -189,16 +218,8 @@ def _visible(config: _Config, q_idx, k_idx, q_pos, k_pos, q_seg, k_seg):
     rows' indices in the padded arrays (padding is invisible), ``*_pos`` their positions,
     ``*_seg`` their segment ids or None."""
     mask = (q_idx < config.q_len)[:, None] & (k_idx < config.kv_len)[None, :]
-    distance = q_pos[:, None] - k_pos[None, :]
-    if config.causal:
-        mask &= distance >= 0
-    if config.window is not None:
-        mask &= distance < config.window
-        if not config.causal:
-            mask &= -distance < config.window
-    if q_seg is not None:
-        mask &= q_seg[:, None] == k_seg[None, :]
-    return mask
+    rule = visible(q_pos, k_pos, q_seg, k_seg, causal=config.causal, window=config.window)
+    return mask if rule is None else mask & rule
 
 
 def _div(x, n: int):
@@ -206,21 +227,27 @@ def _div(x, n: int):
     return jax.lax.div(x, n)
 
 
+def _cdiv(x, n: int):
+    """``ceil(max(x, 0) / n)`` for a traced ``x``."""
+    return _div(jnp.maximum(x, 0) + n - 1, n)
+
+
 def _key_blocks(config: _Config, i, count):
     """The key blocks query block ``i`` can see: ``[lo, hi)`` (all when positions are
-    not contiguous)."""
+    not implicit)."""
     if not config.contiguous:
         return 0, count
     bq, bk, w = config.block_q, config.block_k, config.window
-    first, last = i * bq, i * bq + bq - 1  # the block's query positions
+    first = i * bq + config.q_offset  # the block's query positions: first .. last
+    last = first + bq - 1
     lo = 0 if w is None else _div(jnp.maximum(first - w + 1, 0), bk)
-    if config.causal:
-        hi = jnp.minimum(_div(last, bk) + 1, count)
-    elif w is not None:
-        hi = jnp.minimum(_div(last + w - 1, bk) + 1, count)
+    if config.causal:  # keys <= last
+        hi = jnp.minimum(_cdiv(last + 1, bk), count)
+    elif w is not None:  # keys <= last + w - 1
+        hi = jnp.minimum(_cdiv(last + w, bk), count)
     else:
         hi = count
-    return lo, hi
+    return jnp.minimum(lo, hi), hi
 
 
 def _query_blocks(config: _Config, j, count):
@@ -228,15 +255,16 @@ def _query_blocks(config: _Config, j, count):
     if not config.contiguous:
         return 0, count
     bq, bk, w = config.block_q, config.block_k, config.window
-    first, last = j * bk, j * bk + bk - 1  # the block's key positions
-    if config.causal:
-        lo = _div(first, bq)
+    first = j * bk - config.q_offset  # the block's key positions, as query indices
+    last = first + bk - 1
+    if config.causal:  # queries at or after the first key
+        lo = _div(jnp.maximum(first, 0), bq)
     elif w is not None:
         lo = _div(jnp.maximum(first - w + 1, 0), bq)
     else:
         lo = 0
-    hi = count if w is None else jnp.minimum(_div(last + w - 1, bq) + 1, count)
-    return lo, hi
+    hi = count if w is None else jnp.minimum(_cdiv(last + w, bq), count)
+    return jnp.minimum(lo, hi), hi
 
 
 def _indices(start, size):
@@ -257,7 +285,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, q_pos_ref, k_pos_
     i = pl.program_id(2)
     q = q_ref[...]
     q_idx = _indices(i * bq, bq)
-    q_pos = q_idx if q_pos_ref is None else q_pos_ref[...]
+    q_pos = q_idx + config.q_offset if q_pos_ref is None else q_pos_ref[...]
     q_seg = None if q_seg_ref is None else q_seg_ref[...]
     if o_in_ref is None:
         m = jnp.full((bq,), -jnp.inf, jnp.float32)
@@ -319,7 +347,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, k_s
         q, do = q_ref[rows, g, :], do_ref[rows, g, :]
         lse, delta = lse_ref[g, rows], delta_ref[g, rows]
         q_idx = _indices(i * bq, bq)
-        q_pos = q_idx if q_pos_ref is None else q_pos_ref[rows]
+        q_pos = q_idx + config.q_offset if q_pos_ref is None else q_pos_ref[rows]
         q_seg = None if q_seg_ref is None else q_seg_ref[rows]
         p = _probabilities(config, q, k, lse, q_idx, k_idx, q_pos, k_pos, q_seg, k_seg)
         dv += jax.lax.dot_general(p.astype(do.dtype), do, (((0,), (0,)), ((), ())),
@@ -343,7 +371,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, k_seg
     i = pl.program_id(2)
     q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
     q_idx = _indices(i * bq, bq)
-    q_pos = q_idx if q_pos_ref is None else q_pos_ref[...]
+    q_pos = q_idx + config.q_offset if q_pos_ref is None else q_pos_ref[...]
     q_seg = None if q_seg_ref is None else q_seg_ref[...]
 
     def body(j, dq):
@@ -480,78 +508,83 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def _reference_mask(T, S, q_positions, k_positions, q_segment_ids, k_segment_ids, causal, window):
-    """``[B or 1, 1, T, S]`` bool."""
-    q_pos = jnp.arange(T) if q_positions is None else q_positions
+    """``[T, S]`` or ``[B, T, S]`` bool, or None (all visible); implicit positions put the
+    queries last (bottom-right)."""
+    q_pos = jnp.arange(T) + S - T if q_positions is None else q_positions
     k_pos = jnp.arange(S) if k_positions is None else k_positions
-    distance = q_pos[:, None] - k_pos[None, :]
-    mask = jnp.ones((T, S), bool)
-    if causal:
-        mask &= distance >= 0
-    if window is not None:
-        mask &= (distance < window) & (causal | (-distance < window))
-    mask = mask[None, None]
-    if q_segment_ids is not None:
-        mask = mask & (q_segment_ids[:, :, None] == k_segment_ids[:, None, :])[:, None]
-    return mask
+    return visible(q_pos, k_pos, q_segment_ids, k_segment_ids, causal=causal, window=window)
+
+
+def _grouped(x, K):
+    """``[B, T, N, H]`` -> ``[B, T, K, G, H]``; ``[B, N, T]`` -> ``[B, K, G, T]``."""
+    if x.ndim == 4:
+        return x.reshape(*x.shape[:2], K, x.shape[2] // K, x.shape[3])
+    return x.reshape(x.shape[0], K, x.shape[1] // K, x.shape[2])
 
 
 def _reference_scores(q, k, mask, scale):
-    """``[B, N, T, S]`` float32, ``-inf`` where masked."""
-    G = q.shape[2] // k.shape[2]
-    k = jnp.repeat(k, G, axis=2)
-    s = jnp.einsum("BTNH,BSNH->BNTS", q, k, preferred_element_type=jnp.float32) * scale
-    return jnp.where(mask, s, -jnp.inf)
+    """``q [B, T, K, G, H]``, ``k [B, S, K, H]`` -> ``[B, K, G, T, S]`` float32, ``-inf``
+    where ``mask [(B,) T, S]`` is False (None: nowhere). Each kv head is read by its G
+    query heads in the einsum: k is never repeated."""
+    s = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32) * scale
+    return s if mask is None else jnp.where(mask[..., None, None, :, :], s, -jnp.inf)
+
+
+def _rows(x):
+    """``[B, K, G, T]`` -> ``[B, T, K, G, 1]``, to scale output rows."""
+    return jnp.moveaxis(x, 3, 1)[..., None]
 
 
 def flash_attention_reference(q, k, v, *, causal: bool, segment_ids=None,
                               window: int | None = None, scale: float | None = None):
     """Plain ``jnp`` (materialises the ``[B, N, T, S]`` scores): what the kernel computes."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    T, S, G = q.shape[1], k.shape[1], q.shape[2] // k.shape[2]
-    s = _reference_scores(q, k, _reference_mask(T, S, None, None, segment_ids, segment_ids,
-                                                causal, window), scale)
-    p = jax.nn.softmax(s, axis=-1)
+    (B, T, N, H), (S, K) = q.shape, k.shape[1:3]
+    mask = _reference_mask(T, S, None, None, segment_ids, segment_ids, causal, window)
+    p = jax.nn.softmax(_reference_scores(_grouped(q, K), k, mask, scale), axis=-1)
     p = jnp.where(jnp.isnan(p), 0.0, p)  # rows that see nothing
-    out = jnp.einsum("BNTS,BSNH->BTNH", p.astype(v.dtype), jnp.repeat(v, G, axis=2),
-                     preferred_element_type=jnp.float32)
-    return out.astype(q.dtype)
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.reshape(B, T, N, H).astype(q.dtype)
 
 
 def block_update_reference(q, k, v, o, lse, q_positions, k_positions, q_segment_ids=None,
                            k_segment_ids=None, *, causal: bool, window: int | None = None,
                            scale: float | None = None):
-    """Plain ``jnp`` ``block_update``."""
+    """Plain ``jnp`` ``block_update`` (same arguments and result): the XLA online-softmax
+    step, which the ring attention's XLA path runs on each block of keys."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    G = q.shape[2] // k.shape[2]
-    mask = _reference_mask(q.shape[1], k.shape[1], q_positions, k_positions, q_segment_ids,
-                           k_segment_ids, causal, window)
-    s = _reference_scores(q, k, mask, scale)
-    block_lse = jax.nn.logsumexp(s, axis=-1)  # -inf where nothing is visible
-    new_lse = jnp.logaddexp(lse, block_lse)
+    (B, T, N, H), K = q.shape, k.shape[2]
+    mask = _reference_mask(T, k.shape[1], q_positions, k_positions, q_segment_ids, k_segment_ids,
+                           causal, window)
+    s = _reference_scores(_grouped(q, K), k, mask, scale)
+    lse = _grouped(lse, K)
+    m = s.max(-1)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)  # a row that sees nothing here: p = 0, no NaN
+    p = jnp.exp(s - m[..., None])
+    new_lse = jnp.logaddexp(lse, m + jnp.log(p.sum(-1)))  # unchanged where nothing is seen
     safe = jnp.where(jnp.isfinite(new_lse), new_lse, 0.0)
-    p = jnp.exp(s - safe[..., None])
-    pv = jnp.einsum("BNTS,BSNH->BTNH", p.astype(v.dtype), jnp.repeat(v, G, axis=2),
-                    preferred_element_type=jnp.float32)
-    rows = lambda x: jnp.moveaxis(x, 2, 1)[..., None]  # noqa: E731  [B, N, T] -> [B, T, N, 1]
-    return o * rows(jnp.exp(lse - safe)) + pv, new_lse
+    pv = jnp.einsum("BKGTS,BSKH->BTKGH", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    o = _grouped(o, K) * _rows(jnp.exp(lse - safe)) + pv * _rows(jnp.exp(m - safe))
+    return o.reshape(B, T, N, H), new_lse.reshape(B, N, T)
 
 
 def block_grads_reference(q, k, v, do, lse, delta, q_positions, k_positions, q_segment_ids=None,
                           k_segment_ids=None, *, causal: bool, window: int | None = None,
                           scale: float | None = None):
-    """Plain ``jnp`` ``block_grads``: float32 ``(dq, dk, dv)``."""
+    """Plain ``jnp`` ``block_grads``: float32 ``(dq [B, T, N, H], dk, dv [B, S, K, H])``;
+    the backward step of the ring attention's XLA path."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    B, S, K, H = k.shape
-    G = q.shape[2] // K
-    mask = _reference_mask(q.shape[1], S, q_positions, k_positions, q_segment_ids, k_segment_ids,
+    (B, T, N, H), K = q.shape, k.shape[2]
+    mask = _reference_mask(T, k.shape[1], q_positions, k_positions, q_segment_ids, k_segment_ids,
                            causal, window)
-    s = _reference_scores(q, k, mask, scale)
-    p = jnp.where(mask, jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]), 0.0)
-    k32, v32 = jnp.repeat(k, G, axis=2).astype(jnp.float32), jnp.repeat(v, G, axis=2).astype(jnp.float32)
-    do32, q32 = do.astype(jnp.float32), q.astype(jnp.float32)
-    dv = jnp.einsum("BNTS,BTNH->BSNH", p, do32)
-    dp = jnp.einsum("BTNH,BSNH->BNTS", do32, v32)
+    q32, do32 = (_grouped(x, K).astype(jnp.float32) for x in (q, do))
+    k32, v32 = k.astype(jnp.float32), v.astype(jnp.float32)
+    lse, delta = _grouped(lse, K), _grouped(delta, K)
+    s = _reference_scores(q32, k32, mask, scale)
+    p = jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None])  # 0 where masked
+    dv = jnp.einsum("BKGTS,BTKGH->BSKH", p, do32)
+    dp = jnp.einsum("BTKGH,BSKH->BKGTS", do32, v32)
     ds = p * (dp - delta[..., None]) * scale
-    dq = jnp.einsum("BNTS,BSNH->BTNH", ds, k32)
-    dk = jnp.einsum("BNTS,BTNH->BSNH", ds, q32)
-    return dq, dk.reshape(B, S, K, G, H).sum(3), dv.reshape(B, S, K, G, H).sum(3)
+    dq = jnp.einsum("BKGTS,BSKH->BTKGH", ds, k32)
+    dk = jnp.einsum("BKGTS,BTKGH->BSKH", ds, q32)
+    return dq.reshape(B, T, N, H), dk, dv

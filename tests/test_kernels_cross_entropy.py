@@ -1,6 +1,7 @@
 """The fused linear + cross-entropy Pallas kernels (interpret mode) against the plain-jnp
 reference: losses and gradients, token counts and vocabularies that are not multiples of
-the tiles, float32 and bfloat16; and the vocab-parallel loss built on them."""
+the tiles, widths D 576 and 768 (not powers of two), float32 and bfloat16; and the
+vocab-parallel loss built on them."""
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +29,9 @@ def inputs(rng, N, D, V, dtype):
 @pytest.mark.parametrize("N,D,V,block_tokens,chunk", [
     (37, 32, 300, 16, 128),   # neither N nor V a multiple of its tile
     (32, 64, 256, 16, 64),    # exact tiles, four chunks
-    (5, 16, 1000, 8, 256),    # fewer tokens than one block
+    (5, 16, 1000, 16, 256),   # fewer tokens than one block
+    (9, 576, 100, 16, 64),    # D not a power of two (SmolLM2), partial chunk
+    (3, 768, 40, 16, 32),     # D not a power of two (GPT-2)
 ])
 def test_losses_and_gradients_match_the_reference(rng, N, D, V, block_tokens, chunk):
     x, w, targets, g = inputs(rng, N, D, V, jnp.float32)
@@ -62,6 +65,8 @@ def test_bad_shapes(rng):
     x, w, targets, _ = inputs(rng, 4, 8, 16, jnp.float32)
     with pytest.raises(ValueError, match=r"x \[N, D\], w \[D, V\], targets \[N\]; got \(4, 8\), \(9, 16\)"):
         linear_cross_entropy(x, jnp.ones((9, 16)), targets)
+    with pytest.raises(ValueError, match="chunk=48 must be a power of two >= 16"):
+        linear_cross_entropy(x, w, targets, chunk=48)
 
 
 def test_targets_outside_the_vocabulary_pick_nothing(rng):

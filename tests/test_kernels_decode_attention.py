@@ -1,10 +1,12 @@
 """The decode-attention Pallas kernel (interpret mode) against the plain-jnp reference, and
 the reference against independent computations (``jaxpar.ops.attention.dot_product_attention``
 per sequence; a float64 loop over the visible slots): grouped-query ratios 1, 4 and 8, one
-and four new tokens, token trees and the causal default, per-sequence lengths from ``T``
-(no context) to ``S``, ``S`` not a multiple of ``block_k``, split and unsplit cache, float32,
-bfloat16 and float16. Every slot past a sequence's length holds huge random garbage, so a
+and four new tokens (and 40: the reference), head dims 16, 32, 72, 80, 96, token trees and
+the causal default, per-sequence lengths from ``T`` (no context) to ``S``, ``S`` not a
+multiple of ``block_k``, split and unsplit cache, float32, bfloat16 and float16. Every slot past a sequence's length holds huge random garbage, so a
 kernel that read one could not pass."""
+
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -77,6 +79,28 @@ def test_kernel_matches_the_reference(rng, T, N, K, S, block_k, num_splits, tree
     want = decode_attention_reference(q, k, v, lengths, tree_mask=tree_mask)
     assert got.shape == q.shape and got.dtype == jnp.float32
     assert rel_err(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("H", [72, 80, 96])
+def test_head_dims_that_are_not_powers_of_two(rng, H):
+    """GPT-2's, SmolLM2's and Qwen's head dims: the kernel computes on pow2(H) columns of
+    q (zeros past H) and masks the cache's columns past H."""
+    q, k, v, lengths, tree_mask = inputs(rng, [4, 37], 4, 4, 2, H, 45, tree=True)
+    got = decode_attention(q, k, v, lengths, tree_mask=tree_mask, block_k=16, num_splits=2,
+                           interpret=True)
+    assert got.shape == q.shape
+    assert rel_err(got, decode_attention_reference(q, k, v, lengths, tree_mask=tree_mask)) < 1e-5
+
+
+def test_more_new_tokens_than_the_bitmask_holds_run_the_reference(rng, caplog):
+    """T = 40 > 32 new tokens: the tree mask no longer fits the kernel's int32 bitmask, so
+    the call runs the XLA reference (and says so) instead of failing."""
+    T = 40
+    q, k, v, lengths, tree_mask = inputs(rng, [T, 50], T, 2, 1, 16, 56, tree=True)
+    with caplog.at_level(logging.WARNING, logger="jaxpar.kernels"):
+        got = decode_attention(q, k, v, lengths, tree_mask=tree_mask, block_k=16, interpret=True)
+    assert "T <= 32 new tokens, got T=40" in caplog.text
+    assert rel_err(got, naive(q, k, v, lengths, np.asarray(tree_mask))) < 1e-5
 
 
 def test_splits_do_not_change_the_result(rng):

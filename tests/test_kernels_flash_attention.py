@@ -1,7 +1,7 @@
 """The flash attention Pallas kernels (interpret mode) against the plain-jnp reference,
 and the reference against the model's own attention: outputs and gradients; causal or
 not, sliding windows, packed documents, grouped-query ratios 1/4/8, lengths that are not
-multiples of the blocks, head_dim 64/128/256, float32, bfloat16 and float16. Then the
+multiples of the blocks, head_dim 64/72/80/96/128/256, float32, bfloat16 and float16. Then the
 ring attention's step (block_update / block_grads) against jaxpar.parallel.sequence's
 plain-XLA step."""
 
@@ -59,8 +59,9 @@ def test_outputs_and_gradients_match_the_reference(rng, causal, window, packed, 
         assert rel_err(a, b) < 1e-5
 
 
-@pytest.mark.parametrize("H", [128, 256])  # 64: test_half_precision_inputs
+@pytest.mark.parametrize("H", [72, 80, 96, 128, 256])  # 64: test_half_precision_inputs
 def test_head_dims(rng, H):
+    """Powers of two, and GPT-2's / SmolLM2's / Qwen's 72, 80, 96 (padded to 128 inside)."""
     q, k, v, g = inputs(rng, 1, 24, 2, 1, H)
 
     def kernel(q, k, v):
@@ -106,6 +107,38 @@ def test_reference_is_the_models_attention(rng):
     assert rel_err(flash_attention_reference(q, k, v, causal=True, segment_ids=segment_ids), want) < 1e-5
     assert rel_err(flash_attention(q, k, v, causal=True, segment_ids=segment_ids, block_q=16,
                                    block_k=16, interpret=True), want) < 1e-5
+
+
+@pytest.mark.parametrize("T,S,window", [(20, 45, None), (45, 20, 6)])
+def test_causal_mask_is_aligned_bottom_right(rng, T, S, window):
+    """T != S: query t sees keys s <= t + S - T (the queries are the last T tokens, as
+    jaxpar.dot_product_attention has it); with T > S the first T - S queries see nothing
+    and give zeros. Kernel against the reference, outputs and gradients; the reference
+    against dot_product_attention (T < S) and an explicit bottom-right mask."""
+    q, _, _, g = inputs(rng, 2, T, 4, 2, 16)
+    k, v = normal(rng, (2, S, 2, 16)), normal(rng, (2, S, 2, 16))
+    options = dict(causal=True, window=window)
+
+    def kernel(q, k, v):
+        return flash_attention(q, k, v, **options, block_q=16, block_k=16, interpret=True)
+
+    def reference(q, k, v):
+        return flash_attention_reference(q, k, v, **options)
+
+    want = reference(q, k, v)
+    distance = jnp.arange(T)[:, None] + S - T - jnp.arange(S)[None, :]
+    mask = (distance >= 0) & (distance < (window or S + T))
+    explicit = dot_product_attention(q, k, v, causal=False, mask=jnp.broadcast_to(mask, (2, T, S)))
+    assert rel_err(want, explicit) < 1e-5
+    if T < S:
+        assert rel_err(want, dot_product_attention(q, k, v, causal=True)) < 1e-5
+    else:
+        assert not want[:, :T - S].any() and want[:, T - S:].all()
+    assert rel_err(jax.jit(kernel)(q, k, v), want) < 1e-5
+    got = jax.jit(jax.grad(lambda *a: jnp.sum(kernel(*a) * g), (0, 1, 2)))(q, k, v)
+    grads = jax.grad(lambda *a: jnp.sum(reference(*a) * g), (0, 1, 2))(q, k, v)
+    for a, b in zip(got, grads, strict=True):
+        assert rel_err(a, b) < 1e-5
 
 
 def test_the_default_runs_the_reference_on_cpu(rng):

@@ -25,6 +25,9 @@ def normal(rng, shape, dtype=jnp.bfloat16):
     (200, 8, 2, 64, True, None, True, jnp.bfloat16),   # odd length, GQA, documents
     (128, 4, 4, 128, False, 32, False, jnp.float16),
     (96, 8, 1, 256, True, 16, False, jnp.float32),     # head_dim 256, MQA, window
+    (40, 6, 2, 72, True, None, False, jnp.bfloat16),    # head dims padded to 128 inside
+    (40, 9, 3, 80, False, None, True, jnp.bfloat16),    # ... G = 3 (SmolLM2)
+    (40, 4, 4, 96, True, 8, False, jnp.bfloat16),
 ])
 def test_flash_attention(rng, T, N, K, H, causal, window, packed, dtype):
     q, k, v = normal(rng, (2, T, N, H), dtype), normal(rng, (2, T, K, H), dtype), normal(rng, (2, T, K, H), dtype)
@@ -38,8 +41,9 @@ def test_flash_attention(rng, T, N, K, H, causal, window, packed, dtype):
     lowers_for_cuda(jax.grad(loss, (0, 1, 2)), q, k, v)
 
 
-def test_ring_steps(rng):
-    B, T, N, K, H = 2, 96, 4, 2, 64
+@pytest.mark.parametrize("H", [64, 80])
+def test_ring_steps(rng, H):
+    B, T, N, K = 2, 96, 4, 2
     q, k, v, do = (normal(rng, (B, T, N, H)), normal(rng, (B, T, K, H)), normal(rng, (B, T, K, H)),
                    normal(rng, (B, T, N, H)))
     o, lse = normal(rng, (B, T, N, H), jnp.float32), normal(rng, (B, N, T), jnp.float32)
@@ -49,9 +53,10 @@ def test_ring_steps(rng):
                     q, k, v, do, lse, lse)
 
 
-@pytest.mark.parametrize("T,tree", [(1, False), (5, True)])
-def test_decode_attention(rng, T, tree):
-    B, S, N, K, H = 2, 77, 8, 2, 64
+@pytest.mark.parametrize("T,tree,H", [(1, False, 64), (5, True, 64), (3, True, 72), (1, False, 80),
+                                      (4, False, 96)])
+def test_decode_attention(rng, T, tree, H):
+    B, S, N, K = 2, 77, 8, 2
     q, k, v = normal(rng, (B, T, N, H)), normal(rng, (B, S, K, H)), normal(rng, (B, S, K, H))
     lengths = jnp.asarray([T + 3, S], jnp.int32)
     mask = jnp.asarray(np.tril(np.ones((B, T, T), bool))) if tree else None
@@ -59,10 +64,20 @@ def test_decode_attention(rng, T, tree):
                                                              interpret=False), q, k, v)
 
 
-@pytest.mark.parametrize("kind", ["rms", "layer"])
-def test_norm(rng, kind):
-    x, scale = normal(rng, (37, 256)), normal(rng, (256,), jnp.float32)
-    bias = normal(rng, (256,), jnp.float32) if kind == "layer" else None
+def test_decode_attention_with_more_new_tokens_than_the_kernel_takes(rng):
+    """T = 40 > 32: the XLA reference runs (no Triton call), rather than a failure."""
+    B, T, S, N, K, H = 1, 40, 64, 2, 1, 64
+    q, k, v = normal(rng, (B, T, N, H)), normal(rng, (B, S, K, H)), normal(rng, (B, S, K, H))
+    lengths = jnp.asarray([50], jnp.int32)
+    text = jax.jit(lambda q, k, v: kernels.decode_attention(q, k, v, lengths, interpret=False)) \
+        .trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
+    assert "triton" not in text
+
+
+@pytest.mark.parametrize("kind,D", [("rms", 256), ("layer", 256), ("rms", 576), ("layer", 768)])
+def test_norm(rng, kind, D):
+    x, scale = normal(rng, (37, D)), normal(rng, (D,), jnp.float32)
+    bias = normal(rng, (D,), jnp.float32) if kind == "layer" else None
 
     def loss(x, scale, bias):
         return kernels.norm(x, scale, bias, kind=kind, interpret=False).astype(jnp.float32).sum()
@@ -70,8 +85,9 @@ def test_norm(rng, kind):
     lowers_for_cuda(jax.grad(loss, (0, 1, 2) if bias is not None else (0, 1)), x, scale, bias)
 
 
-def test_linear_cross_entropy(rng):
-    x, w = normal(rng, (100, 128)), normal(rng, (128, 1000))
+@pytest.mark.parametrize("D", [128, 576, 768])
+def test_linear_cross_entropy(rng, D):
+    x, w = normal(rng, (100, D)), normal(rng, (D, 1000))
     targets = jnp.asarray(rng.integers(0, 1000, 100), jnp.int32)
 
     def loss(x, w):

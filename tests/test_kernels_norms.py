@@ -1,5 +1,6 @@
 """The fused RMSNorm / LayerNorm Pallas kernels (interpret mode) against the plain-jnp
-reference: outputs and gradients, row counts that are not a multiple of the block,
+reference: outputs and gradients, row counts that are not a multiple of the block, widths
+D that are not powers of two (576, 768),
 float32 and bfloat16, and the dispatch rule."""
 
 import jax
@@ -24,7 +25,8 @@ def inputs(rng, shape, dtype, kind):
 
 
 @pytest.mark.parametrize("kind", ["rms", "layer"])
-@pytest.mark.parametrize("shape,block_rows", [((37, 64), 8), ((2, 5, 128), 4), ((3, 256), 8)])
+@pytest.mark.parametrize("shape,block_rows", [((37, 64), 8), ((2, 5, 128), 4), ((3, 256), 8),
+                                              ((5, 576), 4), ((3, 768), 2)])  # D not a power of 2
 def test_forward_and_gradients_match_the_reference(rng, kind, shape, block_rows):
     x, scale, bias = inputs(rng, shape, jnp.float32, kind)
     g = jnp.asarray(rng.standard_normal(shape), jnp.float32)
@@ -76,3 +78,7 @@ def test_dispatch_and_bad_arguments(rng):
         norm(x, scale, kind="batch")
     with pytest.raises(ValueError, match="kind='layer' takes a bias"):
         norm(x, scale, kind="layer")
+    with pytest.raises(ValueError, match="block_rows=6 must be a power of two"):
+        norm(x, scale, block_rows=6, interpret=True)
+    with pytest.raises(ValueError, match=r"scale and bias \[D\]; got x \(4, 16\), scale \(8,\)"):
+        norm(x, scale[:8])

@@ -13,7 +13,7 @@ from conftest import rel_err, train_steps, tree_rel_err
 from jaxpar.parallel import pipeline
 from jaxpar.models import ModelConfig
 from jaxpar.parallel.pipeline_schedule import build
-from jaxpar.parallel.sequence import SequenceOptions
+from jaxpar import SequenceOptions
 
 
 def embed_fn(outer, tokens, side):

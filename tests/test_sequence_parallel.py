@@ -13,7 +13,8 @@ from jaxpar.parallel import sequence as sp
 from jaxpar import use_execution
 from jaxpar.kernels.dispatch import KernelOptions
 from jaxpar.models import ModelConfig
-from jaxpar.parallel.sequence import SequenceOptions, from_zigzag, ring_attention, to_zigzag
+from jaxpar import SequenceOptions
+from jaxpar.parallel.sequence import from_zigzag, ring_attention, to_zigzag
 
 
 def seq_mesh(n, **others):

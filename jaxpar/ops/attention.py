@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxpar.kernels import masks
 from jaxpar.ops import kernel_ops
 from jaxpar.placement import rules as rules_lib
 from jaxpar.parallel.sequence import ring_attention
@@ -87,21 +88,16 @@ def dot_product_attention(
     q = q.reshape(B, T, K, N // K, H)
     scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32)
     scores = scores * (H ** -0.5)
-    visible = jnp.ones((B, T, S), dtype=bool)
-    keys = jnp.arange(S)[None, None, :]  # [1, 1, S]
-    if tree_mask is not None:
-        new = keys - start[:, None, None]  # a key's index among the new tokens
-        in_tree = jnp.take_along_axis(tree_mask, jnp.clip(new, 0, T - 1), axis=2)
-        visible = (new < 0) | ((new < T) & in_tree)
-    elif causal:
-        visible = keys <= start[:, None, None] + jnp.arange(T)[None, :, None]
-    if segment_ids is not None:
-        if T != S:
-            raise ValueError(f"segment_ids need equal query and key lengths, got T={T}, S={S}")
-        visible = visible & (segment_ids[:, :, None] == segment_ids[:, None, :])
-    if mask is not None:
-        visible = visible & mask
-    scores = jnp.where(visible[:, None, None], scores, _MASK_VALUE)
+    if segment_ids is not None and T != S:
+        raise ValueError(f"segment_ids need equal query and key lengths, got T={T}, S={S}")
+    q_pos = start[:, None] + jnp.arange(T)[None, :]  # [B, T]: the queries' slots among the keys
+    visible = masks.visible(q_pos, jnp.arange(S), segment_ids, segment_ids,
+                            causal=causal and tree_mask is None)
+    for extra in (None if tree_mask is None else masks.tree_visible(start, T, S, tree_mask), mask):
+        if extra is not None:
+            visible = extra if visible is None else visible & extra
+    if visible is not None:
+        scores = jnp.where(visible[:, None, None], scores, _MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("BKGTS,BSKH->BTKGH", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
     if mask is not None:  # a query that sees no key reads nothing (as the Pallas kernels do)

@@ -64,9 +64,11 @@ from jaxpar.kernels.dispatch import pallas_interpret
 from jaxpar.placement.axes import axes_size, kv_heads_for, local_axes
 from jaxpar.placement.execution import SEQUENCE_IMPLS as IMPLS
 from jaxpar.placement.execution import SEQUENCE_LAYOUTS as LAYOUTS
-from jaxpar.placement.execution import SequenceOptions, implementation
+from jaxpar.placement.execution import implementation
 from jaxpar.kernels.flash_attention import block_grads as kernel_block_grads
+from jaxpar.kernels.flash_attention import block_grads_reference, block_update_reference
 from jaxpar.kernels.flash_attention import block_update as kernel_block_update
+from jaxpar.kernels.masks import visible
 
 # -------------------------------------------------------------------------- layouts
 
@@ -100,14 +102,14 @@ def from_zigzag(x, n: int, axis: int = 1):
 
 # ----------------------------------------------------------------------- block math
 #
-# Scores are [B, K, G, Tq, Tk] in float32. Which keys a query sees follows from token
-# positions (in natural order, for the causal mask) and segment ids, given per block, so
-# no [Tq, Tk] mask is ever stored. The running state of the online softmax over key
-# blocks is (o, lse): o [B, Tq, K, G, H] the float32 output normalised over the keys
-# seen so far, lse [B, K, G, Tq] their log-sum-exp (-inf before any). block_update and
-# block_grads are the entry points a fused kernel replaces.
+# The ring's layout: q, o [B, Tq, K, G, H], lse [B, K, G, Tq] (o the float32 output
+# normalised over the keys seen so far, lse their log-sum-exp, -inf before any); scores
+# [B, K, G, Tq, Tk] in float32. Which keys a query sees follows from token positions (in
+# natural order) and segment ids given per block (jaxpar.kernels.masks.visible), so no
+# [Tq, Tk] mask is ever stored. The per-block step is jaxpar.kernels.flash_attention's:
+# the Pallas kernel's, or its XLA reference.
 
-# Keys per inner step: scores live as [B, N, Tq, KV_BLOCK] at most, so memory stays
+# Keys per inner XLA step: scores live as [B, N, Tq, KV_BLOCK] at most, so memory stays
 # linear in the local length.
 KV_BLOCK = 512
 
@@ -115,15 +117,6 @@ KV_BLOCK = 512
 def _scores(q, k):
     scale = q.shape[-1] ** -0.5
     return jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32) * scale
-
-
-def _visible(q_pos, k_pos, q_seg, k_seg, causal):
-    """``[B or 1, 1, 1, Tq, Tk]`` bool, broadcastable over scores, or None (all visible)."""
-    mask = (q_pos[:, None] >= k_pos[None, :])[None] if causal else None
-    if q_seg is not None:
-        same = q_seg[:, :, None] == k_seg[:, None, :]
-        mask = same if mask is None else mask & same
-    return None if mask is None else mask[:, None, None]
 
 
 def _key_blocks(*xs):
@@ -152,6 +145,14 @@ def _unblock(x):
     return x.reshape(x.shape[0], -1, *x.shape[3:])
 
 
+def _flat(x):
+    """The ring's ``[B, T, K, G, H]`` / ``[B, K, G, T]`` as the kernels' ``[B, T, N, H]`` /
+    ``[B, N, T]`` (free reshapes: query head ``n = k * G + g``)."""
+    if x.ndim == 5:
+        return x.reshape(*x.shape[:2], -1, x.shape[-1])
+    return x.reshape(x.shape[0], -1, x.shape[-1])
+
+
 def block_update(q, k, v, o, lse, q_pos, k_pos, q_seg=None, k_seg=None, *, causal: bool):
     """Folds the keys/values ``k, v`` into the running ``(o, lse)`` of queries ``q``.
 
@@ -161,37 +162,28 @@ def block_update(q, k, v, o, lse, q_pos, k_pos, q_seg=None, k_seg=None, *, causa
       natural order (used when ``causal``); q_seg ``[B, Tq]``, k_seg ``[B, Tk]`` segment
       ids or None.
     Returns:
-      the updated ``(o, lse)``; rows that see no key here are unchanged. The keys are
-      walked in blocks of at most ``KV_BLOCK``; with ``execution.attention`` "pallas" (the GPU
-      default, ``jaxpar.kernels.KernelOptions``) by the flash attention kernel's step.
+      the updated ``(o, lse)``; rows that see no key here are unchanged. With
+      ``execution.attention`` "pallas" (the GPU default, ``jaxpar.kernels.KernelOptions``) by
+      the flash attention kernel's step; otherwise by its XLA reference
+      (``block_update_reference``), walking the keys in blocks of at most ``KV_BLOCK``.
     """
+    B, Tq, K, G, _ = q.shape
+    state = (_flat(o), _flat(lse))
     if implementation("attention") == "pallas":
-        B, Tq, K, G, H = q.shape
-        o, lse = kernel_block_update(
-            q.reshape(B, Tq, K * G, H), k, v, o.reshape(B, Tq, K * G, H), lse.reshape(B, K * G, Tq),
-            q_pos, k_pos, q_seg, k_seg, causal=causal, interpret=pallas_interpret())
-        return o.reshape(q.shape), lse.reshape(B, K, G, Tq)
+        o, lse = kernel_block_update(_flat(q), k, v, *state, q_pos, k_pos, q_seg, k_seg,
+                                     causal=causal, interpret=pallas_interpret())
+    else:
+        def fold(state, block):
+            k, v, k_pos, k_seg = block
+            return block_update_reference(_flat(q), k, v, *state, q_pos, k_pos, q_seg, k_seg,
+                                          causal=causal), None
 
-    def fold(state, block):
-        o, lse = state
-        k, v, k_pos, k_seg = block
-        s = _scores(q, k)
-        mask = _visible(q_pos, k_pos, q_seg, k_seg, causal)
-        if mask is not None:
-            s = jnp.where(mask, s, -jnp.inf)
-        m = s.max(-1)
-        m = jnp.where(jnp.isfinite(m), m, 0.0)
-        p = jnp.exp(s - m[..., None])  # exactly 0 where masked
-        new_lse = jnp.logaddexp(lse, m + jnp.log(p.sum(-1)))
-        safe = jnp.where(jnp.isfinite(new_lse), new_lse, 0.0)
-        pv = jnp.einsum("BKGTS,BSKH->BTKGH", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-        o = o * _rows(jnp.exp(lse - safe)) + pv * _rows(jnp.exp(m - safe))
-        return (o, new_lse), None
-
-    count, blocks = _key_blocks(k, v, k_pos, k_seg)
-    if count == 1:
-        return fold((o, lse), (k, v, k_pos, k_seg))[0]
-    return jax.lax.scan(fold, (o, lse), blocks)[0]
+        count, blocks = _key_blocks(k, v, k_pos, k_seg)
+        if count == 1:
+            o, lse = fold(state, (k, v, k_pos, k_seg))[0]
+        else:
+            o, lse = jax.lax.scan(fold, state, blocks)[0]
+    return o.reshape(q.shape), lse.reshape(B, K, G, Tq)
 
 
 def block_grads(q, k, v, do, lse, delta, q_pos, k_pos, q_seg=None, k_seg=None, *, causal: bool):
@@ -203,44 +195,29 @@ def block_grads(q, k, v, do, lse, delta, q_pos, k_pos, q_seg=None, k_seg=None, *
       ids as in ``block_update``.
     Returns:
       ``(dq [B, Tq, K, G, H], dk [B, Tk, K, H], dv [B, Tk, K, H])``, float32; by the
-      flash attention kernel's backward under ``execution.attention`` "pallas".
+      flash attention kernel's backward under ``execution.attention`` "pallas", otherwise by
+      ``block_grads_reference`` per block of at most ``KV_BLOCK`` keys.
     """
+    rows = (_flat(do), _flat(lse), _flat(delta))
     if implementation("attention") == "pallas":
-        B, Tq, K, G, H = q.shape
-        rows = lambda x: x.reshape(B, K * G, Tq)  # noqa: E731
-        dq, dk, dv = kernel_block_grads(
-            q.reshape(B, Tq, K * G, H), k, v, do.reshape(B, Tq, K * G, H), rows(lse), rows(delta),
-            q_pos, k_pos, q_seg, k_seg, causal=causal, interpret=pallas_interpret())
+        dq, dk, dv = kernel_block_grads(_flat(q), k, v, *rows, q_pos, k_pos, q_seg, k_seg,
+                                        causal=causal, interpret=pallas_interpret())
         return dq.reshape(q.shape), dk, dv
-
-    scale = q.shape[-1] ** -0.5
-    q32, do32 = q.astype(jnp.float32), do.astype(jnp.float32)
 
     def grads(dq, block):
         k, v, k_pos, k_seg = block
-        p = jnp.exp(_scores(q, k) - lse[..., None])
-        mask = _visible(q_pos, k_pos, q_seg, k_seg, causal)
-        if mask is not None:
-            p = jnp.where(mask, p, 0.0)
-        dv = jnp.einsum("BKGTS,BTKGH->BSKH", p, do32)
-        dp = jnp.einsum("BTKGH,BSKH->BKGTS", do, v, preferred_element_type=jnp.float32)
-        ds = p * (dp - delta[..., None])
-        dq = dq + jnp.einsum("BKGTS,BSKH->BTKGH", ds, k.astype(jnp.float32)) * scale
-        dk = jnp.einsum("BKGTS,BTKGH->BSKH", ds, q32) * scale
-        return dq, (dk, dv)
+        g_q, g_k, g_v = block_grads_reference(_flat(q), k, v, *rows, q_pos, k_pos, q_seg, k_seg,
+                                              causal=causal)
+        return dq + g_q, (g_k, g_v)
 
-    dq = jnp.zeros(q.shape, jnp.float32)
+    dq = jnp.zeros(_flat(q).shape, jnp.float32)
     count, blocks = _key_blocks(k, v, k_pos, k_seg)
     if count == 1:
         dq, (dk, dv) = grads(dq, (k, v, k_pos, k_seg))
-        return dq, dk, dv
-    dq, (dk, dv) = jax.lax.scan(grads, dq, blocks)
-    return dq, _unblock(dk), _unblock(dv)
-
-
-def _rows(x):
-    """[B, K, G, T] -> [B, T, K, G, 1], to scale output rows."""
-    return jnp.moveaxis(x, 3, 1)[..., None]
+    else:
+        dq, (dk, dv) = jax.lax.scan(grads, dq, blocks)
+        dk, dv = _unblock(dk), _unblock(dv)
+    return dq.reshape(q.shape), dk, dv
 
 
 def _empty_state(q):
@@ -468,9 +445,9 @@ def _rsa(ring: _Ring, q, k, v, seg):
     def block_scores(block, step):
         k_blk, seg_blk = block
         k_pos = ring.positions((me - step) % ring.n, size)
-        mask = _visible(q_pos, k_pos, seg, seg_blk, ring.causal)
+        mask = visible(q_pos, k_pos, seg, seg_blk, causal=ring.causal)
         s = _scores(q, k_blk)
-        return s if mask is None else jnp.where(mask, s, -jnp.inf)
+        return s if mask is None else jnp.where(mask[..., None, None, :, :], s, -jnp.inf)
 
     def score_hop(block, step):
         return jax.lax.ppermute(block, ring.axis, ring.shift), block_scores(block, step)

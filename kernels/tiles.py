@@ -1,0 +1,55 @@
+"""What the Triton lowering asks of a tile, and the helpers that meet it for any shape.
+
+Pallas' Triton lowering needs every loaded or computed array to have a power-of-two
+number of elements (and a matmul operand at least 16 on a side), and it does not mask
+a block that runs past an array's end: a plain ``ref[...]`` of a partial block reads and
+writes whatever lies beyond. The kernels therefore compute on tiles of ``pow2`` sizes and
+move data with ``load`` / ``store``, which mask the rows and columns past the array's
+true extent (loads read zeros there); where a shape cannot be served, the entry point
+runs its plain-XLA reference instead and says why once (``fall_back``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import triton as plgpu
+
+_log = logging.getLogger("jaxpar.kernels")
+_REPORTED: set[str] = set()
+
+
+def pow2(n: int, least: int = 16) -> int:
+    """The smallest power of two ``>= n``, at least ``least`` (16: Triton's smallest dot tile)."""
+    return max(least, 1 << (max(n, 1) - 1).bit_length())
+
+
+def is_pow2(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+def fall_back(reason: str) -> None:
+    """Logs (once per distinct ``reason``) that a kernel runs its XLA reference instead."""
+    if reason not in _REPORTED:
+        _REPORTED.add(reason)
+        _log.warning("jaxpar.kernels: %s; running the XLA reference instead", reason)
+
+
+def tile_index(start, rows: int, cols: int):
+    """``(r [rows, 1], c [1, cols])`` int32 indices of a ``[rows, cols]`` tile whose first
+    row is ``start`` (traced or static) and first column 0."""
+    r = start + jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
+    return r, jax.lax.broadcasted_iota(jnp.int32, (1, cols), 1)
+
+
+def load(ref, r, c, extent):
+    """The tile ``ref[r, c]`` (``r [R, 1]``, ``c [1, C]`` indices into the 2D ``ref``), zeros
+    where ``r >= extent[0]`` or ``c >= extent[1]`` (past the array: never read)."""
+    return plgpu.load(ref.at[r, c], mask=(r < extent[0]) & (c < extent[1]), other=0)
+
+
+def store(ref, r, c, extent, value):
+    """Writes ``value [R, C]`` to ``ref[r, c]`` where ``r < extent[0]`` and ``c < extent[1]``."""
+    plgpu.store(ref.at[r, c], value.astype(ref.dtype), mask=(r < extent[0]) & (c < extent[1]))
