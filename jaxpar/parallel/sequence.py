@@ -64,7 +64,8 @@ from jaxpar.kernels.dispatch import pallas_interpret
 from jaxpar.placement.axes import axes_size, kv_heads_for, local_axes
 from jaxpar.placement.execution import SEQUENCE_IMPLS as IMPLS
 from jaxpar.placement.execution import SEQUENCE_LAYOUTS as LAYOUTS
-from jaxpar.placement.execution import implementation
+from jaxpar.placement import rules as rules_lib
+from jaxpar.placement.execution import current, implementation
 from jaxpar.kernels.flash_attention import block_grads as kernel_block_grads
 from jaxpar.kernels.flash_attention import block_grads_reference, block_update_reference
 from jaxpar.kernels.flash_attention import block_update as kernel_block_update
@@ -490,7 +491,7 @@ def _ulysses(ring: _Ring, q, k, v, seg):
 
 
 def ring_attention(q, k, v, *, mesh, causal: bool = True, segment_ids=None, axis: str = "seq",
-                   impl: str = "ring", layout: str = "natural"):
+                   impl: str = "ring", layout: str = "natural", rules=None):
     """Attention over a length split across mesh axis ``axis``; equals
     ``jaxpar.dot_product_attention`` on the same global arrays (in the same layout).
 
@@ -504,6 +505,10 @@ def ring_attention(q, k, v, *, mesh, causal: bool = True, segment_ids=None, axis
       impl: ``"ring"`` (blockwise, custom VJP), ``"rsa"`` (the paper's baseline) or
         ``"ulysses"`` (all-to-all); see the module docstring.
       layout: ``"natural"``, or ``"zigzag"`` when the tokens are in ``to_zigzag`` order.
+      rules: how batch and heads split over the other mesh axes around the ring
+        (``activation_batch``, ``activation_heads``, ``activation_kv_heads``): the rules
+        in force (``jaxpar.use_mesh``), else ``jaxpar.rules.DEFAULT_RULES``. The mesh is
+        an argument here, so the rules only choose each device's share of the work.
 
     Returns:
       ``[B, T, N, H]`` in ``q``'s dtype and ``layout``, sharded like ``q``.
@@ -535,9 +540,11 @@ def ring_attention(q, k, v, *, mesh, causal: bool = True, segment_ids=None, axis
     reorder = impl == "ring" and layout == "natural" and causal and n > 1 and T % (2 * n) == 0
     ring = _Ring(axis, n, 2 if (layout == "zigzag" or reorder) and n > 1 else 1, causal)
 
-    batch_axes = local_axes(mesh, "activation_batch", B, exclude=axis)
-    head_axes = local_axes(mesh, "activation_heads", N, exclude=axis)
-    kv_axes = local_axes(mesh, "activation_kv_heads", K, exclude=axis)
+    if rules is None:
+        rules = current().rules or rules_lib.DEFAULT_RULES
+    batch_axes = local_axes(mesh, "activation_batch", B, exclude=axis, rules=rules)
+    head_axes = local_axes(mesh, "activation_heads", N, exclude=axis, rules=rules)
+    kv_axes = local_axes(mesh, "activation_kv_heads", K, exclude=axis, rules=rules)
     if kv_axes != head_axes:
         kv_axes = ()  # each device selects its query heads' kv heads below
     n_local = N // axes_size(mesh, head_axes)

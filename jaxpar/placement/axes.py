@@ -13,10 +13,14 @@ from jaxpar.placement import rules as rules_lib
 from jaxpar.placement.execution import rules_for
 
 
-def local_axes(mesh, logical: str, size: int, exclude: str | None = None) -> tuple[str, ...]:
-    """The mesh axes of size > 1 the rules in force split ``logical`` over (without
-    ``exclude``), or () when ``size`` does not divide over them."""
-    axes = rules_lib.as_tuple(dict(rules_for(mesh, f"a per-device kernel reading {logical!r}")).get(logical))
+def local_axes(mesh, logical: str, size: int, exclude: str | None = None,
+               rules: rules_lib.Rules | None = None) -> tuple[str, ...]:
+    """The mesh axes of size > 1 that ``rules`` (default: the rules in force, which must
+    be set with a mesh) split ``logical`` over (without ``exclude``), or () when ``size``
+    does not divide over them."""
+    if rules is None:
+        rules = rules_for(mesh, f"a per-device kernel reading {logical!r}")
+    axes = rules_lib.as_tuple(dict(rules_lib.for_mesh(mesh, rules)).get(logical))
     axes = tuple(a for a in axes if a != exclude and mesh.shape[a] > 1)
     return axes if size % axes_size(mesh, axes) == 0 else ()
 
