@@ -39,7 +39,7 @@ def reference(params, outer, tokens, side):
             a = stage_fn(jax.tree.map(lambda w: w[s], params), a, side)
         return head_fn(outer, a, side)
 
-    return jnp.mean(jax.vmap(one)(tokens, side))
+    return jnp.sum(jax.vmap(one)(tokens, side))
 
 
 # P = 2 and 4, M = P, 2P and odd, V = 2 for interleaved (whose M is a multiple of P);
@@ -119,14 +119,52 @@ def single_device_run():
     ("interleaved", 2, 2, 2, dict(tensor=(2, 2))),  # SUMMA: lockstep
 ], ids=lambda x: ",".join(f"{k}={v}" for k, v in x.items()) if isinstance(x, dict) else str(x))
 def test_training_through_the_pipeline_matches_one_device(single_device_run, kind, P, M, V, others):
-    """Three AdamW steps: losses and parameters equal one device's (mean of microbatch
-    losses = the batch mean here: every microbatch has the same number of tokens)."""
+    """Three AdamW steps: losses and parameters equal one device's."""
     data, (ref_losses, ref_params) = single_device_run
     count = P * int(np.prod(list(others.values()) or [1]))
     mesh = jaxpar.make_mesh(pipe=P, **others, devices=jax.devices()[:count])
     losses, params = train(data, mesh, build(kind, P, M, V), SequenceOptions("ulysses"))
     assert rel_err(losses, ref_losses) < 1e-5
     assert tree_rel_err(params, ref_params) < 1e-5
+
+
+def gradients_as_state():
+    """An optimizer whose state after a step is that step's gradients (and which leaves
+    the parameters as they are)."""
+    import optax
+
+    zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)
+    return optax.GradientTransformation(zeros, lambda grads, state, params=None: (zeros(grads), grads))
+
+
+def test_microbatches_weight_the_loss_by_tokens():
+    """Rows whose masks count from 1 to all 16 tokens: grad_accum 1, 2, 4 and a pipe=2
+    pipeline give the same loss and gradients, the whole batch's token-weighted ones
+    (a mean of microbatch means would weight a token of a sparse microbatch more)."""
+    from flax import nnx
+
+    from jaxpar.models import Transformer
+    from jaxpar.models.transformer import sharding_rules
+    from jaxpar.train.step import make_train_step
+
+    rng = np.random.default_rng(5)
+    batch = batches(rng, steps=1)[0]
+    counts = rng.permutation([1, 2, 3, 4, 6, 9, 13, 16])  # tokens counted per row
+    batch["mask"] = jnp.asarray(np.arange(16)[None, :] < counts[:, None], jnp.int32)
+    mesh = jaxpar.make_mesh(pipe=2, devices=jax.devices()[:2])
+    runs = {f"grad_accum={k}": dict(grad_accum=k) for k in (1, 2, 4)}
+    runs["pipe=2"] = dict(mesh=mesh, rules=sharding_rules(CFG, mesh), pipeline=build("1f1b", 2, 4))
+    results = {}
+    for name, options in runs.items():
+        model = Transformer(CFG, rngs=nnx.Rngs(0))
+        step = make_train_step(model, gradients_as_state(), **options)
+        params, opt_state = step.init(model)
+        _, grads, metrics = step(params, opt_state, batch)
+        results[name] = float(metrics["loss"]), grads
+    want_loss, want_grads = results.pop("grad_accum=1")
+    for name, (loss, grads) in results.items():
+        assert rel_err(loss, want_loss) < 1e-6, name
+        assert tree_rel_err(grads, want_grads) < 1e-6, name
 
 
 @pytest.mark.parametrize("sizes,schedule,message", [

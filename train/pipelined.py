@@ -5,8 +5,9 @@ layers; the token embedding before the schedule (every ``pipe`` device, see
 cross-entropy on the last stage.
 
 The batch ``[B, T]`` is cut into ``M`` microbatches of ``B / M`` rows (row ``r`` to
-microbatch ``r % M``); the loss is the mean of the microbatch losses, as with gradient
-accumulation. Inside the pipeline (``shard_map`` manual over ``pipe`` only) the other
+microbatch ``r % M``); each microbatch's loss (the mean over its tokens) is weighted by
+its share of the batch's counted tokens (``jaxpar.train.step.token_shares``), as with
+gradient accumulation: the loss is the whole batch's token-weighted mean. Inside the pipeline (``shard_map`` manual over ``pipe`` only) the other
 mesh axes stay automatic, so data, FSDP, tensor (1D and 2D) and sequence parallelism
 compose with it as they do without it. Every ``pipe`` device holds the embedding,
 final norm and head parameters (``pipe`` is not in their sharding), as Megatron-LM
@@ -32,7 +33,7 @@ from jaxpar.placement import rules as rules_lib
 from jaxpar.models.transformer import ACT_BTD, run_layers
 from jaxpar.parallel.pipeline_schedule import Schedule
 from jaxpar.parallel.sequence import current_options
-from jaxpar.train.step import head_loss, microbatches
+from jaxpar.train.step import head_loss, microbatches, token_shares
 
 
 def needs_lockstep(mesh) -> bool:
@@ -66,6 +67,7 @@ def loss_and_grads(graphdef, params, batch: dict, schedule: Schedule, mesh):
     if batch.get("segment_ids") is not None:
         side["segment_ids"] = batch["segment_ids"]
     side = jax.tree.map(lambda x: microbatches(x, M), side)
+    side["share"] = token_shares(side["mask"])  # [M]
 
     def embed(rest, tokens, side):
         return shell(rest).embed_tokens(tokens, side["positions"])
@@ -74,7 +76,7 @@ def loss_and_grads(graphdef, params, batch: dict, schedule: Schedule, mesh):
         return run_layers(cfg, layers_def, w, x, side["positions"], side.get("segment_ids"))
 
     def head(rest, x, side):
-        return head_loss(shell(rest), x, side["targets"], side["mask"])
+        return side["share"] * head_loss(shell(rest), x, side["targets"], side["mask"])
 
     stages = jax.tree.map(lambda w: w.reshape(S, cfg.layers // S, *w.shape[1:]), layer_state)
     loss, (g_stages, g_rest) = pipeline.value_and_grad(

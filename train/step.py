@@ -74,6 +74,22 @@ def head_loss(model: nnx.Module, x: jax.Array, targets: jax.Array,
     return masked_mean(losses, mask)
 
 
+def token_shares(mask: jax.Array) -> jax.Array:
+    """Each microbatch's weight in the batch's loss: ``mask [k, ...]`` (``k`` microbatches'
+    masks, 1 = counted) -> ``[k]`` float32, the microbatch's counted tokens over the whole
+    batch's (all zero when no token counts).
+
+    A microbatch's loss is the mean over its own tokens (``masked_mean``); times its
+    share, it contributes ``sum_i loss_i / total`` with ``total`` the whole batch's
+    count, so the microbatches' weighted losses (and gradients) add up to the whole
+    batch's token-weighted mean. The plain mean of the microbatch means is not that
+    when masks (packing, documents) count different numbers of tokens per microbatch.
+    Gradient accumulation and the pipeline (``jaxpar.train.pipelined``) both weight by it.
+    """
+    counts = mask.astype(jnp.float32).reshape(mask.shape[0], -1).sum(axis=1)
+    return counts / jnp.maximum(counts.sum(), 1.0)
+
+
 def microbatches(x: jax.Array, count: int) -> jax.Array:
     """``[B, ...] -> [count, B / count, ...]``; microbatch ``j`` holds rows ``j, j + count,
     ...``, so each device's rows stay on it under data parallelism."""
@@ -169,7 +185,9 @@ def make_train_step(
 
     With ``grad_accum=k`` the batch ``[B, T]`` is split into ``k`` microbatches of
     ``B / k`` rows (row ``r`` goes to microbatch ``r % k``, so each device's rows stay
-    on it) whose gradients are averaged inside the one jitted step.
+    on it) whose losses and gradients are summed, each weighted by its share of the
+    batch's counted tokens (``token_shares``), inside the one jitted step: the loss and
+    gradients of the whole batch's token-weighted mean, whatever ``k``.
 
     ``pipeline``: a ``jaxpar.parallel.pipeline_schedule.Schedule`` over the mesh's ``pipe`` axis;
     the step then runs the model through it (``jaxpar.train.pipelined``).
@@ -197,13 +215,19 @@ def make_train_step(
         return jax.value_and_grad(lambda p: loss(nnx.merge(graphdef, p), batch, *frozen))(params)
 
     def accumulated(params, batch, *frozen):
-        def body(carry, micro):
+        micro = jax.tree.map(lambda x: microbatches(x, grad_accum), batch)
+        mask = micro.get("mask")
+        shares = (jnp.full((grad_accum,), 1 / grad_accum, jnp.float32) if mask is None
+                  else token_shares(mask))
+
+        def body(carry, xs):
+            micro, share = xs
             value, grads = loss_and_grads(params, micro, *frozen)
-            return jax.tree.map(jnp.add, carry, (value, grads)), None
+            return jax.tree.map(lambda acc, x: acc + share * x, carry, (value, grads)), None
 
         zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-        total, _ = jax.lax.scan(body, zeros, jax.tree.map(lambda x: microbatches(x, grad_accum), batch))
-        return jax.tree.map(lambda x: x / grad_accum, total)
+        total, _ = jax.lax.scan(body, zeros, (micro, shares))
+        return total
 
     def step(params, opt_state, batch, *frozen):
         if grad_accum == 1:

@@ -122,9 +122,10 @@ def value_and_grad(
     axis: str = "pipe",
     lockstep: bool = False,
 ):
-    """Runs ``schedule``: the mean over microbatches ``m`` of ``head_fn(outer_params,
+    """Runs ``schedule``: the sum over microbatches ``m`` of ``head_fn(outer_params,
     stage_{S-1}(... stage_0(embed_fn(outer_params, inputs[m], side[m]))), side[m])``,
-    and its gradients.
+    and its gradients (``head_fn`` weights its microbatch: by ``1 / M`` for the mean,
+    by its share of the tokens for a token-weighted mean).
 
     The head runs on the device of stage ``S - 1``, inside the schedule. The embedding
     runs before the schedule, for all microbatches, outside the ``shard_map`` (so
@@ -299,11 +300,11 @@ def value_and_grad(
 
         state, _ = jax.lax.scan(lockstep_tick if lockstep else tick, state, row)
         total = functools.partial(jax.lax.psum, axis_name=axis)
-        loss = total(state["loss"]) / M
-        outer_grads = jax.tree.map(lambda g: total(g) / M, state["outer_grads"])
+        loss = total(state["loss"])
+        outer_grads = jax.tree.map(total, state["outer_grads"])
         # In float32: XLA:CPU (jax 0.10.2) aborts promoting a bf16 all-reduce here.
-        dx = (total(state["dx"].astype(jnp.float32)) / M).astype(x.dtype)
-        grads = jax.tree.map(lambda g: (g / M)[None], state["grads"])
+        dx = total(state["dx"].astype(jnp.float32)).astype(x.dtype)
+        grads = jax.tree.map(lambda g: g[None], state["grads"])
         return loss, grads, outer_grads, dx
 
     spec, whole = PartitionSpec(axis), PartitionSpec()
