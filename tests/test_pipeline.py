@@ -14,6 +14,7 @@ from jaxpar.parallel import pipeline
 from jaxpar.models import ModelConfig
 from jaxpar.parallel.pipeline_schedule import build
 from jaxpar.parallel.sequence import SequenceOptions
+from jaxpar.train import pipelined
 
 
 def embed_fn(outer, tokens, side):
@@ -70,13 +71,16 @@ def test_every_schedule_matches_autodiff(rng, kind, P, M, V, lockstep):
             "target": jnp.asarray(rng.standard_normal((M, mb, 4)), jnp.float32)}
     mesh = jaxpar.make_mesh(pipe=P, devices=jax.devices()[:P])
     schedule = build(kind, P, M, V)
+    # Stage s = v P + p at [p, v]: device-major, as the pipeline takes them.
+    device_major = lambda tree: jax.tree.map(lambda a: jnp.swapaxes(a.reshape(V, P, *a.shape[1:]), 0, 1), tree)
     run = jax.jit(lambda params, outer, tokens, side: pipeline.value_and_grad(
-        embed_fn, stage_fn, head_fn, params, outer, tokens, side, schedule, mesh=mesh, lockstep=lockstep))
-    loss, grads = run(params, outer, tokens, side)
-    ref_loss, ref_grads = jax.value_and_grad(reference, argnums=(0, 1))(params, outer, tokens, side)
+        embed_fn, stage_fn, head_fn, device_major(params), outer, tokens, side, schedule, mesh=mesh,
+        lockstep=lockstep))
+    loss, (stage_grads, outer_grads) = run(params, outer, tokens, side)
+    ref_loss, (ref_stage, ref_outer) = jax.value_and_grad(reference, argnums=(0, 1))(params, outer, tokens, side)
     assert rel_err(loss, ref_loss) < 1e-5
-    for got, want in zip(grads, ref_grads):
-        assert tree_rel_err(got, want) < 1e-5
+    assert tree_rel_err(stage_grads, device_major(ref_stage)) < 1e-5
+    assert tree_rel_err(outer_grads, ref_outer) < 1e-5
 
 
 def test_1f1b_stashes_p_inputs_where_gpipe_stashes_m():
@@ -101,7 +105,10 @@ def batches(rng, steps=3, B=8, T=16):
 
 
 def train(data, mesh=None, schedule=None, sequence=SequenceOptions()):
-    return train_steps(CFG, data, mesh, pipeline=schedule, sequence=sequence)[:2]
+    """``(losses, params)``, the parameters in the model's order."""
+    losses, params, _ = train_steps(CFG, data, mesh, pipeline=schedule, sequence=sequence)
+    order = None if schedule is None else pipelined.storage_order(schedule, CFG.layers)
+    return losses, params if order is None else pipelined.to_model(params, order)
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +133,36 @@ def test_training_through_the_pipeline_matches_one_device(single_device_run, kin
     losses, params = train(data, mesh, build(kind, P, M, V), SequenceOptions("ulysses"))
     assert rel_err(losses, ref_losses) < 1e-5
     assert tree_rel_err(params, ref_params) < 1e-5
+
+
+def test_interleaved_layers_are_stored_device_major():
+    """pipe=2 x V=2 over 4 layers: device 0 keeps layers 0 and 2 (stages 0 and 2), device
+    1 layers 1 and 3; the step's ``in_model_order`` gives the model's state back, and
+    ``model`` the model."""
+    import optax
+    from flax import nnx
+
+    from jaxpar.models import Transformer
+    from jaxpar.models.transformer import sharding_rules
+    from jaxpar.train.step import make_train_step
+
+    mesh = jaxpar.make_mesh(pipe=2, devices=jax.devices()[:2])
+    model = Transformer(CFG, rngs=nnx.Rngs(0))
+    want = nnx.state(model)
+    step = make_train_step(model, optax.adam(1e-3), mesh, sharding_rules(CFG, mesh),
+                           pipeline=build("interleaved", 2, 2, 2))
+    params, opt_state = step.init(model)
+    q, q_model = params["layers"]["attn"]["q"][...], want["layers"]["attn"]["q"][...]
+    for shard in q.addressable_shards:  # pipe device p holds [2p, 2p + 2) of the stored axis
+        p = shard.index[0].start // 2
+        np.testing.assert_array_equal(shard.data, q_model[np.array([p, p + 2])])
+    state = step.in_model_order({"params": params, "opt_state": opt_state})
+    assert tree_rel_err(state["params"], want) == 0
+    assert jax.tree.map(lambda x: x.sharding, state) == jax.tree.map(lambda x: x.sharding,
+                                                                     {"params": params, "opt_state": opt_state})
+    restored = step.in_storage_order(state)
+    assert tree_rel_err(restored["params"], params) == 0
+    assert tree_rel_err(nnx.state(step.model(params)), want) == 0
 
 
 def gradients_as_state():

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
@@ -107,6 +109,16 @@ class TrainStep:
     (None without a mesh). ``sequence``: how attention runs over a length split over
     ``seq`` (with ``layout="zigzag"`` the batches' tokens must be in ``to_zigzag`` order).
     ``kernels``: who computes attention, norms and loss (XLA, Pallas, cuDNN).
+
+    ``layer_order``: with an interleaved pipeline, the stacked layers of ``params`` (and
+    of the optimizer state's copies of them) are stored device-major, position ``j`` of
+    the ``layers`` axis holding model layer ``layer_order[j]``
+    (``jaxpar.train.pipelined.storage_order``), so that a step re-lays nothing out; None
+    when they are in the model's order. ``init`` stores them so; ``in_model_order`` puts
+    a state back in the model's order (what checkpoints save, so a checkpoint is the
+    model's whatever the schedule, and ``jaxpar.train.runs`` and a run on another
+    schedule read it as it is) and ``in_storage_order`` stores a restored one again;
+    ``model`` rebuilds the model from stored parameters (evaluation).
     """
 
     graphdef: Any
@@ -120,6 +132,7 @@ class TrainStep:
     sequence: SequenceOptions = SequenceOptions()
     kernels: KernelOptions | None = None  # None: KernelOptions() ("auto")
     loss: Callable = loss_fn
+    layer_order: np.ndarray | None = None
 
     def context(self):
         """The mesh, rules, sequence and kernel options to trace and run under."""
@@ -131,12 +144,42 @@ class TrainStep:
         return stack
 
     def init(self, model: nnx.Module):
-        """Returns ``(params, opt_state)`` placed on the mesh."""
+        """Returns ``(params, opt_state)`` placed on the mesh (and stored as this step
+        keeps them, see ``layer_order``)."""
         params = nnx.state(model)
         init = jax.jit(self.tx.init, out_shardings=self.opt_sharding)
         if self.mesh is not None:
             params = jax.device_put(params, self.params_sharding)
+        params = self.in_storage_order(params)
         return params, init(params)
+
+    def in_model_order(self, state):
+        """``state`` (arrays: parameters, optimizer state or a tree of both, as this step
+        keeps them) with its stacked layers in the model's order, each array on its
+        sharding; ``state`` itself when ``layer_order`` is None."""
+        from jaxpar.train import pipelined
+
+        return self._reorder(state, pipelined.to_model)
+
+    def in_storage_order(self, state):
+        """The inverse of ``in_model_order``: a model-order state stored as the step keeps it."""
+        from jaxpar.train import pipelined
+
+        return self._reorder(state, pipelined.to_storage)
+
+    def _reorder(self, state, reorder: Callable):
+        if self.layer_order is None:
+            return state
+        shardings = jax.tree.map(lambda x: x.sharding, state)
+        return jax.jit(functools.partial(reorder, order=self.layer_order), out_shardings=shardings)(state)
+
+    def model(self, params) -> nnx.Module:
+        """The model that ``params`` (as this step keeps them) are; traceable."""
+        if self.layer_order is not None:
+            from jaxpar.train import pipelined
+
+            params = pipelined.to_model(params, self.layer_order)
+        return nnx.merge(self.graphdef, params)
 
     def abstract_state(self, model: nnx.Module, sharding=None) -> dict:
         """``{"params", "opt_state"}`` as ``ShapeDtypeStruct``s with this step's shardings
@@ -190,7 +233,8 @@ def make_train_step(
     gradients of the whole batch's token-weighted mean, whatever ``k``.
 
     ``pipeline``: a ``jaxpar.parallel.pipeline_schedule.Schedule`` over the mesh's ``pipe`` axis;
-    the step then runs the model through it (``jaxpar.train.pipelined``).
+    the step then runs the model through it (``jaxpar.train.pipelined``), with the
+    stacked layers stored in the order it reads them (``TrainStep.layer_order``).
 
     ``loss``: ``(model, batch) -> scalar`` (default ``loss_fn``, next-token
     cross-entropy), or ``(model, batch, frozen) -> scalar`` with ``frozen``.
@@ -204,8 +248,13 @@ def make_train_step(
     nor update made. Give its value (or abstract state) here for its shardings.
     """
     graphdef, params = nnx.split(model)
-    if pipeline is not None and (loss is not loss_fn or frozen is not None):
-        raise ValueError("a pipelined step computes its own next-token loss: no loss= or frozen=")
+    layer_order = None
+    if pipeline is not None:
+        if loss is not loss_fn or frozen is not None:
+            raise ValueError("a pipelined step computes its own next-token loss: no loss= or frozen=")
+        from jaxpar.train import pipelined
+
+        layer_order = pipelined.storage_order(pipeline, model.cfg.layers)
 
     def loss_and_grads(params, batch, *frozen):
         if pipeline is not None:
@@ -241,7 +290,7 @@ def make_train_step(
     donate_argnums = (0, 1) if donate else ()
     if mesh is None:
         return TrainStep(graphdef, tx, jax.jit(step, donate_argnums=donate_argnums),
-                         None, None, None, None, rules, sequence, kernels, loss)
+                         None, None, None, None, rules, sequence, kernels, loss, layer_order)
     params_sharding = model_shardings(params, mesh, rules)
     replicated = NamedSharding(mesh, PartitionSpec())
     opt_shape = jax.eval_shape(tx.init, params)
@@ -256,4 +305,4 @@ def make_train_step(
         donate_argnums=donate_argnums,
     )
     return TrainStep(graphdef, tx, jitted, mesh, params_sharding, opt_sharding, batch_sharding,
-                     rules, sequence, kernels, loss)
+                     rules, sequence, kernels, loss, layer_order)

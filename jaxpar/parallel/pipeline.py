@@ -11,8 +11,10 @@ round). Which buffer slot every arrival, stash and read uses is worked out on th
 from the table, so the device loop only indexes.
 
 Shapes: ``P`` devices on ``pipe``, ``V`` virtual stages each, ``S = P V`` stages,
-``M`` microbatches whose activations between stages are ``[*A]``. Stage parameters
-are stacked on a leading ``[S, ...]`` axis; stage ``s`` runs on device ``s % P``.
+``M`` microbatches whose activations between stages are ``[*A]``. Stage ``s`` runs on
+device ``s % P`` as its virtual stage ``s // P``; stage parameters are stacked
+device-major, ``[P, V, ...]`` (``[p, v]`` is stage ``v P + p``), so that with the leading
+axis split over ``pipe`` each device already holds its own stages.
 """
 
 from __future__ import annotations
@@ -140,8 +142,8 @@ def value_and_grad(
       stage_fn: ``(stage_params_s, a, side_m) -> a``, one stage (a chunk of layers);
         ``side_m`` is microbatch ``m``'s slice of ``side``.
       head_fn: ``(outer_params, a, side_m) -> scalar``, after the last stage (the loss).
-      stage_params: pytree of arrays with leading ``[S, ...]``, stage ``s``'s parameters
-        (``S = schedule.devices * schedule.virtual``).
+      stage_params: pytree of arrays with leading ``[P, V, ...]``, device-major:
+        ``[p, v]`` holds stage ``v P + p``'s parameters (device ``p``'s ``v``-th).
       outer_params: pytree, replicated over ``axis``: what ``embed_fn`` and ``head_fn``
         read (the embedding, the final norm, the head; tied weights are shared).
       inputs: pytree with leading ``[M]``, what ``embed_fn`` reads (the tokens).
@@ -166,7 +168,7 @@ def value_and_grad(
     others backwards costs a forward plus a backward instead of the longer of the two.
 
     Returns:
-      ``(loss, (stage_grads [S, ...], outer_grads))``.
+      ``(loss, (stage_grads [P, V, ...], outer_grads))``.
     """
     P, V, M = schedule.devices, schedule.virtual, schedule.microbatches
     if mesh.shape[axis] != P:
@@ -179,8 +181,6 @@ def value_and_grad(
     tables["any_backward"] = jnp.asarray((p_plan.op == BACKWARD).any(axis=1))
     tables["sends_f"] = jnp.asarray((p_plan.arrive_f >= 0).any(axis=1))
     tables["sends_b"] = jnp.asarray((p_plan.arrive_b >= 0).any(axis=1))
-    # [S, ...] with s = v P + p -> [P, V, ...]: device p's block is its V stages.
-    by_device = jax.tree.map(lambda a: jnp.swapaxes(a.reshape(V, P, *a.shape[1:]), 0, 1), stage_params)
 
     def at(tree, i):
         return jax.tree.map(lambda w: w[i], tree)
@@ -311,7 +311,6 @@ def value_and_grad(
     loss, grads, outer_grads, dx = jax.shard_map(
         local, mesh=mesh, in_specs=(spec, whole, whole, whole, whole), axis_names={axis},
         out_specs=(whole, spec, whole, whole), check_vma=False,
-    )(by_device, outer_params, x, side, tables)
-    grads = jax.tree.map(lambda g: jnp.swapaxes(g, 0, 1).reshape(P * V, *g.shape[2:]), grads)
+    )(stage_params, outer_params, x, side, tables)
     outer_grads = jax.tree.map(jnp.add, outer_grads, embed_vjp(dx)[0])
     return loss, (grads, outer_grads)
