@@ -12,7 +12,7 @@ import jaxpar
 from conftest import rel_err, train_steps, tree_rel_err
 from jaxpar.parallel import pipeline
 from jaxpar.models import ModelConfig
-from jaxpar.parallel.pipeline_schedule import build
+from jaxpar.parallel.pipeline_schedule import BACKWARD, FORWARD, IDLE, build
 from jaxpar.parallel.sequence import SequenceOptions
 from jaxpar.train import pipelined
 
@@ -81,6 +81,87 @@ def test_every_schedule_matches_autodiff(rng, kind, P, M, V, lockstep):
     assert rel_err(loss, ref_loss) < 1e-5
     assert tree_rel_err(stage_grads, device_major(ref_stage)) < 1e-5
     assert tree_rel_err(outer_grads, ref_outer) < 1e-5
+
+
+# One tick on one device, against the stage computed by hand ------------------------------
+
+TICK_CASES = {  # name: (op, microbatch, virtual, first, last, slot, read)
+    "forward, first stage": (FORWARD, 1, 0, 1, 0, 1, -1),
+    "forward, middle stage": (FORWARD, 2, 1, 0, 0, 0, 1),
+    "forward, last stage": (FORWARD, 0, 1, 0, 1, 1, 0),
+    "backward, last stage": (BACKWARD, 2, 1, 0, 1, 0, -1),
+    "backward, middle stage": (BACKWARD, 0, 1, 0, 0, 1, 0),
+    "backward, first stage": (BACKWARD, 1, 0, 1, 0, 1, 1),
+    "idle": (IDLE, 0, 0, 0, 0, -1, -1),
+}
+
+
+def expected_tick(local, state, op, m, v, first, last, slot, read):
+    """``(state, out_f, out_b)`` of one tick, by hand: plain jax.vjp of the stage (and
+    of the head on the last stage) on the buffers the op names."""
+    w, side_m, zeros = jax.tree.map(lambda x: x[v], local.params), jax.tree.map(lambda x: x[m], local.side), \
+        jnp.zeros_like(local.x[0])
+    state = dict(state)
+    if op == FORWARD:
+        a = local.x[m] if first else state["recv_f"][read]
+        state["stash"] = state["stash"].at[slot].set(a)
+        out = stage_fn(w, a, side_m)
+        if last:
+            state["loss"] = state["loss"] + head_fn(local.outer, out, side_m)
+        return state, out, zeros
+    if op == BACKWARD:
+        a = state["stash"][slot]
+        if last:
+            loss, vjp = jax.vjp(lambda w, h, a: head_fn(h, stage_fn(w, a, side_m), side_m), w, local.outer, a)
+            g_w, g_outer, g_a = vjp(jnp.ones_like(loss))
+            state["outer_grads"] = jax.tree.map(jnp.add, state["outer_grads"], g_outer)
+        else:
+            _, vjp = jax.vjp(lambda w, a: stage_fn(w, a, side_m), w, a)
+            g_w, g_a = vjp(state["recv_b"][read])
+        state["grads"] = jax.tree.map(lambda acc, g: acc.at[v].add(g), state["grads"], g_w)
+        if first:
+            state["dx"] = state["dx"].at[m].set(g_a)
+        return state, zeros, g_a
+    return state, zeros, zeros
+
+
+@pytest.fixture(scope="module")
+def tick_setup():
+    """A device with V = 2 stages of the MLP block, M = 3 microbatches, and a loop state
+    whose every buffer and accumulator holds random values (stale data a tick must
+    not keep)."""
+    rng = np.random.default_rng(7)
+    V, M, mb, D, F = 2, 3, 3, 8, 16
+    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    local = pipeline.Local(
+        stage_fn, head_fn,
+        params={"in": normal(V, D, F) / np.sqrt(D), "bias": normal(V, F), "out": normal(V, F, D) / np.sqrt(F)},
+        outer={"table": normal(11, D), "proj": normal(D, 4)},
+        x=normal(M, mb, D), side={"shift": normal(M, 1, F), "target": normal(M, mb, 4)})
+    sizes = pipeline.plan(build("gpipe", 2, 2))  # buffers of 2, 1, 1 slots: made 2 each below
+    state = jax.tree.map(lambda x: normal(*x.shape), pipeline.init_state(local, sizes))
+    state.update(recv_f=normal(2, mb, D), recv_b=normal(2, mb, D))
+    ticks = {name: jax.jit(lambda state, op, tick=tick: tick(local, state, op))
+             for name, tick in (("branching", pipeline.branching_tick), ("lockstep", pipeline.lockstep_tick))}
+    return local, state, ticks
+
+
+@pytest.mark.parametrize("tick", ["branching", "lockstep"])
+@pytest.mark.parametrize("case", list(TICK_CASES))
+def test_one_tick_matches_the_stage_by_hand(tick_setup, tick, case):
+    """What a tick stashes, sends and accumulates. The lockstep tick runs both its parts
+    (as when other devices have forwards and backwards at this tick), so the part that
+    is not this device's must leave no trace."""
+    local, state, ticks = tick_setup
+    op, m, v, first, last, slot, read = TICK_CASES[case]
+    row = dict(op=op, microbatch=m, virtual=v, first=first, last=last, slot=slot, read=read,
+               arrive_f=-1, arrive_b=-1)
+    row = {k: jnp.int32(x) for k, x in row.items()}
+    row.update({k: jnp.bool_(True) for k in ("any_forward", "any_backward", "sends_f", "sends_b")})
+    got = ticks[tick](state, row)
+    want = expected_tick(local, state, op, m, v, first, last, slot, read)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
 
 
 def test_1f1b_stashes_p_inputs_where_gpipe_stashes_m():
