@@ -150,18 +150,22 @@ def tick_setup():
 @pytest.mark.parametrize("case", list(TICK_CASES))
 def test_one_tick_matches_the_stage_by_hand(tick_setup, tick, case):
     """What a tick stashes, sends and accumulates. The lockstep tick runs both its parts
-    (as when other devices have forwards and backwards at this tick), so the part that
-    is not this device's must leave no trace."""
+    (as when other devices have forwards and backwards at this tick), and the head's
+    where another device runs the last stage, so what is not this device's must leave
+    no trace."""
     local, state, ticks = tick_setup
     op, m, v, first, last, slot, read = TICK_CASES[case]
     row = dict(op=op, microbatch=m, virtual=v, first=first, last=last, slot=slot, read=read,
                arrive_f=-1, arrive_b=-1)
     row = {k: jnp.int32(x) for k, x in row.items()}
     row.update({k: jnp.bool_(True) for k in ("any_forward", "any_backward", "sends_f", "sends_b")})
-    got = ticks[tick](state, row)
     want = expected_tick(local, state, op, m, v, first, last, slot, read)
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+    # Whether another device runs the last stage (and with it the head) at this tick.
+    for head in [True] if last else [True, False]:
+        row.update(head_forward=jnp.bool_(head), head_backward=jnp.bool_(head))
+        got = ticks[tick](state, row)
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
 
 
 def test_1f1b_stashes_p_inputs_where_gpipe_stashes_m():

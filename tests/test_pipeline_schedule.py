@@ -72,6 +72,8 @@ def test_plan_of_gpipe_on_two_devices_by_hand():
     assert p.arrive_b.tolist() == [[-1, -1], [-1, -1], [-1, -1], [0, -1], [0, -1], [-1, -1]]
     assert p.any_forward.tolist() == [True, True, True, False, False, False]
     assert p.any_backward.tolist() == [False, False, False, True, True, True]
+    assert p.head_forward.tolist() == [False, True, True, False, False, False]
+    assert p.head_backward.tolist() == [False, False, False, True, True, False]
     assert p.sends_f.tolist() == [True, True, False, False, False, False]
     assert p.sends_b.tolist() == [False, False, False, True, True, False]
     assert (p.stash_size, p.recv_f_size, p.recv_b_size) == (2, 1, 1)
@@ -124,5 +126,8 @@ def test_plan_routes_every_value_to_its_reader(kind, P, M, V):
             assert 0 <= slot < sizes[way] and slot not in recv[way][to]
             recv[way][to][slot] = value
         assert p.any_forward[t] == (s.op[t] == FORWARD).any() and p.any_backward[t] == (s.op[t] == BACKWARD).any()
+        last = s.stage[t] == S - 1
+        assert p.head_forward[t] == (last & (s.op[t] == FORWARD)).any()
+        assert p.head_backward[t] == (last & (s.op[t] == BACKWARD)).any()
         assert p.sends_f[t] == any(w == "f" for w, _, _ in sent) and p.sends_b[t] == any(w == "b" for w, _, _ in sent)
     assert not any(stash) and not any(recv["f"]) and not any(recv["b"])

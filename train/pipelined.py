@@ -7,8 +7,9 @@ cross-entropy on the last stage.
 The batch ``[B, T]`` is cut into ``M`` microbatches of ``B / M`` rows (row ``r`` to
 microbatch ``r % M``); each microbatch's loss (the mean over its tokens) is weighted by
 its share of the batch's counted tokens (``jaxpar.train.step.token_shares``), as with
-gradient accumulation: the loss is the whole batch's token-weighted mean. Inside the pipeline (``shard_map`` manual over ``pipe`` only) the other
-mesh axes stay automatic, so data, FSDP, tensor (1D and 2D) and sequence parallelism
+gradient accumulation: the loss is the whole batch's token-weighted mean. Inside the
+pipeline (``shard_map`` manual over ``pipe`` only) the other mesh axes stay
+automatic, so data, FSDP, tensor (1D and 2D) and sequence parallelism
 compose with it as they do without it. Every ``pipe`` device holds the embedding,
 final norm and head parameters (``pipe`` is not in their sharding), as Megatron-LM
 keeps the tied embedding on both the first and the last stage; their gradients are

@@ -55,8 +55,9 @@ class Plan:
     at the end of the tick is written to (-1: none of these).
 
     Per tick, the same for every device, ``[ticks]`` bool: ``any_forward`` /
-    ``any_backward`` (some device runs one), ``sends_f`` / ``sends_b`` (something travels
-    forward / backward at the tick's end).
+    ``any_backward`` (some device runs one), ``head_forward`` / ``head_backward`` (some
+    device runs the last stage's forward / backward, so the head's), ``sends_f`` /
+    ``sends_b`` (something travels forward / backward at the tick's end).
     """
 
     op: np.ndarray
@@ -70,6 +71,8 @@ class Plan:
     arrive_b: np.ndarray
     any_forward: np.ndarray
     any_backward: np.ndarray
+    head_forward: np.ndarray
+    head_backward: np.ndarray
     sends_f: np.ndarray
     sends_b: np.ndarray
     stash_size: int
@@ -136,6 +139,8 @@ def plan(schedule: Schedule) -> Plan:
         virtual=np.where(stage >= 0, stage // P, 0).astype(np.int32),
         first=(stage == 0).astype(np.int32), last=(stage == S - 1).astype(np.int32),
         any_forward=(op == FORWARD).any(axis=1), any_backward=(op == BACKWARD).any(axis=1),
+        head_forward=((op == FORWARD) & (stage == S - 1)).any(axis=1),
+        head_backward=((op == BACKWARD) & (stage == S - 1)).any(axis=1),
         sends_f=(table["arrive_f"] >= 0).any(axis=1), sends_b=(table["arrive_b"] >= 0).any(axis=1),
         stash_size=max(1, max(s.size for s in stash)), recv_f_size=max(1, max(s.size for s in recv_f)),
         recv_b_size=max(1, max(s.size for s in recv_b)), **table)
@@ -237,36 +242,45 @@ def lockstep_tick(local: Local, state: dict, op: dict) -> tuple[dict, jax.Array,
     """One tick on one device that every device runs alike: a forward part if any
     device has a forward at this tick (``op["any_forward"]``), then a backward part if
     any has a backward; a device whose own operation is not the part's computes on
-    stale buffers and keeps nothing of it. Same arguments, results and state as
-    ``branching_tick``."""
+    stale buffers and keeps nothing of it. The head runs (forward, or forward and
+    backward) only in the parts where some device runs the last stage
+    (``op["head_forward"]``, ``op["head_backward"]``): every device then, since the head
+    may communicate too (SUMMA), and only the last stage's keeps it. Same arguments,
+    results and state as ``branching_tick``."""
     zeros_a = local.zeros_a()
+    no_loss = lambda: jnp.zeros((), jnp.float32)  # noqa: E731
 
     def forward(state):
         m, v, slot = op["microbatch"], op["virtual"], jnp.maximum(op["slot"], 0)
         is_f, side_m = op["op"] == FORWARD, _at(local.side, m)
         a = _stage_input(local, state, op)
         out = local.stage_fn(_at(local.params, v), a, side_m)
-        loss = local.head_fn(local.outer, out, side_m).astype(jnp.float32)
+        loss = jax.lax.cond(op["head_forward"],
+                            lambda: local.head_fn(local.outer, out, side_m).astype(jnp.float32), no_loss)
         keep = is_f & (op["last"] == 1)
         return dict(state, stash=jnp.where(is_f, state["stash"].at[slot].set(a), state["stash"]),
                     loss=state["loss"] + jnp.where(keep, loss, 0.0)), jnp.where(is_f, out, zeros_a)
 
     def backward(state):
-        """One VJP through stage and head whose cotangents pick the path: the loss's on
-        the last stage, the received output gradient elsewhere."""
+        """The stage's VJP, its output gradient the head's on the last stage and the
+        received one elsewhere."""
         m, v, is_b, last = op["microbatch"], op["virtual"], op["op"] == BACKWARD, op["last"] == 1
         a, side_m = state["stash"][jnp.maximum(op["slot"], 0)], _at(local.side, m)
+        out, stage_vjp = jax.vjp(lambda w, a: local.stage_fn(w, a, side_m), _at(local.params, v), a)
 
-        def fn(w, h, a):
-            out = local.stage_fn(w, a, side_m)
-            return out, local.head_fn(h, out, side_m)
+        def through_head():
+            loss, head_vjp = jax.vjp(lambda h, out: local.head_fn(h, out, side_m), local.outer, out)
+            return head_vjp(jnp.ones_like(loss))
 
-        (out, loss), vjp = jax.vjp(fn, _at(local.params, v), local.outer, a)
-        g_out = jnp.where(last, jnp.zeros_like(out), state["recv_b"][jnp.maximum(op["read"], 0)])
-        g_w, g_outer, g_a = vjp((g_out, jnp.where(last, jnp.ones_like(loss), jnp.zeros_like(loss))))
+        def no_head():
+            return jax.tree.map(jnp.zeros_like, local.outer), jnp.zeros_like(out)
+
+        g_outer, g_head = jax.lax.cond(op["head_backward"], through_head, no_head)
+        g_w, g_a = stage_vjp(jnp.where(last, g_head, state["recv_b"][jnp.maximum(op["read"], 0)]))
         keep = functools.partial(jnp.where, is_b)
         grads = jax.tree.map(lambda acc, g: keep(acc.at[v].add(g), acc), state["grads"], g_w)
-        outer_grads = jax.tree.map(lambda acc, g: keep(acc + g, acc), state["outer_grads"], g_outer)
+        outer_grads = jax.tree.map(lambda acc, g: jnp.where(is_b & last, acc + g, acc),
+                                   state["outer_grads"], g_outer)
         dx = jnp.where(is_b & (op["first"] == 1), state["dx"].at[m].set(g_a), state["dx"])
         return dict(state, grads=grads, outer_grads=outer_grads, dx=dx), jnp.where(is_b, g_a, zeros_a)
 
@@ -346,8 +360,8 @@ def value_and_grad(
     has a forward at this tick, then a backward part, run if any has a backward (the
     predicates are the same on every device, so all take the same branch); devices
     with nothing to do in a part
-    compute on stale buffers and keep nothing of it (``where``), and the head runs on
-    every stage. Same results and memory; a tick where some devices run forwards and
+    compute on stale buffers and keep nothing of it (``where``); the head runs on every
+    device at the ticks where some device runs the last stage. Same results and memory; a tick where some devices run forwards and
     others backwards costs a forward plus a backward instead of the longer of the two.
 
     Returns:
