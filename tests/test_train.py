@@ -218,6 +218,17 @@ def test_dry_run_reports_the_pipeline(tmp_path, cache, capsys):
     assert one_f_one_b["temp_bytes"] < gpipe["temp_bytes"]
 
 
+def test_dry_run_of_interleaved_stages_moves_no_layers(tmp_path, cache, capsys):
+    """pipe=2 x 2 virtual stages: the layers are stored where their stages run, so the
+    step has no all-to-all (re-laying model-order layers out every step took one per
+    layer parameter)."""
+    train(config(tmp_path / "run", cache, "dry_run=true", "mesh.pipe=2", "model.layers=4", "batch_size=16",
+                 "pipeline.schedule=interleaved", "pipeline.virtual_stages=2"), progress=False)
+    profile = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert profile["pipeline_virtual_stages"] == 2
+    assert profile["collective_counts"]["all-to-all"] == 0 and profile["collectives"]["all-to-all"] == 0
+
+
 def _free_port() -> int:
     import socket
 

@@ -2,10 +2,14 @@
 slice of the standard library (apart from test_train.py so the two test workers share
 the long runs)."""
 
-import pytest
+import shutil
 
-from conftest import rel_err
+import pytest
+from flax import nnx
+
+from conftest import rel_err, tree_rel_err
 from jaxpar.train.loop import train
+from jaxpar.train.runs import load_run
 from test_train import SMALL, cli, config, metrics
 
 
@@ -63,3 +67,22 @@ def test_pallas_kernels_train_like_xla(tmp_path, cache):
         got = [r[key] for r in history if key in r]
         want = [r[key] for r in reference if key in r]
         assert len(got) == len(want) > 0 and rel_err(got, want) < 1e-5, key
+
+
+def test_interleaved_runs_save_and_evaluate_the_model(tmp_path, cache):
+    """An interleaved run stores its layers device-major, yet checkpoints and evaluates
+    the model: resumed from a 1f1b run's step-2 checkpoint it gives that run's losses and
+    validation loss, and its step-4 checkpoint is the 1f1b run's."""
+    common = ("steps=4", "checkpoint.every=2", "eval.every=4", "mesh.pipe=2", "model.layers=4",
+              "batch_size=16")
+    first = train(config(tmp_path / "1f1b", cache, *common, "pipeline.schedule=1f1b"), progress=False)
+    shutil.copytree(tmp_path / "1f1b", tmp_path / "interleaved")
+    shutil.rmtree(tmp_path / "interleaved" / "checkpoints" / "4")
+    resumed = train(config(tmp_path / "interleaved", cache, *common, "pipeline.schedule=interleaved",
+                           "pipeline.virtual_stages=2"), progress=False)
+    assert [r["step"] for r in resumed] == [3, 4]
+    for key in ("loss", "val_loss"):
+        got, want = [r[key] for r in resumed if key in r], [r[key] for r in first[2:] if key in r]
+        assert len(got) == len(want) > 0 and rel_err(got, want) < 1e-5, key
+    saved = [nnx.state(load_run(tmp_path / name)) for name in ("interleaved", "1f1b")]
+    assert tree_rel_err(*saved) < 1e-5

@@ -297,7 +297,8 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
         params, opt_state = step_fn.init(create())
         start = 0
     else:
-        start, state, meta = restored
+        start, state, meta = restored  # saved in model order (step_fn.in_model_order)
+        state = step_fn.in_storage_order(state)
         params, opt_state = state["params"], state["opt_state"]
         loader.restore(meta["loader"])
     metrics_path = run_dir / "metrics.jsonl"
@@ -306,8 +307,7 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
         if SummaryWriter is not None:
             _rewrite_events(run_dir / "tensorboard", start)
 
-    eval_fn = jax.jit(lambda params, batch, *frozen: step_fn.loss(nnx.merge(step_fn.graphdef, params),
-                                                                  batch, *frozen))
+    eval_fn = jax.jit(lambda params, batch, *frozen: step_fn.loss(step_fn.model(params), batch, *frozen))
     tokens_per_step = cfg.batch_size * cfg.seq_len
     peak = next((f for name, f in PEAK_FLOPS.items() if name in jax.devices()[0].device_kind), None)
     if target is not None:
@@ -346,7 +346,7 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
                             board.add_scalar(name, value, step)
                 every = cfg.checkpoint.every
                 if (every and step % every == 0) or step == cfg.steps:
-                    checkpoints.save(step, {"params": params, "opt_state": opt_state},
+                    checkpoints.save(step, step_fn.in_model_order({"params": params, "opt_state": opt_state}),
                                      {"step": step, "loader": loader.state(), "config": to_dict(cfg)})
                     last_saved = step
                 postfix = {"loss": f"{loss:.3f}", "tok/s": f"{record['tokens_per_s']:.0f}",

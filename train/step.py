@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
@@ -74,6 +76,22 @@ def head_loss(model: nnx.Module, x: jax.Array, targets: jax.Array,
     return masked_mean(losses, mask)
 
 
+def token_shares(mask: jax.Array) -> jax.Array:
+    """Each microbatch's weight in the batch's loss: ``mask [k, ...]`` (``k`` microbatches'
+    masks, 1 = counted) -> ``[k]`` float32, the microbatch's counted tokens over the whole
+    batch's (all zero when no token counts).
+
+    A microbatch's loss is the mean over its own tokens (``masked_mean``); times its
+    share, it contributes ``sum_i loss_i / total`` with ``total`` the whole batch's
+    count, so the microbatches' weighted losses (and gradients) add up to the whole
+    batch's token-weighted mean. The plain mean of the microbatch means is not that
+    when masks (packing, documents) count different numbers of tokens per microbatch.
+    Gradient accumulation and the pipeline (``jaxpar.train.pipelined``) both weight by it.
+    """
+    counts = mask.astype(jnp.float32).reshape(mask.shape[0], -1).sum(axis=1)
+    return counts / jnp.maximum(counts.sum(), 1.0)
+
+
 def microbatches(x: jax.Array, count: int) -> jax.Array:
     """``[B, ...] -> [count, B / count, ...]``; microbatch ``j`` holds rows ``j, j + count,
     ...``, so each device's rows stay on it under data parallelism."""
@@ -92,6 +110,16 @@ class TrainStep:
     step was traced under, bound into the jitted step when it was built (so the context
     a call is made in cannot change the program); with ``sequence.layout="zigzag"`` the
     batches' tokens must be in ``to_zigzag`` order.
+
+    ``layer_order``: with an interleaved pipeline, the stacked layers of ``params`` (and
+    of the optimizer state's copies of them) are stored device-major, position ``j`` of
+    the ``layers`` axis holding model layer ``layer_order[j]``
+    (``jaxpar.train.pipelined.storage_order``), so that a step re-lays nothing out; None
+    when they are in the model's order. ``init`` stores them so; ``in_model_order`` puts
+    a state back in the model's order (what checkpoints save, so a checkpoint is the
+    model's whatever the schedule, and ``jaxpar.train.runs`` and a run on another
+    schedule read it as it is) and ``in_storage_order`` stores a restored one again;
+    ``model`` rebuilds the model from stored parameters (evaluation).
     """
 
     graphdef: Any
@@ -103,6 +131,7 @@ class TrainStep:
     batch_sharding: Any
     execution: Execution = Execution()
     loss: Callable = loss_fn
+    layer_order: np.ndarray | None = None
 
     @property
     def sequence(self) -> SequenceOptions:
@@ -118,12 +147,42 @@ class TrainStep:
         return stack
 
     def init(self, model: nnx.Module):
-        """Returns ``(params, opt_state)`` placed on the mesh."""
+        """Returns ``(params, opt_state)`` placed on the mesh (and stored as this step
+        keeps them, see ``layer_order``)."""
         params = nnx.state(model)
         init = jax.jit(self.tx.init, out_shardings=self.opt_sharding)
         if self.mesh is not None:
             params = jax.device_put(params, self.params_sharding)
+        params = self.in_storage_order(params)
         return params, init(params)
+
+    def in_model_order(self, state):
+        """``state`` (arrays: parameters, optimizer state or a tree of both, as this step
+        keeps them) with its stacked layers in the model's order, each array on its
+        sharding; ``state`` itself when ``layer_order`` is None."""
+        from jaxpar.train import pipelined
+
+        return self._reorder(state, pipelined.to_model)
+
+    def in_storage_order(self, state):
+        """The inverse of ``in_model_order``: a model-order state stored as the step keeps it."""
+        from jaxpar.train import pipelined
+
+        return self._reorder(state, pipelined.to_storage)
+
+    def _reorder(self, state, reorder: Callable):
+        if self.layer_order is None:
+            return state
+        shardings = jax.tree.map(lambda x: x.sharding, state)
+        return jax.jit(functools.partial(reorder, order=self.layer_order), out_shardings=shardings)(state)
+
+    def model(self, params) -> nnx.Module:
+        """The model that ``params`` (as this step keeps them) are; traceable."""
+        if self.layer_order is not None:
+            from jaxpar.train import pipelined
+
+            params = pipelined.to_model(params, self.layer_order)
+        return nnx.merge(self.graphdef, params)
 
     def abstract_state(self, model: nnx.Module, sharding=None) -> dict:
         """``{"params", "opt_state"}`` as ``ShapeDtypeStruct``s with this step's shardings
@@ -172,10 +231,13 @@ def make_train_step(
 
     With ``grad_accum=k`` the batch ``[B, T]`` is split into ``k`` microbatches of
     ``B / k`` rows (row ``r`` goes to microbatch ``r % k``, so each device's rows stay
-    on it) whose gradients are averaged inside the one jitted step.
+    on it) whose losses and gradients are summed, each weighted by its share of the
+    batch's counted tokens (``token_shares``), inside the one jitted step: the loss and
+    gradients of the whole batch's token-weighted mean, whatever ``k``.
 
     ``pipeline``: a ``jaxpar.parallel.pipeline_schedule.Schedule`` over the mesh's ``pipe`` axis;
-    the step then runs the model through it (``jaxpar.train.pipelined``).
+    the step then runs the model through it (``jaxpar.train.pipelined``), with the
+    stacked layers stored in the order it reads them (``TrainStep.layer_order``).
 
     ``loss``: ``(model, batch) -> scalar`` (default ``loss_fn``, next-token
     cross-entropy), or ``(model, batch, frozen) -> scalar`` with ``frozen``.
@@ -191,8 +253,13 @@ def make_train_step(
     graphdef, params = nnx.split(model)
     resolved = None if mesh is None else rules_lib.for_mesh(mesh, rules_lib.DEFAULT_RULES if rules is None else rules)
     execution = Execution(resolved, kernels or KernelOptions(), sequence)
-    if pipeline is not None and (loss is not loss_fn or frozen is not None):
-        raise ValueError("a pipelined step computes its own next-token loss: no loss= or frozen=")
+    layer_order = None
+    if pipeline is not None:
+        if loss is not loss_fn or frozen is not None:
+            raise ValueError("a pipelined step computes its own next-token loss: no loss= or frozen=")
+        from jaxpar.train import pipelined
+
+        layer_order = pipelined.storage_order(pipeline, model.cfg.layers)
 
     def loss_and_grads(params, batch, *frozen):
         if pipeline is not None:
@@ -202,13 +269,19 @@ def make_train_step(
         return jax.value_and_grad(lambda p: loss(nnx.merge(graphdef, p), batch, *frozen))(params)
 
     def accumulated(params, batch, *frozen):
-        def body(carry, micro):
+        micro = jax.tree.map(lambda x: microbatches(x, grad_accum), batch)
+        mask = micro.get("mask")
+        shares = (jnp.full((grad_accum,), 1 / grad_accum, jnp.float32) if mask is None
+                  else token_shares(mask))
+
+        def body(carry, xs):
+            micro, share = xs
             value, grads = loss_and_grads(params, micro, *frozen)
-            return jax.tree.map(jnp.add, carry, (value, grads)), None
+            return jax.tree.map(lambda acc, x: acc + share * x, carry, (value, grads)), None
 
         zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-        total, _ = jax.lax.scan(body, zeros, jax.tree.map(lambda x: microbatches(x, grad_accum), batch))
-        return jax.tree.map(lambda x: x / grad_accum, total)
+        total, _ = jax.lax.scan(body, zeros, (micro, shares))
+        return total
 
     @use_execution(execution)  # bound at trace time, whatever the caller's context
     def step(params, opt_state, batch, *frozen):
@@ -223,7 +296,7 @@ def make_train_step(
     donate_argnums = (0, 1) if donate else ()
     if mesh is None:
         return TrainStep(graphdef, tx, jax.jit(step, donate_argnums=donate_argnums),
-                         None, None, None, None, execution, loss)
+                         None, None, None, None, execution, loss, layer_order)
     params_sharding = model_shardings(params, mesh, rules)
     replicated = NamedSharding(mesh, PartitionSpec())
     opt_shape = jax.eval_shape(tx.init, params)
@@ -237,4 +310,4 @@ def make_train_step(
         donate_argnums=donate_argnums,
     )
     return TrainStep(graphdef, tx, jitted, mesh, params_sharding, opt_sharding, batch_sharding,
-                     execution, loss)
+                     execution, loss, layer_order)

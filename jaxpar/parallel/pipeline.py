@@ -7,12 +7,26 @@ each device runs what its row says, a stage's forward or its backward (an explic
 activations a device keeps are the stage inputs of the microbatches in flight: ``M``
 for GPipe, at most ``P`` for 1F1B), then sends its output to the next device and its
 input gradient to the previous one (``ppermute``, circular, so interleaved stages wrap
-round). Which buffer slot every arrival, stash and read uses is worked out on the host
-from the table, so the device loop only indexes.
+round).
+
+Three parts, each a function of its own:
+
+* ``plan``: the schedule's arithmetic on the host, no JAX: per tick and device the
+  operation, microbatch, virtual stage and which buffer slot every arrival, stash and
+  read uses, so the device loop only indexes;
+* ``branching_tick``: one tick on one device, which runs its own operation
+  (``lax.switch``);
+* ``lockstep_tick``: one tick on one device, which runs a forward part and a backward
+  part whenever any device has one, keeping only its own (for stages that communicate
+  by ``ppermute``, see ``value_and_grad``).
+
+``value_and_grad`` scans one of the ticks, followed by the sends, over the plan.
 
 Shapes: ``P`` devices on ``pipe``, ``V`` virtual stages each, ``S = P V`` stages,
-``M`` microbatches whose activations between stages are ``[*A]``. Stage parameters
-are stacked on a leading ``[S, ...]`` axis; stage ``s`` runs on device ``s % P``.
+``M`` microbatches whose activations between stages are ``[*A]``. Stage ``s`` runs on
+device ``s % P`` as its virtual stage ``s // P``; stage parameters are stacked
+device-major, ``[P, V, ...]`` (``[p, v]`` is stage ``v P + p``), so that with the leading
+axis split over ``pipe`` each device already holds its own stages.
 """
 
 from __future__ import annotations
@@ -30,12 +44,21 @@ from jaxpar.parallel.pipeline_schedule import BACKWARD, FORWARD, Schedule
 
 
 @dataclasses.dataclass(frozen=True)
-class _Plan:
-    """Host-side tables ``[ticks, P]`` (int32) that the device loop indexes, and the
-    buffer sizes. ``slot`` is the stash slot of the op's stage input; ``read`` the
-    receive slot its input (forward) or output gradient (backward) is read from;
-    ``arrive_f``/``arrive_b`` the receive slot what arrives at the end of the tick is
-    written to (-1: nothing arrives)."""
+class Plan:
+    """Host-side tables that the device loop indexes, and the buffer sizes.
+
+    Per tick and device, ``[ticks, P]`` int32: ``op`` (``IDLE``, ``FORWARD``,
+    ``BACKWARD``), ``microbatch``, ``virtual`` (the device's virtual stage, 0 when idle),
+    ``first`` / ``last`` (1 on the first / last stage); ``slot`` the stash slot of the
+    op's stage input; ``read`` the receive slot its input (forward) or output gradient
+    (backward) is read from; ``arrive_f`` / ``arrive_b`` the receive slot what arrives
+    at the end of the tick is written to (-1: none of these).
+
+    Per tick, the same for every device, ``[ticks]`` bool: ``any_forward`` /
+    ``any_backward`` (some device runs one), ``head_forward`` / ``head_backward`` (some
+    device runs the last stage's forward / backward, so the head's), ``sends_f`` /
+    ``sends_b`` (something travels forward / backward at the tick's end).
+    """
 
     op: np.ndarray
     microbatch: np.ndarray
@@ -46,9 +69,22 @@ class _Plan:
     read: np.ndarray
     arrive_f: np.ndarray
     arrive_b: np.ndarray
+    any_forward: np.ndarray
+    any_backward: np.ndarray
+    head_forward: np.ndarray
+    head_backward: np.ndarray
+    sends_f: np.ndarray
+    sends_b: np.ndarray
     stash_size: int
     recv_f_size: int
     recv_b_size: int
+
+    def rows(self) -> dict[str, np.ndarray]:
+        """The tables a tick reads, by name (``PER_DEVICE`` ones ``[ticks, P]``, the others ``[ticks]``)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.name.endswith("_size")}
+
+
+PER_DEVICE = ("op", "microbatch", "virtual", "first", "last", "slot", "read", "arrive_f", "arrive_b")
 
 
 class _Slots:
@@ -67,8 +103,9 @@ class _Slots:
         self.free.append(slot)
 
 
-def plan(schedule: Schedule) -> _Plan:
-    """Buffer slots for ``schedule``, by replaying it on the host."""
+def plan(schedule: Schedule) -> Plan:
+    """The tables for ``schedule``, its buffer slots found by replaying it on the host:
+    a tick's reads free their slots before what arrives at its end takes one."""
     T, P, S = schedule.ticks, schedule.devices, schedule.devices * schedule.virtual
     table = {name: np.full((T, P), -1, np.int32) for name in ("slot", "read", "arrive_f", "arrive_b")}
     stash = [_Slots() for _ in range(P)]
@@ -96,16 +133,177 @@ def plan(schedule: Schedule) -> _Plan:
             elif op == BACKWARD and s > 0:
                 to = (p - 1) % P
                 table["arrive_b"][t, to] = waiting_b[m, s - 1] = recv_b[to].take()
-    stage = schedule.stage
-    return _Plan(
-        op=schedule.op.astype(np.int32), microbatch=schedule.microbatch.astype(np.int32),
+    op, stage = schedule.op.astype(np.int32), schedule.stage
+    return Plan(
+        op=op, microbatch=schedule.microbatch.astype(np.int32),
         virtual=np.where(stage >= 0, stage // P, 0).astype(np.int32),
         first=(stage == 0).astype(np.int32), last=(stage == S - 1).astype(np.int32),
+        any_forward=(op == FORWARD).any(axis=1), any_backward=(op == BACKWARD).any(axis=1),
+        head_forward=((op == FORWARD) & (stage == S - 1)).any(axis=1),
+        head_backward=((op == BACKWARD) & (stage == S - 1)).any(axis=1),
+        sends_f=(table["arrive_f"] >= 0).any(axis=1), sends_b=(table["arrive_b"] >= 0).any(axis=1),
         stash_size=max(1, max(s.size for s in stash)), recv_f_size=max(1, max(s.size for s in recv_f)),
         recv_b_size=max(1, max(s.size for s in recv_b)), **table)
 
 
-_PER_DEVICE = ("op", "microbatch", "virtual", "first", "last", "slot", "read", "arrive_f", "arrive_b")
+@dataclasses.dataclass(frozen=True)
+class Local:
+    """What one device's ticks compute with (arrays as that device sees them).
+
+    ``stage_fn``, ``head_fn``: as ``value_and_grad`` takes them; ``params``: the
+    device's stages' parameters, leading ``[V, ...]``; ``outer``: the embedding's and
+    head's parameters; ``x``: ``[M, *A]``, every microbatch's embedding (the first
+    stage's inputs); ``side``: leading ``[M]``.
+    """
+
+    stage_fn: Callable
+    head_fn: Callable
+    params: object
+    outer: object
+    x: jax.Array
+    side: object
+
+    def zeros_a(self) -> jax.Array:
+        """Zeros of one activation, ``[*A]``."""
+        return jnp.zeros(self.x.shape[1:], self.x.dtype)
+
+
+def init_state(local: Local, sizes: Plan) -> dict:
+    """A device's loop state: the stash of stage inputs ``[stash_size, *A]``, the receive
+    buffers ``recv_f [recv_f_size, *A]`` (activations) and ``recv_b [recv_b_size, *A]``
+    (output gradients), the gradients of its stages ``grads`` (``[V, ...]``) and of the
+    outer parameters, the first stage's input gradients ``dx [M, *A]``, and ``loss``."""
+    a = local.x.shape[1:]
+    return dict(
+        stash=jnp.zeros((sizes.stash_size, *a), local.x.dtype),
+        recv_f=jnp.zeros((sizes.recv_f_size, *a), local.x.dtype),
+        recv_b=jnp.zeros((sizes.recv_b_size, *a), local.x.dtype),
+        grads=jax.tree.map(jnp.zeros_like, local.params),
+        outer_grads=jax.tree.map(jnp.zeros_like, local.outer),
+        dx=jnp.zeros_like(local.x),
+        loss=jnp.zeros((), jnp.float32),
+    )
+
+
+def _at(tree, i):
+    return jax.tree.map(lambda w: w[i], tree)
+
+
+def _stage_input(local: Local, state: dict, op: dict) -> jax.Array:
+    """The microbatch's embedding on stage 0, what arrived from the previous stage elsewhere."""
+    return jnp.where(op["first"] == 1, local.x[op["microbatch"]], state["recv_f"][jnp.maximum(op["read"], 0)])
+
+
+def branching_tick(local: Local, state: dict, op: dict) -> tuple[dict, jax.Array, jax.Array]:
+    """One tick on one device: its own operation, ``op`` (this device's row of the
+    ``Plan``'s tables at this tick, scalars). Returns ``(state, out_f, out_b)``: the
+    stage's output to send forward and its input gradient to send back (``[*A]``
+    each, zeros where the operation sends none)."""
+    zeros_a = local.zeros_a()
+
+    def forward(state):
+        v, slot, side_m = op["virtual"], op["slot"], _at(local.side, op["microbatch"])
+        a = _stage_input(local, state, op)
+        state = dict(state, stash=state["stash"].at[slot].set(a))
+        out = local.stage_fn(_at(local.params, v), a, side_m)
+        loss = jax.lax.cond(op["last"] == 1,
+                            lambda: local.head_fn(local.outer, out, side_m).astype(jnp.float32),
+                            lambda: jnp.zeros((), jnp.float32))
+        return dict(state, loss=state["loss"] + loss), out, zeros_a
+
+    def backward(state):
+        m, v = op["microbatch"], op["virtual"]
+        w, a, side_m = _at(local.params, v), state["stash"][op["slot"]], _at(local.side, m)
+        g_out = state["recv_b"][jnp.maximum(op["read"], 0)]
+
+        def through_head():  # the last stage: loss -> head -> stage
+            loss, vjp = jax.vjp(lambda w, h, a: local.head_fn(h, local.stage_fn(w, a, side_m), side_m),
+                                w, local.outer, a)
+            return vjp(jnp.ones_like(loss))
+
+        def through_stage():
+            _, vjp = jax.vjp(lambda w, a: local.stage_fn(w, a, side_m), w, a)
+            g_w, g_a = vjp(g_out)
+            return g_w, jax.tree.map(jnp.zeros_like, local.outer), g_a
+
+        g_w, g_outer, g_a = jax.lax.cond(op["last"] == 1, through_head, through_stage)
+        grads = jax.tree.map(lambda acc, g: acc.at[v].add(g), state["grads"], g_w)
+        outer_grads = jax.tree.map(jnp.add, state["outer_grads"], g_outer)
+        dx = jnp.where(op["first"] == 1, state["dx"].at[m].set(g_a), state["dx"])
+        return dict(state, grads=grads, outer_grads=outer_grads, dx=dx), zeros_a, g_a
+
+    def idle(state):
+        return state, zeros_a, zeros_a
+
+    return jax.lax.switch(op["op"], [idle, forward, backward], state)
+
+
+def lockstep_tick(local: Local, state: dict, op: dict) -> tuple[dict, jax.Array, jax.Array]:
+    """One tick on one device that every device runs alike: a forward part if any
+    device has a forward at this tick (``op["any_forward"]``), then a backward part if
+    any has a backward; a device whose own operation is not the part's computes on
+    stale buffers and keeps nothing of it. The head runs (forward, or forward and
+    backward) only in the parts where some device runs the last stage
+    (``op["head_forward"]``, ``op["head_backward"]``): every device then, since the head
+    may communicate too (SUMMA), and only the last stage's keeps it. Same arguments,
+    results and state as ``branching_tick``."""
+    zeros_a = local.zeros_a()
+    no_loss = lambda: jnp.zeros((), jnp.float32)  # noqa: E731
+
+    def forward(state):
+        m, v, slot = op["microbatch"], op["virtual"], jnp.maximum(op["slot"], 0)
+        is_f, side_m = op["op"] == FORWARD, _at(local.side, m)
+        a = _stage_input(local, state, op)
+        out = local.stage_fn(_at(local.params, v), a, side_m)
+        loss = jax.lax.cond(op["head_forward"],
+                            lambda: local.head_fn(local.outer, out, side_m).astype(jnp.float32), no_loss)
+        keep = is_f & (op["last"] == 1)
+        return dict(state, stash=jnp.where(is_f, state["stash"].at[slot].set(a), state["stash"]),
+                    loss=state["loss"] + jnp.where(keep, loss, 0.0)), jnp.where(is_f, out, zeros_a)
+
+    def backward(state):
+        """The stage's VJP, its output gradient the head's on the last stage and the
+        received one elsewhere."""
+        m, v, is_b, last = op["microbatch"], op["virtual"], op["op"] == BACKWARD, op["last"] == 1
+        a, side_m = state["stash"][jnp.maximum(op["slot"], 0)], _at(local.side, m)
+        out, stage_vjp = jax.vjp(lambda w, a: local.stage_fn(w, a, side_m), _at(local.params, v), a)
+
+        def through_head():
+            loss, head_vjp = jax.vjp(lambda h, out: local.head_fn(h, out, side_m), local.outer, out)
+            return head_vjp(jnp.ones_like(loss))
+
+        def no_head():
+            return jax.tree.map(jnp.zeros_like, local.outer), jnp.zeros_like(out)
+
+        g_outer, g_head = jax.lax.cond(op["head_backward"], through_head, no_head)
+        g_w, g_a = stage_vjp(jnp.where(last, g_head, state["recv_b"][jnp.maximum(op["read"], 0)]))
+        keep = functools.partial(jnp.where, is_b)
+        grads = jax.tree.map(lambda acc, g: keep(acc.at[v].add(g), acc), state["grads"], g_w)
+        outer_grads = jax.tree.map(lambda acc, g: jnp.where(is_b & last, acc + g, acc),
+                                   state["outer_grads"], g_outer)
+        dx = jnp.where(is_b & (op["first"] == 1), state["dx"].at[m].set(g_a), state["dx"])
+        return dict(state, grads=grads, outer_grads=outer_grads, dx=dx), jnp.where(is_b, g_a, zeros_a)
+
+    state, out_f = jax.lax.cond(op["any_forward"], forward, lambda state: (state, zeros_a), state)
+    state, out_b = jax.lax.cond(op["any_backward"], backward, lambda state: (state, zeros_a), state)
+    return state, out_f, out_b
+
+
+def _send(state: dict, op: dict, out_f: jax.Array, out_b: jax.Array, axis: str, P: int) -> dict:
+    """Outputs to the next device, input gradients to the previous one, written to the
+    receive slots the plan gives; only at ticks where some device sends (GPipe's
+    forward phase sends no gradients, idle ticks nothing)."""
+
+    def shift(sends, out, step):
+        pairs = [(d, (d + step) % P) for d in range(P)]
+        return jax.lax.cond(sends, lambda: jax.lax.ppermute(out, axis, pairs), lambda: jnp.zeros_like(out))
+
+    sent_f, sent_b = shift(op["sends_f"], out_f, 1), shift(op["sends_b"], out_b, -1)
+    recv_f = jnp.where(op["arrive_f"] >= 0,
+                       state["recv_f"].at[jnp.maximum(op["arrive_f"], 0)].set(sent_f), state["recv_f"])
+    recv_b = jnp.where(op["arrive_b"] >= 0,
+                       state["recv_b"].at[jnp.maximum(op["arrive_b"], 0)].set(sent_b), state["recv_b"])
+    return dict(state, recv_f=recv_f, recv_b=recv_b)
 
 
 def value_and_grad(
@@ -122,9 +320,10 @@ def value_and_grad(
     axis: str = "pipe",
     lockstep: bool = False,
 ):
-    """Runs ``schedule``: the mean over microbatches ``m`` of ``head_fn(outer_params,
+    """Runs ``schedule``: the sum over microbatches ``m`` of ``head_fn(outer_params,
     stage_{S-1}(... stage_0(embed_fn(outer_params, inputs[m], side[m]))), side[m])``,
-    and its gradients.
+    and its gradients (``head_fn`` weights its microbatch: by ``1 / M`` for the mean,
+    by its share of the tokens for a token-weighted mean).
 
     The head runs on the device of stage ``S - 1``, inside the schedule. The embedding
     runs before the schedule, for all microbatches, outside the ``shard_map`` (so
@@ -139,8 +338,8 @@ def value_and_grad(
       stage_fn: ``(stage_params_s, a, side_m) -> a``, one stage (a chunk of layers);
         ``side_m`` is microbatch ``m``'s slice of ``side``.
       head_fn: ``(outer_params, a, side_m) -> scalar``, after the last stage (the loss).
-      stage_params: pytree of arrays with leading ``[S, ...]``, stage ``s``'s parameters
-        (``S = schedule.devices * schedule.virtual``).
+      stage_params: pytree of arrays with leading ``[P, V, ...]``, device-major:
+        ``[p, v]`` holds stage ``v P + p``'s parameters (device ``p``'s ``v``-th).
       outer_params: pytree, replicated over ``axis``: what ``embed_fn`` and ``head_fn``
         read (the embedding, the final norm, the head; tied weights are shared).
       inputs: pytree with leading ``[M]``, what ``embed_fn`` reads (the tokens).
@@ -151,166 +350,54 @@ def value_and_grad(
         of branching on its own operation. Needed when ``stage_fn`` or ``head_fn``
         communicate by ``ppermute`` (ring attention, SUMMA).
 
-    Lockstep. By default each device branches (``lax.switch``) on its own operation, so
+    Lockstep. By default each device branches on its own operation (``branching_tick``), so
     at one tick stage 0 may run a forward while stage 1 runs a backward. A collective
     inside those branches is then executed by only some devices; all-reduces and
     all-to-alls grouped within a stage are fine, but a collective-permute is one
     instruction over every device (XLA:CPU's runtime rendezvous on all its pairs), and
     devices in other branches never join it: wrong values or a hang, measured on CPU.
-    With ``lockstep`` a tick is a forward part, run if any device has a forward at this
-    tick, then a backward part, run if any has a backward (the predicates are the same
-    on every device, so all take the same branch); devices with nothing to do in a part
-    compute on stale buffers and keep nothing of it (``where``), and the head runs on
-    every stage. Same results and memory; a tick where some devices run forwards and
+    With ``lockstep`` (``lockstep_tick``) a tick is a forward part, run if any device
+    has a forward at this tick, then a backward part, run if any has a backward (the
+    predicates are the same on every device, so all take the same branch); devices
+    with nothing to do in a part
+    compute on stale buffers and keep nothing of it (``where``); the head runs on every
+    device at the ticks where some device runs the last stage. Same results and memory; a tick where some devices run forwards and
     others backwards costs a forward plus a backward instead of the longer of the two.
 
     Returns:
-      ``(loss, (stage_grads [S, ...], outer_grads))``.
+      ``(loss, (stage_grads [P, V, ...], outer_grads))``.
     """
-    P, V, M = schedule.devices, schedule.virtual, schedule.microbatches
+    P = schedule.devices
     if mesh.shape[axis] != P:
         raise ValueError(f"the schedule has {P} pipeline devices, the mesh {axis}={mesh.shape[axis]}")
     p_plan = plan(schedule)
-    tables = {k: jnp.asarray(getattr(p_plan, k)) for k in _PER_DEVICE}
-    # Per tick, the same on every device [ticks]: whether any device runs a forward
-    # (backward), and whether anything travels forward (backward) at the tick's end.
-    tables["any_forward"] = jnp.asarray((p_plan.op == FORWARD).any(axis=1))
-    tables["any_backward"] = jnp.asarray((p_plan.op == BACKWARD).any(axis=1))
-    tables["sends_f"] = jnp.asarray((p_plan.arrive_f >= 0).any(axis=1))
-    tables["sends_b"] = jnp.asarray((p_plan.arrive_b >= 0).any(axis=1))
-    # [S, ...] with s = v P + p -> [P, V, ...]: device p's block is its V stages.
-    by_device = jax.tree.map(lambda a: jnp.swapaxes(a.reshape(V, P, *a.shape[1:]), 0, 1), stage_params)
-
-    def at(tree, i):
-        return jax.tree.map(lambda w: w[i], tree)
-
+    tables = {k: jnp.asarray(t) for k, t in p_plan.rows().items()}
     x, embed_vjp = jax.vjp(lambda h: jax.vmap(embed_fn, (None, 0, 0))(h, inputs, side), outer_params)
-    activation = jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
+    tick = lockstep_tick if lockstep else branching_tick
 
-    def local(params, outer, x, side, tables):
-        params = jax.tree.map(lambda a: a[0], params)  # [V, ...]
+    def device(params, outer, x, side, tables):
+        local = Local(stage_fn, head_fn, jax.tree.map(lambda a: a[0], params), outer, x, side)
         me = jax.lax.axis_index(axis)
         # [ticks] each: this device's column of the per-device tables, the per-tick ones whole.
-        row = {k: t[:, me] if k in _PER_DEVICE else t for k, t in tables.items()}
-        zeros_a = jnp.zeros(activation.shape, activation.dtype)
-        state = dict(
-            stash=jnp.zeros((p_plan.stash_size, *activation.shape), activation.dtype),
-            recv_f=jnp.zeros((p_plan.recv_f_size, *activation.shape), activation.dtype),
-            recv_b=jnp.zeros((p_plan.recv_b_size, *activation.shape), activation.dtype),
-            grads=jax.tree.map(jnp.zeros_like, params),
-            outer_grads=jax.tree.map(jnp.zeros_like, outer),
-            dx=jnp.zeros_like(x),
-            loss=jnp.zeros((), jnp.float32),
-        )
+        rows = {k: t[:, me] if k in PER_DEVICE else t for k, t in tables.items()}
 
-        def stage_input(op, state):
-            """The microbatch's embedding on stage 0, what arrived from the previous stage elsewhere."""
-            return jnp.where(op["first"] == 1, x[op["microbatch"]], state["recv_f"][jnp.maximum(op["read"], 0)])
+        def step(state, op):
+            state, out_f, out_b = tick(local, state, op)
+            return _send(state, op, out_f, out_b, axis, P), None
 
-        def forward(state, op):
-            v, slot, side_m = op["virtual"], op["slot"], at(side, op["microbatch"])
-            a = stage_input(op, state)
-            state = dict(state, stash=state["stash"].at[slot].set(a))
-            out = stage_fn(at(params, v), a, side_m)
-            loss = jax.lax.cond(op["last"] == 1, lambda: head_fn(outer, out, side_m).astype(jnp.float32),
-                                lambda: jnp.zeros((), jnp.float32))
-            return dict(state, loss=state["loss"] + loss), out, zeros_a
-
-        def backward(state, op):
-            m, v = op["microbatch"], op["virtual"]
-            w, a, side_m = at(params, v), state["stash"][op["slot"]], at(side, m)
-            g_out = state["recv_b"][jnp.maximum(op["read"], 0)]
-            no_outer = jax.tree.map(jnp.zeros_like, outer)
-
-            def through_head():  # the last stage: loss -> head -> stage
-                loss, vjp = jax.vjp(lambda w, h, a: head_fn(h, stage_fn(w, a, side_m), side_m), w, outer, a)
-                return vjp(jnp.ones_like(loss))
-
-            def through_stage():
-                _, vjp = jax.vjp(lambda w, a: stage_fn(w, a, side_m), w, a)
-                g_w, g_a = vjp(g_out)
-                return g_w, no_outer, g_a
-
-            g_w, g_outer, g_a = jax.lax.cond(op["last"] == 1, through_head, through_stage)
-            grads = jax.tree.map(lambda acc, g: acc.at[v].add(g), state["grads"], g_w)
-            outer_grads = jax.tree.map(jnp.add, state["outer_grads"], g_outer)
-            dx = jnp.where(op["first"] == 1, state["dx"].at[m].set(g_a), state["dx"])
-            return dict(state, grads=grads, outer_grads=outer_grads, dx=dx), zeros_a, g_a
-
-        def idle(state, op):
-            return state, zeros_a, zeros_a
-
-        def tick(state, op):
-            state, out_f, out_b = jax.lax.switch(op["op"], [idle, forward, backward], state, op)
-            return send(state, op, out_f, out_b), None
-
-        def shift(sends, out, step):
-            """``out`` to device ``+step`` round the ring, at the ticks where any device
-            sends (GPipe's forward phase sends no gradients, idle ticks nothing)."""
-            pairs = [(d, (d + step) % P) for d in range(P)]
-            return jax.lax.cond(sends, lambda: jax.lax.ppermute(out, axis, pairs), lambda: zeros_a)
-
-        def send(state, op, out_f, out_b):
-            """Outputs to the next device, input gradients to the previous one."""
-            sent_f, sent_b = shift(op["sends_f"], out_f, 1), shift(op["sends_b"], out_b, -1)
-            recv_f = jnp.where(op["arrive_f"] >= 0,
-                               state["recv_f"].at[jnp.maximum(op["arrive_f"], 0)].set(sent_f), state["recv_f"])
-            recv_b = jnp.where(op["arrive_b"] >= 0,
-                               state["recv_b"].at[jnp.maximum(op["arrive_b"], 0)].set(sent_b), state["recv_b"])
-            return dict(state, recv_f=recv_f, recv_b=recv_b)
-
-        def forward_everywhere(state, op):
-            """Every device runs its forward (stale buffers where ``op`` is not one)."""
-            m, v, slot = op["microbatch"], op["virtual"], jnp.maximum(op["slot"], 0)
-            is_f, side_m = op["op"] == FORWARD, at(side, m)
-            a = stage_input(op, state)
-            out = stage_fn(at(params, v), a, side_m)
-            loss = head_fn(outer, out, side_m).astype(jnp.float32)
-            keep = is_f & (op["last"] == 1)
-            return dict(state, stash=jnp.where(is_f, state["stash"].at[slot].set(a), state["stash"]),
-                        loss=state["loss"] + jnp.where(keep, loss, 0.0)), jnp.where(is_f, out, zeros_a)
-
-        def backward_everywhere(state, op):
-            """Every device runs its backward, one VJP through stage and head whose
-            cotangents pick the path: the loss's on the last stage, the received output
-            gradient elsewhere."""
-            m, v, is_b, last = op["microbatch"], op["virtual"], op["op"] == BACKWARD, op["last"] == 1
-            a, side_m = state["stash"][jnp.maximum(op["slot"], 0)], at(side, m)
-
-            def fn(w, h, a):
-                out = stage_fn(w, a, side_m)
-                return out, head_fn(h, out, side_m)
-
-            (out, loss), vjp = jax.vjp(fn, at(params, v), outer, a)
-            g_out = jnp.where(last, jnp.zeros_like(out), state["recv_b"][jnp.maximum(op["read"], 0)])
-            g_w, g_outer, g_a = vjp((g_out, jnp.where(last, jnp.ones_like(loss), jnp.zeros_like(loss))))
-            keep = functools.partial(jnp.where, is_b)
-            grads = jax.tree.map(lambda acc, g: keep(acc.at[v].add(g), acc), state["grads"], g_w)
-            outer_grads = jax.tree.map(lambda acc, g: keep(acc + g, acc), state["outer_grads"], g_outer)
-            dx = jnp.where(is_b & (op["first"] == 1), state["dx"].at[m].set(g_a), state["dx"])
-            return dict(state, grads=grads, outer_grads=outer_grads, dx=dx), jnp.where(is_b, g_a, zeros_a)
-
-        def lockstep_tick(state, op):
-            state, out_f = jax.lax.cond(op["any_forward"], forward_everywhere,
-                                        lambda state, op: (state, zeros_a), state, op)
-            state, out_b = jax.lax.cond(op["any_backward"], backward_everywhere,
-                                        lambda state, op: (state, zeros_a), state, op)
-            return send(state, op, out_f, out_b), None
-
-        state, _ = jax.lax.scan(lockstep_tick if lockstep else tick, state, row)
+        state, _ = jax.lax.scan(step, init_state(local, p_plan), rows)
         total = functools.partial(jax.lax.psum, axis_name=axis)
-        loss = total(state["loss"]) / M
-        outer_grads = jax.tree.map(lambda g: total(g) / M, state["outer_grads"])
+        loss = total(state["loss"])
+        outer_grads = jax.tree.map(total, state["outer_grads"])
         # In float32: XLA:CPU (jax 0.10.2) aborts promoting a bf16 all-reduce here.
-        dx = (total(state["dx"].astype(jnp.float32)) / M).astype(x.dtype)
-        grads = jax.tree.map(lambda g: (g / M)[None], state["grads"])
+        dx = total(state["dx"].astype(jnp.float32)).astype(x.dtype)
+        grads = jax.tree.map(lambda g: g[None], state["grads"])
         return loss, grads, outer_grads, dx
 
     spec, whole = PartitionSpec(axis), PartitionSpec()
     loss, grads, outer_grads, dx = jax.shard_map(
-        local, mesh=mesh, in_specs=(spec, whole, whole, whole, whole), axis_names={axis},
+        device, mesh=mesh, in_specs=(spec, whole, whole, whole, whole), axis_names={axis},
         out_specs=(whole, spec, whole, whole), check_vma=False,
-    )(by_device, outer_params, x, side, tables)
-    grads = jax.tree.map(lambda g: jnp.swapaxes(g, 0, 1).reshape(P * V, *g.shape[2:]), grads)
+    )(stage_params, outer_params, x, side, tables)
     outer_grads = jax.tree.map(jnp.add, outer_grads, embed_vjp(dx)[0])
     return loss, (grads, outer_grads)
