@@ -337,6 +337,7 @@ def test_user_data_errors(tmp_path):
 # The model sees the packing ------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_segment_ids_isolate_documents_in_attention(rng):
     cfg = ModelConfig(vocab_size=64, dim=32, layers=1, heads=2, kv_heads=1, head_dim=16, mlp_dim=64)
     model = Transformer(cfg, rngs=nnx.Rngs(0))

@@ -15,6 +15,7 @@ from jaxpar.inference.decoding import generate, sample
 CFG = ModelConfig(vocab_size=64, dim=32, layers=2, heads=4, kv_heads=2, head_dim=8, mlp_dim=48, init_std=0.3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cfg", [CFG, dataclasses.replace(
     CFG, norm="layer", mlp="gelu", position="learned", max_position=64, tie_embeddings=True,
     attention_bias=True, mlp_bias=True)], ids=["llama", "gpt2"])
@@ -27,6 +28,7 @@ def test_greedy_with_cache_equals_greedy_recomputed(rng, cfg):
     np.testing.assert_array_equal(cached, reference)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
 def test_cached_logits_equal_full_forward(rng, impl):
     """Prefill then steps over the cache; with execution.attention=pallas the steps run the
@@ -57,6 +59,7 @@ def test_sampling_rules(rng):
     assert len(np.unique(draws[:, 0])) > 3
 
 
+@pytest.mark.slow
 def test_stops_at_any_eos_id_per_sequence(rng):
     """Several end-of-sequence ids: each sequence stops at its first (then repeats it),
     generation once every sequence has."""

@@ -56,6 +56,7 @@ def forward(draft, target, tokens, k, v, mask, positions, cache=None):
 # The model ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cfg,layers", [(CFG, 1), (GPT2_STYLE, 2)], ids=["llama-1", "gpt2-2"])
 def test_cached_draft_steps_equal_the_uncached_forward(rng, cfg, layers):
     target, draft = models(cfg, layers, rng)
@@ -173,6 +174,7 @@ def test_draft_parameters_are_stacked_and_annotated():
         nnx.eval_shape(lambda: GlideDraft(CFG, 3, rngs=nnx.Rngs(0)))
 
 
+@pytest.mark.slow
 def test_the_target_is_an_argument_of_the_step_not_a_constant(rng):
     """The train step and the teacher take the target's state as an argument: its
     weights are not in their programs, and they are not trained."""
@@ -225,6 +227,7 @@ def glide_run(target_run):
     return run
 
 
+@pytest.mark.slow
 def test_glide_training_end_to_end(target_run, glide_run):
     from jaxpar.train.runs import load_glide_draft, load_model
 
@@ -260,6 +263,7 @@ def test_glide_without_a_target_is_one_line_and_writes_nothing(tmp_path, capsys)
     assert not (tmp_path / "draft").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("override,message", [
     ("glide.layers=3", "glide.layers=3 exceeds the target's model.layers=2"),
     ("model.layers=3", "model.* of a glide run is its target's"),
@@ -301,6 +305,7 @@ def vanilla_run(target_run):
     return run
 
 
+@pytest.mark.slow
 def test_generate_with_trained_drafts_gives_the_targets_tokens(target_run, glide_run, vanilla_run, capsys,
                                                               tmp_path):
     """jaxpar-generate on trained runs: every method prints ar's greedy tokens and its
@@ -353,6 +358,7 @@ def test_generate_with_trained_drafts_gives_the_targets_tokens(target_run, glide
         assert code == 1 and len(lines) == 1 and message in lines[0], err
 
 
+@pytest.mark.slow
 def test_speculative_benchmark(target_run, glide_run, vanilla_run, capsys, monkeypatch):
     """bench/speculative.py as a newcomer runs it (in this process, small): its table,
     every method lossless."""

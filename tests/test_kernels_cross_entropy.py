@@ -26,6 +26,7 @@ def inputs(rng, N, D, V, dtype):
     return x, w, targets, g
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("N,D,V,block_tokens,chunk", [
     (37, 32, 300, 16, 128),   # neither N nor V a multiple of its tile
     (32, 64, 256, 16, 64),    # exact tiles, four chunks
@@ -49,6 +50,7 @@ def test_losses_and_gradients_match_the_reference(rng, N, D, V, block_tokens, ch
         assert rel_err(a, b) < 1e-5
 
 
+@pytest.mark.slow
 def test_bfloat16_inputs(rng):
     x, w, targets, g = inputs(rng, 24, 32, 200, jnp.bfloat16)
     loss = linear_cross_entropy(x, w, targets, interpret=True)

@@ -103,6 +103,7 @@ def test_more_new_tokens_than_the_bitmask_holds_run_the_reference(rng, caplog):
     assert rel_err(got, naive(q, k, v, lengths, np.asarray(tree_mask))) < 1e-5
 
 
+@pytest.mark.slow
 def test_splits_do_not_change_the_result(rng):
     """Batch 1, as when one sequence is served: 2 and 5 splits, and the automatic count
     (16 here), where most splits of the short sequence get no block at all."""

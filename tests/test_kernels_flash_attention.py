@@ -40,6 +40,7 @@ CASES = [  # causal, window, packed, T, N, K, H
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("causal,window,packed,T,N,K,H", CASES)
 def test_outputs_and_gradients_match_the_reference(rng, causal, window, packed, T, N, K, H):
     q, k, v, g = inputs(rng, 2, T, N, K, H)
@@ -59,6 +60,7 @@ def test_outputs_and_gradients_match_the_reference(rng, causal, window, packed, 
         assert rel_err(a, b) < 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("H", [72, 80, 96, 128, 256])  # 64: test_half_precision_inputs
 def test_head_dims(rng, H):
     """Powers of two, and GPT-2's / SmolLM2's / Qwen's 72, 80, 96 (padded to 128 inside)."""
@@ -77,6 +79,7 @@ def test_head_dims(rng, H):
         assert rel_err(a, b) < 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_half_precision_inputs(rng, dtype):
     q, k, v, g = inputs(rng, 2, 35, 4, 1, 64, dtype)
@@ -98,6 +101,7 @@ def test_half_precision_inputs(rng, dtype):
         assert a.dtype == dtype and rel_err(a, b) < 2e-2
 
 
+@pytest.mark.slow
 def test_reference_is_the_models_attention(rng):
     """The reference against an independent implementation: jaxpar.dot_product_attention
     (causal, packed documents, grouped-query heads)."""
@@ -109,6 +113,7 @@ def test_reference_is_the_models_attention(rng):
                                    block_k=16, interpret=True), want) < 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("T,S,window", [(20, 45, None), (45, 20, 6)])
 def test_causal_mask_is_aligned_bottom_right(rng, T, S, window):
     """T != S: query t sees keys s <= t + S - T (the queries are the last T tokens, as
@@ -155,6 +160,7 @@ def grouped(x, K):
     return x.reshape(*x.shape[:2], K, x.shape[2] // K, x.shape[3])
 
 
+@pytest.mark.slow
 def test_block_steps_match_the_ring_step(rng):
     """Two ring steps over the two halves of a zigzag-ordered sequence, from a random
     running state (forward), and block_grads (backward), against sequence_parallel's XLA

@@ -24,6 +24,7 @@ def inputs(rng, shape, dtype, kind):
     return x, scale, bias
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["rms", "layer"])
 @pytest.mark.parametrize("shape,block_rows", [((37, 64), 8), ((2, 5, 128), 4), ((3, 256), 8),
                                               ((5, 576), 4), ((3, 768), 2)])  # D not a power of 2

@@ -125,6 +125,7 @@ def test_model_is_causal_and_respects_documents(rng):
     assert rel_err(packed[:, 5:], alone) < 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("remat", ["full", "dots", "dots_no_batch", "names"])
 def test_remat_policies_keep_gradients(rng, remat):
     tokens = jnp.asarray(rng.integers(0, SMALL.vocab_size, (2, 9)))
@@ -146,6 +147,7 @@ def test_gpt2_style_and_bfloat16_compute(rng):
     assert rel_err(bf16.astype(jnp.float32), f32) < 5e-2
 
 
+@pytest.mark.slow
 def test_param_dtype_is_separate_from_compute_dtype():
     model = Transformer(dataclasses.replace(SMALL, param_dtype="bfloat16"), rngs=nnx.Rngs(0))
     assert {v.dtype for v in jax.tree.leaves(nnx.state(model))} == {jnp.dtype("bfloat16")}

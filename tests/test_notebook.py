@@ -9,10 +9,14 @@ import math
 import pathlib
 import re
 
+import pytest
+
 
 import nbformat
 import nbclient
 import ipykernel  # noqa: F401  (the notebook kernel)
+
+pytestmark = pytest.mark.slow  # end-to-end: `pytest -m "not slow"` skips the file
 
 NOTEBOOK = pathlib.Path(__file__).resolve().parents[1] / "colab" / "quickstart.ipynb"
 

@@ -55,6 +55,7 @@ SCHEDULES = [
 LOCKSTEP = [("gpipe", 4, 5, 1), ("1f1b", 4, 7, 1), ("interleaved", 4, 8, 2)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,P,M,V,lockstep", [(*case, False) for case in SCHEDULES]
                          + [(*case, True) for case in LOCKSTEP])
 def test_every_schedule_matches_autodiff(rng, kind, P, M, V, lockstep):
@@ -202,6 +203,7 @@ def single_device_run():
     return data, train(data)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,P,M,V,others", [
     ("gpipe", 2, 2, 1, {}), ("1f1b", 2, 4, 1, {}), ("1f1b", 4, 4, 1, {}),
     ("interleaved", 2, 4, 2, {}),
@@ -220,6 +222,7 @@ def test_training_through_the_pipeline_matches_one_device(single_device_run, kin
     assert tree_rel_err(params, ref_params) < 1e-5
 
 
+@pytest.mark.slow
 def test_interleaved_layers_are_stored_device_major():
     """pipe=2 x V=2 over 4 layers: device 0 keeps layers 0 and 2 (stages 0 and 2), device
     1 layers 1 and 3; the step's ``in_model_order`` gives the model's state back, and
@@ -259,6 +262,7 @@ def gradients_as_state():
     return optax.GradientTransformation(zeros, lambda grads, state, params=None: (zeros(grads), grads))
 
 
+@pytest.mark.slow
 def test_microbatches_weight_the_loss_by_tokens():
     """Rows whose masks count from 1 to all 16 tokens: grad_accum 1, 2, 4 and a pipe=2
     pipeline give the same loss and gradients, the whole batch's token-weighted ones

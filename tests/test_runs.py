@@ -4,6 +4,7 @@ import warnings
 
 import jax
 import numpy as np
+import pytest
 import yaml
 from conftest import random_init
 from flax import nnx
@@ -49,6 +50,7 @@ def test_a_run_loads_its_parameters_alone(tmp_path, rng):
             np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.slow
 def test_training_runs_without_tensorboardx(tmp_path):
     """tensorboardX is optional (the GPU image lacks it): a run without it writes no
     events and everything else."""

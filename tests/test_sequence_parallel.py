@@ -58,12 +58,14 @@ RING_CASES = [(2, True, "natural", 64), (2, False, "zigzag", 64), (4, True, "zig
               (8, False, "zigzag", 64), (4, True, "zigzag", 128), (4, False, "natural", 128)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n,causal,layout,H", RING_CASES)
 def test_ring_matches_full_attention(rng, n, causal, layout, H):
     q, k, v, g, seg = inputs(rng, H=H)
     check_against_reference(q, k, v, g, seg, seq_mesh(n), causal=causal, impl="ring", layout=layout, n=n)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl,n,causal,layout", [
     ("rsa", 2, True, "natural"), ("rsa", 8, True, "zigzag"), ("rsa", 4, False, "natural"),
     ("ulysses", 2, True, "natural"), ("ulysses", 4, True, "zigzag"), ("ulysses", 4, False, "natural"),
@@ -74,6 +76,7 @@ def test_rsa_and_ulysses_match_full_attention(rng, impl, n, causal, layout):
     check_against_reference(q, k, v, g, seg, seq_mesh(n), causal=causal, impl=impl, layout=layout, n=n)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["ring", "ulysses"])
 def test_inner_key_blocks(rng, monkeypatch, impl):
     """Local key blocks longer than KV_BLOCK are walked in a loop, forward and backward."""
@@ -82,6 +85,7 @@ def test_inner_key_blocks(rng, monkeypatch, impl):
     check_against_reference(q, k, v, g, seg, seq_mesh(2), causal=True, impl=impl, layout="natural", n=2)
 
 
+@pytest.mark.slow
 def test_no_segments_and_multi_query(rng):
     q, k, v, g, _ = inputs(rng, N=4, K=1)
     for causal in (True, False):
@@ -89,6 +93,7 @@ def test_no_segments_and_multi_query(rng):
                                 layout="zigzag", n=4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("others", [dict(data=2, tensor=2), dict(tensor=4), dict(fsdp=2, tensor=2)],
                          ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
 def test_other_axes_split_batch_and_heads(rng, others):
@@ -99,6 +104,7 @@ def test_other_axes_split_batch_and_heads(rng, others):
                             layout="zigzag", n=2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n,causal,layout", [(2, True, "zigzag"), (4, False, "natural")])
 def test_ring_on_the_flash_kernel(rng, n, causal, layout):
     """execution.attention=pallas: the ring's inner steps run the Pallas flash kernel's
@@ -109,6 +115,7 @@ def test_ring_on_the_flash_kernel(rng, n, causal, layout):
                                 layout=layout, n=n)
 
 
+@pytest.mark.slow
 def test_bfloat16(rng):
     q, k, v, g, seg = (x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x for x in inputs(rng))
     check_against_reference(q, k, v, g, seg, seq_mesh(4), causal=True, impl="ring", layout="natural",
@@ -179,6 +186,7 @@ def test_ring_traffic_is_the_closed_form():
         2 * (n - 1) * 2 * block + n * 2 * block)
 
 
+@pytest.mark.slow
 def test_ring_memory_is_linear_rsa_holds_score_rows():
     """Compile-only: the ring's temporaries stay far below one device's [T/n, T] score
     rows, which Ring Self-Attention holds by design."""
@@ -199,6 +207,7 @@ def test_ring_memory_is_linear_rsa_holds_score_rows():
     assert temp["ring"] < score_rows / 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["ring", "ulysses"])
 def test_memory_stays_linear_inside_a_differentiated_layer_scan(impl):
     """The model scans its layers; nothing of the ring's forward may be kept per ring
@@ -281,12 +290,11 @@ def single_device_run():
     return data, train(data)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sizes,impl,layout", [
     (dict(seq=4), "ring", "zigzag"),
-    (dict(seq=4), "ring", "natural"),
     (dict(seq=4, data=2), "rsa", "zigzag"),
     (dict(seq=2, fsdp=2, tensor=2), "ulysses", "zigzag"),
-    (dict(seq=2, data=2, tensor=2), "ring", "zigzag"),
     (dict(seq=2, tensor=4), "ring", "zigzag"),  # 2 kv heads over tensor=4
     (dict(seq=2, tensor=(2, 2)), "ring", "zigzag"),  # heads over tensor_col
 ], ids=lambda x: ",".join(f"{k}={v}" for k, v in x.items()) if isinstance(x, dict) else x)

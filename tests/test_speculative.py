@@ -44,6 +44,7 @@ def models():
             "glide": random_init(lambda: GlideDraft(CFG, rngs=nnx.Rngs(0)), rng)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method,draft,batch", [
     ("ar", None, 4), ("speculative", "close", 1), ("speculative", "close", 4), ("cape", "close", 1),
     ("cape", "close", 4), ("glide", "glide", 4), ("cape", "glide", 4)])
@@ -62,6 +63,7 @@ def test_greedy_methods_return_greedy_decoding(models, rng, method, draft, batch
         assert 1.5 < out.accepted_per_step < 5.0
 
 
+@pytest.mark.slow
 def test_generate_streams_the_ar_rounds(models, rng):
     """``generate`` is the ``ar`` method one round at a time: the same tokens, sampled
     ones included (same seed)."""
@@ -73,6 +75,7 @@ def test_generate_streams_the_ar_rounds(models, rng):
     assert len(set(streamed.ravel().tolist())) > 3
 
 
+@pytest.mark.slow
 def test_cape_accepts_siblings_and_beats_the_chain(models, rng):
     """With a weak draft, CaPE's siblings catch target tokens the greedy chain misses."""
     target, draft = models["target"], perturbed(models["target"], 0.5, rng)
@@ -82,6 +85,7 @@ def test_cape_accepts_siblings_and_beats_the_chain(models, rng):
     assert tree.accepted_per_step > chain.accepted_per_step
 
 
+@pytest.mark.slow
 def test_pallas_decode_kernel_verifies_chains_and_trees(models, rng):
     """Under execution.attention=pallas the target's verification passes run the Pallas decode
     kernel (interpret mode here): per-sequence lengths, causal chains and tree masks."""
@@ -94,6 +98,7 @@ def test_pallas_decode_kernel_verifies_chains_and_trees(models, rng):
             np.testing.assert_array_equal(np.stack(out.tokens), reference)
 
 
+@pytest.mark.slow
 def test_ragged_prompts_and_eos(models, rng):
     """Prompts of three lengths in one batch, two end ids; the sequences that produce
     either stop after it, the others go on."""
@@ -124,6 +129,7 @@ def _exact_marginals(target: Transformer, prompt: np.ndarray, steps: int, temper
     return np.stack(out)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method,draft", [("speculative", "small"), ("glide", "glide")])
 def test_sampling_follows_the_target_distribution(method, draft, rng):
     """Chi-square goodness of fit at significance 0.001, per generated position, for the
@@ -212,6 +218,7 @@ def last_logits(model, tokens):
     return model(tokens)[:, -1]
 
 
+@pytest.mark.slow
 def test_tree_pass_equals_each_branch_run_alone(models, rng):
     """The target over a whole tree (tree mask, depth positions, one pass over the cache)
     gives every node the logits of its root-to-node sequence run on its own."""

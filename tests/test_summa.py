@@ -56,6 +56,7 @@ def test_product_and_gradients_match_jnp(mesh, rng, form):
         assert rel_err(got, want) < 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", ["nn", "nt"])
 def test_batch_dims_of_a_are_folded_into_m(mesh, rng, form):
     a, b = _operands(rng, form, batch=(3,))
@@ -136,6 +137,7 @@ def test_next_panel_is_issued_before_the_current_product(mesh, form):
     assert expected.count("D") == q
 
 
+@pytest.mark.slow
 def test_q4_and_q3_grids_in_subprocess():
     """AB and its gradients on a 4x4 grid (two-round trees); all forms on a 3x3 grid
     (a tree over a count that is not a power of two)."""

@@ -16,6 +16,8 @@ from conftest import rel_err
 from jaxpar.train.config import load_config
 from jaxpar.train.loop import TrainingError, train
 
+pytestmark = pytest.mark.slow  # end-to-end: `pytest -m "not slow"` skips the file
+
 SMALL = [
     "model.layers=2", "model.vocab_size=512", "data.max_files=120",
     "data.val_fraction=0.1", "seq_len=64", "batch_size=8", "eval.batches=2",
