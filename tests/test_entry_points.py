@@ -53,7 +53,7 @@ def test_pipeline_benchmark():
 
 def test_sequence_parallel_benchmark():
     out = run("bench/sequence_parallel.py", "--config", "tiny", "--impls", "ring",
-              "--devices", "1", "2", "--lengths", "256", "512", "--budget-gib", "0.1")
+              "--devices", "1", "2", "--lengths", "256", "512", "1024", "--budget-gib", "0.1")
     assert out.returncode == 0, out.stderr
     rows = [line for line in out.stdout.splitlines() if line.startswith("| ring |")]
     assert len(rows) == 2
