@@ -92,6 +92,14 @@ def token_shares(mask: jax.Array) -> jax.Array:
     return counts / jnp.maximum(counts.sum(), 1.0)
 
 
+@functools.cache
+def _reorderer(reorder: Callable, order: tuple[int, ...], shardings: tuple, treedef) -> Callable:
+    """``reorder`` (``pipelined.to_model`` / ``to_storage``) jitted once per layer order and
+    state layout, each array kept on its sharding: every checkpoint save calls it."""
+    return jax.jit(functools.partial(reorder, order=np.asarray(order)),
+                   out_shardings=jax.tree.unflatten(treedef, shardings))
+
+
 def microbatches(x: jax.Array, count: int) -> jax.Array:
     """``[B, ...] -> [count, B / count, ...]``; microbatch ``j`` holds rows ``j, j + count,
     ...``, so each device's rows stay on it under data parallelism."""
@@ -173,8 +181,8 @@ class TrainStep:
     def _reorder(self, state, reorder: Callable):
         if self.layer_order is None:
             return state
-        shardings = jax.tree.map(lambda x: x.sharding, state)
-        return jax.jit(functools.partial(reorder, order=self.layer_order), out_shardings=shardings)(state)
+        shardings, treedef = jax.tree.flatten(jax.tree.map(lambda x: x.sharding, state))
+        return _reorderer(reorder, tuple(self.layer_order), tuple(shardings), treedef)(state)
 
     def model(self, params) -> nnx.Module:
         """The model that ``params`` (as this step keeps them) are; traceable."""
