@@ -9,7 +9,7 @@ import pytest
 import jaxpar
 from jaxpar import Execution, SequenceOptions, use_execution
 from jaxpar.kernels import KernelOptions
-from jaxpar.parallel.sequence import from_zigzag, to_zigzag
+from jaxpar.parallel.zigzag import from_zigzag, to_zigzag
 from jaxpar.placement.execution import current
 
 from conftest import rel_err

@@ -14,7 +14,8 @@ from jaxpar import use_execution
 from jaxpar.kernels.dispatch import KernelOptions
 from jaxpar.models import ModelConfig
 from jaxpar import SequenceOptions
-from jaxpar.parallel.sequence import from_zigzag, ring_attention, to_zigzag
+from jaxpar.parallel.sequence import ring_attention
+from jaxpar.parallel.zigzag import from_zigzag, to_zigzag
 
 
 def seq_mesh(n, **others):

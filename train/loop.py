@@ -41,7 +41,7 @@ from jaxpar.models.config import WEIGHTS, ModelConfig
 from jaxpar.parallel import pipeline_schedule as pipeline_schedules
 from jaxpar.models.transformer import sharding_rules
 from jaxpar.parallel.pipeline_schedule import Schedule
-from jaxpar.parallel.sequence import to_zigzag
+from jaxpar.parallel.zigzag import to_zigzag
 from jaxpar.train import data as data_lib
 from jaxpar.train import glide
 from jaxpar.train.checkpoints import Checkpoints

@@ -66,40 +66,11 @@ from jaxpar.placement.execution import SEQUENCE_IMPLS as IMPLS
 from jaxpar.placement.execution import SEQUENCE_LAYOUTS as LAYOUTS
 from jaxpar.placement import rules as rules_lib
 from jaxpar.placement.execution import current, implementation
+from jaxpar.parallel.zigzag import natural_to_zigzag, zigzag_to_natural
 from jaxpar.kernels.flash_attention import block_grads as kernel_block_grads
 from jaxpar.kernels.flash_attention import block_grads_reference, block_update_reference
 from jaxpar.kernels.flash_attention import block_update as kernel_block_update
 from jaxpar.kernels.masks import visible
-
-# -------------------------------------------------------------------------- layouts
-
-
-def zigzag_order(length: int, n: int) -> np.ndarray:
-    """Natural token indices in zigzag order: ``to_zigzag(x)[t] = x[order[t]]``.
-
-    The length is cut into ``2n`` chunks; device ``i`` of ``n`` holds chunks ``i`` and
-    ``2n - 1 - i``, so with the length split evenly over ``n`` devices, position
-    ``t`` of device ``i``'s shard is natural token ``order[i * length / n + t]``.
-    """
-    if length % (2 * n):
-        raise ValueError(f"zigzag layout needs the length divisible by 2 x seq = {2 * n}, "
-                         f"got length {length} with seq={n}")
-    chunks = np.arange(length).reshape(2 * n, length // (2 * n))
-    return np.concatenate([np.concatenate([chunks[i], chunks[2 * n - 1 - i]]) for i in range(n)])
-
-
-def to_zigzag(x, n: int, axis: int = 1):
-    """Reorders ``x`` along ``axis`` (the length) into the zigzag layout for ``n`` devices.
-    Works on numpy arrays (the data loader, on the host) and jax arrays alike."""
-    order = zigzag_order(x.shape[axis], n)
-    return x.take(order, axis=axis) if isinstance(x, np.ndarray) else jnp.take(x, order, axis=axis)
-
-
-def from_zigzag(x, n: int, axis: int = 1):
-    """Inverse of ``to_zigzag``."""
-    inverse = np.argsort(zigzag_order(x.shape[axis], n))
-    return x.take(inverse, axis=axis) if isinstance(x, np.ndarray) else jnp.take(x, inverse, axis=axis)
-
 
 # ----------------------------------------------------------------------- block math
 #
@@ -562,10 +533,10 @@ def ring_attention(q, k, v, *, mesh, causal: bool = True, segment_ids=None, axis
         q = q.reshape(b, t, kv, heads // kv, H)
         fn = {"ring": _ring, "rsa": _rsa, "ulysses": _ulysses}[impl]
         if reorder:
-            q, k, v, seg = (None if x is None else _natural_to_zigzag(x, axis, n) for x in (q, k, v, seg))
+            q, k, v, seg = (None if x is None else natural_to_zigzag(x, axis, n) for x in (q, k, v, seg))
         out = fn(ring, q, k, v, seg)
         if reorder:
-            out = _zigzag_to_natural(out, axis, n)
+            out = zigzag_to_natural(out, axis, n)
         return out.reshape(b, t, heads, H)
 
     q_spec = PartitionSpec(batch_axes or None, axis, head_axes or None, None)
@@ -575,32 +546,3 @@ def ring_attention(q, k, v, *, mesh, causal: bool = True, segment_ids=None, axis
         out = jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, seg_spec),
                             out_specs=q_spec, check_vma=False)(q, k, v, segment_ids)
     return out
-
-
-def _zigzag_owner(chunk: int, n: int) -> int:
-    return chunk if chunk < n else 2 * n - 1 - chunk
-
-
-def _natural_to_zigzag(x, axis: str, n: int):
-    """Device ``d``'s natural shard ``[B, L, ...]`` (chunks 2d, 2d+1 of 2n) -> its zigzag
-    shard (chunks d, 2n-1-d). Every device owns one even and one odd zigzag chunk, so
-    two permutations, of the even and of the odd halves, do it."""
-    even, odd = jnp.split(x, 2, axis=1)
-    even = jax.lax.ppermute(even, axis, [(d, _zigzag_owner(2 * d, n)) for d in range(n)])
-    odd = jax.lax.ppermute(odd, axis, [(d, _zigzag_owner(2 * d + 1, n)) for d in range(n)])
-    even_first = jax.lax.axis_index(axis) % 2 == 0  # chunk d is even
-    return jnp.where(even_first, jnp.concatenate([even, odd], 1), jnp.concatenate([odd, even], 1))
-
-
-def _zigzag_to_natural(x, axis: str, n: int):
-    """Inverse of ``_natural_to_zigzag``."""
-    first, second = jnp.split(x, 2, axis=1)
-    even_first = jax.lax.axis_index(axis) % 2 == 0
-    even, odd = jnp.where(even_first, first, second), jnp.where(even_first, second, first)
-
-    def even_chunk(e):
-        return e if e % 2 == 0 else 2 * n - 1 - e
-
-    even = jax.lax.ppermute(even, axis, [(e, even_chunk(e) // 2) for e in range(n)])
-    odd = jax.lax.ppermute(odd, axis, [(e, (2 * n - 1 - even_chunk(e)) // 2) for e in range(n)])
-    return jnp.concatenate([even, odd], axis=1)

@@ -41,7 +41,7 @@ class SequenceOptions:
     """How the model's attention runs when the rules split ``activation_length`` over a
     mesh axis of size > 1: ``impl`` in ``SEQUENCE_IMPLS``, ``layout`` in
     ``SEQUENCE_LAYOUTS`` (the order the model's tokens are in; the caller permutes its
-    batch with ``jaxpar.parallel.sequence.to_zigzag``). ``always``: use ``impl`` even
+    batch with ``jaxpar.parallel.zigzag.to_zigzag``). ``always``: use ``impl`` even
     when that axis has size 1 (the ring is then single-device blockwise attention,
     O(T) memory: the benchmarks' N = 1 rows).
 
