@@ -19,7 +19,6 @@ import json
 import math
 import os
 import pathlib
-import struct
 import time
 
 import jax
@@ -27,12 +26,6 @@ import numpy as np
 import optax
 import yaml
 from flax import nnx
-try:  # TensorBoard events are a convenience: a run without tensorboardX writes none
-    from tensorboardX import SummaryWriter
-    from tensorboardX.proto.event_pb2 import Event
-    from tensorboardX.record_writer import RecordWriter
-except ImportError:
-    SummaryWriter = None
 from tqdm.auto import tqdm
 
 import jaxpar
@@ -43,7 +36,7 @@ from jaxpar.models.transformer import sharding_rules
 from jaxpar.parallel.pipeline_schedule import Schedule
 from jaxpar.parallel.zigzag import to_zigzag
 from jaxpar.train import data as data_lib
-from jaxpar.train import glide
+from jaxpar.train import glide, tensorboard
 from jaxpar.train.checkpoints import Checkpoints
 from jaxpar.train.config import Config, MeshConfig, OptimizerConfig, to_dict
 from jaxpar.train.step import make_train_step
@@ -189,34 +182,6 @@ def _rewrite_metrics(path: pathlib.Path, upto: int) -> None:
         path.write_text("".join(l + "\n" for l in lines))
 
 
-def _records(data: bytes) -> list[bytes]:
-    """The records of a TFRecord file (each ``length: u64, crc: u32, data, crc: u32``);
-    a last record torn by a kill is left out."""
-    records, at = [], 0
-    while at + 12 <= len(data):
-        (length,) = struct.unpack("<Q", data[at:at + 8])
-        if at + 16 + length > len(data):
-            break
-        records.append(data[at + 12:at + 12 + length])
-        at += 16 + length
-    return records
-
-
-def _rewrite_events(directory: pathlib.Path, upto: int) -> None:
-    """Drops TensorBoard events of steps after ``upto`` from the event files in
-    ``directory``, as ``_rewrite_metrics`` does from metrics.jsonl (a resumed run logs
-    them again, and every reader, not only TensorBoard's purging one, shows each step
-    once)."""
-    for path in sorted(directory.glob("events.out.tfevents.*")):
-        kept = [r for r in _records(path.read_bytes()) if Event.FromString(r).step <= upto]
-        scratch = directory / ".rewriting"  # not an event file name, should a kill leave it
-        writer = RecordWriter(str(scratch))
-        for record in kept:
-            writer.write(record)
-        writer.close()
-        os.replace(scratch, path)
-
-
 def dry_run_profile(cfg: Config, step_fn, abstract_model, mesh, rules, schedule: Schedule | None) -> dict:
     """The compile-only profile of ``step_fn`` (``jaxpar.profiler.profile``), with the
     pipeline's bubble and per-stage memory when it runs ``schedule``."""
@@ -304,8 +269,7 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
     metrics_path = run_dir / "metrics.jsonl"
     if lead:
         _rewrite_metrics(metrics_path, start)
-        if SummaryWriter is not None:
-            _rewrite_events(run_dir / "tensorboard", start)
+        tensorboard.truncate(run_dir / "tensorboard", start)
 
     eval_fn = jax.jit(lambda params, batch, *frozen: step_fn.loss(step_fn.model(params), batch, *frozen))
     tokens_per_step = cfg.batch_size * cfg.seq_len
@@ -313,7 +277,7 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
     if target is not None:
         peak = None  # flops_per_token counts a Transformer's step, not the draft's and teacher's
     history, last_saved = [], start
-    board = SummaryWriter(str(run_dir / "tensorboard")) if lead and SummaryWriter else None
+    board = tensorboard.writer(run_dir / "tensorboard") if lead else None
     metrics_file = metrics_path.open("a") if lead else None
     bar = tqdm(total=cfg.steps, initial=start, disable=not progress or not lead,
                dynamic_ncols=True, desc="train")
