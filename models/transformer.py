@@ -384,10 +384,20 @@ class Transformer(nnx.Module):
         return run_layers(self.cfg, graphdef, layer_state, x, positions, segment_ids)
 
     def embed_tokens(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
-        """int ``[B, T]`` tokens (and positions) -> the residual stream ``[B, T, D]``."""
-        x = jnp.take(self.embed[...], tokens, axis=0).astype(self.cfg.compute_dtype)
+        """int ``[B, T]`` tokens (and positions) -> the residual stream ``[B, T, D]``.
+
+        The tables are looked up with ``embed`` whole (gathered over FSDP, as every
+        weight is for its use; ``vocab`` stays split): the lookup's gradient, a
+        scatter-add of the batch-split ``[B, T, D]`` gradient, then runs locally and is
+        reduce-scattered onto the table's shards. Looked up in place, ``D`` split over
+        ``fsdp`` while the rows are split over the batch axes, XLA can only replicate the
+        whole ``[B, T, D]`` gradient ("Involuntary full rematerialization").
+        """
+        x = jnp.take(constrain(self.embed[...], ("vocab", None)), tokens, axis=0)
+        x = x.astype(self.cfg.compute_dtype)
         if self.cfg.position == "learned":
-            x = x + jnp.take(self.positions[...], positions, axis=0).astype(self.cfg.compute_dtype)
+            table = constrain(self.positions[...], ("positions", None))
+            x = x + jnp.take(table, positions, axis=0).astype(self.cfg.compute_dtype)
         return constrain(x, ACT_BTD)
 
     def logits(self, x: jax.Array) -> jax.Array:

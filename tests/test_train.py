@@ -199,6 +199,25 @@ def test_dry_run_prints_the_profile_and_writes_nothing(tmp_path, cache, capsys):
     assert fsdp["collectives"]["all-gather"] > 0 and dp["collectives"]["all-gather"] == 0
 
 
+def test_fsdp_meshes_compile_without_involuntary_rematerialization():
+    """XLA warns "[SPMD] Involuntary full rematerialization" when it can only reshard by
+    replicating a whole array; the embedding lookup's gradient on data x fsdp (x tensor)
+    meshes did (the README's first example, `mesh.fsdp=4`). A fresh process with the
+    compilation cache off, so XLA partitions the programs and would print it."""
+    from conftest import run_python
+
+    result = run_python(f"""
+        import os
+        os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
+        from jaxpar.train.config import load_config
+        from jaxpar.train.loop import train
+        for mesh in (["mesh.fsdp=4"], ["mesh.fsdp=2", "mesh.tensor=2", "model.position=learned"]):
+            train(load_config("tiny", ["dry_run=true", "model.layers=2", *mesh]), progress=False)
+    """)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "Involuntary full rematerialization" not in result.stderr, result.stderr[-2000:]
+
+
 def test_dry_run_reports_the_pipeline(tmp_path, cache, capsys):
     """pipe=4 x data=2, M=8: bubble from the schedule and the formula, and what each
     stage keeps: all 8 microbatches' stage inputs under GPipe, 4 - p under 1F1B (bf16
