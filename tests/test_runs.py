@@ -19,11 +19,11 @@ SMALL = ["model.vocab_size=300", "model.dim=32", "model.layers=1",
          "model.heads=2", "model.kv_heads=1", "model.head_dim=16", "model.mlp_dim=48"]
 
 
-def write_run(run_dir, rng, *, opt_state: bool) -> nnx.State:
-    """A run dir (config.yaml, one checkpoint at step 3) of a random small model, its
-    checkpoint holding the optimizer state beside the parameters or not; returns the
-    parameters."""
-    cfg = load_config("tiny", [*SMALL, f"run_dir={run_dir}"])
+def write_run(run_dir, rng, *overrides, opt_state: bool) -> nnx.State:
+    """A run dir (config.yaml, one checkpoint at step 3) of a random small model (SMALL,
+    then ``overrides``), its checkpoint holding the optimizer state beside the
+    parameters or not; returns the parameters."""
+    cfg = load_config("tiny", [*SMALL, *overrides, f"run_dir={run_dir}"])
     run_dir.mkdir()
     (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     params = nnx.state(random_init(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0)), rng))

@@ -8,15 +8,16 @@ done, 2 bad config or arguments (nothing written), 1 a run that could not start 
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 from jaxpar.placement.runtime import initialize_distributed, simulate_cpu_devices
+from jaxpar.train.command import CommandParser
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def _parser() -> CommandParser:
+    """Flags may come anywhere: ``jaxpar-train tiny --no-progress steps=3``."""
+    parser = CommandParser(
         prog="jaxpar-train", description="Train a jaxpar model.",
         epilog="Keys: run_dir steps seed batch_size seq_len dry_run mesh.* model.* data.* "
                "optimizer.* checkpoint.every checkpoint.keep eval.every ...",

@@ -9,6 +9,11 @@ directory ``generation_config.json``'s ids, as ``transformers`` stops). Text str
 to stdout as it is produced, then a line with tokens/s goes to stderr; ``--json``
 prints one JSON object instead.
 
+The prompt's tokens and ``--max-new-tokens`` must fit the model's context
+(``jaxpar.train.runs.context_length``: a run's ``seq_len``, a Hugging Face model's
+``max_position_embeddings``); a longer prompt is refused, or with ``--truncate-prompt``
+cut to its last ``context - max_new_tokens`` tokens with a warning.
+
 With ``--draft`` (a jaxpar run of a small model with the same tokenizer, or a
 ``jaxpar-train glide`` run trained against RUN_DIR) the method defaults to
 ``speculative`` or ``glide`` by the draft's kind; ``cape`` adds CaPE's token trees to
@@ -20,7 +25,6 @@ compile, for both.
 
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 import sys
@@ -32,7 +36,9 @@ from jaxpar.inference import speculative
 from jaxpar.inference.decoding import DEFAULT_BINS, METHODS, speculative_stream
 from jaxpar.models import GlideDraft
 from jaxpar.inference.speculative import Method
-from jaxpar.train.runs import eos_ids, is_hf, load_glide_draft, load_model, load_tokenizer, read_config
+from jaxpar.train.command import CommandParser
+from jaxpar.train.runs import (check_run_dir, context_length, eos_ids, is_hf, load_glide_draft, load_model,
+                               load_tokenizer, read_config)
 
 
 def load_draft(draft_dir: pathlib.Path):
@@ -48,10 +54,16 @@ def check_same_tokenizer(target_dir: pathlib.Path, draft_dir: pathlib.Path) -> N
                          f"target's ({target_dir / 'tokenizer.json'}); a draft must share the target's")
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jaxpar-generate", description=__doc__.splitlines()[0])
+def _parser() -> CommandParser:
+    parser = CommandParser(prog="jaxpar-generate", description=__doc__.split("\n\n")[0].replace("``", ""))
     parser.add_argument("run_dir", type=pathlib.Path)
-    parser.add_argument("--prompt", required=True)
+    parser.add_argument("--prompt", required=True,
+                        help="its tokens and --max-new-tokens must fit the model's context: a "
+                             "jaxpar run's seq_len, a Hugging Face model's max_position_embeddings; "
+                             "a longer one is refused (see --truncate-prompt)")
+    parser.add_argument("--truncate-prompt", action="store_true",
+                        help="instead of refusing a prompt that does not fit, keep its last "
+                             "(context - max-new-tokens) tokens, with a warning")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -91,13 +103,44 @@ def _run(target, prompt, eos, args, method, draft, tokenizer=None):
     return ids, rate, accepted, shown
 
 
+def fit_context(prompt: np.ndarray, context: int, new: int, truncate: bool,
+                parser: CommandParser) -> np.ndarray:
+    """``prompt`` int32 ``[1, P]`` where its P tokens and ``new`` more fit ``context``
+    tokens; else, with ``truncate``, its last ``context - new`` tokens and a warning on
+    stderr; else (or with no room left for a prompt) ``parser.error``: one line, exit 2."""
+    length = prompt.shape[1]
+    if length + new <= context:
+        return prompt
+    if new >= context:
+        parser.error(f"--max-new-tokens {new} leaves no room for a prompt in the model's context "
+                     f"of {context} tokens")
+    if not truncate:
+        what = (f"--prompt is {length} tokens, more than" if length > context else
+                f"--prompt's {length} tokens and --max-new-tokens {new} make {length + new}, more than")
+        parser.error(f"{what} the model's context of {context} tokens; shorten them, or pass "
+                     "--truncate-prompt to keep the prompt's end")
+    keep = context - new
+    print(f"jaxpar-generate: warning: --prompt truncated to its last {keep} of {length} tokens "
+          f"(the model's context is {context} tokens, --max-new-tokens {new})", file=sys.stderr)
+    return prompt[:, -keep:]
+
+
 def main(argv=None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.max_new_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1:
-        parser.error("need --max-new-tokens >= 1, --temperature >= 0 and 0 < --top-p <= 1")
+    if args.max_new_tokens < 1:
+        parser.error(f"--max-new-tokens {args.max_new_tokens} must be at least 1")
+    if args.temperature < 0:
+        parser.error(f"--temperature {args.temperature} must not be negative")
+    if not 0 < args.top_p <= 1:
+        parser.error(f"--top-p {args.top_p} must be in (0, 1]")
     if args.method not in (None, "ar") and args.draft is None:
         parser.error(f"--method {args.method} needs --draft DRAFT_RUN_DIR")
+    try:
+        for run_dir in filter(None, (args.run_dir, args.draft)):
+            check_run_dir(run_dir)
+    except FileNotFoundError as e:
+        parser.error(str(e))
     try:
         tokenizer = load_tokenizer(args.run_dir)
         target = load_model(args.run_dir)
@@ -112,6 +155,8 @@ def main(argv=None) -> int:
         prompt = np.asarray([tokenizer.encode(args.prompt).ids], np.int32)
         if prompt.shape[1] == 0:
             parser.error("--prompt encodes to no tokens")
+        prompt = fit_context(prompt, context_length(args.run_dir, target), args.max_new_tokens,
+                             args.truncate_prompt, parser)
         eos = eos_ids(args.run_dir, tokenizer)
         if not args.json:
             sys.stdout.write(args.prompt)

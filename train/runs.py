@@ -20,6 +20,19 @@ from jaxpar.train.config import Config, load_config
 from jaxpar.train.data import EOS
 
 
+def check_run_dir(run_dir: pathlib.Path) -> None:
+    """Raises ``FileNotFoundError`` saying what is wrong where ``run_dir`` is neither a
+    jaxpar run (``config.yaml``) nor a Hugging Face directory (``config.json``): it does
+    not exist, is not a directory, or holds neither file."""
+    run_dir = pathlib.Path(run_dir)
+    if not run_dir.exists():
+        raise FileNotFoundError(f"{run_dir} does not exist")
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"{run_dir} is not a directory")
+    if not ((run_dir / "config.yaml").is_file() or (run_dir / "config.json").is_file()):
+        raise FileNotFoundError(f"no config.yaml (a jaxpar run) or config.json (Hugging Face) in {run_dir}")
+
+
 def is_hf(run_dir: pathlib.Path) -> bool:
     """A Hugging Face directory (``config.json``) rather than a jaxpar run (``config.yaml``)."""
     run_dir = pathlib.Path(run_dir)
@@ -28,13 +41,15 @@ def is_hf(run_dir: pathlib.Path) -> bool:
 
 def read_config(run_dir: pathlib.Path) -> Config:
     """The resolved config a jaxpar run wrote (``RUN_DIR/config.yaml``)."""
+    check_run_dir(run_dir)
     path = pathlib.Path(run_dir) / "config.yaml"
     if not path.is_file():
-        raise FileNotFoundError(f"no config.yaml (a jaxpar run) or config.json (Hugging Face) in {run_dir}")
+        raise FileNotFoundError(f"no config.yaml in {run_dir}: a Hugging Face directory, not a jaxpar run")
     return load_config(str(path))
 
 
 def load_tokenizer(run_dir: pathlib.Path) -> tokenizers.Tokenizer:
+    check_run_dir(run_dir)
     path = pathlib.Path(run_dir) / "tokenizer.json"
     if not path.is_file():
         raise FileNotFoundError(f"no tokenizer.json in {run_dir}")
@@ -98,7 +113,19 @@ def load_run(run_dir: pathlib.Path) -> Transformer:
 
 def load_model(run_dir: pathlib.Path) -> Transformer:
     """A jaxpar run's model or a Hugging Face model (``from_hf``), on one device."""
+    check_run_dir(run_dir)
     return from_hf(run_dir) if is_hf(run_dir) else load_run(run_dir)
+
+
+def context_length(run_dir: pathlib.Path, model: Transformer) -> int:
+    """The most tokens, prompt and generated together, that ``model`` (as ``load_model``
+    read it from ``run_dir``) reads in one sequence: a Hugging Face model's
+    ``max_position_embeddings``; a jaxpar run's ``seq_len``, the positions it was trained
+    on (with learned positions, no more than the table's ``model.max_position`` rows)."""
+    if is_hf(run_dir):
+        return model.cfg.max_position
+    seq_len = read_config(run_dir).seq_len
+    return min(seq_len, model.cfg.max_position) if model.cfg.position == "learned" else seq_len
 
 
 def load_glide_draft(run_dir: pathlib.Path) -> GlideDraft:
