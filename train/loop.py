@@ -16,6 +16,7 @@ With ``task: glide`` the trained model is a GliDe draft for the frozen target in
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -27,7 +28,13 @@ import numpy as np
 import optax
 import yaml
 from flax import nnx
-from tqdm.auto import tqdm
+
+# tqdm.auto draws a widget in a Jupyter kernel, but without ipywidgets it warns "IProgress
+# not found" (on import) and falls back to the text bar: take the text bar directly then.
+if importlib.util.find_spec("ipywidgets") is None:
+    from tqdm.std import tqdm
+else:
+    from tqdm.auto import tqdm
 
 import jaxpar
 from jaxpar.models import GlideDraft, Transformer
