@@ -66,17 +66,19 @@ def choose(op: str, choice: str, backend: str, capability: tuple[int, int] | Non
     if choice == "cudnn" and backend != "gpu":
         raise ValueError(f"execution.{op}='cudnn' needs a GPU; JAX's backend here is {backend!r}")
     too_old = backend == "gpu" and capability is not None and tuple(capability) < MIN_CAPABILITY
-    if not too_old:
-        return (("pallas" if backend == "gpu" else "xla") if choice == "auto" else choice), None
-    need, have = _version(MIN_CAPABILITY), _version(capability)
-    if choice in ("pallas", "cudnn"):
+    need, have = _version(MIN_CAPABILITY), too_old and _version(capability)
+    if too_old and choice in ("pallas", "cudnn"):
         what = "Pallas' Triton lowering, jax-ml/jax#26799" if choice == "pallas" else "cuDNN's fused attention"
         raise ValueError(f"execution.{op}={choice!r} needs a GPU of compute capability {need} or newer "
                          f"({what}); this one has {have}: use execution.{op}=auto or xla")
-    if choice == "auto":
+    if choice != "auto":
+        return choice, None
+    if backend != "gpu":
+        return "xla", None
+    if too_old:
         return "xla", (f"this GPU has compute capability {have} and Pallas' Triton kernels need "
                        f"{need} or newer (jax-ml/jax#26799)")
-    return choice, None
+    return "pallas", None
 
 
 def use_pallas(interpret: bool | None) -> bool:
