@@ -57,9 +57,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxpar.kernels.dispatch import triton, use_pallas
+from jaxpar.kernels.dispatch import fall_back, triton, use_pallas
 from jaxpar.kernels.masks import tree_visible
-from jaxpar.kernels.tiles import fall_back, load, pow2, tile_index
+from jaxpar.kernels.tiles import load, pow2, tile_index
 
 # Programs the automatic split aims for: an H100 has 132 SMs.
 _TARGET_PROGRAMS = 128

@@ -1,26 +1,100 @@
 """Which implementation runs: the rule every ``jaxpar.kernels`` entry point follows, and
 the model's choice per operation (``KernelOptions``, a field of
-``jaxpar.placement.execution.Execution``)."""
+``jaxpar.placement.execution.Execution``).
+
+Both follow ``choose(op, choice, backend, capability)``, a pure function of the user's
+choice, JAX's backend and the GPU's compute capability, so the decision is tested
+without a GPU. Pallas' Triton lowering needs compute capability 8.0 (Ampere) or newer
+(jax-ml/jax#26799), and so does cuDNN's fused attention: on an older GPU, such as
+Colab's free T4 (7.5), ``auto`` runs XLA and says why once (``fall_back``, the
+``jaxpar.kernels`` logger), and an explicit ``pallas`` or ``cudnn`` is a one-line
+``ValueError`` when the options are made, before anything is traced.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import jax
 
+_log = logging.getLogger("jaxpar.kernels")
+_REPORTED: set[str] = set()
 
-def use_pallas(interpret: bool | None) -> bool:
-    """Whether to run the Pallas kernel: ``interpret=None`` runs it (compiled) on GPU and
-    the plain-XLA reference elsewhere; ``True`` runs it in interpret mode on any backend
-    (the CPU tests); ``False`` forces the compiled kernel."""
-    return interpret is not None or jax.default_backend() == "gpu"
+# The oldest GPU the compiled kernels and cuDNN's fused attention run on: Ampere.
+MIN_CAPABILITY = (8, 0)
+
+
+def fall_back(reason: str) -> None:
+    """Logs (once per distinct ``reason``) that a kernel runs its XLA reference instead."""
+    if reason not in _REPORTED:
+        _REPORTED.add(reason)
+        _log.warning("jaxpar.kernels: %s; running the XLA reference instead", reason)
 
 
 def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
-# The choices per operation. "auto": the Pallas kernel on GPU, XLA elsewhere.
+def device() -> tuple[str, tuple[int, int] | None]:
+    """``(backend, capability)``: JAX's default backend and the CUDA compute capability
+    ``(major, minor)`` of its first device (``compute_capability``, a string such as
+    ``"7.5"``), None off CUDA: CPU, TPU, and ROCm, whose devices name an architecture
+    (``"gfx90a"``) instead. What ``choose`` decides from."""
+    backend = jax.default_backend()
+    if backend != "gpu":
+        return backend, None
+    try:
+        major, minor = str(jax.devices()[0].compute_capability).split(".")
+        return backend, (int(major), int(minor))
+    except (AttributeError, ValueError):
+        return backend, None
+
+
+def _version(capability: tuple[int, int]) -> str:
+    return ".".join(map(str, capability))
+
+
+def choose(op: str, choice: str, backend: str, capability: tuple[int, int] | None) -> tuple[str, str | None]:
+    """``(implementation, reason)``: what runs ``op`` (``"attention"``, ``"norm"``,
+    ``"loss"``; ``"kernels"`` for a ``jaxpar.kernels`` entry point's ``interpret=None``)
+    when the user chose ``choice`` (one of ``IMPLS[op]``), JAX's backend is ``backend``
+    (``"cpu"``, ``"gpu"``, ``"tpu"``) and the GPU's compute capability ``capability``
+    (``(major, minor)``, None off CUDA). ``reason`` says why ``"auto"`` did not get the
+    Pallas kernels on a GPU, else None. Raises ``ValueError`` (one line) for an explicit
+    choice this device cannot run."""
+    if choice == "cudnn" and backend != "gpu":
+        raise ValueError(f"execution.{op}='cudnn' needs a GPU; JAX's backend here is {backend!r}")
+    too_old = backend == "gpu" and capability is not None and tuple(capability) < MIN_CAPABILITY
+    need, have = _version(MIN_CAPABILITY), too_old and _version(capability)
+    if too_old and choice in ("pallas", "cudnn"):
+        what = "Pallas' Triton lowering, jax-ml/jax#26799" if choice == "pallas" else "cuDNN's fused attention"
+        raise ValueError(f"execution.{op}={choice!r} needs a GPU of compute capability {need} or newer "
+                         f"({what}); this one has {have}: use execution.{op}=auto or xla")
+    if choice != "auto":
+        return choice, None
+    if backend != "gpu":
+        return "xla", None
+    if too_old:
+        return "xla", (f"this GPU has compute capability {have} and Pallas' Triton kernels need "
+                       f"{need} or newer (jax-ml/jax#26799)")
+    return "pallas", None
+
+
+def use_pallas(interpret: bool | None) -> bool:
+    """Whether to run the Pallas kernel: ``interpret=None`` runs it (compiled) on a GPU
+    that can (``choose``; an older one logs why once) and the plain-XLA reference
+    elsewhere; ``True`` runs it in interpret mode on any backend (the CPU tests);
+    ``False`` forces the compiled kernel."""
+    if interpret is not None:
+        return True
+    impl, reason = choose("kernels", "auto", *device())
+    if reason:
+        fall_back(reason)
+    return impl == "pallas"
+
+
+# The choices per operation. "auto": the Pallas kernel on a GPU that runs it, XLA elsewhere.
 IMPLS = {
     "attention": ("auto", "xla", "cudnn", "pallas"),
     "norm": ("auto", "xla", "pallas"),
@@ -34,8 +108,10 @@ class KernelOptions:
     ``execution.attention``, ``execution.norm``, ``execution.loss``): ``"xla"`` the plain-``jnp``
     computation; ``"pallas"`` the ``jaxpar.kernels`` kernel (compiled on GPU, interpret
     mode elsewhere: slow, for tests); ``"cudnn"`` (attention only, GPU only) cuDNN's
-    fused attention through ``jax.nn.dot_product_attention``; ``"auto"`` Pallas on GPU
-    and XLA elsewhere. What is computed is the same whichever runs."""
+    fused attention through ``jax.nn.dot_product_attention``; ``"auto"`` Pallas on a GPU
+    of compute capability 8.0 or newer and XLA elsewhere (``choose``). What is computed
+    is the same whichever runs. ``"pallas"`` and ``"cudnn"`` on a GPU older than 8.0, and
+    ``"cudnn"`` without a GPU, raise ``ValueError`` here."""
 
     attention: str = "auto"
     norm: str = "auto"
@@ -45,16 +121,20 @@ class KernelOptions:
         for op, allowed in IMPLS.items():
             if getattr(self, op) not in allowed:
                 raise ValueError(f"{op}.impl={getattr(self, op)!r} must be one of {list(allowed)}")
-        if self.attention == "cudnn" and not on_gpu():
-            raise ValueError(f"execution.attention='cudnn' needs a GPU; JAX's backend here is "
-                             f"{jax.default_backend()!r}")
+        for op in IMPLS:  # only explicit choices look at the device: "auto" starts no backend
+            if getattr(self, op) in ("pallas", "cudnn"):
+                choose(op, getattr(self, op), *device())
 
     def resolve(self, op: str) -> str:
-        """The implementation that runs ``op`` on this backend ("auto" resolved)."""
+        """The implementation that runs ``op`` on this device ("auto" resolved; when it
+        cannot get the kernels on a GPU, why is logged once)."""
         choice = getattr(self, op)
-        if choice == "auto":
-            return "pallas" if on_gpu() else "xla"
-        return choice
+        if choice != "auto":
+            return choice
+        impl, reason = choose(op, choice, *device())
+        if reason:
+            fall_back(reason)
+        return impl
 
 
 def pallas_interpret() -> bool:

@@ -6,19 +6,14 @@ a block that runs past an array's end: a plain ``ref[...]`` of a partial block r
 writes whatever lies beyond. The kernels therefore compute on tiles of ``pow2`` sizes and
 move data with ``load`` / ``store``, which mask the rows and columns past the array's
 true extent (loads read zeros there); where a shape cannot be served, the entry point
-runs its plain-XLA reference instead and says why once (``fall_back``).
+runs its plain-XLA reference instead and says why once (``dispatch.fall_back``).
 """
 
 from __future__ import annotations
 
-import logging
-
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
-
-_log = logging.getLogger("jaxpar.kernels")
-_REPORTED: set[str] = set()
 
 
 def pow2(n: int, least: int = 16) -> int:
@@ -28,13 +23,6 @@ def pow2(n: int, least: int = 16) -> int:
 
 def is_pow2(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
-
-
-def fall_back(reason: str) -> None:
-    """Logs (once per distinct ``reason``) that a kernel runs its XLA reference instead."""
-    if reason not in _REPORTED:
-        _REPORTED.add(reason)
-        _log.warning("jaxpar.kernels: %s; running the XLA reference instead", reason)
 
 
 def tile_index(start, rows: int, cols: int):

@@ -7,19 +7,25 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import uuid
 
 # Must happen before jax is imported anywhere.
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["JAX_NUM_CPU_DEVICES"] = "8"
 
-# One persistent compilation cache per test run, shared by both xdist workers and every
-# subprocess they start (the CLI runs, the notebook's kernel inherit the environment):
-# the same tiny train step is compiled once per run rather than once per process.
-# PYTEST_XDIST_TESTRUNUID is the same in every worker of one run; a serial run (-n 0)
-# uses its own pid. The directory is removed when the run ends (pytest_unconfigure).
-_RUN_ID = os.environ.get("PYTEST_XDIST_TESTRUNUID", f"serial-{os.getpid()}")
-COMPILATION_CACHE = os.path.join(tempfile.gettempdir(), f"jaxpar-tests-{_RUN_ID}")
-os.environ["JAX_COMPILATION_CACHE_DIR"] = COMPILATION_CACHE
+# One persistent compilation cache and one tokenizer/packed-data cache per test run,
+# shared by both xdist workers and every subprocess they start (the CLI runs, the
+# notebook's kernel inherit the environment): the same tiny train step is compiled, and
+# the same tokenizer trained, once per run rather than once per process or test file.
+# XDG_CACHE_HOME also keeps the trainer's default cache (jaxpar.train.data.
+# default_cache_dir) out of the user's ~/.cache. The controller names the run and hands
+# the name to its workers as xdist's testrun uid (pytest_configure), which they find in
+# PYTEST_XDIST_TESTRUNUID; the controller removes the directory when the run ends
+# (pytest_unconfigure). A serial run (-n 0) is its own controller.
+_RUN_ID = os.environ.get("PYTEST_XDIST_TESTRUNUID") or uuid.uuid4().hex
+RUN_CACHES = os.path.join(tempfile.gettempdir(), f"jaxpar-tests-{_RUN_ID}")
+os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(RUN_CACHES, "compilation")
+os.environ["XDG_CACHE_HOME"] = os.path.join(RUN_CACHES, "xdg")
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
@@ -50,9 +56,16 @@ SLOWEST_FIRST = (
 )
 
 
+def pytest_configure(config):
+    # Without this the workers' uid is xdist's own, which the controller never learns: it
+    # removed a directory of its own name and left the workers' caches behind in /tmp.
+    if not hasattr(config, "workerinput") and getattr(config.option, "testrunuid", "") is None:
+        config.option.testrunuid = _RUN_ID
+
+
 def pytest_unconfigure(config):
     if not hasattr(config, "workerinput"):  # the controller (or a serial run), once at the end
-        shutil.rmtree(COMPILATION_CACHE, ignore_errors=True)
+        shutil.rmtree(RUN_CACHES, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -91,6 +91,22 @@ def test_tokenizer_is_cached(tokenizer, cache, monkeypatch):
     for cfg, vocab in ((SMALL, 600), (data.DataConfig(val_fraction=0.2, max_files=59), VOCAB)):
         with pytest.raises(AssertionError, match="trained again"):
             data.load_tokenizer(cfg, vocab, cache)
+    # So is another tokenizers release (its BPE trainer may merge differently).
+    monkeypatch.setattr(data.tokenizers, "__version__", "0.0.1")
+    with pytest.raises(AssertionError, match="trained again"):
+        data.load_tokenizer(SMALL, VOCAB, cache)
+
+
+def test_default_cache_dir_is_per_user(monkeypatch, tmp_path):
+    """$XDG_CACHE_HOME/jaxpar, else ~/.cache/jaxpar (a relative XDG_CACHE_HOME is not one)."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert data.default_cache_dir() == tmp_path / "xdg" / "jaxpar"
+    for unset in ("", "relative/dir"):
+        monkeypatch.setenv("XDG_CACHE_HOME", unset)
+        assert data.default_cache_dir() == tmp_path / "home" / ".cache" / "jaxpar"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert data.default_cache_dir() == tmp_path / "home" / ".cache" / "jaxpar"
 
 
 def test_given_tokenizer_and_vocab_check(tokenizer, tmp_path):

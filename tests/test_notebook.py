@@ -1,8 +1,9 @@
 """colab/quickstart.ipynb runs top to bottom in a Jupyter kernel.
 
 The kernel inherits this process's environment, so it sees the 8 simulated CPU devices
-conftest sets up (``JAX_PLATFORMS=cpu``, ``JAX_NUM_CPU_DEVICES=8``); jaxpar is already
-installed, so the notebook's install cell does nothing.
+conftest sets up (``JAX_PLATFORMS=cpu``, ``JAX_NUM_CPU_DEVICES=8``) and the test run's
+tokenizer cache (``XDG_CACHE_HOME``); jaxpar is already installed, so the notebook's
+install cell does nothing.
 """
 
 import math
@@ -37,7 +38,44 @@ def test_stored_notebook_is_clean():
     nbformat.validate(nb)
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert code and all(not c.outputs and c.execution_count is None for c in code)
-    assert 'JAXPAR_REPO = "' in code[0].source  # the one place the repository URL lives
+    assert "JAXPAR_SOURCE = " in code[0].source  # the one place the package source is set
+    assert "git clone" not in code[0].source
+
+
+def test_install_source_is_the_checkout_else_pypi(tmp_path, monkeypatch, capsys):
+    """The install cell's JAXPAR_SOURCE: $JAXPAR_SOURCE, else the jaxpar checkout around
+    the kernel's working directory (the notebook's folder in Jupyter), else PyPI's name."""
+    cell = [c for c in nbformat.read(NOTEBOOK, as_version=4).cells if c.cell_type == "code"][0]
+    monkeypatch.delenv("JAXPAR_SOURCE", raising=False)
+    monkeypatch.chdir(NOTEBOOK.parent)
+    namespace = {}
+    exec(cell.source, namespace)  # jaxpar is importable here: it installs nothing
+    assert "jaxpar is already installed" in capsys.readouterr().out
+    assert namespace["JAXPAR_SOURCE"] == str(NOTEBOOK.parents[1])
+    source = namespace["jaxpar_source"]
+
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "not-jaxpar"\n')
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")  # Colab's /content: no checkout around it
+    assert source() == "jaxpar"
+    monkeypatch.setenv("JAXPAR_SOURCE", "git+https://example.org/fork/jaxpar")
+    assert source() == "git+https://example.org/fork/jaxpar"
+
+
+def test_progress_bar_does_not_warn_in_a_kernel(tmp_path):
+    """In a Jupyter kernel without ipywidgets, tqdm.auto warns "IProgress not found" when
+    imported; the trainer takes the text bar there instead (the widget when it can)."""
+    try:
+        import ipywidgets  # noqa: F401
+        expected = "tqdm.auto"
+    except ImportError:
+        expected = "tqdm.std"
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
+        "import jaxpar.train.loop as loop\nprint('bar from', loop.tqdm.__module__)")])
+    nbclient.NotebookClient(nb, timeout=120, kernel_name="python3",
+                            resources={"metadata": {"path": str(tmp_path)}}).execute()
+    out = _text(nb.cells[0])
+    assert f"bar from {expected}" in out and "IProgress" not in out, out
 
 
 def test_quickstart_notebook_runs(tmp_path, monkeypatch):
@@ -52,6 +90,7 @@ def test_quickstart_notebook_runs(tmp_path, monkeypatch):
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert not [o for c in code for o in c.outputs if o.output_type == "error"]
     out = "\n".join(_text(c) for c in code)
+    assert "IProgress" not in out, out  # tqdm's widget warning: the trainer's bar is text here
 
     assert "jaxpar is already installed" in out
     assert "8 cpu device(s)" in out and "'fsdp': 8" in out

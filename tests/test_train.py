@@ -14,6 +14,7 @@ import pytest
 
 from conftest import rel_err
 from jaxpar.train.config import load_config
+from jaxpar.train.data import default_cache_dir
 from jaxpar.train.loop import TrainingError, train
 
 pytestmark = pytest.mark.slow  # end-to-end: `pytest -m "not slow"` skips the file
@@ -26,8 +27,10 @@ SMALL = [
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("cache")
+def cache():
+    """The test run's shared tokenizer/packed-data cache (conftest's XDG_CACHE_HOME): the
+    tokenizer of SMALL is trained once per run, for every file and CLI run that uses it."""
+    return default_cache_dir()
 
 
 def config(run_dir, cache, *extra):
@@ -83,6 +86,33 @@ def test_short_run_learns_and_writes_its_outputs(tmp_path, cache):
 
     # An exported Hugging Face copy generating the same tokens: test_glide's
     # test_generate_with_trained_drafts_gives_the_targets_tokens.
+
+
+def test_new_run_dirs_share_the_per_user_cache_and_cache_dir_overrides_it(tmp_path, monkeypatch):
+    """Without cache_dir, the tokenizer and packed rows go to $XDG_CACHE_HOME/jaxpar, and a
+    run in another run dir reuses them: it trains and packs nothing (the entries are not
+    rewritten). cache_dir= puts them elsewhere and leaves the per-user cache alone."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    shared = tmp_path / "xdg" / "jaxpar"
+    args = [*SMALL, "steps=1", "eval.every=0", "checkpoint.every=0"]
+
+    def entries(directory):
+        return {p.name: p.stat().st_mtime_ns for p in directory.iterdir()}
+
+    first = cli("tiny", *args, f"run_dir={tmp_path / 'a'}", "--no-progress")
+    assert first.returncode == 0, first.stderr
+    made = entries(shared)
+    assert sorted(name.split("-")[0] for name in made) == ["packed", "packed", "tokenizer"], made
+    assert not (tmp_path / "a" / "cache").exists()
+
+    second = cli("tiny", *args, f"run_dir={tmp_path / 'b'}", "--no-progress")
+    assert second.returncode == 0, second.stderr
+    assert entries(shared) == made
+    assert (tmp_path / "b" / "tokenizer.json").read_text() == (tmp_path / "a" / "tokenizer.json").read_text()
+
+    mine = tmp_path / "mine"
+    train(load_config("tiny", args + [f"run_dir={tmp_path / 'c'}", f"cache_dir={mine}"]), progress=False)
+    assert sorted(entries(mine)) == sorted(made) and entries(shared) == made
 
 
 def test_sigkill_and_restart_gives_the_same_losses(tmp_path, cache):

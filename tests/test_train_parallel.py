@@ -8,6 +8,7 @@ import pytest
 from flax import nnx
 
 from conftest import rel_err, tree_rel_err
+from jaxpar.train.data import default_cache_dir
 from jaxpar.train.loop import train
 from jaxpar.train.runs import load_run
 from test_train import SMALL, cli, config, metrics
@@ -16,8 +17,8 @@ pytestmark = pytest.mark.slow  # end-to-end: `pytest -m "not slow"` skips the fi
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("cache")
+def cache():
+    return default_cache_dir()  # the test run's, shared with test_train.py (conftest)
 
 
 def test_4d_run_matches_one_device(tmp_path, cache):

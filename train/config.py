@@ -148,7 +148,9 @@ class Config:
     eval: EvalConfig = EvalConfig()
     execution: ExecutionConfig = ExecutionConfig()
     run_dir: str = "runs/tiny"
-    cache_dir: str | None = None  # tokenizer/packed-data cache; None: RUN_DIR/cache
+    # Tokenizer/packed-data cache, keyed by content; None: the per-user
+    # $XDG_CACHE_HOME/jaxpar, else ~/.cache/jaxpar (jaxpar.train.data.default_cache_dir).
+    cache_dir: str | None = None
     steps: int = 200
     seed: int = 0
     batch_size: int = 16  # global, in sequences

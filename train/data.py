@@ -16,12 +16,15 @@ Batches are dicts of int32 ``[B, T]`` numpy arrays (B = this process's share of 
 global batch, T = seq_len): ``inputs``, ``targets``, ``positions``, ``segment_ids``,
 ``mask``, the keys ``jaxpar.train.step.loss_fn`` reads.
 
-Caches live in a caller-given directory and are keyed by content (see ``_fingerprint``):
+Caches live in a caller-given directory (the trainer's ``cache_dir``, by default the
+per-user ``default_cache_dir()``) and are keyed by content (see ``_fingerprint``):
 ``tokenizer-<key>.json`` and ``packed-<key>-<split>-<seq_len>.npz``. A changed file, a
-different ``max_files`` or ``val_fraction``, or another tokenizer gives another key, so
-stale caches are never read; they are simply left behind. Every cache file is written
-to a temporary name and moved into place with ``os.replace``, so processes that race to
-build the same entry (they build identical bytes) never see a half-written file.
+different ``max_files``, ``val_fraction`` or ``text_field``, another vocabulary size,
+tokenizer or ``seq_len``, or another ``tokenizers`` release gives another key, so stale
+entries are never read (they are simply left behind) and runs in any run dir share the
+entries that match. Every cache file is written to a temporary name and moved into
+place with ``os.replace``, so processes that race to build the same entry (they build
+identical bytes) never see a half-written file.
 """
 
 from __future__ import annotations
@@ -212,6 +215,16 @@ def documents(cfg: DataConfig, split: str) -> list[str]:
     return [d.text for d in split_documents(cfg, split)]
 
 
+def default_cache_dir() -> pathlib.Path:
+    """Where tokenizers and packed rows are cached when no ``cache_dir`` is given:
+    ``$XDG_CACHE_HOME/jaxpar``, else ``~/.cache/jaxpar`` (as pip and Hugging Face do;
+    a relative ``XDG_CACHE_HOME`` is ignored, as the XDG spec says)."""
+    root = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(root):
+        root = os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(root, "jaxpar")
+
+
 def _fingerprint(*parts) -> str:
     """A short sha256 of strings, ints and Documents (each length-prefixed, so
     boundaries count): the identity behind every cache key."""
@@ -233,17 +246,17 @@ def load_tokenizer(cfg: DataConfig, vocab_size: int, cache_dir: str | os.PathLik
     ``vocab_size`` tokens (the model's).
 
     The trained tokenizer is cached as ``cache_dir/tokenizer-<key>.json`` with key =
-    hash(recipe version, vocab_size, EOS, every train document's name and text), so it
-    is trained once and later runs load it. Training covers the whole train split:
-    the standard library's (~30 MB, ~1,700 files) takes ~5-10 s on 2 cores, so no
-    subsampling is needed.
+    hash(recipe version, the ``tokenizers`` release, vocab_size, EOS, every train
+    document's name and text), so it is trained once and later runs load it. Training
+    covers the whole train split: the standard library's (~30 MB, ~1,700 files) takes
+    ~5-10 s on 2 cores, so no subsampling is needed.
     """
     if cfg.tokenizer is not None:
         if not os.path.isfile(cfg.tokenizer):
             raise ValueError(f"data.tokenizer={cfg.tokenizer!r}: no such file")
         return tokenizers.Tokenizer.from_file(cfg.tokenizer)
     docs = split_documents(cfg, "train")
-    key = _fingerprint("bpe", _CACHE_VERSION, vocab_size, EOS, *docs)
+    key = _fingerprint("bpe", _CACHE_VERSION, tokenizers.__version__, vocab_size, EOS, *docs)
     path = pathlib.Path(cache_dir, f"tokenizer-{key}.json")
     if path.is_file():
         return tokenizers.Tokenizer.from_file(str(path))
@@ -391,12 +404,13 @@ def packed_rows(
     """The packed rows of ``split``, from ``cache_dir`` when an earlier run made them.
 
     Cached as ``packed-<key>-<split>-<seq_len>.npz`` with key = hash(layout version,
-    the tokenizer's full JSON, seq_len, every document of the split), so the second
-    run reads the corpus (to hash it; ~0.1 s for the standard library) but does not
-    tokenize.
+    the ``tokenizers`` release, the tokenizer's full JSON, seq_len, every document of
+    the split), so the second run reads the corpus (to hash it; ~0.1 s for the standard
+    library) but does not tokenize.
     """
     docs = split_documents(cfg, split)
-    key = _fingerprint("packed", _CACHE_VERSION, tokenizer.to_str(), seq_len, *docs)
+    key = _fingerprint("packed", _CACHE_VERSION, tokenizers.__version__, tokenizer.to_str(),
+                       seq_len, *docs)
     path = pathlib.Path(cache_dir, f"packed-{key}-{split}-{seq_len}.npz")
     if path.is_file():
         with np.load(path) as f:

@@ -5,8 +5,9 @@ Outputs in ``RUN_DIR``: ``config.yaml`` (the resolved config), ``metrics.jsonl``
 JSON object per step: ``step``, ``loss``, ``lr``, ``grad_norm``, ``tokens_per_s``,
 ``step_time_s``, and ``val_loss`` at eval steps), the same scalars as TensorBoard
 events in ``tensorboard/`` (a resumed run first drops the steps after its
-checkpoint from both, so each step is logged once), ``tokenizer.json``,
-``checkpoints/`` (orbax) and the tokenizer/packed-data cache.
+checkpoint from both, so each step is logged once), ``tokenizer.json`` and
+``checkpoints/`` (orbax). The tokenizer/packed-data cache is ``cache_dir``, by default
+the per-user ``jaxpar.train.data.default_cache_dir()`` that every run dir shares.
 
 With ``task: glide`` the trained model is a GliDe draft for the frozen target in
 ``target_run_dir`` (``jaxpar.train.glide``); the loop is the same.
@@ -15,6 +16,7 @@ With ``task: glide`` the trained model is a GliDe draft for the frozen target in
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -26,7 +28,13 @@ import numpy as np
 import optax
 import yaml
 from flax import nnx
-from tqdm.auto import tqdm
+
+# tqdm.auto draws a widget in a Jupyter kernel, but without ipywidgets it warns "IProgress
+# not found" (on import) and falls back to the text bar: take the text bar directly then.
+if importlib.util.find_spec("ipywidgets") is None:
+    from tqdm.std import tqdm
+else:
+    from tqdm.auto import tqdm
 
 import jaxpar
 from jaxpar.models import GlideDraft, Transformer
@@ -240,7 +248,7 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
 
     checkpoints = Checkpoints(run_dir, keep=cfg.checkpoint.keep)
     _check_same_model(checkpoints, cfg)
-    cache_dir = pathlib.Path(cfg.cache_dir) if cfg.cache_dir else run_dir / "cache"
+    cache_dir = pathlib.Path(cfg.cache_dir).expanduser() if cfg.cache_dir else data_lib.default_cache_dir()
     tokenizer = data_lib.load_tokenizer(cfg.data, model_cfg.vocab_size, cache_dir)
     data_lib.check_vocab(tokenizer, model_cfg.vocab_size)
     train_rows = data_lib.packed_rows(cfg.data, tokenizer, cfg.seq_len, "train", cache_dir)
