@@ -11,7 +11,7 @@ from conftest import random_init
 from flax import nnx
 
 from jaxpar.models import Transformer
-from jaxpar.train.checkpoints import Checkpoints
+from jaxpar.train.checkpoints import CheckpointError, Checkpoints
 from jaxpar.train.config import load_config, to_dict
 from jaxpar.train.loop import make_optimizer
 from jaxpar.train.runs import load_run
@@ -50,6 +50,17 @@ def test_a_run_loads_its_parameters_alone(tmp_path, rng, caplog):
         assert not [r for r in caplog.records if "cannot be restored" in r.getMessage()]  # none skipped
         for got, want in zip(jax.tree.leaves(loaded), jax.tree.leaves(params), strict=True):
             np.testing.assert_array_equal(got, want)
+
+
+def test_a_save_that_does_not_happen_raises(tmp_path):
+    """Orbax skips a step at or before its latest (returning False); a Checkpoints save
+    says so rather than losing the step silently."""
+    checkpoints = Checkpoints(tmp_path / "run", keep=2)
+    checkpoints.save(3, {"x": jax.numpy.arange(4.0)}, {"step": 3})
+    with pytest.raises(CheckpointError, match=r"checkpoint at step 3 was not saved to .*/run/checkpoints "
+                                              r"\(its latest step is 3\)"):
+        checkpoints.save(3, {"x": jax.numpy.arange(4.0) + 1}, {"step": 3})
+    checkpoints.close()
 
 
 @pytest.mark.slow

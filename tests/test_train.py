@@ -18,6 +18,7 @@ from conftest import rel_err
 from jaxpar.train.checkpoints import Checkpoints
 from jaxpar.train.config import load_config
 from jaxpar.train.loop import TrainingError, train
+from jaxpar.train.stopping import stop_on_signals
 
 pytestmark = pytest.mark.slow  # end-to-end: `pytest -m "not slow"` skips the file
 
@@ -153,6 +154,20 @@ def test_sigint_and_sigterm_stop_at_a_step_saved_and_resume(tmp_path, cache, ref
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     assert [r["loss"] for r in metrics(run)] == reference[1]
+
+
+def test_the_second_signal_acts_as_without_the_stop_request():
+    """The first SIGINT or SIGTERM sets the request and puts the handlers back: a second
+    Ctrl-C raises KeyboardInterrupt at once; on leaving, the handlers are as before."""
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    for first in (signal.SIGINT, signal.SIGTERM):
+        with stop_on_signals() as stop:
+            assert stop.agreed() is None
+            os.kill(os.getpid(), first)
+            assert stop.agreed() == first
+            with pytest.raises(KeyboardInterrupt):
+                os.kill(os.getpid(), signal.SIGINT)
+        assert {s: signal.getsignal(s) for s in before} == before
 
 
 def test_a_finished_run_says_there_is_nothing_to_do(cache, reference):

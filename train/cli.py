@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import logging
 import os
+import signal
 import sys
 
 from jaxpar.placement.runtime import initialize_distributed, simulate_cpu_devices
@@ -52,6 +53,24 @@ def _log_lines():
         log.propagate = propagate
 
 
+@contextlib.contextmanager
+def _ctrl_c_exits_at_once():
+    """Ctrl-C exits at once, with one line and status 130. The training loop takes the
+    first Ctrl-C itself (to stop at a step boundary, ``jaxpar.train.stopping``) and
+    passes the next here. (A ``KeyboardInterrupt`` would print orbax's traceback of the
+    save it broke, and the interpreter's exit would wait for orbax's threads.)"""
+    def handler(signum, frame):
+        sys.stdout.flush()
+        print("jaxpar-train: interrupted", file=sys.stderr, flush=True)
+        os._exit(130)
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     devices = args.simulate_devices or int(os.environ.get("JAX_NUM_CPU_DEVICES", "8"))
@@ -72,7 +91,7 @@ def main(argv=None) -> int:
         print(f"jaxpar-train: error: {e}", file=sys.stderr)
         return 2
     try:
-        with _log_lines():
+        with _log_lines(), _ctrl_c_exits_at_once():
             history = train(cfg, progress=not args.no_progress)
     except (TrainingError, ValueError, FileNotFoundError) as e:
         print(f"jaxpar-train: error: {e}", file=sys.stderr)
@@ -80,11 +99,6 @@ def main(argv=None) -> int:
     except Stopped as e:
         print(f"jaxpar-train: {e}", file=sys.stderr)
         return 128 + e.signum
-    except KeyboardInterrupt:  # a second Ctrl-C
-        print("jaxpar-train: interrupted", file=sys.stderr)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(130)  # at once: a normal exit would first join orbax's threads saving
     if history:
         last = history[-1]
         val = next((h["val_loss"] for h in reversed(history) if "val_loss" in h), None)
