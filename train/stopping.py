@@ -6,7 +6,8 @@ reads at its next step boundary (``StopRequest.agreed``); the loop then saves th
 waits for the save, and raises ``Stopped``, which ``jaxpar-train`` prints as one line
 and exits 130 (SIGINT) or 143 (SIGTERM) on. The first signal puts the previous handlers
 back, so a second one acts as it would have without us: a second Ctrl-C raises
-``KeyboardInterrupt`` (``jaxpar-train`` then exits at once), a second SIGTERM kills.
+``KeyboardInterrupt`` in Python (``jaxpar-train``'s own handler exits at once, status
+130), a second SIGTERM kills.
 
 Several processes (``jax.distributed``) must all stop at the same step, or the ones
 still stepping wait forever in the next step's collectives: SLURM signals every task,
