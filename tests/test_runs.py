@@ -1,5 +1,6 @@
 """Reading runs back (jaxpar.train.runs): a run's parameters, never its optimizer state."""
 
+import logging
 import warnings
 
 import jax
@@ -10,7 +11,7 @@ from conftest import random_init
 from flax import nnx
 
 from jaxpar.models import Transformer
-from jaxpar.train.checkpoints import Checkpoints
+from jaxpar.train.checkpoints import CheckpointError, Checkpoints
 from jaxpar.train.config import load_config, to_dict
 from jaxpar.train.loop import make_optimizer
 from jaxpar.train.runs import load_run
@@ -37,17 +38,29 @@ def write_run(run_dir, rng, *overrides, opt_state: bool) -> nnx.State:
     return params
 
 
-def test_a_run_loads_its_parameters_alone(tmp_path, rng):
+def test_a_run_loads_its_parameters_alone(tmp_path, rng, caplog):
     """load_run restores the checkpoint's parameters only (orbax's partial restore), so
     a checkpoint whose optimizer state is gone loads as well as a whole one, silently."""
     for opt_state in (True, False):
         run = tmp_path / f"opt_state_{opt_state}"
         params = write_run(run, rng, opt_state=opt_state)
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")  # no checkpoint skipped as unreadable
+        with warnings.catch_warnings(), caplog.at_level(logging.WARNING):
+            warnings.simplefilter("error")
             loaded = nnx.state(load_run(run))
+        assert not [r for r in caplog.records if "cannot be restored" in r.getMessage()]  # none skipped
         for got, want in zip(jax.tree.leaves(loaded), jax.tree.leaves(params), strict=True):
             np.testing.assert_array_equal(got, want)
+
+
+def test_a_save_that_does_not_happen_raises(tmp_path):
+    """Orbax skips a step at or before its latest (returning False); a Checkpoints save
+    says so rather than losing the step silently."""
+    checkpoints = Checkpoints(tmp_path / "run", keep=2)
+    checkpoints.save(3, {"x": jax.numpy.arange(4.0)}, {"step": 3})
+    with pytest.raises(CheckpointError, match=r"checkpoint at step 3 was not saved to .*/run/checkpoints "
+                                              r"\(its latest step is 3\)"):
+        checkpoints.save(3, {"x": jax.numpy.arange(4.0) + 1}, {"step": 3})
+    checkpoints.close()
 
 
 @pytest.mark.slow

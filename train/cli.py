@@ -3,12 +3,17 @@
 CONFIG is a shipped config (``tiny``, ``small``, ``1b``; ``glide`` trains a GliDe draft
 for ``target_run_dir=DIR``) or a YAML path; overrides are dotted keys (``mesh.fsdp=4
 model.layers=2 steps=30 run_dir=runs/x``). Exit codes: 0
-done, 2 bad config or arguments (nothing written), 1 a run that could not start or go on.
+done, 2 bad config or arguments (nothing written), 1 a run that could not start or go on,
+130 / 143 stopped by SIGINT / SIGTERM at a step boundary, that step saved (a second
+signal exits at once).
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import signal
 import sys
 
 from jaxpar.placement.runtime import initialize_distributed, simulate_cpu_devices
@@ -32,6 +37,41 @@ def _parser() -> CommandParser:
     return parser
 
 
+@contextlib.contextmanager
+def _log_lines():
+    """jaxpar's log lines (a checkpoint skipped, nothing to do) as the command's own, one
+    line each (orbax's import gives the root logger a handler that would prefix them
+    with their level and logger); as before on leaving (``main`` also runs in-process)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("jaxpar-train: %(message)s"))
+    log = logging.getLogger("jaxpar")
+    propagate, log.propagate = log.propagate, False
+    log.addHandler(handler)
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        log.propagate = propagate
+
+
+@contextlib.contextmanager
+def _ctrl_c_exits_at_once():
+    """Ctrl-C exits at once, with one line and status 130. The training loop takes the
+    first Ctrl-C itself (to stop at a step boundary, ``jaxpar.train.stopping``) and
+    passes the next here. (A ``KeyboardInterrupt`` would print orbax's traceback of the
+    save it broke, and the interpreter's exit would wait for orbax's threads.)"""
+    def handler(signum, frame):
+        sys.stdout.flush()
+        print("jaxpar-train: interrupted", file=sys.stderr, flush=True)
+        os._exit(130)
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     devices = args.simulate_devices or int(os.environ.get("JAX_NUM_CPU_DEVICES", "8"))
@@ -44,6 +84,7 @@ def main(argv=None) -> int:
 
     from jaxpar.train.config import ConfigError, load_config
     from jaxpar.train.loop import TrainingError, train
+    from jaxpar.train.stopping import Stopped
 
     try:
         cfg = load_config(args.config, args.overrides)
@@ -51,10 +92,14 @@ def main(argv=None) -> int:
         print(f"jaxpar-train: error: {e}", file=sys.stderr)
         return 2
     try:
-        history = train(cfg, progress=not args.no_progress)
+        with _log_lines(), _ctrl_c_exits_at_once():
+            history = train(cfg, progress=not args.no_progress)
     except (TrainingError, ValueError, FileNotFoundError) as e:
         print(f"jaxpar-train: error: {e}", file=sys.stderr)
         return 1
+    except Stopped as e:
+        print(f"jaxpar-train: {e}", file=sys.stderr)
+        return 128 + e.signum
     if history:
         last = history[-1]
         val = next((h["val_loss"] for h in reversed(history) if "val_loss" in h), None)

@@ -6,8 +6,10 @@ JSON object per step: ``step``, ``loss``, ``lr``, ``grad_norm``, ``tokens_per_s`
 ``step_time_s``, and ``val_loss`` at eval steps), the same scalars as TensorBoard
 events in ``tensorboard/`` (a resumed run first drops the steps after its
 checkpoint from both, so each step is logged once), ``tokenizer.json`` and
-``checkpoints/`` (orbax). The tokenizer/packed-data cache is ``cache_dir``, by default
-the per-user ``jaxpar.train.data.default_cache_dir()`` that every run dir shares.
+``checkpoints/`` (orbax; unreadable ones moved to ``checkpoints/corrupt/<step>``). The
+run dir is made only once the run can start. The tokenizer/packed-data cache is
+``cache_dir``, by default the per-user ``jaxpar.train.data.default_cache_dir()`` that
+every run dir shares.
 
 With ``task: glide`` the trained model is a GliDe draft for the frozen target in
 ``target_run_dir`` (``jaxpar.train.glide``); the loop is the same.
@@ -18,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import logging
 import math
 import os
 import pathlib
@@ -45,9 +48,12 @@ from jaxpar.parallel.pipeline_schedule import Schedule
 from jaxpar.parallel.zigzag import to_zigzag
 from jaxpar.train import data as data_lib
 from jaxpar.train import glide, tensorboard
-from jaxpar.train.checkpoints import Checkpoints
+from jaxpar.train.checkpoints import CheckpointError, Checkpoints
 from jaxpar.train.config import Config, MeshConfig, OptimizerConfig, to_dict
 from jaxpar.train.step import make_train_step
+from jaxpar.train.stopping import Stopped, stop_on_signals
+
+log = logging.getLogger(__name__)
 
 # Dense bf16 peak FLOP/s per device, for the MFU estimate; unknown devices show none.
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
@@ -213,7 +219,12 @@ def build_model(cfg: Config) -> nnx.Module:
 
 
 def train(cfg: Config, *, progress: bool = True) -> list[dict]:
-    """Runs (or resumes) the training ``cfg`` describes; returns the per-step metrics."""
+    """Runs (or resumes) the training ``cfg`` describes; returns the per-step metrics
+    (none, with one log line, when the run dir's checkpoint is at ``cfg.steps`` already).
+
+    In the main thread, SIGINT or SIGTERM stops the run at the next step boundary with
+    that step saved and raises ``jaxpar.train.stopping.Stopped`` (a second signal acts
+    at once); several processes stop at the same step (``stopping``)."""
     target = None
     if cfg.task == "glide":
         cfg, target = glide.prepare(cfg)  # model.* and data.tokenizer become the target's
@@ -248,6 +259,13 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
 
     checkpoints = Checkpoints(run_dir, keep=cfg.checkpoint.keep)
     _check_same_model(checkpoints, cfg)
+    restored = checkpoints.restore_latest(step_fn.abstract_state(abstract_model))
+    start = 0 if restored is None else restored[0]
+    if start >= cfg.steps:
+        checkpoints.close()
+        log.warning("%s is already at step %d (steps=%d): nothing to do; raise steps= to continue "
+                    "or choose another run_dir", cfg.run_dir, start, cfg.steps)
+        return []
     cache_dir = pathlib.Path(cfg.cache_dir).expanduser() if cfg.cache_dir else data_lib.default_cache_dir()
     tokenizer = data_lib.load_tokenizer(cfg.data, model_cfg.vocab_size, cache_dir)
     data_lib.check_vocab(tokenizer, model_cfg.vocab_size)
@@ -256,21 +274,20 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
     loader = data_lib.Loader(train_rows, cfg.batch_size, seed=cfg.seed)
     val_batches = data_lib.eval_batches(val_rows, cfg.batch_size, cfg.eval.batches) if cfg.eval.every else []
 
+    # The run can start: only now is the run dir made (a run refused above leaves none).
     lead = jax.process_index() == 0  # writes the run dir's files; every process checkpoints
     if lead:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         tokenizer.save(str(run_dir / "tokenizer.json"))  # jaxpar-generate needs only the run dir
-    restored = checkpoints.restore_latest(step_fn.abstract_state(abstract_model))
     if restored is None:
         @nnx.jit
         def create():
             return jaxpar.shard_model(build_model(cfg), mesh, rules)
 
         params, opt_state = step_fn.init(create())
-        start = 0
     else:
-        start, state, meta = restored  # saved in model order (step_fn.in_model_order)
+        _, state, meta = restored  # saved in model order (step_fn.in_model_order)
         state = step_fn.in_storage_order(state)
         params, opt_state = state["params"], state["opt_state"]
         loader.restore(meta["loader"])
@@ -285,12 +302,20 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
     if target is not None:
         peak = None  # flops_per_token counts a Transformer's step, not the draft's and teacher's
     history, last_saved = [], start
+
+    def save(step, params, opt_state):
+        try:
+            checkpoints.save(step, step_fn.in_model_order({"params": params, "opt_state": opt_state}),
+                             {"step": step, "loader": loader.state(), "config": to_dict(cfg)})
+        except CheckpointError as e:
+            raise TrainingError(str(e)) from None
+
     board = tensorboard.writer(run_dir / "tensorboard") if lead else None
     metrics_file = metrics_path.open("a") if lead else None
     bar = tqdm(total=cfg.steps, initial=start, disable=not progress or not lead,
                dynamic_ncols=True, desc="train")
     try:
-        with step_fn.context():
+        with step_fn.context(), stop_on_signals() as stop:
             for step in range(start + 1, cfg.steps + 1):
                 batch = batch_of(next(loader))
                 began = time.perf_counter()
@@ -318,8 +343,7 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
                             board.add_scalar(name, value, step)
                 every = cfg.checkpoint.every
                 if (every and step % every == 0) or step == cfg.steps:
-                    checkpoints.save(step, step_fn.in_model_order({"params": params, "opt_state": opt_state}),
-                                     {"step": step, "loader": loader.state(), "config": to_dict(cfg)})
+                    save(step, params, opt_state)
                     last_saved = step
                 postfix = {"loss": f"{loss:.3f}", "tok/s": f"{record['tokens_per_s']:.0f}",
                            "step": f"{elapsed * 1e3:.0f}ms"}
@@ -329,6 +353,13 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
                     postfix["val"] = f"{record['val_loss']:.3f}"
                 bar.set_postfix(postfix, refresh=False)
                 bar.update(1)
+                signum = stop.agreed() if step < cfg.steps else None
+                if signum is not None:  # every process stops here, this step saved
+                    if last_saved != step:
+                        save(step, params, opt_state)
+                        last_saved = step
+                    checkpoints.close()  # waits for the save
+                    raise Stopped(signum, step, last_saved)
     finally:
         bar.close()
         if board is not None:
