@@ -98,19 +98,17 @@ def test_new_run_dirs_share_the_per_user_cache_and_cache_dir_overrides_it(tmp_pa
     rewritten). cache_dir= puts them elsewhere and leaves the per-user cache alone."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     shared = tmp_path / "xdg" / "jaxpar"
-    args = [*SMALL, "steps=1", "eval.every=0", "checkpoint.every=0"]
+    args = [*SMALL, "steps=1", "eval.every=0", "checkpoint.every=0", "data.max_files=20", "seq_len=32"]
 
     def entries(directory):
         return {p.name: p.stat().st_mtime_ns for p in directory.iterdir()}
 
-    first = cli("tiny", *args, f"run_dir={tmp_path / 'a'}", "--no-progress")
-    assert first.returncode == 0, first.stderr
+    train(load_config("tiny", args + [f"run_dir={tmp_path / 'a'}"]), progress=False)
     made = entries(shared)
     assert sorted(name.split("-")[0] for name in made) == ["packed", "packed", "tokenizer"], made
     assert not (tmp_path / "a" / "cache").exists()
 
-    second = cli("tiny", *args, f"run_dir={tmp_path / 'b'}", "--no-progress")
-    assert second.returncode == 0, second.stderr
+    train(load_config("tiny", args + [f"run_dir={tmp_path / 'b'}"]), progress=False)
     assert entries(shared) == made
     assert (tmp_path / "b" / "tokenizer.json").read_text() == (tmp_path / "a" / "tokenizer.json").read_text()
 
