@@ -53,6 +53,34 @@ def test_explicit_replication_rule():
     assert logical_to_spec(("hidden", "mlp"), rules) == P(None, "tensor")
 
 
+def test_extend_adds_names_and_override_changes_them():
+    mesh = jaxpar.make_mesh(fsdp=8)
+    rules = jaxpar.rules.extend(DEFAULT_RULES, ("hidden", "fsdp"), ("conv", None))
+    assert logical_to_spec(("hidden", "mlp", "conv"), for_mesh(mesh, rules)) == P("fsdp", "tensor", None)
+    assert jaxpar.rules.override(rules, {"hidden": "tensor"})[-2] == ("hidden", "tensor")
+    with pytest.raises(ValueError, match=r"'embed' has a rule already \('embed' -> 'fsdp'\); .*override"):
+        jaxpar.rules.extend(DEFAULT_RULES, ("embed", "tensor"))
+    with pytest.raises(ValueError, match=r"cannot override logical axis 'hidden': no rule has it; .*extend"):
+        jaxpar.rules.override(DEFAULT_RULES, {"hidden": "tensor"})
+    with pytest.raises(ValueError, match=r"must be a \(logical_name, mesh_axes\) pair"):
+        jaxpar.rules.extend(DEFAULT_RULES, ("hidden",))
+    with pytest.raises(ValueError, match=r"rule 'embed': mesh axes must be names"):
+        jaxpar.rules.override(DEFAULT_RULES, {"embed": (1, 2)})
+
+
+def test_a_mesh_axis_used_as_a_logical_name_is_named_as_such():
+    """Models annotated with mesh axes ('tensor') get told so, not "did you mean 'norm'?";
+    only real near-misses are suggested."""
+    rules = for_mesh(jaxpar.make_mesh(fsdp=8))
+    with pytest.raises(ValueError, match=r"'tensor' in \('embed', 'tensor'\) is a mesh axis, not a logical") as e:
+        logical_to_spec(("embed", "tensor"), rules)
+    assert "did you mean" not in str(e.value)
+    with pytest.raises(ValueError, match=r"'mpl' has no sharding rule \(did you mean 'mlp'\?\)"):
+        logical_to_spec(("mpl",), rules)
+    with pytest.raises(ValueError, match=r"'hidden' has no sharding rule; known"):  # no near-miss
+        logical_to_spec(("hidden",), rules)
+
+
 def test_two_names_on_one_mesh_axis():
     rules = [("embed", "fsdp"), ("mlp", ("fsdp", "tensor"))]
     with pytest.raises(ValueError, match=r"'embed' and 'mlp' .* both map to mesh axis 'fsdp'"):

@@ -103,18 +103,38 @@ TENSOR_2D: dict[str, MeshAxes] = {
 
 
 def override(rules: Rules, changes: dict[str, MeshAxes]) -> tuple[tuple[str, MeshAxes], ...]:
-    """``rules`` with the logical names in ``changes`` mapped anew.
+    """``rules`` with the logical names in ``changes`` mapped anew (``extend`` adds names).
 
     Raises:
-      ValueError: ``changes`` names a logical axis that ``rules`` does not have.
+      ValueError: ``changes`` names a logical axis that ``rules`` does not have, or maps
+        one to something that is not mesh axes.
     """
     rules = freeze(rules)
     known = {name for name, _ in rules}
     for name in changes:
         if name not in known:
             raise ValueError(f"cannot override logical axis {name!r}{_suggest(name, sorted(known))}: "
-                             f"no rule has it")
-    return tuple((name, changes.get(name, axes)) for name, axes in rules)
+                             f"no rule has it; add it with jaxpar.rules.extend(rules, ({name!r}, MESH_AXES))")
+    return freeze(tuple((name, changes.get(name, axes)) for name, axes in rules))
+
+
+def extend(rules: Rules, *new_rules: tuple[str, MeshAxes]) -> tuple[tuple[str, MeshAxes], ...]:
+    """``rules`` with ``new_rules``, ``(logical_name, mesh_axes)`` pairs, added after them::
+
+        rules = jaxpar.rules.extend(jaxpar.rules.DEFAULT_RULES, ("hidden", "tensor"), ("conv", None))
+
+    (``override`` remaps names that have a rule.)
+
+    Raises:
+      ValueError: a pair is malformed, or names a logical axis that already has a rule.
+    """
+    rules = freeze(rules)
+    known = {name for name, _ in rules}
+    for entry in freeze(new_rules):
+        if entry[0] in known:
+            raise ValueError(f"logical axis {entry[0]!r} has a rule already ({entry[0]!r} -> "
+                             f"{dict(rules)[entry[0]]!r}); change it with jaxpar.rules.override")
+    return freeze(rules + tuple(new_rules))
 
 
 def as_tuple(mesh_axes: MeshAxes) -> tuple[str, ...]:
@@ -125,7 +145,11 @@ def as_tuple(mesh_axes: MeshAxes) -> tuple[str, ...]:
 
 
 def _suggest(name: str, choices: Sequence[str]) -> str:
-    close = difflib.get_close_matches(name, choices, n=1)
+    """" (did you mean 'x'?)" for a real near-miss of ``name`` among ``choices`` (a typo
+    or two letters swapped: ``fdsp`` -> ``fsdp``, ``mpl`` -> ``mlp``), else nothing
+    (``tensor`` is not a near-miss of ``norm``)."""
+    swapped = [c for c in choices if len(c) > 2 and sorted(c) == sorted(name)]
+    close = swapped or difflib.get_close_matches(name, choices, n=1, cutoff=0.75)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
@@ -200,10 +224,16 @@ def _logical_to_spec(logical_axes, rules) -> PartitionSpec:
         if name is None:
             spec.append(None)
             continue
+        if name not in table and name in ALL_AXES:
+            raise ValueError(
+                f"{name!r} in {tuple(logical_axes)} is a mesh axis, not a logical axis name; "
+                f"annotate with logical names, or map it: jaxpar.rules.extend(rules, ({name!r}, {name!r}))"
+            )
         if name not in table:
             raise ValueError(
                 f"logical axis {name!r} has no sharding rule{_suggest(name, list(table))}; "
-                f"known: {sorted(table)}. To replicate it, add the rule ({name!r}, None)"
+                f"known: {sorted(table)}. Add a rule for it: jaxpar.rules.extend(rules, "
+                f"({name!r}, MESH_AXES)), or ({name!r}, None) to replicate it"
             )
         mesh_axes = table[name]
         for axis in as_tuple(mesh_axes):
