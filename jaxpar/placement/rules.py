@@ -145,9 +145,9 @@ def as_tuple(mesh_axes: MeshAxes) -> tuple[str, ...]:
 
 
 def _suggest(name: str, choices: Sequence[str]) -> str:
-    """" (did you mean 'x'?)" for a real near-miss of ``name`` among ``choices`` (a typo
-    or two letters swapped: ``fdsp`` -> ``fsdp``, ``mpl`` -> ``mlp``), else nothing
-    (``tensor`` is not a near-miss of ``norm``)."""
+    """A " (did you mean 'x'?)" hint naming a real near-miss of ``name`` among
+    ``choices`` (a typo or letters swapped: ``fdsp`` -> ``fsdp``, ``mpl`` -> ``mlp``),
+    else ``""`` (``tensor`` is not a near-miss of ``norm``)."""
     swapped = [c for c in choices if len(c) > 2 and sorted(c) == sorted(name)]
     close = swapped or difflib.get_close_matches(name, choices, n=1, cutoff=0.75)
     return f" (did you mean {close[0]!r}?)" if close else ""
