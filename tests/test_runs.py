@@ -31,10 +31,8 @@ def write_run(run_dir, rng, *overrides, opt_state: bool) -> nnx.State:
     state = {"params": params}
     if opt_state:
         state["opt_state"] = make_optimizer(cfg.optimizer, cfg.steps)[0].init(params)
-    checkpoints = Checkpoints(run_dir, keep=1)
-    checkpoints.save(3, state, {"step": 3})
-    checkpoints.wait()
-    checkpoints.close()
+    with Checkpoints(run_dir, keep=1) as checkpoints:
+        checkpoints.save(3, state, {"step": 3})
     return params
 
 
@@ -55,12 +53,25 @@ def test_a_run_loads_its_parameters_alone(tmp_path, rng, caplog):
 def test_a_save_that_does_not_happen_raises(tmp_path):
     """Orbax skips a step at or before its latest (returning False); a Checkpoints save
     says so rather than losing the step silently."""
-    checkpoints = Checkpoints(tmp_path / "run", keep=2)
-    checkpoints.save(3, {"x": jax.numpy.arange(4.0)}, {"step": 3})
-    with pytest.raises(CheckpointError, match=r"checkpoint at step 3 was not saved to .*/run/checkpoints "
-                                              r"\(its latest step is 3\)"):
-        checkpoints.save(3, {"x": jax.numpy.arange(4.0) + 1}, {"step": 3})
-    checkpoints.close()
+    with Checkpoints(tmp_path / "run", keep=2) as checkpoints:
+        checkpoints.save(3, {"x": jax.numpy.arange(4.0)}, {"step": 3})
+        with pytest.raises(CheckpointError, match=r"checkpoint at step 3 was not saved to .*/run/checkpoints "
+                                                  r"\(its latest step is 3\)"):
+            checkpoints.save(3, {"x": jax.numpy.arange(4.0) + 1}, {"step": 3})
+
+
+def test_checkpoints_close_on_an_error_but_not_on_a_second_ctrl_c(tmp_path):
+    """A manager left open races interpreter shutdown: its cleanup thread printed
+    "cannot schedule new futures after interpreter shutdown" after a one-line error."""
+    with pytest.raises(ValueError):
+        with Checkpoints(tmp_path / "run", keep=2) as checkpoints:
+            raise ValueError("no files matched")
+    assert checkpoints._closed
+    with pytest.raises(KeyboardInterrupt):
+        with Checkpoints(tmp_path / "run", keep=2) as interrupted:
+            raise KeyboardInterrupt
+    assert not interrupted._closed  # jaxpar-train's handler exits at once
+    interrupted.close()
 
 
 @pytest.mark.slow

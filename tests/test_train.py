@@ -268,9 +268,8 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous(tmp_path, cache, c
     assert len(skipped(caplog)) == 3
     assert [r["step"] for r in fourth] == list(range(1, 11))
     assert sorted(os.listdir(run / "checkpoints" / "corrupt")) == ["10", "4", "8", "8-2"]
-    checkpoints = Checkpoints(run, keep=3)
-    assert checkpoints.steps() == [4, 8, 10] and checkpoints.read_meta(10)["step"] == 10
-    checkpoints.close()
+    with Checkpoints(run, keep=3) as checkpoints:
+        assert checkpoints.steps() == [4, 8, 10] and checkpoints.read_meta(10)["step"] == 10
 
 
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, cache):

@@ -39,6 +39,7 @@ class Checkpoints:
         # Orbax logs an error of its own for each unparsable file it meets listing and
         # restoring steps: held back until a restore has tried them (_release_logs).
         self._held_logs: list[logging.LogRecord] = []
+        self._closed = False
         with _holding_orbax_logs(self._held_logs):
             self.manager = ocp.CheckpointManager(self.directory, options=options)
 
@@ -136,8 +137,22 @@ class Checkpoints:
         self.manager.wait_until_finished()
 
     def close(self) -> None:
+        """Waits for the save in flight and stops orbax's threads (again: a no-op)."""
+        if self._closed:
+            return
+        self._closed = True
         self._release_logs([])
         self.manager.close()
+
+    def __enter__(self) -> "Checkpoints":
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        # Closed on every way out: a manager left open races interpreter shutdown
+        # (its background cleanup thread then prints "cannot schedule new futures").
+        # Not on KeyboardInterrupt: a second Ctrl-C leaves at once, save or no save.
+        if kind is None or not issubclass(kind, KeyboardInterrupt):
+            self.close()
 
 
 @contextlib.contextmanager

@@ -257,115 +257,110 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
         print(json.dumps(profile, separators=(",", ":")))
         return []
 
-    checkpoints = Checkpoints(run_dir, keep=cfg.checkpoint.keep)
-    _check_same_model(checkpoints, cfg)
-    restored = checkpoints.restore_latest(step_fn.abstract_state(abstract_model))
-    start = 0 if restored is None else restored[0]
-    if start >= cfg.steps:
-        checkpoints.close()
-        log.warning("%s is already at step %d (steps=%d): nothing to do; raise steps= to continue "
-                    "or choose another run_dir", cfg.run_dir, start, cfg.steps)
-        return []
-    cache_dir = pathlib.Path(cfg.cache_dir).expanduser() if cfg.cache_dir else data_lib.default_cache_dir()
-    tokenizer = data_lib.load_tokenizer(cfg.data, model_cfg.vocab_size, cache_dir)
-    data_lib.check_vocab(tokenizer, model_cfg.vocab_size)
-    train_rows = data_lib.packed_rows(cfg.data, tokenizer, cfg.seq_len, "train", cache_dir)
-    val_rows = data_lib.packed_rows(cfg.data, tokenizer, cfg.seq_len, "validation", cache_dir)
-    loader = data_lib.Loader(train_rows, cfg.batch_size, seed=cfg.seed)
-    val_batches = data_lib.eval_batches(val_rows, cfg.batch_size, cfg.eval.batches) if cfg.eval.every else []
+    with Checkpoints(run_dir, keep=cfg.checkpoint.keep) as checkpoints:  # closed on every way out
+        _check_same_model(checkpoints, cfg)
+        restored = checkpoints.restore_latest(step_fn.abstract_state(abstract_model))
+        start = 0 if restored is None else restored[0]
+        if start >= cfg.steps:
+            log.warning("%s is already at step %d (steps=%d): nothing to do; raise steps= to continue "
+                        "or choose another run_dir", cfg.run_dir, start, cfg.steps)
+            return []
+        cache_dir = pathlib.Path(cfg.cache_dir).expanduser() if cfg.cache_dir else data_lib.default_cache_dir()
+        tokenizer = data_lib.load_tokenizer(cfg.data, model_cfg.vocab_size, cache_dir)
+        data_lib.check_vocab(tokenizer, model_cfg.vocab_size)
+        train_rows = data_lib.packed_rows(cfg.data, tokenizer, cfg.seq_len, "train", cache_dir)
+        val_rows = data_lib.packed_rows(cfg.data, tokenizer, cfg.seq_len, "validation", cache_dir)
+        loader = data_lib.Loader(train_rows, cfg.batch_size, seed=cfg.seed)
+        val_batches = data_lib.eval_batches(val_rows, cfg.batch_size, cfg.eval.batches) if cfg.eval.every else []
 
-    # The run can start: only now is the run dir made (a run refused above leaves none).
-    lead = jax.process_index() == 0  # writes the run dir's files; every process checkpoints
-    if lead:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-        tokenizer.save(str(run_dir / "tokenizer.json"))  # jaxpar-generate needs only the run dir
-    if restored is None:
-        @nnx.jit
-        def create():
-            return jaxpar.shard_model(build_model(cfg), mesh, rules)
+        # The run can start: only now is the run dir made (a run refused above leaves none).
+        lead = jax.process_index() == 0  # writes the run dir's files; every process checkpoints
+        if lead:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+            tokenizer.save(str(run_dir / "tokenizer.json"))  # jaxpar-generate needs only the run dir
+        if restored is None:
+            @nnx.jit
+            def create():
+                return jaxpar.shard_model(build_model(cfg), mesh, rules)
 
-        params, opt_state = step_fn.init(create())
-    else:
-        _, state, meta = restored  # saved in model order (step_fn.in_model_order)
-        state = step_fn.in_storage_order(state)
-        params, opt_state = state["params"], state["opt_state"]
-        loader.restore(meta["loader"])
-    metrics_path = run_dir / "metrics.jsonl"
-    if lead:
-        _rewrite_metrics(metrics_path, start)
-        tensorboard.truncate(run_dir / "tensorboard", start)
+            params, opt_state = step_fn.init(create())
+        else:
+            _, state, meta = restored  # saved in model order (step_fn.in_model_order)
+            state = step_fn.in_storage_order(state)
+            params, opt_state = state["params"], state["opt_state"]
+            loader.restore(meta["loader"])
+        metrics_path = run_dir / "metrics.jsonl"
+        if lead:
+            _rewrite_metrics(metrics_path, start)
+            tensorboard.truncate(run_dir / "tensorboard", start)
 
-    eval_fn = jax.jit(lambda params, batch, *frozen: step_fn.loss(step_fn.model(params), batch, *frozen))
-    tokens_per_step = cfg.batch_size * cfg.seq_len
-    peak = next((f for name, f in PEAK_FLOPS.items() if name in jax.devices()[0].device_kind), None)
-    if target is not None:
-        peak = None  # flops_per_token counts a Transformer's step, not the draft's and teacher's
-    history, last_saved = [], start
+        eval_fn = jax.jit(lambda params, batch, *frozen: step_fn.loss(step_fn.model(params), batch, *frozen))
+        tokens_per_step = cfg.batch_size * cfg.seq_len
+        peak = next((f for name, f in PEAK_FLOPS.items() if name in jax.devices()[0].device_kind), None)
+        if target is not None:
+            peak = None  # flops_per_token counts a Transformer's step, not the draft's and teacher's
+        history, last_saved = [], start
 
-    def save(step, params, opt_state):
+        def save(step, params, opt_state):
+            try:
+                checkpoints.save(step, step_fn.in_model_order({"params": params, "opt_state": opt_state}),
+                                 {"step": step, "loader": loader.state(), "config": to_dict(cfg)})
+            except CheckpointError as e:
+                raise TrainingError(str(e)) from None
+
+        board = tensorboard.writer(run_dir / "tensorboard") if lead else None
+        metrics_file = metrics_path.open("a") if lead else None
+        bar = tqdm(total=cfg.steps, initial=start, disable=not progress or not lead,
+                   dynamic_ncols=True, desc="train")
         try:
-            checkpoints.save(step, step_fn.in_model_order({"params": params, "opt_state": opt_state}),
-                             {"step": step, "loader": loader.state(), "config": to_dict(cfg)})
-        except CheckpointError as e:
-            raise TrainingError(str(e)) from None
-
-    board = tensorboard.writer(run_dir / "tensorboard") if lead else None
-    metrics_file = metrics_path.open("a") if lead else None
-    bar = tqdm(total=cfg.steps, initial=start, disable=not progress or not lead,
-               dynamic_ncols=True, desc="train")
-    try:
-        with step_fn.context(), stop_on_signals() as stop:
-            for step in range(start + 1, cfg.steps + 1):
-                batch = batch_of(next(loader))
-                began = time.perf_counter()
-                params, opt_state, out = step_fn(params, opt_state, batch, *frozen)
-                loss = float(out["loss"])
-                elapsed = time.perf_counter() - began
-                if not math.isfinite(loss):
-                    checkpoints.wait()
-                    raise TrainingError(
-                        f"loss is {loss} at step {step}; stopped. The last good checkpoint "
-                        f"(step {last_saved}) in {checkpoints.directory} is intact"
-                    )
-                record = {"step": step, "loss": loss, "lr": float(schedule(step - 1)),
-                          "grad_norm": float(out["grad_norm"]), "tokens_per_s": tokens_per_step / elapsed,
-                          "step_time_s": elapsed}
-                if val_batches and (step % cfg.eval.every == 0 or step == cfg.steps):
-                    losses = [eval_fn(params, batch_of(b), *frozen) for b in val_batches]
-                    record["val_loss"] = float(np.mean([float(l) for l in losses]))
-                history.append(record)
-                if lead:
-                    metrics_file.write(json.dumps(record) + "\n")
-                    metrics_file.flush()
-                    for name, value in record.items():
-                        if name != "step" and board is not None:
-                            board.add_scalar(name, value, step)
-                every = cfg.checkpoint.every
-                if (every and step % every == 0) or step == cfg.steps:
-                    save(step, params, opt_state)
-                    last_saved = step
-                postfix = {"loss": f"{loss:.3f}", "tok/s": f"{record['tokens_per_s']:.0f}",
-                           "step": f"{elapsed * 1e3:.0f}ms"}
-                if peak:
-                    postfix["MFU"] = f"{flops_per_token(cfg) * record['tokens_per_s'] / (peak * mesh.devices.size):.1%}"
-                if "val_loss" in record:
-                    postfix["val"] = f"{record['val_loss']:.3f}"
-                bar.set_postfix(postfix, refresh=False)
-                bar.update(1)
-                signum = stop.agreed() if step < cfg.steps else None
-                if signum is not None:  # every process stops here, this step saved
-                    if last_saved != step:
+            with step_fn.context(), stop_on_signals() as stop:
+                for step in range(start + 1, cfg.steps + 1):
+                    batch = batch_of(next(loader))
+                    began = time.perf_counter()
+                    params, opt_state, out = step_fn(params, opt_state, batch, *frozen)
+                    loss = float(out["loss"])
+                    elapsed = time.perf_counter() - began
+                    if not math.isfinite(loss):
+                        raise TrainingError(
+                            f"loss is {loss} at step {step}; stopped. The last good checkpoint "
+                            f"(step {last_saved}) in {checkpoints.directory} is intact"
+                        )
+                    record = {"step": step, "loss": loss, "lr": float(schedule(step - 1)),
+                              "grad_norm": float(out["grad_norm"]), "tokens_per_s": tokens_per_step / elapsed,
+                              "step_time_s": elapsed}
+                    if val_batches and (step % cfg.eval.every == 0 or step == cfg.steps):
+                        losses = [eval_fn(params, batch_of(b), *frozen) for b in val_batches]
+                        record["val_loss"] = float(np.mean([float(l) for l in losses]))
+                    history.append(record)
+                    if lead:
+                        metrics_file.write(json.dumps(record) + "\n")
+                        metrics_file.flush()
+                        for name, value in record.items():
+                            if name != "step" and board is not None:
+                                board.add_scalar(name, value, step)
+                    every = cfg.checkpoint.every
+                    if (every and step % every == 0) or step == cfg.steps:
                         save(step, params, opt_state)
                         last_saved = step
-                    checkpoints.close()  # waits for the save
-                    raise Stopped(signum, step, last_saved)
-    finally:
-        bar.close()
-        if board is not None:
-            board.close()
-        if lead:
-            metrics_file.close()
-    checkpoints.wait()
-    checkpoints.close()
-    return history
+                    postfix = {"loss": f"{loss:.3f}", "tok/s": f"{record['tokens_per_s']:.0f}",
+                               "step": f"{elapsed * 1e3:.0f}ms"}
+                    if peak:
+                        postfix["MFU"] = f"{flops_per_token(cfg) * record['tokens_per_s'] / (peak * mesh.devices.size):.1%}"
+                    if "val_loss" in record:
+                        postfix["val"] = f"{record['val_loss']:.3f}"
+                    bar.set_postfix(postfix, refresh=False)
+                    bar.update(1)
+                    signum = stop.agreed() if step < cfg.steps else None
+                    if signum is not None:  # every process stops here, this step saved
+                        if last_saved != step:
+                            save(step, params, opt_state)
+                            last_saved = step
+                        raise Stopped(signum, step, last_saved)
+        finally:
+            bar.close()
+            if board is not None:
+                board.close()
+            if lead:
+                metrics_file.close()
+        return history  # leaving the block waits for the last save

@@ -90,11 +90,8 @@ def restore_params(run_dir: pathlib.Path, model: nnx.Module, cfg: Config) -> nnx
     device = SingleDeviceSharding(jax.devices()[0])
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
                             nnx.state(model))
-    checkpoints = Checkpoints(run_dir, keep=cfg.checkpoint.keep)
-    try:
+    with Checkpoints(run_dir, keep=cfg.checkpoint.keep) as checkpoints:
         restored = checkpoints.restore_params(abstract)
-    finally:
-        checkpoints.close()
     if restored is None:
         raise FileNotFoundError(f"no checkpoint in {pathlib.Path(run_dir) / 'checkpoints'}")
     nnx.update(model, restored[1])
