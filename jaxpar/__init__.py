@@ -22,6 +22,7 @@ from jaxpar import profiler
 from jaxpar.placement import rules
 from jaxpar.ops.attention import dot_product_attention
 from jaxpar.placement.execution import Execution, SequenceOptions, jit, use_execution
+from jaxpar.placement.linen import linen_shardings
 from jaxpar.placement.mesh import MESH_AXES, make_mesh
 from jaxpar.parallel.sequence import ring_attention
 from jaxpar.placement.sharding import constrain, model_shardings, shard_model, use_mesh
@@ -36,6 +37,7 @@ __all__ = [
     "constrain",
     "dot_product_attention",
     "jit",
+    "linen_shardings",
     "make_mesh",
     "model_shardings",
     "profiler",

@@ -1,6 +1,8 @@
+import flax.linen as nn
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import jaxpar
@@ -97,3 +99,60 @@ def test_duplicate_rule_and_malformed_rule():
 def test_constrain_is_a_noop_without_mesh():
     x = np.arange(6.0).reshape(2, 3)
     assert jaxpar.constrain(x, ("activation_batch", "activation_embed")) is x
+
+
+class _MLP(nnx.Module):
+    """D=16, F=32, float32: up (16, 32) + (32,), down (32, 16) + (16,), a norm (16,)."""
+
+    def __init__(self, rngs):
+        init, zeros = nnx.initializers.normal(1.0), nnx.initializers.zeros_init()
+        self.up = nnx.Linear(16, 32, rngs=rngs, kernel_init=nnx.with_partitioning(init, ("embed", "mlp")),
+                             bias_init=nnx.with_partitioning(zeros, ("mlp",)))
+        self.down = nnx.Linear(32, 16, rngs=rngs, kernel_init=nnx.with_partitioning(init, ("mlp", "embed")),
+                               bias_init=nnx.with_partitioning(zeros, ("embed",)))
+        self.norm = nnx.RMSNorm(16, rngs=rngs, scale_init=nnx.with_partitioning(nnx.initializers.ones, ("norm",)))
+
+
+def test_explain_counts_bytes_per_device_and_the_replicated_share(capsys):
+    """On fsdp=4 x tensor=2: kernels 2048 B / 8, up.bias 128 B / 2 (tensor), down.bias
+    64 B / 4 (fsdp), the norm's 64 B on every device."""
+    with nnx.use_eager_sharding(False):
+        model = nnx.eval_shape(lambda: _MLP(nnx.Rngs(0)))
+    mesh = jaxpar.make_mesh(fsdp=4, tensor=2)
+    report = jaxpar.rules.explain(model, mesh)
+    assert capsys.readouterr().out == str(report) + "\n"
+    per_param = {p.path: (p.names, p.spec, p.bytes_per_device) for p in report.params}
+    assert per_param == {
+        "down/bias": (("embed",), P("fsdp"), 16),
+        "down/kernel": (("mlp", "embed"), P("tensor", "fsdp"), 256),
+        "norm/scale": (("norm",), P(None), 64),
+        "up/bias": (("mlp",), P("tensor"), 64),
+        "up/kernel": (("embed", "mlp"), P("fsdp", "tensor"), 256),
+    }
+    total = 2048 + 128 + 2048 + 64 + 64
+    assert (report.total_bytes, report.bytes_per_device) == (total, 256 + 64 + 256 + 16 + 64)
+    assert report.replicated_fraction == 64 / total
+    lines = str(report).splitlines()
+    assert lines[0].split() == ["parameter", "logical", "axes", "mesh", "axes", "shape", "bytes/device"]
+    assert "up/kernel    embed, mlp    fsdp:4, tensor:2  16x32" in str(report)
+    assert lines[-2:] == ["total 4,352 bytes in 5 parameters; per device 656 bytes on fsdp=4 x tensor=2 "
+                          "(ideal 1/8: 544)",
+                          "replicated (every device holds them whole): 1.5% of parameter bytes"]
+
+    # Replicating the MLP dimension: kernels split 4 ways only, up.bias held whole.
+    replicated_mlp = jaxpar.rules.explain(model, mesh, jaxpar.rules.override(DEFAULT_RULES, {"mlp": None}))
+    assert replicated_mlp.bytes_per_device == 512 + 128 + 512 + 16 + 64
+    assert replicated_mlp.replicated_fraction == (128 + 64) / total
+
+
+def test_explain_linen_variables_abstract():
+    class Dense(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            w = self.param("w", nn.with_logical_partitioning(nn.initializers.ones, ("embed", "vocab")), (16, 8))
+            return x @ w
+
+    abstract = jax.eval_shape(Dense().init, jax.random.key(0), jax.ShapeDtypeStruct((2, 16), np.float32))
+    report = jaxpar.rules.explain(abstract, jaxpar.make_mesh(fsdp=4, tensor=2))
+    assert [(p.path, p.spec, p.bytes_per_device) for p in report.params] == [("w", P("fsdp", "tensor"), 64)]
+    assert report.replicated_fraction == 0

@@ -245,3 +245,14 @@ def _logical_to_spec(logical_axes, rules) -> PartitionSpec:
             owner[axis] = name
         spec.append(mesh_axes)
     return PartitionSpec(*spec)
+
+
+def explain(model_or_variables, mesh: jax.sharding.Mesh, rules: Rules | None = None):
+    """Prints and returns where ``rules`` (default ``DEFAULT_RULES``) put each parameter
+    of an NNX model / ``nnx.State`` or of Linen variables on ``mesh``: its logical
+    names, mesh axes, shape and bytes per device, then the total bytes, the bytes per
+    device and the share of parameter bytes every device holds whole. A
+    ``jaxpar.placement.report.RuleReport``; see ``jaxpar.placement.report.explain``."""
+    from jaxpar.placement import report  # report places models, which needs this module
+
+    return report.explain(model_or_variables, mesh, rules)

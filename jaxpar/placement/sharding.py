@@ -6,7 +6,10 @@ Everything here is a no-op without a mesh, so single-device code needs no setup.
 from __future__ import annotations
 
 import contextlib
+import linecache
 import math
+import os
+import re
 from collections.abc import Sequence
 
 import jax
@@ -20,6 +23,8 @@ from jaxpar.placement.execution import rules_for, use_execution
 # Metadata keys NNX has used for `nnx.with_partitioning` annotations across versions.
 _ANNOTATION_KEYS = ("out_sharding", "sharding_names", "sharding")
 
+_FLAX_DIR = os.path.dirname(os.path.dirname(nnx.__file__))
+
 
 def logical_axes(variable: nnx.Variable) -> tuple[str | None, ...] | None:
     """The logical axis names a variable was annotated with, or None."""
@@ -31,8 +36,41 @@ def logical_axes(variable: nnx.Variable) -> tuple[str | None, ...] | None:
     return None
 
 
-def _path_str(path) -> str:
+def path_str(path) -> str:
+    """A pytree path as ``layers/0/mlp/kernel``."""
     return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def spec_for(where: str, names, shape: tuple[int, ...], mesh, rules: rules_lib.Rules) -> PartitionSpec:
+    """The ``PartitionSpec`` of the array at ``where`` (a parameter path, for errors),
+    of ``shape``, annotated with logical ``names``, under ``rules`` (already restricted
+    to ``mesh``).
+
+    Raises:
+      ValueError: naming ``where``: the annotation's length is not the array's rank, a
+        name has no rule (``logical_to_spec``'s checks), or a dimension does not divide
+        by its mesh axes.
+    """
+    if len(names) != len(shape):
+        raise ValueError(f"parameter {where}: annotation {tuple(names)} does not match its shape {shape}")
+    try:
+        spec = rules_lib.logical_to_spec(names, rules)
+    except ValueError as e:
+        raise ValueError(f"parameter {where} {shape}: {e}") from None
+    check_divides(where, shape, spec, mesh)
+    return spec
+
+
+def check_divides(where: str, shape: tuple[int, ...], spec: PartitionSpec, mesh) -> None:
+    """Raises a ``ValueError`` naming ``where`` if a dimension of ``shape`` does not
+    divide by the mesh axes ``spec`` puts it on."""
+    for dim, axes in zip(shape, spec):
+        ways = math.prod(mesh.shape[a] for a in rules_lib.as_tuple(axes))
+        if dim % ways:
+            raise ValueError(
+                f"parameter {where} {shape}: dimension {dim} does not divide over "
+                f"mesh axes {axes} of total size {ways}"
+            )
 
 
 def model_shardings(model_or_state, mesh: jax.sharding.Mesh, rules: rules_lib.Rules | None = None):
@@ -56,28 +94,14 @@ def model_shardings(model_or_state, mesh: jax.sharding.Mesh, rules: rules_lib.Ru
     def sharding_of(path, variable):
         names = logical_axes(variable)
         shape = getattr(variable.get_value(), "shape", ())
-        where = _path_str(path)
         if names is None:
             if isinstance(variable, nnx.Param) and shape:
                 raise ValueError(
-                    f"parameter {where} {shape} has no logical axis annotation; wrap its "
+                    f"parameter {path_str(path)} {shape} has no logical axis annotation; wrap its "
                     "initializer in nnx.with_partitioning(init, names) (None entries replicate)"
                 )
             return variable.replace(NamedSharding(mesh, PartitionSpec()))
-        if len(names) != len(shape):
-            raise ValueError(f"parameter {where}: annotation {names} does not match its shape {shape}")
-        try:
-            spec = rules_lib.logical_to_spec(names, rules)
-        except ValueError as e:
-            raise ValueError(f"parameter {where} {shape}: {e}") from None
-        for dim, axes in zip(shape, spec):
-            ways = math.prod(mesh.shape[a] for a in rules_lib.as_tuple(axes))
-            if dim % ways:
-                raise ValueError(
-                    f"parameter {where} {shape}: dimension {dim} does not divide over "
-                    f"mesh axes {axes} of total size {ways}"
-                )
-        return variable.replace(NamedSharding(mesh, spec))
+        return variable.replace(NamedSharding(mesh, spec_for(path_str(path), names, shape, mesh, rules)))
 
     return jax.tree.map_with_path(
         sharding_of, state, is_leaf=lambda x: isinstance(x, nnx.Variable)
@@ -147,11 +171,77 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
 def use_mesh(mesh: jax.sharding.Mesh, rules: rules_lib.Rules | None = None):
     """Sets ``mesh`` (``jax.set_mesh``) and its rules (``rules=None``: ``DEFAULT_RULES``)
     as the ``Execution``'s rules and as ``flax.linen.logical_axis_rules`` (for Linen
-    modules' own constraints).
+    modules' own constraints and NNX's eager sharding).
 
     Inside, the model's activation constraints resolve against this mesh; trace inside
     it (``jaxpar.jit`` keys its programs by the rules in force).
+
+    An NNX model created inside is born sharded (NNX's eager sharding places each
+    variable made with ``nnx.with_partitioning`` by these rules), strictly: a name
+    without a rule, an annotation that does not match the array's rank, or a dimension
+    that does not divide by its mesh axes raises jaxpar's error, naming the parameter,
+    the name and the fix. Flax offers no hook where it resolves the names (it leaves a
+    name without a rule as it is, and JAX then fails with "Resource axis: hidden ... is
+    not found in mesh"), so this catches the ``ValueError`` raised while Flax shards a
+    new variable (only those: raised inside ``flax.core.spmd.shard_value``), checks
+    that variable's names as ``shard_model`` does and raises jaxpar's error instead.
+    The parameter's path is read from its constructors' source lines (``self.dot1 =
+    nnx.Linear(...)``; a segment written otherwise shows as ``<ClassName>``), with the
+    line that created it. A mesh axis used as a name (``'tensor'``) is taken by Flax as
+    that mesh axis without an error, so it is not caught here; ``shard_model`` and
+    ``model_shardings`` reject it.
     """
     resolved = rules_lib.for_mesh(mesh, rules_lib.DEFAULT_RULES if rules is None else rules)
     with jax.set_mesh(mesh), flax_spmd.logical_axis_rules(resolved), use_execution(rules=resolved):
-        yield mesh
+        try:
+            yield mesh
+        except ValueError as error:
+            strict = _eager_sharding_error(error, mesh, resolved)
+            if strict is None:
+                raise
+            raise strict from None
+
+
+def _eager_sharding_error(error: ValueError, mesh, rules) -> ValueError | None:
+    """jaxpar's error for ``error`` if Flax raised it while eagerly sharding a new NNX
+    variable by logical names and jaxpar's checks of those names fail; else None."""
+    frames = []
+    tb = error.__traceback__
+    while tb is not None:
+        frames.append((tb.tb_frame, tb.tb_lineno))
+        tb = tb.tb_next
+    codes = [frame.f_code for frame, _ in frames]
+    if flax_spmd.shard_value.__code__ not in codes:
+        return None
+    at = codes.index(flax_spmd.shard_value.__code__)
+    metadata = frames[at - 1][0].f_locals.get("metadata") if at else None  # Variable.__init__'s
+    value = frames[at][0].f_locals.get("value")
+    names = metadata.get("out_sharding") if isinstance(metadata, dict) else None
+    if (not isinstance(names, (tuple, list)) or not all(n is None or isinstance(n, str) for n in names)
+            or metadata.get("sharding_rules") or not hasattr(value, "shape")):
+        return None  # not logical names under our rules: Flax's error stands
+    try:
+        spec_for(_creation_path(frames[: at - 1]), tuple(names), tuple(value.shape), mesh, rules)
+    except ValueError as strict:
+        return strict
+    return None
+
+
+_ASSIGNMENT = re.compile(r"\s*self\.(\w+)\s*(?::[^=]*)?=")
+
+
+def _creation_path(frames) -> str:
+    """``dot1/kernel [model.py:12]``: the attribute path of a variable being created,
+    from the ``self.NAME = ...`` source lines of the NNX constructors on the stack
+    (outermost first), and the innermost of those lines outside Flax."""
+    segments, where = [], ""
+    for frame, line in frames:
+        owner = frame.f_locals.get("self")
+        if frame.f_code.co_name != "__init__" or not isinstance(owner, nnx.Pytree):
+            continue
+        filename = frame.f_code.co_filename
+        assigned = _ASSIGNMENT.match(linecache.getline(filename, line))
+        segments.append(assigned[1] if assigned else f"<{type(owner).__name__}>")
+        if not filename.startswith(_FLAX_DIR):
+            where = f" [{os.path.basename(filename)}:{line}]"
+    return "/".join(segments) + where
