@@ -96,7 +96,7 @@ def test_flax_lm1b_shards_and_trains_as_one_device(mesh_name, lm1b_reference):
     model = lm1b.TransformerLM(LM1B)
     mesh = jaxpar.make_mesh(**MESHES[mesh_name])
     abstract = jax.eval_shape(model.init, jax.random.key(0), tokens[0])
-    shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh, jaxpar.rules.for_mesh(mesh))  # TEMP
+    shardings = jaxpar.linen_shardings(abstract, mesh)
     with jaxpar.use_mesh(mesh):
         variables = jax.jit(model.init, out_shardings=shardings)(jax.random.key(0), tokens[0])
         named = [(jax.tree_util.keystr(path), box.names, box.value) for path, box in

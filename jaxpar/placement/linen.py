@@ -55,20 +55,26 @@ def linen_shardings(variables, mesh: jax.sharding.Mesh, rules: rules_lib.Rules |
 def _spec(path, leaf, mesh, rules) -> PartitionSpec:
     """The ``PartitionSpec`` of one leaf (box or array) of Linen variables at ``path``."""
     where = path_str(path)
-    if isinstance(leaf, nn.LogicallyPartitioned):
-        box_rules = rules if leaf.rules is None else rules_lib.for_mesh(mesh, leaf.rules)
-        return spec_for(where, leaf.names, leaf.value.shape, mesh, box_rules)
     if isinstance(leaf, meta.Partitioned):
         shape = tuple(leaf.value.shape)
-        if len(leaf.names) != len(shape):
-            raise ValueError(f"parameter {where}: annotation {tuple(leaf.names)} does not match its shape {shape}")
-        for name in (a for axes in leaf.names for a in rules_lib.as_tuple(axes)):
+        if len(leaf.names) > len(shape):
+            raise ValueError(f"parameter {where}: annotation {tuple(leaf.names)} has more names than "
+                             f"its shape {shape} has dimensions")
+        # Linen's DenseGeneral keeps the names of the flat kernel it initialises (lm1b's
+        # attention: ('embed', 'kv') on [D, N, H]): like a PartitionSpec, an annotation
+        # shorter than the rank leaves the trailing dimensions whole.
+        names = tuple(leaf.names) + (None,) * (len(shape) - len(leaf.names))
+    if isinstance(leaf, nn.LogicallyPartitioned):
+        box_rules = rules if leaf.rules is None else rules_lib.for_mesh(mesh, leaf.rules)
+        return spec_for(where, names, shape, mesh, box_rules)
+    if isinstance(leaf, meta.Partitioned):
+        for name in (a for axes in names for a in rules_lib.as_tuple(axes)):
             if name not in mesh.axis_names:
                 raise ValueError(
                     f"parameter {where}: nn.with_partitioning names mesh axis {name!r}, which the "
                     f"mesh {tuple(mesh.axis_names)} lacks (logical names go in "
                     "nn.with_logical_partitioning)")
-        spec = PartitionSpec(*leaf.names)
+        spec = PartitionSpec(*names)
         check_divides(where, shape, spec, mesh)
         return spec
     shape = getattr(leaf, "shape", ())
