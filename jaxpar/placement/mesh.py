@@ -24,8 +24,12 @@ from jax.sharding import AxisType, Mesh
 
 MESH_AXES: tuple[str, ...] = ("data", "fsdp", "pipe", "seq", "tensor")
 TENSOR_2D_AXES: tuple[str, str] = ("tensor_row", "tensor_col")
-# Every mesh axis name a jaxpar mesh can have (what sharding rules may name).
-ALL_AXES: tuple[str, ...] = MESH_AXES + TENSOR_2D_AXES
+# Expert parallelism (MaxText's `expert` axis: MoE experts split over it). Sharding rules
+# may name it and a user's own mesh may have it; ``make_mesh`` does not make it (jaxpar
+# has no MoE layers), so on jaxpar's meshes the rules naming it replicate.
+EXPERT_AXIS = "expert"
+# Every mesh axis name sharding rules may name: a jaxpar mesh's axes, and `expert`.
+ALL_AXES: tuple[str, ...] = MESH_AXES + TENSOR_2D_AXES + (EXPERT_AXIS,)
 
 
 def make_mesh(

@@ -25,6 +25,34 @@ jaxpar resolves names strictly, unlike Flax, which replicates what it does not k
 * a rule naming a mesh axis that neither jaxpar's meshes nor the given mesh has (a typo
   such as ``fdsp``) is an error;
 * two dimensions of one array mapped to the same mesh axis is an error.
+
+MaxText's vocabulary: ``DEFAULT_RULES`` has a rule for every logical name of
+MaxText's ``base.yml`` (dense layers, attention and MLA, MoE, the inference caches and
+pages, layer groups), with MaxText's meaning on jaxpar's axes, as ``from_maxtext`` maps
+MaxText's mesh axes (``context`` -> ``seq``, ``stage`` -> ``pipe``, ``expert`` ->
+``expert``). Where MaxText's rule differs from jaxpar's, jaxpar keeps its own, and the
+names that are variants of it follow it:
+
+* ``norm`` is the norm-scale parameter ``[D]``, and ``activation_embed`` the residual
+  stream's width (with ``activation_embed_attn``, ``activation_embed_moe``): MaxText
+  splits both over ``tensor``; jaxpar replicates both, as Megatron keeps the residual
+  stream whole across the tensor group (``SEQUENCE_PARALLEL`` splits its length there
+  instead), and a norm needs its whole scale on every device.
+* ``activation_kv`` (and ``activation_kv_head_dim``), the head dimension of attention's
+  ``[B, T, N, H]`` activations: MaxText's rule says ``tensor``, but each MaxText array
+  with it has heads too, whose earlier rule takes ``tensor``, and flax then leaves the
+  head dimension whole. jaxpar reports two dimensions on one axis rather than dropping
+  one, so its rule says what MaxText gets: ``None``.
+* ``embed`` (and the weights' other model dimensions ``embed_vocab``, ``embed_moe``,
+  ``q_lora``, ``kv_lora``): MaxText also splits it over ``context`` and ``expert``;
+  jaxpar over ``fsdp`` (its transformer adds ``seq`` where the width divides).
+* ``activation_batch`` (and the other batches): MaxText's also name ``expert`` (and
+  ``stage`` around the embedding and the logits); jaxpar's are ``BATCH_AXES``.
+
+MaxText's experts (``exp``, ``activation_exp``) go to ``expert``, an axis a user's mesh
+may have and jaxpar's do not: there they are replicated, as in MaxText without expert
+parallelism. ``from_maxtext(table)`` loads a MaxText ``logical_axis_rules`` table as it
+is, MaxText's rule for every name.
 """
 
 from __future__ import annotations
@@ -70,6 +98,79 @@ DEFAULT_RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("activation_kv", None),
     ("activation_mlp", "tensor"),
     ("activation_vocab", "tensor"),
+    # The rest of MaxText's base.yml, MaxText's meaning on jaxpar's axes (see the module
+    # docstring and from_maxtext); variants of the names above follow their rules.
+    #
+    # Vocabulary: the embedding table's model dimension; the batch (and the flattened
+    # batch x length) of the embedding lookup and the logits.
+    ("embed_vocab", "fsdp"),
+    ("activation_embed_and_logits_batch", BATCH_AXES),
+    ("activation_embed_and_logits_batch_sequence", BATCH_AXES + ("seq",)),
+    # Attention weights: query heads, GPT-3's fused q/k/v index, the k/v projections'
+    # head dim; MLA's low ranks, split as `embed` where a weight reads them (`q_lora`,
+    # `kv_lora`), whole where it writes them (`*_up_proj`).
+    ("q_heads", "tensor"),
+    ("qkv", None),
+    ("kv_head_dim", None),
+    ("q_lora", "fsdp"),
+    ("q_lora_up_proj", None),
+    ("kv_lora", "fsdp"),
+    ("kv_lora_up_proj", None),
+    # Attention activations: the keys/values' length stays whole (ring attention passes
+    # the blocks round), the head dim is `activation_kv`'s.
+    ("activation_batch_attn", BATCH_AXES),
+    ("activation_kv_batch", BATCH_AXES),
+    ("activation_input_length_attn", "seq"),
+    ("activation_length_attn", "seq"),
+    ("activation_q_length", "seq"),
+    ("activation_kv_length", None),
+    ("activation_embed_attn", None),
+    ("activation_kv_head_dim", None),
+    # Mixture of experts: the experts over `expert` (replicated on jaxpar's meshes, which
+    # lack it), each expert's weights as the dense MLP's.
+    ("exp", "expert"),
+    ("embed_moe", "fsdp"),
+    ("mlp_moe", "tensor"),
+    ("activation_exp", "expert"),
+    ("activation_batch_moe", BATCH_AXES),
+    ("activation_length_moe", "seq"),
+    ("activation_norm_length_moe", "seq"),
+    ("activation_embed_moe", None),
+    ("activation_mlp_moe", "tensor"),
+    # Other layers: gated-delta-net heads (Qwen3-Next's linear attention, split as
+    # `mlp`), Engram's memory width, mHC's residual streams.
+    ("gdn_head", "tensor"),
+    ("engram_dim", "tensor"),
+    ("mhc", None),
+    # Layer stacks: activations' pipeline-stage dimension; the stacked-layer dimension of
+    # layer groups (dense, MoE, a stage's own layers, circular repeats), whole on each
+    # stage; DiLoCo's replicas, which jaxpar has not.
+    ("activation_stage", "pipe"),
+    ("dense_layers", None),
+    ("moe_layers", None),
+    ("local_layers", None),
+    ("circular_repeats", None),
+    ("diloco", None),
+    # Inference: prefill and decode activations; the KV cache, its heads split as
+    # `heads`, the rest whole; paged attention's pages.
+    ("prefill_activation_length", "seq"),
+    ("prefill_activation_norm_length", "seq"),
+    ("activation_prefill_kv_batch", BATCH_AXES),
+    ("decode_batch", BATCH_AXES),
+    ("decode_length", None),
+    ("cache_batch", None),
+    ("cache_batch_prefill", None),
+    ("cache_sequence", None),
+    ("cache_heads", "tensor"),
+    ("cache_heads_none", None),
+    ("cache_kv", None),
+    ("paged_kv_heads", "tensor"),
+    ("paged_kv_head_dim_size", None),
+    ("num_pages", None),
+    ("tokens_per_page", None),
+    # Deprecated in MaxText: MoE weights' MLP dimension without FSDP, experts over fsdp.
+    ("mlp_no_fsdp", "tensor"),
+    ("exp_with_fsdp", "fsdp"),
 )
 
 
@@ -135,6 +236,92 @@ def extend(rules: Rules, *new_rules: tuple[str, MeshAxes]) -> tuple[tuple[str, M
             raise ValueError(f"logical axis {entry[0]!r} has a rule already ({entry[0]!r} -> "
                              f"{dict(rules)[entry[0]]!r}); change it with jaxpar.rules.override")
     return freeze(rules + tuple(new_rules))
+
+
+# MaxText's mesh axes (base.yml's `mesh_axes`; `sequence` and `tensor_transpose` of older
+# tables) -> jaxpar's, for from_maxtext; None: no counterpart, dropped from the rules.
+MAXTEXT_MESH_AXES: dict[str, str | None] = {
+    "data": "data",
+    "fsdp": "fsdp",
+    "stage": "pipe",
+    "tensor": "tensor",
+    # Context parallelism splits the sequence: `context` (ring attention), the Ulysses
+    # half of MaxText's 2D USP (jaxpar's `seq` runs ring or Ulysses attention), and the
+    # older tables' sequence-parallel axis.
+    "context": "seq",
+    "context_usp_ulysses": "seq",
+    "sequence": "seq",
+    # An axis of its own, not `fsdp`: MaxText splits a MoE weight's experts (`exp`) over
+    # `expert` and its model dimension (`embed_moe`) over `fsdp`; on one axis the two
+    # would collide on every MoE weight.
+    "expert": "expert",
+    # 2D FSDP's second axis, the weights' MLP dimension: on `fsdp` it would collide with
+    # `embed` on each weight.
+    "fsdp_transpose": None,
+    # Megatron sequence parallelism on an axis of its own (heads, MLP and the norm-region
+    # length): jaxpar does it on `tensor` (SEQUENCE_PARALLEL); mapped onto `tensor` it
+    # would collide with MaxText's `activation_embed` in the residual stream.
+    "tensor_sequence": None,
+    # The older tables' second tensor axis (the weights' model dimension): jaxpar's 2D
+    # grid is tensor_row x tensor_col, with rules of its own (TENSOR_2D).
+    "tensor_transpose": None,
+    # Decoding-only axes (the KV cache's heads; its length, batch, vocabulary), and
+    # DiLoCo's replicas, which synchronise every few hundred steps, not each as `data`.
+    "autoregressive": None,
+    "context_autoregressive": None,
+    "diloco": None,
+}
+
+
+def from_maxtext(table: Sequence[Sequence]) -> tuple[tuple[str, MeshAxes], ...]:
+    """A jaxpar rule table from MaxText's ``logical_axis_rules``::
+
+        import yaml
+        table = yaml.safe_load(open("src/maxtext/configs/base.yml"))["logical_axis_rules"]
+        rules = jaxpar.rules.for_mesh(mesh, jaxpar.rules.from_maxtext(table))
+
+    ``table`` is a list of ``[logical_name, mesh_axes]``, ``mesh_axes`` a MaxText mesh
+    axis, a list of them, or ``None``/``[]``. Mesh axes are mapped onto jaxpar's by
+    ``MAXTEXT_MESH_AXES`` (``stage`` -> ``pipe``, ``context`` -> ``seq``, ``expert`` ->
+    ``expert``; ``fsdp_transpose``, ``tensor_sequence``, ``autoregressive``... dropped),
+    duplicates removed, order kept.
+
+    MaxText resolves its table with flax's ``logical_to_mesh_axes``, which does not look
+    at the mesh: for each array the rules are tried in order, and a rule is skipped only
+    when its mesh axes are taken by another dimension of the same array; MaxText then
+    removes the mesh axes of size 1. So the mesh never picks among a name's rules and no
+    mesh is needed here (``for_mesh`` drops the axes a mesh lacks). A name keeps its
+    first rule: flax reaches a later one only when another dimension holds the first
+    one's axes, a case jaxpar reports instead (two dimensions of one array on one axis),
+    so whenever jaxpar gives a spec, it is flax's. base.yml's fallbacks (``embed``,
+    ``embed_moe``, ``q_lora``, ``kv_lora``, for when ``mlp`` holds ``fsdp_transpose``)
+    differ from the first rules only by that axis, dropped here. Where MaxText leaves two
+    names of one array on one axis to rule order (``activation_heads`` before
+    ``activation_kv`` in attention's ``[B, T, N, H]``), jaxpar raises its error naming
+    both: ``override`` the later one (``DEFAULT_RULES`` maps it to ``None``).
+
+    Raises:
+      ValueError: an entry is not a ``[name, mesh_axes]`` pair, or names a mesh axis
+        that MaxText's meshes do not have.
+    """
+    first: dict[str, MeshAxes] = {}
+    for entry in table:
+        if isinstance(entry, str) or not (isinstance(entry, Sequence) and len(entry) == 2
+                                          and isinstance(entry[0], str)):
+            raise ValueError(f"a MaxText rule must be a [logical_name, mesh_axes] pair, got {entry!r}")
+        name, axes = entry
+        if not (axes is None or isinstance(axes, str) or isinstance(axes, Sequence)):
+            raise ValueError(f"MaxText rule {name!r}: mesh axes must be a name, a list of names or None, got {axes!r}")
+        mapped = []
+        for axis in as_tuple(axes):
+            if not isinstance(axis, str) or axis not in MAXTEXT_MESH_AXES:
+                raise ValueError(
+                    f"MaxText rule {name!r} names mesh axis {axis!r}, which MaxText's meshes do not have"
+                    f"{_suggest(str(axis), list(MAXTEXT_MESH_AXES))}; they are {list(MAXTEXT_MESH_AXES)}")
+            if MAXTEXT_MESH_AXES[axis] is not None and MAXTEXT_MESH_AXES[axis] not in mapped:
+                mapped.append(MAXTEXT_MESH_AXES[axis])
+        first.setdefault(name, None if not mapped else mapped[0] if len(mapped) == 1 else tuple(mapped))
+    return freeze(tuple(first.items()))
 
 
 def as_tuple(mesh_axes: MeshAxes) -> tuple[str, ...]:
