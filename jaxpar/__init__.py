@@ -24,7 +24,7 @@ from jaxpar.ops.attention import dot_product_attention
 from jaxpar.placement.execution import Execution, SequenceOptions, jit, use_execution
 from jaxpar.placement.mesh import MESH_AXES, make_mesh
 from jaxpar.parallel.sequence import ring_attention
-from jaxpar.placement.sharding import constrain, model_shardings, shard_model, use_mesh
+from jaxpar.placement.sharding import auto_axes, constrain, model_shardings, shard_model, use_mesh
 from jaxpar.parallel.summa import summa_matmul
 
 __version__ = "0.1.0"
@@ -33,6 +33,7 @@ __all__ = [
     "Execution",
     "MESH_AXES",
     "SequenceOptions",
+    "auto_axes",
     "constrain",
     "dot_product_attention",
     "jit",
