@@ -55,11 +55,13 @@ def make_mesh(
       code written for Explicit sharding (``jnp.einsum(..., out_sharding=P(...))``,
       ``jax.sharding.reshard``) runs as it is written. ``jaxpar.constrain`` then
       reshards rather than constrains. jaxpar's own model is written for Auto axes (its
-      matmuls leave their shardings to propagation), so its loss,
-      ``jaxpar.train.step.loss_fn``, is a ``jaxpar.auto_axes`` function: on an Explicit
-      mesh it runs with the axes Auto (``jax.sharding.auto_axes``) and returns its
-      loss replicated; parameters, gradients, optimizer state and the batch keep their
-      Explicit types around it. Wrap your own losses of jaxpar's models the same way.
+      matmuls leave their shardings to propagation), so its loss
+      (``jaxpar.train.step.loss_fn``, and the pipelined step) runs under
+      ``jaxpar.auto_axes``: on an Explicit mesh with the axes made Auto
+      (``jax.sharding.auto_axes``), returning its loss replicated, while parameters,
+      gradients, optimizer state and the batch keep their Explicit types around it.
+      Wrap your own losses of jaxpar's models the same way. A model annotated with
+      mesh axes rather than logical names takes ``jaxpar.rules.identity(mesh)``.
 
     Raises:
       ValueError: a size is not a positive int, a 2D grid is not square with q >= 2,
