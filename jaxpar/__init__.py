@@ -25,7 +25,7 @@ from jaxpar.placement.execution import Execution, SequenceOptions, jit, use_exec
 from jaxpar.placement.linen import linen_shardings
 from jaxpar.placement.mesh import MESH_AXES, make_mesh
 from jaxpar.parallel.sequence import ring_attention
-from jaxpar.placement.sharding import constrain, model_shardings, shard_model, use_mesh
+from jaxpar.placement.sharding import auto_axes, constrain, model_shardings, shard_model, use_mesh
 from jaxpar.parallel.summa import summa_matmul
 
 __version__ = "0.1.0"
@@ -34,6 +34,7 @@ __all__ = [
     "Execution",
     "MESH_AXES",
     "SequenceOptions",
+    "auto_axes",
     "constrain",
     "dot_product_attention",
     "jit",

@@ -1,7 +1,9 @@
+import jax
 import pytest
 
 from jaxpar.models import PRESETS
 from jaxpar.train.config import ConfigError, load_config, shipped_configs
+from jaxpar.train.loop import build_mesh
 
 
 @pytest.mark.parametrize("name", ["tiny", "small", "1b"])
@@ -39,6 +41,7 @@ def test_dotted_overrides_are_typed():
         ("model.norm=batch", r"model.norm='batch' must be one of \['rms', 'layer'\]"),
         ("model.heads=3", r"model.heads=3 must be a multiple of model.kv_heads=2"),
         ("steps", r"override 'steps' must look like key=value"),
+        ("mesh.axis_types=manual", r"mesh.axis_types='manual' must be one of \['auto', 'explicit'\]"),
     ],
 )
 def test_bad_overrides(override, message):
@@ -111,3 +114,10 @@ def test_trained_tokenizer_takes_the_model_vocabulary():
         load_config("tiny", ["model.vocab_size=100"])
     with pytest.raises(ConfigError, match="unknown config key 'data.vocab_size'"):
         load_config("tiny", ["data.vocab_size=512"])
+
+
+def test_mesh_axis_types_reach_the_mesh():
+    assert load_config("tiny").mesh.axis_types == "auto"
+    for value, axis_type in (("auto", jax.sharding.AxisType.Auto), ("explicit", jax.sharding.AxisType.Explicit)):
+        mesh = build_mesh(load_config("tiny", ["mesh.fsdp=4", f"mesh.axis_types={value}"]).mesh)
+        assert dict(mesh.shape)["fsdp"] == 4 and set(mesh.axis_types) == {axis_type}

@@ -58,3 +58,17 @@ def test_two_dimensional_tensor_grid():
 def test_non_square_grid(grid):
     with pytest.raises(ValueError, match=r"a 2D tensor grid must be square, \(q, q\) with q >= 2"):
         jaxpar.make_mesh(tensor=grid)
+
+
+def test_explicit_axis_types():
+    mesh = jaxpar.make_mesh(data=2, fsdp=4, axis_types="explicit")
+    assert mesh.axis_names == jaxpar.make_mesh(data=2, fsdp=4).axis_names
+    assert all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
+    grid = jaxpar.make_mesh(data=2, tensor=(2, 2), axis_types="explicit")
+    assert all(t == jax.sharding.AxisType.Explicit for t in grid.axis_types)
+
+
+@pytest.mark.parametrize("bad", ["Explicit", "manual", None, ["auto"]])
+def test_bad_axis_types(bad):
+    with pytest.raises(ValueError, match=r"^mesh axis_types=.* must be one of \['auto', 'explicit'\]$"):
+        jaxpar.make_mesh(fsdp=8, axis_types=bad)

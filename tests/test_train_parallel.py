@@ -74,3 +74,15 @@ def test_interleaved_runs_save_and_evaluate_the_model(tmp_path, cache):
         assert len(got) == len(want) > 0 and rel_err(got, want) < 1e-5, key
     saved = [nnx.state(load_run(tmp_path / name)) for name in ("interleaved", "1f1b")]
     assert tree_rel_err(*saved) < 1e-5
+
+
+def test_explicit_mesh_trains_like_auto(tmp_path, cache):
+    """mesh.axis_types=explicit on data=1 x fsdp=4 x tensor=2: jaxpar's model (its loss
+    under jaxpar.auto_axes) gives the Auto mesh's losses and validation loss."""
+    common = ("steps=3", "eval.every=3", "checkpoint.every=0", "seq_len=32", "mesh.fsdp=4", "mesh.tensor=2")
+    runs = {kind: train(config(tmp_path / kind, cache, *common, f"mesh.axis_types={kind}"), progress=False)
+            for kind in ("auto", "explicit")}
+    for key in ("loss", "val_loss"):
+        got = [r[key] for r in runs["explicit"] if key in r]
+        want = [r[key] for r in runs["auto"] if key in r]
+        assert len(got) == len(want) > 0 and rel_err(got, want) < 1e-5, key

@@ -20,6 +20,7 @@ import yaml
 from jaxpar.kernels.dispatch import IMPLS as KERNEL_IMPLS
 from jaxpar.models.config import PRESETS, ModelConfig
 from jaxpar.parallel.pipeline_schedule import KINDS as PIPELINE_SCHEDULES
+from jaxpar.placement.mesh import AXIS_TYPES
 from jaxpar.placement.execution import SEQUENCE_IMPLS, SEQUENCE_LAYOUTS, SequenceOptions
 from jaxpar.kernels.dispatch import KernelOptions
 from jaxpar.train.data import DataConfig
@@ -34,13 +35,15 @@ class ConfigError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
     """Mesh axis sizes. ``data`` None takes the devices the others leave; ``tensor`` is
-    ``k`` for 1D (Megatron) tensor parallelism or ``[q, q]`` for the 2D (SUMMA) grid."""
+    ``k`` for 1D (Megatron) tensor parallelism or ``[q, q]`` for the 2D (SUMMA) grid.
+    ``axis_types``: every axis ``auto`` or ``explicit`` (``jaxpar.make_mesh``)."""
 
     data: int | None = None
     fsdp: int = 1
     pipe: int = 1
     seq: int = 1
     tensor: int | tuple[int, ...] = 1
+    axis_types: Literal[tuple(AXIS_TYPES)] = "auto"
 
 
 @dataclasses.dataclass(frozen=True)

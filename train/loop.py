@@ -78,7 +78,8 @@ def build_mesh(mesh_cfg: MeshConfig, devices=None) -> jax.sharding.Mesh:
         data = len(devices) // others
     try:
         return jaxpar.make_mesh(data=data, fsdp=mesh_cfg.fsdp, pipe=mesh_cfg.pipe,
-                                seq=mesh_cfg.seq, tensor=mesh_cfg.tensor, devices=devices)
+                                seq=mesh_cfg.seq, tensor=mesh_cfg.tensor, devices=devices,
+                                axis_types=mesh_cfg.axis_types)
     except ValueError as e:
         raise TrainingError(str(e)) from None
 
@@ -284,7 +285,8 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
             def create():
                 return jaxpar.shard_model(build_model(cfg), mesh, rules)
 
-            params, opt_state = step_fn.init(create())
+            with jax.set_mesh(mesh):  # where JAX traces Explicit axes' shardings (axis_types)
+                params, opt_state = step_fn.init(create())
         else:
             _, state, meta = restored  # saved in model order (step_fn.in_model_order)
             state = step_fn.in_storage_order(state)

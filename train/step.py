@@ -24,7 +24,7 @@ from jaxpar.ops import kernel_ops
 from jaxpar.placement import rules as rules_lib
 from jaxpar.kernels.dispatch import KernelOptions
 from jaxpar.placement.execution import Execution, SequenceOptions, use_execution
-from jaxpar.placement.sharding import like_params, model_shardings, use_mesh
+from jaxpar.placement.sharding import auto_axes, like_params, model_shardings, use_mesh
 
 Batch = dict[str, jax.Array]
 BATCH_AXES = ("batch", "length")
@@ -56,6 +56,7 @@ def masked_mean(losses: jax.Array, mask: jax.Array | None) -> jax.Array:
     return (losses * mask).sum() / jnp.maximum(mask.sum(), 1.0)
 
 
+@auto_axes  # the model is written for Auto axes: on an Explicit mesh it runs with them Auto
 def loss_fn(model: nnx.Module, batch: Batch) -> jax.Array:
     """Loss of ``model`` on a batch with ``inputs``, ``targets`` (int ``[B, T]``) and
     optionally ``positions``, ``segment_ids`` and ``mask`` (all ``[B, T]``)."""
@@ -269,11 +270,18 @@ def make_train_step(
 
         layer_order = pipelined.storage_order(pipeline, model.cfg.layers)
 
+    def pipelined_loss_and_grads(params, batch):
+        from jaxpar.train import pipelined
+
+        # jaxpar's own model, as in loss_fn: on an Explicit mesh it runs with the axes
+        # made Auto (auto_axes below), its shard_maps on the mesh in force there.
+        on = jax.sharding.get_abstract_mesh() if mesh.explicit_axes else mesh
+        return pipelined.loss_and_grads(graphdef, params, batch, pipeline, on)
+
     def loss_and_grads(params, batch, *frozen):
         if pipeline is not None:
-            from jaxpar.train import pipelined
-
-            return pipelined.loss_and_grads(graphdef, params, batch, pipeline, mesh)
+            run = auto_axes(pipelined_loss_and_grads, out_sharding=(PartitionSpec(), params_sharding))
+            return run(params, batch)
         return jax.value_and_grad(lambda p: loss(nnx.merge(graphdef, p), batch, *frozen))(params)
 
     def accumulated(params, batch, *frozen):

@@ -30,6 +30,8 @@ TENSOR_2D_AXES: tuple[str, str] = ("tensor_row", "tensor_col")
 EXPERT_AXIS = "expert"
 # Every mesh axis name sharding rules may name: a jaxpar mesh's axes, and `expert`.
 ALL_AXES: tuple[str, ...] = MESH_AXES + TENSOR_2D_AXES + (EXPERT_AXIS,)
+# make_mesh's axis_types: what each name gives every axis of the mesh.
+AXIS_TYPES: dict[str, AxisType] = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}
 
 
 def make_mesh(
@@ -40,19 +42,38 @@ def make_mesh(
     seq: int = 1,
     tensor: int | tuple[int, int] = 1,
     devices: Sequence[jax.Device] | None = None,
+    axis_types: str = "auto",
 ) -> Mesh:
     """Returns a mesh with axes ``("data", "fsdp", "pipe", "seq", "tensor")``, or with
     ``tensor=(q, q)`` the axes ``("data", "fsdp", "pipe", "seq", "tensor_row", "tensor_col")``.
 
     The product of the sizes must equal the number of devices (``devices``, or all of
     ``jax.devices()``); every axis is present, size 1 when unused, so sharding rules can
-    name any of them. Axes are ``AxisType.Auto``: the model states shardings through
-    logical-axis rules and XLA's partitioner propagates them (see ``jaxpar.rules``).
+    name any of them.
+
+    ``axis_types`` gives every axis one type (``jax.sharding.AxisType``):
+
+    * ``"auto"`` (the default): the model states shardings through logical-axis rules
+      (``jaxpar.constrain``) and XLA's partitioner propagates them to everything else.
+    * ``"explicit"``: a sharding is part of each array's type (``jax.typeof(x)``), and
+      code written for Explicit sharding (``jnp.einsum(..., out_sharding=P(...))``,
+      ``jax.sharding.reshard``) runs as it is written. ``jaxpar.constrain`` then
+      reshards rather than constrains. jaxpar's own model is written for Auto axes (its
+      matmuls leave their shardings to propagation), so its loss
+      (``jaxpar.train.step.loss_fn``, and the pipelined step) runs under
+      ``jaxpar.auto_axes``: on an Explicit mesh with the axes made Auto
+      (``jax.sharding.auto_axes``), returning its loss replicated, while parameters,
+      gradients, optimizer state and the batch keep their Explicit types around it.
+      Wrap your own losses of jaxpar's models the same way. A model annotated with
+      mesh axes rather than logical names takes ``jaxpar.rules.identity(mesh)``.
 
     Raises:
       ValueError: a size is not a positive int, a 2D grid is not square with q >= 2,
-        or the sizes do not multiply to the device count.
+        the sizes do not multiply to the device count, or ``axis_types`` is neither
+        ``"auto"`` nor ``"explicit"``.
     """
+    if not isinstance(axis_types, str) or axis_types not in AXIS_TYPES:
+        raise ValueError(f"mesh axis_types={axis_types!r} must be one of {list(AXIS_TYPES)}")
     sizes = {"data": data, "fsdp": fsdp, "pipe": pipe, "seq": seq}
     if isinstance(tensor, (tuple, list)):
         if len(tensor) != 2 or tensor[0] != tensor[1] or not isinstance(tensor[0], int) or tensor[0] < 2:
@@ -75,6 +96,6 @@ def make_mesh(
     return jax.make_mesh(
         tuple(sizes.values()),
         tuple(sizes),
-        axis_types=(AxisType.Auto,) * len(sizes),
+        axis_types=(AXIS_TYPES[axis_types],) * len(sizes),
         devices=devices,
     )

@@ -238,6 +238,19 @@ def extend(rules: Rules, *new_rules: tuple[str, MeshAxes]) -> tuple[tuple[str, M
     return freeze(rules + tuple(new_rules))
 
 
+def identity(mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh) -> tuple[tuple[str, str], ...]:
+    """Rules naming each of ``mesh``'s axes as itself, ``(("data", "data"), ("fsdp",
+    "fsdp"), ...)``: for models annotated with mesh axes rather than logical names, as
+    models written for Explicit sharding are (``nnx.with_partitioning(init, ("fsdp",
+    "tensor"))``). Alone, or added to logical rules::
+
+        rules = jaxpar.rules.extend(jaxpar.rules.DEFAULT_RULES, *jaxpar.rules.identity(mesh))
+
+    Names stay strict: an annotation naming an axis ``mesh`` lacks is still an error.
+    """
+    return freeze(tuple((axis, axis) for axis in mesh.axis_names))
+
+
 # MaxText's mesh axes (base.yml's `mesh_axes`; `sequence` and `tensor_transpose` of older
 # tables) -> jaxpar's, for from_maxtext; None: no counterpart, dropped from the rules.
 MAXTEXT_MESH_AXES: dict[str, str | None] = {
@@ -414,7 +427,8 @@ def _logical_to_spec(logical_axes, rules) -> PartitionSpec:
         if name not in table and name in ALL_AXES:
             raise ValueError(
                 f"{name!r} in {tuple(logical_axes)} is a mesh axis, not a logical axis name; "
-                f"annotate with logical names, or map it: jaxpar.rules.extend(rules, ({name!r}, {name!r}))"
+                f"annotate with logical names, or map it: jaxpar.rules.extend(rules, ({name!r}, {name!r})), "
+                "or every mesh axis to itself: jaxpar.rules.extend(rules, *jaxpar.rules.identity(mesh))"
             )
         if name not in table:
             raise ValueError(

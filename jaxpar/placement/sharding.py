@@ -6,11 +6,12 @@ Everything here is a no-op without a mesh, so single-device code needs no setup.
 from __future__ import annotations
 
 import contextlib
+import functools
 import linecache
 import math
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 from flax import nnx
@@ -109,9 +110,11 @@ def model_shardings(model_or_state, mesh: jax.sharding.Mesh, rules: rules_lib.Ru
 
 
 def _place(x, sharding):
-    if isinstance(x, jax.core.Tracer):
-        return jax.lax.with_sharding_constraint(x, sharding)
-    return jax.device_put(x, sharding)
+    if not isinstance(x, jax.core.Tracer):
+        return jax.device_put(x, sharding)
+    if sharding.mesh.explicit_axes:  # a sharding of Explicit axes is the array's type
+        return jax.sharding.reshard(x, sharding)
+    return jax.lax.with_sharding_constraint(x, sharding)
 
 
 def shard_model(model: nnx.Module, mesh: jax.sharding.Mesh, rules: rules_lib.Rules | None = None):
@@ -124,6 +127,9 @@ def shard_model(model: nnx.Module, mesh: jax.sharding.Mesh, rules: rules_lib.Rul
         @nnx.jit
         def create():
             return jaxpar.shard_model(Transformer(config, rngs=nnx.Rngs(0)), mesh)
+
+    On a mesh with Explicit axes the placement is the arrays' type (``reshard``), and
+    JAX traces it only in a mesh context: call ``create()`` under ``jax.set_mesh(mesh)``.
 
     Data parallelism and FSDP/ZeRO-3 need nothing else: the rules decide.
 
@@ -158,13 +164,43 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
 
     Uses the mesh and rules set by ``jaxpar.use_mesh`` (or ``jax.set_mesh`` with
     ``flax.linen.logical_axis_rules``); a mesh without rules is an error. Without a
-    mesh, returns ``x`` unchanged.
+    mesh, returns ``x`` unchanged. On a mesh whose axes are all Explicit the sharding is
+    part of ``x``'s type and a constraint cannot change it: ``x`` is resharded
+    (``jax.sharding.reshard``) instead.
     """
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return x
     spec = rules_lib.logical_to_spec(names, rules_for(mesh, "jaxpar.constrain"))
+    if mesh.are_all_axes_explicit:
+        return jax.sharding.reshard(x, spec)
     return jax.lax.with_sharding_constraint(x, spec)
+
+
+def auto_axes(fn: Callable | None = None, *, out_sharding=PartitionSpec()) -> Callable:
+    """``fn``, run with the context mesh's Explicit axes made Auto, for code written for
+    Auto axes (jaxpar's models): its ``constrain`` calls stay constraints and XLA
+    propagates shardings to everything between them, as on an Auto mesh.
+
+    On an Explicit mesh the arguments enter with their Explicit shardings and the
+    results leave with ``out_sharding`` (``jax.sharding.auto_axes``; a prefix of the
+    results' tree): by default every result replicated, which suits scalars such as
+    losses (``jax.grad`` through it gives gradients with the parameters' Explicit
+    shardings). Without a mesh, or on one with no Explicit axis, ``fn`` runs as it is.
+    Keyword arguments pass through untouched (bind non-array arguments there).
+    """
+    if fn is None:
+        return functools.partial(auto_axes, out_sharding=out_sharding)
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.empty or not mesh.explicit_axes:
+            return fn(*args, **kwargs)
+        auto = jax.sharding.auto_axes(fn, axes=mesh.explicit_axes, out_sharding=out_sharding)
+        return auto(*args, **kwargs)
+
+    return run
 
 
 @contextlib.contextmanager
