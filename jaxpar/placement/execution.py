@@ -60,6 +60,53 @@ class SequenceOptions:
             raise ValueError(f"sequence-parallel layout={self.layout!r} is not one of {SEQUENCE_LAYOUTS}")
 
 
+# Where train state may live (OffloadOptions).
+OFFLOAD_PLACES = ("device", "host")
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadOptions:
+    """A resolved offload plan (no ``auto``: the planner resolves that).
+
+    params: ``device`` or ``host``: where the parameters that are not resident live
+      between steps (host: JAX's ``pinned_host`` memory kind); each stacked layer is
+      fetched to the device for its use, ``prefetch`` layers ahead.
+    resident_layers: how many of the stacked layers keep their parameters on the device
+      (Gemini's static placement ratio, as a count); None: all with ``params=device``,
+      none with ``params=host``.
+    optimizer: ``device`` or ``host``: where the optimizer state (Adam's moments) lives.
+    activations: ``checkpoint_name``s whose saved residuals go to host memory between
+      the forward and the backward pass.
+    prefetch: how many layers ahead a host-resident layer's fetch is issued (>= 1).
+    """
+
+    params: str = "device"
+    resident_layers: int | None = None
+    optimizer: str = "device"
+    activations: tuple[str, ...] = ()
+    prefetch: int = 1
+
+    def __post_init__(self):
+        for key in ("params", "optimizer"):
+            if getattr(self, key) not in OFFLOAD_PLACES:
+                raise ValueError(f"offload.{key}={getattr(self, key)!r} must be one of {list(OFFLOAD_PLACES)}")
+        if self.resident_layers is not None and (
+                isinstance(self.resident_layers, bool) or not isinstance(self.resident_layers, int)
+                or self.resident_layers < 0):
+            raise ValueError(f"offload.resident_layers={self.resident_layers!r} must be an int >= 0")
+        if self.resident_layers is not None and self.params == "device":
+            raise ValueError(f"offload.resident_layers={self.resident_layers} applies to offload.params=host "
+                             "(with params=device every layer is resident)")
+        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 1:
+            raise ValueError(f"offload.prefetch={self.prefetch!r} must be an int >= 1")
+        object.__setattr__(self, "activations", tuple(self.activations))
+
+    @property
+    def any(self) -> bool:
+        """Whether anything lives on, or goes to, the host."""
+        return self.params == "host" or self.optimizer == "host" or bool(self.activations)
+
+
 @dataclasses.dataclass(frozen=True)
 class Execution:
     """Everything besides the arguments that decides what jaxpar traces.
@@ -68,11 +115,14 @@ class Execution:
       (``jaxpar.rules.for_mesh`` gives them for a mesh); None: none set.
     kernels: who computes attention, norms and the loss (XLA, Pallas, cuDNN).
     sequence: how attention runs over a length split across devices.
+    offload: which train state lives in host memory and how a step moves it
+      (``jaxpar.offload``).
     """
 
     rules: tuple[tuple[str, Any], ...] | None = None
     kernels: KernelOptions = KernelOptions()
     sequence: SequenceOptions = SequenceOptions()
+    offload: OffloadOptions = OffloadOptions()
 
     def __post_init__(self):
         if self.rules is not None:  # validated and hashable, whatever sequence was given
@@ -94,7 +144,7 @@ def current() -> Execution:
 @contextlib.contextmanager
 def use_execution(execution: Execution | None = None, **changes):
     """Puts ``execution`` (default: the one in force) with ``changes`` (any of its fields:
-    ``rules=``, ``kernels=``, ``sequence=``) in force; trace inside."""
+    ``rules=``, ``kernels=``, ``sequence=``, ``offload=``) in force; trace inside."""
     new = dataclasses.replace(current() if execution is None else execution, **changes)
     token = _EXECUTION.set(new)
     try:
