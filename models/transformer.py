@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxpar.offload import fetch
 from jaxpar.ops import kernel_ops
 from jaxpar.placement import rules as rules_lib
 from jaxpar.ops.attention import dot_product_attention
@@ -106,17 +107,18 @@ class Norm(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """``[B, T, D]`` -> ``[B, T, D]``; by the fused kernel under ``execution.norm`` "pallas"."""
-        bias = None if self.bias is None else self.bias[...]
-        fused_out = kernel_ops.norm(x, self.scale[...], bias, kind=self.kind, eps=self.eps)
+        scale = fetch.to_device(self.scale[...])  # the final norm's may live on the host
+        bias = None if self.bias is None else fetch.to_device(self.bias[...])
+        fused_out = kernel_ops.norm(x, scale, bias, kind=self.kind, eps=self.eps)
         if fused_out is not None:
             return fused_out.astype(self.dtype)
         x = x.astype(jnp.float32)
         if self.kind == "layer":
             x = x - x.mean(-1, keepdims=True)
         x = x * jax.lax.rsqrt(jnp.square(x).mean(-1, keepdims=True) + self.eps)
-        x = x * self.scale[...].astype(jnp.float32)
-        if self.bias is not None:
-            x = x + self.bias[...].astype(jnp.float32)
+        x = x * scale.astype(jnp.float32)
+        if bias is not None:
+            x = x + bias.astype(jnp.float32)
         return x.astype(self.dtype)
 
 
@@ -393,10 +395,10 @@ class Transformer(nnx.Module):
         ``fsdp`` while the rows are split over the batch axes, XLA can only replicate the
         whole ``[B, T, D]`` gradient ("Involuntary full rematerialization").
         """
-        x = jnp.take(constrain(self.embed[...], ("vocab", None)), tokens, axis=0)
+        x = jnp.take(constrain(fetch.to_device(self.embed[...]), ("vocab", None)), tokens, axis=0)
         x = x.astype(self.cfg.compute_dtype)
         if self.cfg.position == "learned":
-            table = constrain(self.positions[...], ("positions", None))
+            table = constrain(fetch.to_device(self.positions[...]), ("positions", None))
             x = x + jnp.take(table, positions, axis=0).astype(self.cfg.compute_dtype)
         return constrain(x, ACT_BTD)
 
@@ -410,14 +412,16 @@ class Transformer(nnx.Module):
         transpose when tied)."""
         dtype = self.cfg.compute_dtype
         if self.cfg.tie_embeddings:
-            return self.embed[...].astype(dtype).T
-        return self.lm_head[...].astype(dtype)
+            return fetch.to_device(self.embed[...]).astype(dtype).T
+        return fetch.to_device(self.lm_head[...]).astype(dtype)
 
 
 def run_layers(cfg: ModelConfig, graphdef, layer_state, x, positions, segment_ids):
     """Runs stacked decoder layers (``layer_state`` leaves ``[L', ...]``, any ``L'``, as a
-    pipeline stage holds) over ``x [B, T, D]`` with ``jax.lax.scan``, remat per layer."""
-    def layer(x, state):
-        return nnx.merge(graphdef, state)(x, positions, segment_ids), None
+    pipeline stage holds) over ``x [B, T, D]`` with ``jax.lax.scan``, remat per layer.
+    Layers kept in host memory are fetched to the device a few layers ahead of their use
+    (``jaxpar.offload.fetch.scan_layers``)."""
+    def layer(x, state, positions, segment_ids):
+        return nnx.merge(graphdef, state)(x, positions, segment_ids)
 
-    return jax.lax.scan(_remat(layer, cfg), x, layer_state)[0]
+    return fetch.scan_layers(_remat(layer, cfg), x, layer_state, positions, segment_ids)

@@ -20,10 +20,12 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxpar.offload import state as offload_state
+from jaxpar.offload.fetch import is_split, to_device, to_host
 from jaxpar.ops import kernel_ops
 from jaxpar.placement import rules as rules_lib
 from jaxpar.kernels.dispatch import KernelOptions
-from jaxpar.placement.execution import Execution, SequenceOptions, use_execution
+from jaxpar.placement.execution import Execution, OffloadOptions, SequenceOptions, use_execution
 from jaxpar.placement.sharding import auto_axes, like_params, model_shardings, use_mesh
 
 Batch = dict[str, jax.Array]
@@ -101,6 +103,18 @@ def _reorderer(reorder: Callable, order: tuple[int, ...], shardings: tuple, tree
                    out_shardings=jax.tree.unflatten(treedef, shardings))
 
 
+@functools.cache
+def _cached_converter(fn: Callable, kwargs: tuple, shardings: tuple, treedef) -> Callable:
+    return jax.jit(functools.partial(fn, **dict(kwargs)), out_shardings=jax.tree.unflatten(treedef, shardings))
+
+
+def _converter(fn: Callable, out_shardings, **kwargs) -> Callable:
+    """``fn(state, **kwargs)`` (``jaxpar.offload.state.split_layers`` / ``join_layers``)
+    jitted once per layout, its results placed on ``out_shardings``."""
+    shardings, treedef = jax.tree.flatten(out_shardings)
+    return _cached_converter(fn, tuple(sorted(kwargs.items())), tuple(shardings), treedef)
+
+
 def microbatches(x: jax.Array, count: int) -> jax.Array:
     """``[B, ...] -> [count, B / count, ...]``; microbatch ``j`` holds rows ``j, j + count,
     ...``, so each device's rows stay on it under data parallelism."""
@@ -129,6 +143,12 @@ class TrainStep:
     model's whatever the schedule, and ``jaxpar.train.runs`` and a run on another
     schedule read it as it is) and ``in_storage_order`` stores a restored one again;
     ``model`` rebuilds the model from stored parameters (evaluation).
+
+    ``execution.offload``: which state lives in host memory (``jaxpar.offload``);
+    ``params_sharding`` / ``opt_sharding`` then carry the memory kinds, and with
+    ``split = (R, L)`` each stacked leaf is stored as a ``jaxpar.offload.fetch.Split`` of
+    its first ``R`` layers (device) and the rest (host), which ``in_model_order`` joins
+    into one ``[L, ...]`` array in host memory and ``in_storage_order`` splits again.
     """
 
     graphdef: Any
@@ -141,6 +161,12 @@ class TrainStep:
     execution: Execution = Execution()
     loss: Callable = loss_fn
     layer_order: np.ndarray | None = None
+    split: tuple[int, int] | None = None
+
+    @property
+    def offloading(self) -> bool:
+        """Whether parameters or optimizer state live in host memory between steps."""
+        return self.execution.offload.params == "host" or self.execution.offload.optimizer == "host"
 
     @property
     def sequence(self) -> SequenceOptions:
@@ -159,25 +185,60 @@ class TrainStep:
         """Returns ``(params, opt_state)`` placed on the mesh (and stored as this step
         keeps them, see ``layer_order``)."""
         params = nnx.state(model)
+        if self.offloading:
+            return self._offloaded_init(params)
         init = jax.jit(self.tx.init, out_shardings=self.opt_sharding)
         if self.mesh is not None:
             params = jax.device_put(params, self.params_sharding)
         params = self.in_storage_order(params)
         return params, init(params)
 
+    def _offloaded_init(self, params):
+        """``init`` under offload: the parameters stored where they live, the optimizer
+        state initialised where it lives (on the host with ``optimizer=host``)."""
+        params = self.in_storage_order(params)
+        if self.execution.offload.optimizer == "host":
+            init = lambda p: offload_state.run_on_host(self.tx.init)(jax.tree.map(to_host, p))  # noqa: E731
+        else:
+            init = lambda p: self.tx.init(jax.tree.map(to_device, p))  # noqa: E731
+        return params, jax.jit(init, out_shardings=self.opt_sharding)(params)
+
     def in_model_order(self, state):
         """``state`` (arrays: parameters, optimizer state or a tree of both, as this step
         keeps them) with its stacked layers in the model's order, each array on its
-        sharding; ``state`` itself when ``layer_order`` is None."""
+        sharding (a split stacked leaf joined in host memory); ``state`` itself when
+        ``layer_order`` and ``split`` are None."""
         from jaxpar.train import pipelined
 
+        if self.split is not None:
+            shardings = jax.tree.map(lambda x: x.sharding, state)
+            out = jax.tree.map(lambda s: s.offloaded if is_split(s) else s, shardings, is_leaf=is_split)
+            return _converter(offload_state.join_layers, out)(state)
         return self._reorder(state, pipelined.to_model)
 
     def in_storage_order(self, state):
-        """The inverse of ``in_model_order``: a model-order state stored as the step keeps it."""
+        """The inverse of ``in_model_order``: a model-order state stored as the step keeps
+        it (under offload: split and placed in the memories ``execution.offload`` says)."""
         from jaxpar.train import pipelined
 
+        if self.offloading:
+            shardings = self._stored_shardings(state)
+            if self.split is None:
+                return jax.device_put(state, shardings)
+            return _converter(offload_state.split_layers, shardings, resident=self.split[0],
+                              layers=self.split[1])(state)
         return self._reorder(state, pipelined.to_storage)
+
+    def _stored_shardings(self, state):
+        """The storage shardings of a model-order ``state``: each subtree shaped like the
+        parameters (or the optimizer state) takes ``params_sharding`` (``opt_sharding``)."""
+        model_form = lambda tree: jax.tree.structure(  # noqa: E731
+            jax.tree.map(lambda s: 0, tree, is_leaf=is_split))
+        kinds = {model_form(self.params_sharding): self.params_sharding,
+                 model_form(self.opt_sharding): self.opt_sharding}
+        structure = lambda node: jax.tree.structure(jax.tree.map(lambda _: 0, node))  # noqa: E731
+        return jax.tree.map(lambda node: kinds[structure(node)], state,
+                            is_leaf=lambda node: structure(node) in kinds)
 
     def _reorder(self, state, reorder: Callable):
         if self.layer_order is None:
@@ -193,14 +254,22 @@ class TrainStep:
             params = pipelined.to_model(params, self.layer_order)
         return nnx.merge(self.graphdef, params)
 
-    def abstract_state(self, model: nnx.Module, sharding=None) -> dict:
-        """``{"params", "opt_state"}`` as ``ShapeDtypeStruct``s with this step's shardings
-        (or ``sharding`` for every array, or none without a mesh): the target a
-        checkpoint restores onto, and the inputs ``compile`` lowers for."""
+    def abstract_state(self, model: nnx.Module, sharding=None, *, stored: bool = False) -> dict:
+        """``{"params", "opt_state"}`` as ``ShapeDtypeStruct``s with this step's shardings,
+        memory kinds included (or ``sharding`` for every array, or none without a mesh):
+        in model order, the target a checkpoint restores onto; with ``stored`` as the step
+        keeps them (``split`` stacked leaves), the inputs ``compile`` lowers for."""
         params = nnx.state(model)
-        state = {"params": params, "opt_state": jax.eval_shape(self.tx.init, params)}
         shardings = {"params": self.params_sharding, "opt_state": self.opt_sharding}
-        if sharding is not None or self.mesh is None:
+        if self.split is not None:
+            if stored:
+                params = jax.eval_shape(functools.partial(
+                    offload_state.split_layers, resident=self.split[0], layers=self.split[1]), params)
+            else:
+                shardings = jax.tree.map(lambda s: s.offloaded if is_split(s) else s, shardings,
+                                         is_leaf=is_split)
+        state = {"params": params, "opt_state": jax.eval_shape(self.tx.init, params)}
+        if sharding is not None or self.params_sharding is None:
             return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), state)
         return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
 
@@ -210,7 +279,7 @@ class TrainStep:
         ``model`` may be abstract (``nnx.eval_shape``), so a 1B model compiles on a
         laptop; ``.memory_analysis()`` of the result gives exact per-device bytes.
         """
-        state = self.abstract_state(model)
+        state = self.abstract_state(model, stored=True)
         params, opt_state = state["params"], state["opt_state"]
         token = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32, sharding=self.batch_sharding)
         batch = dict.fromkeys(BATCH_KEYS, token)
@@ -235,6 +304,7 @@ def make_train_step(
     pipeline=None,
     loss: Callable = loss_fn,
     frozen: Any = None,
+    offload: OffloadOptions | None = None,
 ) -> TrainStep:
     """Builds the jitted train step for ``model``'s structure on ``mesh`` (or one device).
 
@@ -258,11 +328,24 @@ def make_train_step(
     closes over: a closed-over array becomes a constant of the compiled step (the
     target's weights copied into its HLO), and no gradient is taken with respect to it
     nor update made. Give its value (or abstract state) here for its shardings.
+
+    ``offload``: which state lives in host memory between steps (``jaxpar.offload``; the
+    step's ``execution.offload``): with ``params="host"`` the model fetches each
+    host-resident stacked layer ``prefetch`` layers ahead of its use and the embedding,
+    final norm and head where it reads them (``jaxpar.offload.fetch``); with
+    ``optimizer="host"`` the update runs on the host (``jaxpar.offload.state``). Neither
+    composes with ``pipeline`` yet. ``TrainStep.init`` places the state so, on one device
+    too (``params_sharding`` / ``opt_sharding`` then name the device and memory kind).
     """
     graphdef, params = nnx.split(model)
     resolved = None if mesh is None else rules_lib.for_mesh(mesh, rules_lib.DEFAULT_RULES if rules is None else rules)
-    execution = Execution(resolved, kernels or KernelOptions(), sequence)
+    offload = offload or OffloadOptions()
+    execution = Execution(resolved, kernels or KernelOptions(), sequence, offload)
+    offloading = offload.params == "host" or offload.optimizer == "host"
     layer_order = None
+    if pipeline is not None and offloading:
+        raise ValueError("offload.params=host / offload.optimizer=host do not compose with a pipeline yet: "
+                         "a stage's layers would have to be fetched inside the schedule's shard_map")
     if pipeline is not None:
         if loss is not loss_fn or frozen is not None:
             raise ValueError("a pipelined step computes its own next-token loss: no loss= or frozen=")
@@ -293,9 +376,12 @@ def make_train_step(
         def body(carry, xs):
             micro, share = xs
             value, grads = loss_and_grads(params, micro, *frozen)
+            if offloading:  # the sum is kept on the device: a jnp op cannot take host operands
+                grads = jax.tree.map(to_device, grads)
             return jax.tree.map(lambda acc, x: acc + share * x, carry, (value, grads)), None
 
-        zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+        zeros = (jnp.zeros((), jnp.float32),
+                 jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype) if offloading else jnp.zeros_like(x), params))
         total, _ = jax.lax.scan(body, zeros, (micro, shares))
         return total
 
@@ -305,11 +391,17 @@ def make_train_step(
             value, grads = loss_and_grads(params, batch, *frozen)
         else:
             value, grads = accumulated(params, batch, *frozen)
+        if offloading:
+            params, opt_state, norm = offload_state.update(tx, offload, grads, opt_state, params)
+            return params, opt_state, {"loss": value, "grad_norm": norm}
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         return params, opt_state, {"loss": value, "grad_norm": optax.tree.norm(grads)}
 
     donate_argnums = (0, 1) if donate else ()
+    if offloading:
+        return _offloaded_step(step, graphdef, params, tx, mesh, rules, resolved, offload, execution, loss,
+                               donate_argnums, frozen)
     if mesh is None:
         return TrainStep(graphdef, tx, jax.jit(step, donate_argnums=donate_argnums),
                          None, None, None, None, execution, loss, layer_order)
@@ -327,3 +419,46 @@ def make_train_step(
     )
     return TrainStep(graphdef, tx, jitted, mesh, params_sharding, opt_sharding, batch_sharding,
                      execution, loss, layer_order)
+
+
+def _offloaded_step(step, graphdef, params, tx, mesh, rules, resolved, offload: OffloadOptions,
+                    execution: Execution, loss, donate_argnums, frozen) -> TrainStep:
+    """``make_train_step``'s jitted step and placement under offload: the parameters'
+    and optimizer state's shardings (a device of its own without a mesh) with the memory
+    kinds ``jaxpar.offload.state.storage_shardings`` gives them."""
+    stacked = [x.shape[0] for path, x in jax.tree.leaves_with_path(params) if offload_state.is_layers(path)]
+    layers = stacked[0] if stacked else 0
+    resident = offload_state.resident_count(offload, layers)
+    if mesh is None:
+        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        params_sharding, replicated = jax.tree.map(lambda _: one, params), one
+        batch_sharding = frozen_sharding = None
+    else:
+        params_sharding = model_shardings(params, mesh, rules)
+        replicated = NamedSharding(mesh, PartitionSpec())
+        batch_sharding = NamedSharding(mesh, rules_lib.logical_to_spec(BATCH_AXES, resolved))
+        frozen_sharding = None if frozen is None else model_shardings(frozen, mesh, rules)
+    opt_sharding = like_params(jax.eval_shape(tx.init, params), params, params_sharding, replicated)
+    host_params = offload.params == "host"
+    optimizer_kind = offload_state.HOST_KIND if offload.optimizer == "host" else offload_state.DEVICE_KIND
+    params_sharding = offload_state.storage_shardings(
+        params_sharding, resident=resident, layers=layers, resident_kind=offload_state.DEVICE_KIND,
+        offloaded_kind=offload_state.HOST_KIND if host_params else offload_state.DEVICE_KIND,
+        rest_kind=offload_state.HOST_KIND if host_params else offload_state.DEVICE_KIND)
+    opt_sharding = offload_state.storage_shardings(
+        opt_sharding, resident=resident, layers=layers, resident_kind=optimizer_kind,
+        offloaded_kind=optimizer_kind, rest_kind=optimizer_kind)
+    split = (resident, layers) if 0 < resident < layers else None
+    if split is not None:  # the optimizer state mirrors the stored parameters' structure
+        stored = jax.eval_shape(functools.partial(offload_state.split_layers, resident=resident, layers=layers),
+                                params)
+        assert jax.tree.structure(jax.eval_shape(tx.init, stored)) == jax.tree.structure(opt_sharding)
+    frozen_shardings = () if frozen is None else (frozen_sharding,)
+    jitted = jax.jit(
+        step,
+        in_shardings=(params_sharding, opt_sharding, batch_sharding, *frozen_shardings),
+        out_shardings=(params_sharding, opt_sharding, replicated),
+        donate_argnums=donate_argnums,
+    )
+    return TrainStep(graphdef, tx, jitted, mesh, params_sharding, opt_sharding, batch_sharding,
+                     execution, loss, None, split)
