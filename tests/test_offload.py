@@ -1,0 +1,159 @@
+"""Parameters and optimizer state in host memory (jaxpar.offload): the same training as
+all on the device, the state where the options say between steps, and a step that
+lowers for CUDA with its host-resident arguments and host<->device transfers in it.
+
+On CPU a memory-kind change inside jit lowers to nothing, so these check the arithmetic
+and the placement between steps (``.sharding.memory_kind`` is real on CPU); the CUDA
+lowering checks that the transfers exist."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxpar
+from conftest import rel_err, tree_rel_err
+from jaxpar.models import ModelConfig, Transformer
+from jaxpar.models.transformer import sharding_rules
+from jaxpar.offload import OffloadOptions
+from jaxpar.offload import state as offload_state
+from jaxpar.offload.fetch import is_split
+from jaxpar.train.step import BATCH_KEYS, make_train_step
+
+CFG = ModelConfig(vocab_size=64, dim=32, layers=3, heads=2, kv_heads=2, head_dim=16, mlp_dim=48)
+STEPS = 20
+MODES = {
+    "params": OffloadOptions(params="host"),
+    "optimizer": OffloadOptions(optimizer="host"),
+    "both": OffloadOptions(params="host", optimizer="host", prefetch=2),
+    "resident1": OffloadOptions(params="host", resident_layers=1),
+}
+
+
+def batches(n, B=8, T=16):
+    rng = np.random.default_rng(3)
+    out = []
+    for _ in range(n):
+        tokens = rng.integers(0, CFG.vocab_size, (B, T + 1))
+        out.append({"inputs": jnp.asarray(tokens[:, :-1]), "targets": jnp.asarray(tokens[:, 1:])})
+    return out
+
+
+def kinds(tree):
+    """Each leaf's memory kind, ``Split``s kept as ``Split``s of kinds."""
+    return jax.tree.map(lambda x: x.sharding.memory_kind, tree)
+
+
+def expected_kinds(params, opt_state, options: OffloadOptions):
+    """What ``options`` say: the first ``resident_layers`` stacked layers on the device,
+    the other stacked layers, and with params=host everything else, on the host."""
+    def param(path, x):
+        if not offload_state.is_layers(path):
+            return "pinned_host" if options.params == "host" else "device"
+        if is_split(x):
+            return offload_state.Split("device", "pinned_host")
+        return "pinned_host" if options.params == "host" and not options.resident_layers else "device"
+
+    opt = "pinned_host" if options.optimizer == "host" else "device"
+    return (jax.tree.map_with_path(param, params, is_leaf=is_split), jax.tree.map(lambda _: opt, opt_state))
+
+
+def train(options, mesh=None, steps=STEPS):
+    """AdamW steps from one seed; returns losses, model-order parameters, the state's
+    memory kinds after init and after the steps, and what the options say they are."""
+    model = Transformer(CFG, rngs=nnx.Rngs(0))
+    rules = sharding_rules(CFG, mesh) if mesh is not None else None
+    step = make_train_step(model, optax.adamw(1e-2, weight_decay=0.1), mesh, rules, offload=options)
+    params, opt_state = step.init(model)
+    placed = [kinds((params, opt_state))]
+    losses = []
+    for batch in batches(steps):
+        params, opt_state, metrics = step(params, opt_state, batch)
+        losses.append(float(metrics["loss"]))
+    placed.append(kinds((params, opt_state)))
+    return losses, step.in_model_order(params), placed, expected_kinds(params, opt_state, options)
+
+
+@pytest.fixture(scope="module")
+def on_device():
+    return train(OffloadOptions())
+
+
+@pytest.fixture(scope="module")
+def on_device_mesh():
+    return train(OffloadOptions(), jaxpar.make_mesh(data=2, fsdp=4), steps=5)
+
+
+def check(run, reference):
+    losses, params, placed, expected = run
+    ref_losses, ref_params, ref_placed, _ = reference
+    assert rel_err(losses, ref_losses) < 1e-6
+    assert tree_rel_err(params, ref_params) < 1e-6
+    assert placed[0] == placed[1] == expected
+    assert {k for k in jax.tree.leaves(ref_placed)} == {"device"}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_offloaded_training_matches_all_on_device(on_device, mode):
+    check(train(MODES[mode]), on_device)
+
+
+def test_offloaded_training_on_a_mesh_matches_all_on_device(on_device_mesh):
+    options = OffloadOptions(params="host", optimizer="host", resident_layers=1, prefetch=2)
+    run = train(options, jaxpar.make_mesh(data=2, fsdp=4), steps=5)
+    check(run, on_device_mesh)
+    q = run[1]["layers"]["attn"]["q"][...]  # model order: joined in host memory
+    assert q.shape[0] == CFG.layers and q.sharding.memory_kind == "pinned_host"
+    assert q.sharding.spec == jax.sharding.PartitionSpec("pipe", "fsdp", "tensor", None)
+
+
+def test_step_lowers_for_cuda_with_host_arguments_and_transfers():
+    """params=host (1 of 3 layers resident), optimizer=host on data=2 x fsdp=4: every
+    host-resident argument is ``pinned_host`` in the CUDA program, the layer scan fetches
+    to the device inside its loop, and the optimizer update is host computation."""
+    model = nnx.eval_shape(lambda: Transformer(CFG, rngs=nnx.Rngs(0)))
+    mesh = jaxpar.make_mesh(data=2, fsdp=4)
+    options = OffloadOptions(params="host", optimizer="host", resident_layers=1)
+    step = make_train_step(model, optax.adamw(1e-2), mesh, sharding_rules(CFG, mesh), offload=options)
+    state = step.abstract_state(model, stored=True)
+    token = jax.ShapeDtypeStruct((8, 16), jnp.int32, sharding=step.batch_sharding)
+    with step.context():
+        traced = step.step.trace(state["params"], state["opt_state"], dict.fromkeys(BATCH_KEYS, token))
+        text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    main = next(line for line in text.splitlines() if "func.func public @main" in line)
+    args = re.findall(r"%arg\d+: tensor<[^>]*> \{([^}]*)\}", main)
+    host_args = [a for a in args if 'mhlo.memory_kind = "pinned_host"' in a]
+    stored = jax.tree.leaves((state["params"], state["opt_state"]))
+    on_host = [x for x in stored if x.sharding.memory_kind == "pinned_host"]
+    assert len(host_args) == len(on_host) > 0
+    functions = {m[0]: m[1] for m in re.findall(r"func\.func (?:public |private )?@([\w.]+)(.*?)\n  \}", text, re.S)}
+    to_device, to_host = '_xla_buffer_placement = "device"', '_xla_buffer_placement = "pinned_host"'
+    loops = []  # what each scan's loop body does, the functions it calls included
+    for loop in text.split("stablehlo.while")[1:]:
+        body = loop.split("do {", 1)[1].split("stablehlo.return")[0]
+        loops.append(body + "".join(functions.get(name, "") for name in re.findall(r"call @([\w.]+)", body)))
+    assert len(loops) == 4  # resident layers and offloaded layers, forward and backward
+    fetching = [body for body in loops if to_device in body]
+    assert len(fetching) == 2  # the offloaded layers' forward and backward fetch in their loops
+    assert sum(to_host in body for body in fetching) == 1  # the backward sends each gradient home
+    assert '_xla_compute_type = "host"' in text  # the optimizer update runs on the host
+
+
+def test_resident_layers_above_the_layer_count_is_an_error():
+    model = nnx.eval_shape(lambda: Transformer(CFG, rngs=nnx.Rngs(0)))
+    with pytest.raises(ValueError, match=r"^offload.resident_layers=4 is above the model's 3 layers$"):
+        make_train_step(model, optax.adamw(1e-2), offload=OffloadOptions(params="host", resident_layers=4))
+
+
+def test_host_optimizer_refuses_a_branching_transformation():
+    params = {"w": jnp.ones((4, 4))}
+    tx = optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2)
+    opt_state = tx.init(params)
+    with pytest.raises(ValueError, match="lax.cond does not compile .jax#23887.") as info:
+        jax.eval_shape(lambda g, s, p: offload_state.update(tx, OffloadOptions(optimizer="host"), g, s, p),
+                       params, opt_state, params)
+    assert "\n" not in str(info.value)
