@@ -72,8 +72,10 @@ class OffloadOptions:
       between steps (host: JAX's ``pinned_host`` memory kind); each stacked layer is
       fetched to the device for its use, ``prefetch`` layers ahead.
     resident_layers: how many of the stacked layers keep their parameters on the device
-      (Gemini's static placement ratio, as a count); None: all with ``params=device``,
-      none with ``params=host``.
+      (Gemini's static placement ratio, as a count): the model's first ones, which the
+      forward pass runs while the first host layer is fetched; None: all with
+      ``params=device``, none with ``params=host``. With ``params=host`` the embedding,
+      positions, final norm and head live on the host whatever this count.
     optimizer: ``device`` or ``host``: where the optimizer state (Adam's moments) lives.
     activations: ``checkpoint_name``s whose saved residuals go to host memory between
       the forward and the backward pass.
