@@ -38,9 +38,8 @@ def policy(offloaded: Sequence[str], *, saved: Sequence[str] = (),
     memory; those named in ``saved`` (and not offloaded) on the device; every other value
     as ``otherwise`` decides (a ``jax.checkpoint_policies`` policy; None: recomputed).
 
-    A name in both ``offloaded`` and ``saved`` goes to the host: the offload plan moves
-    device bytes to the host, and the model's own choice to keep a value is honoured
-    by keeping it, there.
+    A name in both ``offloaded`` and ``saved`` goes to the host: it is still kept rather
+    than recomputed, as the model asks, but where the offload plan puts it.
     """
     offloaded = tuple(dict.fromkeys(offloaded))
     named = jax.checkpoint_policies.save_and_offload_only_these_names(
