@@ -29,12 +29,13 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxpar.offload import fetch
+from jaxpar.offload import activations, fetch
 from jaxpar.ops import kernel_ops
 from jaxpar.placement import rules as rules_lib
 from jaxpar.ops.attention import dot_product_attention
 from jaxpar.ops.linear import dense
 from jaxpar.models.config import ModelConfig, RopeScaling
+from jaxpar.placement import execution as execution_lib
 from jaxpar.placement.sharding import constrain
 
 # The residual stream (norms, residual adds): its length may be split over `tensor`
@@ -235,17 +236,57 @@ class DecoderLayer(nnx.Module):
         return x if cache is None else (x, new_cache)
 
 
+# Every checkpoint_name the model gives a value (what ModelConfig.remat_names and
+# offload.activations name): the residual stream entering a stacked layer (the scan's
+# carry), the attention's projections after RoPE and its output, and the MLP's hidden
+# activation.
+CHECKPOINT_NAMES = ("layer_input", "query", "key", "value", "attention", "mlp_hidden")
+
+
 def _remat(fn, cfg: ModelConfig):
+    """``fn(x, xs)``, one stacked layer over the residual stream ``x [B, T, D]``, under
+    ``jax.checkpoint`` with the policy ``cfg.remat`` names composed with the
+    ``offload.activations`` of the ``Execution`` in force (``jaxpar.offload``).
+
+    What a layer keeps for its backward pass, value by value:
+
+    * named in ``offload.activations``: in host memory, whatever ``remat`` says (also
+      when ``remat_names`` lists it);
+    * otherwise as ``remat`` says: ``names`` keeps ``remat_names`` on the device,
+      ``dots`` / ``dots_no_batch`` keep matmul outputs there, ``full`` nothing; the rest
+      is recomputed in the backward pass;
+    * ``remat="none"`` with names offloaded: the matmul outputs stay on the device (as
+      under ``dots``) and the elementwise work between them is recomputed. With every
+      value saved, the backward pass would read a device copy of an offloaded value (its
+      reshape or cast, saved too) rather than the host one, and the offload would free
+      nothing.
+
+    ``x`` is named ``layer_input`` inside the checkpoint: offloading it leaves no
+    ``[L, B, T, D]`` stack of layer inputs on the device (jax#23869: a name on the
+    layer's output does not, the scan saves its carry itself).
+    """
     policies = jax.checkpoint_policies
-    if cfg.remat == "none":
+    offloaded = execution_lib.current().offload.activations
+    if cfg.remat == "none" and not offloaded:
         return fn
-    policy = {
+    activations.check_names(offloaded, CHECKPOINT_NAMES)
+    otherwise = {
+        "none": policies.checkpoint_dots,
         "full": None,
         "dots": policies.checkpoint_dots,
         "dots_no_batch": policies.dots_with_no_batch_dims_saveable,
-        "names": policies.save_only_these_names(*cfg.remat_names),
+        "names": None,
     }[cfg.remat]
-    return jax.checkpoint(fn, policy=policy, prevent_cse=False)
+    saved = cfg.remat_names if cfg.remat == "names" else ()
+    if offloaded:
+        policy = activations.policy(offloaded, saved=saved, otherwise=otherwise)
+    else:  # as before offload existed: None is jax.checkpoint's own "save nothing"
+        policy = policies.save_only_these_names(*saved) if cfg.remat == "names" else otherwise
+
+    def named(x, *xs):
+        return fn(checkpoint_name(x, "layer_input"), *xs)
+
+    return jax.checkpoint(named, policy=policy, prevent_cse=False)
 
 
 @jax.tree_util.register_dataclass

@@ -3,7 +3,13 @@ Generation restores the parameters alone (``restore_params``).
 
 Saves are asynchronous; the last ``keep`` are kept; a save that does not happen raises
 ``CheckpointError``. Restoring takes the target's shardings, so a checkpoint written on
-one mesh restores on another (elastic restarts). A checkpoint that cannot be read
+one mesh restores on another (elastic restarts), and their memory kinds, so one written
+with host-resident state (``jaxpar.offload``: ``memory_kind="pinned_host"``) restores onto
+the device and the reverse: placement is a plan, not part of the checkpoint. Orbax
+copies each addressable shard to the file from where it lives and reads each straight
+into the target's memory kind, so host-resident state never passes through device
+memory (``orbax/checkpoint/_src/serialization``: ``replica_slices.transfer_arrays_to_host``,
+``serialization._read_array_index_and_device_put``); it needs nothing of ours for that. A checkpoint that cannot be read
 (half-written, corrupt) is skipped with one log line naming its step and why, and the
 previous one is used; training (``restore_latest``) moves it aside to
 ``checkpoints/corrupt/<step>`` (never deletes it), so the retrained step can be saved
