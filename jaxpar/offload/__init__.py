@@ -3,11 +3,15 @@ memory between steps and moves to the device for the layers that use it.
 
 ``OffloadOptions`` is a resolved plan, part of the ``Execution`` a step is traced under
 (it changes the program, so it is defined beside ``Execution`` in ``jaxpar.placement``).
-How a step fetches host-resident layers and where its optimizer update runs, how saved
-activations go to the host, and how ``auto`` chooses a plan under a device budget live
-in the modules beside this one.
+``plan(...)`` (``jaxpar.offload.planner``) chooses one under a device budget from the
+compile-only profile and says what it costs; ``parse_bytes`` reads budgets such as
+``"6GiB"`` (``jaxpar.offload.budget``). How a step fetches host-resident layers and
+where its optimizer update runs, and how saved activations go to the host, live in the
+modules beside these.
 """
 
+from jaxpar.offload.budget import format_bytes, parse_bytes
+from jaxpar.offload.planner import Plan, PlanError, plan
 from jaxpar.placement.execution import OffloadOptions
 
-__all__ = ["OffloadOptions"]
+__all__ = ["OffloadOptions", "Plan", "PlanError", "format_bytes", "parse_bytes", "plan"]
