@@ -421,3 +421,33 @@ def test_dry_run_reports_the_plan_and_refuses_a_budget_nothing_fits(tmp_path, ca
         train(load_config("tiny", base + ["dry_run=false", "offload.params=auto", "offload.optimizer=auto",
                                           "offload.device_budget=1MiB"]), progress=False)
     assert not (tmp_path / "run").exists()
+
+
+def _step_takes_offload() -> bool:
+    import inspect
+
+    from jaxpar.train.step import make_train_step
+
+    return "offload" in inspect.signature(make_train_step).parameters
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _step_takes_offload(), reason="make_train_step(offload=) comes with the execution "
+                                                      "mechanism (issue 18, item 1): drop this skip when merged")
+def test_dry_run_with_a_budget_the_all_on_device_step_exceeds(tmp_path, capsys):
+    """tiny (4 layers) on fsdp=8 under one byte less than the all-on-device peak: the
+    plan offloads, keeps its promise, and the step is built with its OffloadOptions (on
+    CPU the compile still counts host state as device memory: profiler docstring)."""
+    from jaxpar.train.loop import train
+
+    base = ["dry_run=true", "mesh.fsdp=8", "batch_size=8", "seq_len=64", f"run_dir={tmp_path / 'run'}",
+            "offload.params=auto", "offload.optimizer=auto"]
+    train(load_config("tiny", base), progress=False)
+    everything = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    train(load_config("tiny", base + [f"offload.device_budget={everything['peak_bytes'] - 1}"]), progress=False)
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    p = out["offload_plan"]
+    assert p["device_bytes"] <= everything["peak_bytes"] - 1 and (p["params"], p["optimizer"]) != ("device", "device")
+    assert out["host_state_bytes"] > 0 and out["device_state_bytes"] + out["host_state_bytes"] == everything["alias_bytes"]
+    assert out["transfer_bytes"]["host_to_device"] > 0 and out["transfer_bytes"]["device_to_host"] > 0
+    assert not (tmp_path / "run").exists()

@@ -228,7 +228,7 @@ def test_checkpoint_restores_on_another_mesh(tmp_path, cache):
     assert [r["step"] for r in metrics(run)] == list(range(1, 9))
     # TensorBoard too: steps 5-8 of the first run dropped, each step once, in order.
     steps = tensorboard_steps(run)
-    assert set(steps) == {"loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"}
+    assert set(steps) == {"loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "device_live_bytes"}
     assert all(s == list(range(1, 9)) for s in steps.values()), steps
 
 
