@@ -175,7 +175,9 @@ class OffloadConfig:
         their defaults), as ``key=value``; empty: everything stays on the device, unplanned."""
         keys = ("params", "optimizer", "activations", "device_budget", "resident_layers")
         default = OffloadConfig()
-        return tuple(f"offload.{k}={getattr(self, k)!r}" for k in keys if getattr(self, k) != getattr(default, k))
+        shown = lambda v: list(v) if isinstance(v, tuple) else v  # noqa: E731 - as the user wrote it
+        return tuple(f"offload.{k}={shown(getattr(self, k))!r}" for k in keys
+                     if getattr(self, k) != getattr(default, k))
 
 
 @dataclasses.dataclass(frozen=True)
