@@ -13,6 +13,12 @@ NORMS = ("rms", "layer")
 MLPS = ("swiglu", "gelu")
 POSITIONS = ("rope", "learned")
 DTYPES = ("float32", "bfloat16", "float16")
+# The ``checkpoint_name``s the transformer's layers tag (models/transformer.py): what
+# ``model.remat_names`` may save and ``offload.activations`` may send to the host.
+# layer_input [B, T, D] (the residual stream entering a stacked layer: the scan's carry),
+# query/key/value [B, T, N or K, H] after RoPE, attention [B, T, N, H] (before the output
+# projection), mlp_hidden [B, T, F] (before the down projection).
+CHECKPOINT_NAMES = ("layer_input", "query", "key", "value", "attention", "mlp_hidden")
 
 
 @dataclasses.dataclass(frozen=True)

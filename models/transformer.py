@@ -34,7 +34,7 @@ from jaxpar.ops import kernel_ops
 from jaxpar.placement import rules as rules_lib
 from jaxpar.ops.attention import dot_product_attention
 from jaxpar.ops.linear import dense
-from jaxpar.models.config import ModelConfig, RopeScaling
+from jaxpar.models.config import CHECKPOINT_NAMES, ModelConfig, RopeScaling
 from jaxpar.placement import execution as execution_lib
 from jaxpar.placement.sharding import constrain
 
@@ -234,13 +234,6 @@ class DecoderLayer(nnx.Module):
             x = x + self.mlp(self.mlp_norm(x))
         x = constrain(x, ACT_BTD)
         return x if cache is None else (x, new_cache)
-
-
-# Every checkpoint_name the model gives a value (what ModelConfig.remat_names and
-# offload.activations name): the residual stream entering a stacked layer (the scan's
-# carry), the attention's projections after RoPE and its output, and the MLP's hidden
-# activation.
-CHECKPOINT_NAMES = ("layer_input", "query", "key", "value", "attention", "mlp_hidden")
 
 
 def _remat(fn, cfg: ModelConfig):

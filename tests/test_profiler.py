@@ -411,3 +411,35 @@ def test_profile_json_is_one_line(fsdp8):
     assert "\n" not in line
     assert json.loads(line) == p8
     assert np.isfinite(p8["flops"])
+
+
+def test_cpu_counts_host_memory_as_device_memory():
+    """What the module docstring says of XLA:CPU: a pinned_host argument is counted in
+    argument_bytes, and the host_* figures stay 0."""
+    device = jax.devices()[0]
+    on = lambda kind: jax.sharding.SingleDeviceSharding(device, memory_kind=kind)  # noqa: E731
+    host = jax.ShapeDtypeStruct((N,), jnp.float32, sharding=on("pinned_host"))
+    dev = jax.ShapeDtypeStruct((N,), jnp.float32, sharding=on("device"))
+    compiled = jax.jit(lambda a, b: jax.device_put(a, on("device")) + b, out_shardings=on("device")).lower(
+        host, dev).compile()
+    p = profile(compiled)
+    assert p["argument_bytes"] == 2 * 4 * N and p["output_bytes"] == 4 * N
+    assert p["host_argument_bytes"] == p["host_output_bytes"] == p["host_alias_bytes"] == p["host_temp_bytes"] == 0
+
+
+@pytest.mark.parametrize("which", ["fsdp8", "one_device"])
+def test_offload_plan_of_the_all_on_device_step_is_its_compile(which, request):
+    """jaxpar.offload.plan's accounting from the shardings against the compiled step: the
+    state it counts is what the step aliases (the donated parameters and optimizer
+    state), and with nothing offloaded it promises the profile's peak."""
+    from jaxpar.offload import OffloadOptions, plan
+
+    _, p = request.getfixturevalue(which)
+    mesh = jaxpar.make_mesh(fsdp=8) if which == "fsdp8" else jaxpar.make_mesh(devices=jax.devices()[:1])
+    model = _abstract_model()
+    state = make_train_step(model, optax.adamw(1e-3), mesh).abstract_state(model)
+    chosen = plan(state, mesh, p, None)
+    assert chosen.options == OffloadOptions()
+    assert abs(chosen.device_state_bytes - p["alias_bytes"]) <= 0.1 * p["alias_bytes"]
+    assert p["argument_bytes"] - chosen.device_state_bytes == 5 * 8 * 16 * 4 // (8 if which == "fsdp8" else 1)
+    assert abs(chosen.device_bytes - p["peak_bytes"]) <= 0.1 * p["peak_bytes"]

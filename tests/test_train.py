@@ -11,14 +11,16 @@ import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from conftest import rel_err
 from jaxpar.train.checkpoints import Checkpoints
 from jaxpar.train.config import load_config
 from jaxpar.train.data import default_cache_dir
-from jaxpar.train.loop import TrainingError, train
+from jaxpar.train.loop import TrainingError, build_model, train
 from jaxpar.train.stopping import stop_on_signals
 
 pytestmark = pytest.mark.slow  # end-to-end: `pytest -m "not slow"` skips the file
@@ -73,7 +75,11 @@ def test_short_run_learns_and_writes_its_outputs(tmp_path, cache):
     history = train(config(run, cache, "steps=30", "eval.every=10", "checkpoint.every=10"), progress=False)
     rows = metrics(run)
     assert [r["step"] for r in rows] == list(range(1, 31)) and rows == history
-    assert {"step", "loss", "lr", "grad_norm", "tokens_per_s"} <= set(rows[0])
+    assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "device_live_bytes"} <= set(rows[0])
+    # data=8: every device holds the parameters and Adam's two moments, float32, and more
+    params = sum(x.size for x in jax.tree.leaves(nnx.state(nnx.eval_shape(
+        lambda: build_model(config(run, cache))))))
+    assert all(r["device_live_bytes"] >= 3 * 4 * params for r in rows)
     val = [r["val_loss"] for r in rows if "val_loss" in r]
     # Untrained, the loss is ln(512) = 6.24; by step 10 it has fallen well below, and goes on.
     assert len(val) == 3 and val[0] < np.log(512) - 0.5 and val[2] < val[0]
@@ -222,7 +228,7 @@ def test_checkpoint_restores_on_another_mesh(tmp_path, cache):
     assert [r["step"] for r in metrics(run)] == list(range(1, 9))
     # TensorBoard too: steps 5-8 of the first run dropped, each step once, in order.
     steps = tensorboard_steps(run)
-    assert set(steps) == {"loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"}
+    assert set(steps) == {"loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "device_live_bytes"}
     assert all(s == list(range(1, 9)) for s in steps.values()), steps
 
 
@@ -294,6 +300,9 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, cache):
         ("mesh.pipe=2 pipeline.microbatches=1 batch_size=8", 1, "1f1b needs at least as many microbatches as pipeline stages: microbatches=1 < pipe=2"),
         ("execution.attention=cudnn", 1, "execution.attention='cudnn' needs a GPU; JAX's backend here is 'cpu'"),
         ("mesh.seq=4 seq_len=60", 2, "seq_len=60 must be divisible by 2 x mesh.seq = 8 for execution.seq_layout=zigzag"),
+        # found only once the step is compiled for its profile; still exit 2, nothing written
+        ("offload.optimizer=auto offload.device_budget=1KiB", 2,
+         "offload.device_budget=1KiB is below what any plan needs: the smallest (params=device optimizer=host) needs"),
     ],
 )
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, cache, override, code, message):

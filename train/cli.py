@@ -94,6 +94,9 @@ def main(argv=None) -> int:
     try:
         with _log_lines(), _ctrl_c_exits_at_once():
             history = train(cfg, progress=not args.no_progress)
+    except ConfigError as e:  # found once the step compiled (an offload budget no plan fits)
+        print(f"jaxpar-train: error: {e}", file=sys.stderr)
+        return 2
     except (TrainingError, ValueError, FileNotFoundError) as e:
         print(f"jaxpar-train: error: {e}", file=sys.stderr)
         return 1

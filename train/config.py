@@ -18,7 +18,9 @@ from typing import Any, Literal
 import yaml
 
 from jaxpar.kernels.dispatch import IMPLS as KERNEL_IMPLS
-from jaxpar.models.config import PRESETS, ModelConfig
+from jaxpar.models.config import CHECKPOINT_NAMES, PRESETS, ModelConfig
+from jaxpar.offload.budget import parse_bytes
+from jaxpar.offload.planner import PCIE5_X16_BANDWIDTH, PLACES as OFFLOAD_PLACES, UNSUPPORTED_AXES
 from jaxpar.parallel.pipeline_schedule import KINDS as PIPELINE_SCHEDULES
 from jaxpar.placement.mesh import AXIS_TYPES
 from jaxpar.placement.execution import SEQUENCE_IMPLS, SEQUENCE_LAYOUTS, SequenceOptions
@@ -113,6 +115,72 @@ class ExecutionConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class OffloadConfig:
+    """Train state in host memory (``jaxpar.offload``): where the parameters (``params``)
+    and the optimizer state (``optimizer``) live between steps, ``device``, ``host`` or
+    ``auto`` (the planner chooses under ``device_budget``); ``activations``: the
+    ``checkpoint_name``s whose saved residuals go to the host (a list, or ``none``);
+    ``device_budget``: bytes per device (``6GiB``, ``512MiB``, ``1.5GB``, an integer;
+    unset: the device's own memory where the backend says, else no limit);
+    ``resident_layers``: how many stacked layers keep their parameters on the device
+    (unset: the planner's choice under a budget, else none with ``params=host``);
+    ``prefetch``: layers fetched ahead; ``host_bandwidth``: host<->device bytes per second
+    per direction, for the planner's step-time prediction (a number or ``64GB``)."""
+
+    params: Literal[OFFLOAD_PLACES] = "device"
+    optimizer: Literal[OFFLOAD_PLACES] = "device"
+    activations: tuple[str, ...] | Literal["none"] = ()
+    device_budget: str | int | float | None = None
+    resident_layers: int | None = None
+    prefetch: int = 1
+    host_bandwidth: str | float = PCIE5_X16_BANDWIDTH
+
+    def __post_init__(self):
+        if self.activations == "none":
+            object.__setattr__(self, "activations", ())
+        unknown = [name for name in self.activations if name not in CHECKPOINT_NAMES]
+        if unknown:
+            raise ValueError(f"offload.activations={list(self.activations)} names no checkpoint of the "
+                             f"model ({', '.join(unknown)}); it defines {', '.join(CHECKPOINT_NAMES)}")
+        if self.device_budget is not None:
+            parse_bytes(self.device_budget, name="offload.device_budget")
+        if isinstance(self.host_bandwidth, str):
+            parse_bytes(self.host_bandwidth, name="offload.host_bandwidth")
+        if not self.bandwidth > 0:
+            raise ValueError(f"offload.host_bandwidth={self.host_bandwidth!r} must be positive")
+        if self.prefetch < 1:
+            raise ValueError(f"offload.prefetch={self.prefetch!r} must be at least 1")
+        if self.resident_layers is not None:
+            if self.resident_layers < 0:
+                raise ValueError(f"offload.resident_layers={self.resident_layers!r} must not be negative")
+            if self.params == "device":
+                raise ValueError(f"offload.resident_layers={self.resident_layers} applies to "
+                                 "offload.params=host or auto (with params=device every layer is resident)")
+
+    @property
+    def budget(self) -> int | None:
+        """``device_budget`` in bytes (None: unset)."""
+        return None if self.device_budget is None else parse_bytes(self.device_budget)
+
+    @property
+    def bandwidth(self) -> float:
+        """``host_bandwidth`` in bytes per second."""
+        if isinstance(self.host_bandwidth, str):
+            return float(parse_bytes(self.host_bandwidth))
+        return float(self.host_bandwidth)
+
+    @property
+    def requested(self) -> tuple[str, ...]:
+        """The keys that ask for a plan (any but ``prefetch`` and ``host_bandwidth`` off
+        their defaults), as ``key=value``; empty: everything stays on the device, unplanned."""
+        keys = ("params", "optimizer", "activations", "device_budget", "resident_layers")
+        default = OffloadConfig()
+        shown = lambda v: list(v) if isinstance(v, tuple) else v  # noqa: E731 - as the user wrote it
+        return tuple(f"offload.{k}={shown(getattr(self, k))!r}" for k in keys
+                     if getattr(self, k) != getattr(default, k))
+
+
+@dataclasses.dataclass(frozen=True)
 class EvalConfig:
     every: int = 50  # validation loss every N steps (and at the last step); 0 never
     batches: int = 4
@@ -150,6 +218,7 @@ class Config:
     checkpoint: CheckpointConfig = CheckpointConfig()
     eval: EvalConfig = EvalConfig()
     execution: ExecutionConfig = ExecutionConfig()
+    offload: OffloadConfig = OffloadConfig()
     run_dir: str = "runs/tiny"
     # Tokenizer/packed-data cache, keyed by content; None: the per-user
     # $XDG_CACHE_HOME/jaxpar, else ~/.cache/jaxpar (jaxpar.train.data.default_cache_dir).
@@ -188,6 +257,14 @@ class Config:
                              "byte-level BPE of that size (256 bytes + EOS)")
         if self.seq_len < 2:
             raise ValueError(f"seq_len={self.seq_len!r} must be at least 2")
+        offload = self.offload
+        if offload.resident_layers is not None and offload.resident_layers > self.model.layers:
+            raise ValueError(f"offload.resident_layers={offload.resident_layers} is above "
+                             f"model.layers={self.model.layers}")
+        for axis, why in UNSUPPORTED_AXES.items():
+            size = getattr(self.mesh, axis)
+            if offload.requested and size > 1:
+                raise ValueError(f"{offload.requested[0]} with mesh.{axis}={size} is not supported yet: {why}")
         seq = self.mesh.seq
         ways = 2 * seq if self.execution.seq_layout == "zigzag" else seq
         if seq > 1 and self.seq_len % ways:

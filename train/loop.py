@@ -3,7 +3,8 @@ checkpoints, metrics.
 
 Outputs in ``RUN_DIR``: ``config.yaml`` (the resolved config), ``metrics.jsonl`` (one
 JSON object per step: ``step``, ``loss``, ``lr``, ``grad_norm``, ``tokens_per_s``,
-``step_time_s``, and ``val_loss`` at eval steps), the same scalars as TensorBoard
+``step_time_s``, ``device_live_bytes`` (bytes of live arrays in device memory on the
+most loaded device after the step), and ``val_loss`` at eval steps), the same scalars as TensorBoard
 events in ``tensorboard/`` (a resumed run first drops the steps after its
 checkpoint from both, so each step is logged once), ``tokenizer.json`` and
 ``checkpoints/`` (orbax; unreadable ones moved to ``checkpoints/corrupt/<step>``). The
@@ -48,6 +49,7 @@ from jaxpar.parallel.pipeline_schedule import Schedule
 from jaxpar.parallel.zigzag import to_zigzag
 from jaxpar.train import data as data_lib
 from jaxpar.train import glide, tensorboard
+from jaxpar.train import offload as offload_lib
 from jaxpar.train.checkpoints import CheckpointError, Checkpoints
 from jaxpar.train.config import Config, MeshConfig, OptimizerConfig, to_dict
 from jaxpar.train.step import make_train_step
@@ -211,6 +213,11 @@ def dry_run_profile(cfg: Config, step_fn, abstract_model, mesh, rules, schedule:
     return result
 
 
+def peak_flops() -> float | None:
+    """This device's dense bf16 peak FLOP/s (``PEAK_FLOPS``), None when unknown."""
+    return next((f for name, f in PEAK_FLOPS.items() if name in jax.devices()[0].device_kind), None)
+
+
 def build_model(cfg: Config) -> nnx.Module:
     """The model a run trains: the ``Transformer``, or with ``task: glide`` the GliDe
     draft for the target's model config (``cfg.model``)."""
@@ -241,9 +248,21 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
     if target is not None:  # the frozen target: an argument of every step, never trained
         frozen = (nnx.state(jaxpar.shard_model(target, mesh, rules)),)
         glide_step = {"loss": glide.make_loss(cfg, target), "frozen": frozen[0]}
-    step_fn = make_train_step(abstract_model, tx, mesh, rules, grad_accum=cfg.optimizer.grad_accum,
-                              sequence=cfg.execution.sequence, kernels=cfg.execution.kernels,
-                              pipeline=stages, **glide_step)
+
+    def build_step(**offload):
+        return make_train_step(abstract_model, tx, mesh, rules, grad_accum=cfg.optimizer.grad_accum,
+                               sequence=cfg.execution.sequence, kernels=cfg.execution.kernels,
+                               pipeline=stages, **glide_step, **offload)
+
+    step_fn = build_step()
+    profile = offload_plan = None
+    if cfg.offload.requested:  # planned on the all-on-device step's compile-only profile
+        profile = dry_run_profile(cfg, step_fn, abstract_model, mesh, rules, stages)
+        offload_plan = offload_lib.resolve(cfg, profile, step_fn.abstract_state(abstract_model),
+                                           mesh, rules, peak_flops())
+        if offload_plan.options.any:
+            profile = None  # the step that runs is another program
+            step_fn = build_step(offload=offload_plan.options)
     if target is None:
         def batch_of(local):
             return _global_batch(local, step_fn)
@@ -254,7 +273,9 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
             return teach(frozen[0], _global_batch(local, step_fn))
 
     if cfg.dry_run:
-        profile = dry_run_profile(cfg, step_fn, abstract_model, mesh, rules, stages)
+        profile = profile or dry_run_profile(cfg, step_fn, abstract_model, mesh, rules, stages)
+        if offload_plan is not None:
+            profile.update(offload_lib.dry_run_fields(offload_plan))
         print(json.dumps(profile, separators=(",", ":")))
         return []
 
@@ -299,7 +320,7 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
 
         eval_fn = jax.jit(lambda params, batch, *frozen: step_fn.loss(step_fn.model(params), batch, *frozen))
         tokens_per_step = cfg.batch_size * cfg.seq_len
-        peak = next((f for name, f in PEAK_FLOPS.items() if name in jax.devices()[0].device_kind), None)
+        peak = peak_flops()
         if target is not None:
             peak = None  # flops_per_token counts a Transformer's step, not the draft's and teacher's
         history, last_saved = [], start
@@ -330,7 +351,7 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
                         )
                     record = {"step": step, "loss": loss, "lr": float(schedule(step - 1)),
                               "grad_norm": float(out["grad_norm"]), "tokens_per_s": tokens_per_step / elapsed,
-                              "step_time_s": elapsed}
+                              "step_time_s": elapsed, "device_live_bytes": offload_lib.device_live_bytes()}
                     if val_batches and (step % cfg.eval.every == 0 or step == cfg.steps):
                         losses = [eval_fn(params, batch_of(b), *frozen) for b in val_batches]
                         record["val_loss"] = float(np.mean([float(l) for l in losses]))

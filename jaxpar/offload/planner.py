@@ -1,0 +1,476 @@
+"""The offload plan, as data: which train state lives where under a device budget, what
+moves between host and device each step, and how long the step is predicted to take.
+
+``plan(abstract_state, mesh, profile, budget, ...)`` is Elixir's search on jaxpar's
+compile-only profile: it enumerates the resident-layer counts (Gemini's static
+placement ratio, as a count of stacked layers) x the optimizer's placement, with the
+activation offload given, predicts each candidate's device bytes and step time, and
+returns the fastest that fits the budget (ties: the one moving fewer bytes, so more
+stays on the device). All figures are per device: every device offloads its own shards,
+so each leaf counts the bytes of its shard (``sharding.shard_shape``).
+
+Inputs:
+
+* ``abstract_state``: ``{"params": ..., "opt_state": ...}`` of ``ShapeDtypeStruct``s with
+  the step's shardings (``TrainStep.abstract_state``). A leaf with a ``layers`` key in
+  its path is a stacked layer array ``[L, ...]``: its shard divides into ``L`` equal
+  chunks, one per layer (the scan's unit, the fetch's unit). Everything else
+  (embedding, head, final norm, the optimizer's counters) is "other" state, which the
+  plan keeps on the device with ``params=host`` (it is small next to the layers, and
+  the embedding's and head's use brackets the whole step).
+* ``profile``: ``jaxpar.profiler.profile`` of the ALL-ON-DEVICE step (what
+  ``dry_run`` compiles without offload). Its ``temp_bytes`` hold the whole gradient
+  (global-norm clipping needs every gradient before any update, and the backward scan
+  returns them stacked) and the saved activations; ``flops`` give the compute time.
+
+Device bytes promised (``Plan.device``, each per device)::
+
+    params          other params + resident layers' params                   (exact)
+    optimizer       all optimizer state with optimizer=device, else 0        (exact)
+    prefetch        min(prefetch + 1, host layers) x one layer's params: the layer
+                    computing and the ``prefetch`` fetched ahead              (exact)
+    gradients       gradients of device-resident params (other + resident layers)
+                    + min(2, host layers) x one layer's gradients: the chunk in flight
+                    and the one still draining to the host                   (exact)
+    optimizer_in_flight  with optimizer=host, the largest chunk's optimizer state
+                    (a layer's, or all the other state's), in case the update streams
+                    through the device (ZeRO-Infinity) rather than running on the host
+    temporaries     profile temp_bytes - whole gradient - saved activations: the
+                    step's working buffers, taken from the all-on-device compile
+    activations     saved residuals kept on the device + (prefetch + 1) layers' worth
+                    of the offloaded ones in flight
+    inputs_outputs  the batch (profile argument_bytes - state) + outputs that do
+                    not reuse a donated buffer
+
+With nothing offloaded this sums to the profile's ``peak_bytes``
+(``argument + output - alias + temp``) unless the activation estimate exceeds the
+temporaries, in which case the temporaries count as 0 and the sum is larger.
+
+Transfer bytes per step (per device; ``P_h`` host layers' params, ``G`` gradients,
+``A`` offloaded activations, ``P_d``/``G_d`` device-resident params/gradients)::
+
+    host -> device   2 P_h (fetched for the forward and again for the backward) + A
+                     + optimizer=host: P_d (updated device params come back)
+                     + optimizer=device: G_h + P_h (host layers stream through the update)
+    device -> host   G_h (host layers' gradients) + A
+                     + optimizer=host: G_d (every gradient goes to the host update)
+                     + optimizer=device: P_h (updated host layers go back)
+
+Step time (the prediction that ranks plans; seconds)::
+
+    c = profile flops / peak_flops / L                  compute per layer
+    per layer: max(c / 3, h2d_fwd / bw, d2h_fwd / bw) + max(2 c / 3, h2d_bwd / bw, d2h_bwd / bw)
+    + max(h2d_update, d2h_update) / bw                  the update's moves, not overlapped
+    + optimizer=host: (2 params + gradients + 2 optimizer bytes) / host_update_bandwidth
+
+``bw`` is ``host_bandwidth`` per direction (PCIe is full duplex). The backward is taken
+as twice the forward's compute.
+
+Conservative where the inputs are estimates (a plan that promises too little OOMs,
+ColossalAI#2246): the working temporaries are the all-on-device compile's, which holds
+more than an offloaded step needs; the prefetch window and the gradients in flight
+count one chunk more than the minimum; offloaded activations free device bytes only
+for ``saved_names`` (names the profiled step is known to keep: by default none, and
+then offloading activations frees nothing in the plan but still costs its transfers);
+``host_bandwidth`` and ``host_update_bandwidth`` default below what the hardware
+reaches (host-side updates have measured 2-3x slower than expected, axlearn PR#867).
+The FLOP-based compute time assumes the peak rate: it under-predicts compute, so the
+plan sees transfers as more exposed than they are and keeps more on the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Collection, Mapping
+from typing import Any
+
+import jax
+
+from jaxpar.offload.budget import format_bytes, parse_bytes
+from jaxpar.placement.execution import OffloadOptions
+
+# PCIe 5.0 x16: 32 GT/s x 16 lanes x 128b/130b = 63 GB/s per direction on the wire;
+# pinned-memory copies measure about 50 GB/s, the default (bytes per second, per direction).
+PCIE5_X16_BANDWIDTH = 50e9
+# Dense bf16 peak of an H100/H200 SXM (989 TFLOP/s), for the compute time.
+H100_PEAK_FLOPS = 989e12
+# Optimizer-state bytes per second one device's host-side update streams: a host's DRAM
+# (~200 GB/s) shared by 8 devices, halved for the 2-3x slowdown measured (axlearn PR#867).
+HOST_UPDATE_BANDWIDTH = 10e9
+
+PLACES = ("device", "host", "auto")
+
+# Mesh axes offload refuses for now, and why (jaxpar-train's config names them too).
+UNSUPPORTED_AXES = {
+    "pipe": "pipeline stages hold their own layers, which their schedule would have to fetch",
+    "seq": "the sequence-parallel attention's shard_map and the layer fetch do not compose yet",
+}
+
+# Plan.device's parts, as the nothing-fits message names them.
+DEVICE_PARTS = {
+    "params": "the device-resident parameters",
+    "optimizer": "the device-resident optimizer state",
+    "prefetch": "the prefetch window of fetched layers",
+    "gradients": "the gradients",
+    "optimizer_in_flight": "the optimizer state streamed through the device",
+    "temporaries": "the step's compiled temporaries",
+    "activations": "the activations kept on the device",
+    "inputs_outputs": "the batch and the step's outputs",
+}
+
+
+class PlanError(ValueError):
+    """No plan fits the budget; the message is one line naming the smallest budget that
+    works and what dominates it. ``smallest``: that plan."""
+
+    def __init__(self, message: str, smallest: Plan):
+        super().__init__(message)
+        self.smallest = smallest
+
+
+@dataclasses.dataclass(frozen=True)
+class StateBytes:
+    """Per-device bytes of a train state, split into stacked layers and the rest.
+
+    layers: ``L``, the stacked layer count (0 without stacked layers).
+    layer_params / layer_optimizer: one layer's share of the stacked arrays' shards.
+    other_params / other_optimizer: every array without a ``layers`` axis.
+    """
+
+    layers: int
+    layer_params: int
+    layer_optimizer: int
+    other_params: int
+    other_optimizer: int
+
+    @property
+    def params(self) -> int:
+        return self.layers * self.layer_params + self.other_params
+
+    @property
+    def optimizer(self) -> int:
+        return self.layers * self.layer_optimizer + self.other_optimizer
+
+    @property
+    def total(self) -> int:
+        return self.params + self.optimizer
+
+
+def shard_bytes(leaf) -> int:
+    """Bytes of the largest shard of ``leaf`` (a ``ShapeDtypeStruct`` or array) on one
+    device; the whole array without a sharding."""
+    sharding = getattr(leaf, "sharding", None)
+    itemsize = jax.numpy.dtype(leaf.dtype).itemsize
+    if sharding is None:
+        return math.prod(leaf.shape) * itemsize
+    try:
+        shape = sharding.shard_shape(leaf.shape)
+    except ValueError:  # uneven split: the largest shard is what a device must hold
+        shape = max((tuple(len(range(*s.indices(n))) for s, n in zip(index, leaf.shape))
+                     for index in sharding.devices_indices_map(leaf.shape).values()),
+                    key=math.prod)
+    return math.prod(shape) * itemsize
+
+
+def _key_name(key) -> Any:
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return getattr(key, attr)
+    return key
+
+
+def state_bytes(abstract_state: Mapping, *, layers_key: str = "layers") -> StateBytes:
+    """Per-device bytes of ``abstract_state`` (``{"params", "opt_state"}``), stacked
+    layers apart.
+
+    Raises:
+      ValueError: stacked arrays disagree on ``L``, or their ``layers`` axis is split
+        over the mesh (a pipeline's stages), which per-layer chunks cannot describe.
+    """
+    layers = None
+    sums = {"layer_params": 0, "layer_optimizer": 0, "other_params": 0, "other_optimizer": 0}
+    for part, kind in (("params", "params"), ("opt_state", "optimizer")):
+        for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_state[part])[0]:
+            nbytes = shard_bytes(leaf)
+            names = [_key_name(k) for k in path]
+            if layers_key not in names or not leaf.shape:
+                sums[f"other_{kind}"] += nbytes
+                continue
+            where = jax.tree_util.keystr(path)
+            if layers is None:
+                layers = leaf.shape[0]
+            elif leaf.shape[0] != layers:
+                raise ValueError(f"plan: {part}{where} stacks {leaf.shape[0]} layers, others {layers}")
+            sharding = getattr(leaf, "sharding", None)
+            if sharding is not None and sharding.shard_shape(leaf.shape)[0] != layers:
+                raise ValueError(f"plan: the layers axis of {part}{where} is split over the mesh "
+                                 f"({sharding.spec}); offload chunks whole layers (no pipeline axis)")
+            sums[f"layer_{kind}"] += nbytes
+    layers = layers or 0
+    if layers:
+        sums["layer_params"] //= layers
+        sums["layer_optimizer"] //= layers
+    return StateBytes(layers, **sums)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A resolved offload plan and what it costs, per device.
+
+    options: the ``OffloadOptions`` a step is built with (no ``auto``).
+    layers / resident_layers: ``L`` and how many keep their parameters on the device
+      (``L`` with ``params=device``).
+    prefetch: the fetch distance, in layers.
+    budget: the device budget it was chosen under (None: unlimited).
+    device: bytes on the device at the step's peak, by part (module docstring);
+      ``device_bytes`` their sum, the figure promised to stay within ``budget``.
+    host: bytes in host memory: ``params``, ``optimizer``, ``activations`` (offloaded
+      residuals, between the forward and the backward).
+    host_to_device / device_to_host: bytes moved per step, each direction.
+    compute_s / step_s: predicted compute time and step time (module docstring).
+    assumptions: the rates the prediction used.
+    """
+
+    options: OffloadOptions
+    layers: int
+    resident_layers: int
+    prefetch: int
+    budget: int | None
+    device: dict[str, int]
+    host: dict[str, int]
+    host_to_device: int
+    device_to_host: int
+    compute_s: float
+    step_s: float
+    assumptions: dict[str, Any]
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(self.device.values())
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(self.host.values())
+
+    @property
+    def device_state_bytes(self) -> int:
+        """Parameters and optimizer state that live on the device between steps."""
+        return self.device["params"] + self.device["optimizer"]
+
+    @property
+    def host_state_bytes(self) -> int:
+        """Parameters and optimizer state that live on the host between steps."""
+        return self.host["params"] + self.host["optimizer"]
+
+    @property
+    def fits(self) -> bool:
+        return self.budget is None or self.device_bytes <= self.budget
+
+    def summary(self) -> str:
+        """``params=host resident_layers=3/16 optimizer=host activations=[query]``."""
+        o = self.options
+        text = f"params={o.params}"
+        if o.params == "host":
+            text += f" resident_layers={self.resident_layers}/{self.layers} prefetch={o.prefetch}"
+        text += f" optimizer={o.optimizer}"
+        if o.activations:
+            text += f" activations=[{','.join(o.activations)}]"
+        return text
+
+    def dominant(self) -> tuple[str, int]:
+        """The largest part of ``device``: ``(name, bytes)``."""
+        return max(self.device.items(), key=lambda item: item[1])
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for JSON (``dry_run``'s ``offload_plan``)."""
+        o = self.options
+        return {
+            "params": o.params, "resident_layers": self.resident_layers, "layers": self.layers,
+            "optimizer": o.optimizer, "activations": list(o.activations), "prefetch": o.prefetch,
+            "budget_bytes": self.budget, "device_bytes": self.device_bytes, "device": dict(self.device),
+            "host_bytes": self.host_bytes, "host": dict(self.host),
+            "host_to_device_bytes": self.host_to_device, "device_to_host_bytes": self.device_to_host,
+            "compute_s": self.compute_s, "step_s": self.step_s, "assumptions": dict(self.assumptions),
+        }
+
+    def describe(self) -> str:
+        """Several lines for people: the placement, the device bytes by part, the moves."""
+        budget = "unlimited" if self.budget is None else format_bytes(self.budget)
+        lines = [f"offload plan: {self.summary()}",
+                 f"  device {format_bytes(self.device_bytes)} of {budget} per device:"]
+        lines += [f"    {name:<20} {format_bytes(n)}" for name, n in self.device.items() if n]
+        lines.append(f"  host {format_bytes(self.host_bytes)}: "
+                     + ", ".join(f"{k} {format_bytes(v)}" for k, v in self.host.items()))
+        lines.append(f"  per step: host->device {format_bytes(self.host_to_device)}, "
+                     f"device->host {format_bytes(self.device_to_host)}; predicted "
+                     f"{self.step_s * 1e3:.3g} ms (compute {self.compute_s * 1e3:.3g} ms)")
+        return "\n".join(lines)
+
+
+def plan(
+    abstract_state: Mapping,
+    mesh: jax.sharding.Mesh | None,
+    profile: Mapping[str, Any],
+    budget: int | str | None,
+    *,
+    params: str = "auto",
+    optimizer: str = "auto",
+    activations: Collection[str] = (),
+    resident_layers: int | None = None,
+    prefetch: int = 1,
+    host_bandwidth: float | str = PCIE5_X16_BANDWIDTH,
+    peak_flops: float = H100_PEAK_FLOPS,
+    host_update_bandwidth: float | str = HOST_UPDATE_BANDWIDTH,
+    activation_bytes: Mapping[str, int] | None = None,
+    saved_names: Collection[str] = (),
+    layers_key: str = "layers",
+    budget_source: str | None = None,
+) -> Plan:
+    """The fastest plan whose device bytes fit ``budget`` (module docstring: inputs,
+    accounting, transfers, time, and where it is conservative).
+
+    Args:
+      abstract_state: ``{"params", "opt_state"}`` with the step's shardings.
+      mesh: the step's mesh (None: one device); a ``pipe`` or ``seq`` axis of size > 1
+        is refused.
+      profile: ``jaxpar.profiler.profile`` of the all-on-device step.
+      budget: device bytes per device (an int or ``"6GiB"``); None: no limit.
+      params, optimizer: ``device``, ``host`` or ``auto`` (searched).
+      activations: ``checkpoint_name``s whose residuals go to the host (given, not searched).
+      resident_layers: fixes the count of device-resident layers (``params`` host/auto).
+      prefetch: layers fetched ahead (>= 1).
+      host_bandwidth: host<->device bytes/s per direction (default ``PCIE5_X16_BANDWIDTH``).
+      peak_flops: the device's FLOP/s for the compute time (default ``H100_PEAK_FLOPS``).
+      host_update_bandwidth: optimizer bytes/s a host-side update streams per device.
+      activation_bytes: per-device bytes of each name's residuals over all layers of one
+        step; required for every name in ``activations``.
+      saved_names: names whose residuals the profiled step keeps on the device (only
+        these free device bytes when offloaded).
+      layers_key: the path key of stacked layer arrays.
+      budget_source: how the nothing-fits message names the budget (default "a device
+        budget of 6GiB").
+
+    Raises:
+      PlanError: nothing fits (one line: the smallest budget that works, what dominates it).
+      ValueError: a bad argument, or a mesh / state the plan cannot describe.
+    """
+    for name, value in (("params", params), ("optimizer", optimizer)):
+        if value not in PLACES:
+            raise ValueError(f"offload.{name}={value!r} must be one of {list(PLACES)}")
+    if mesh is not None:
+        for axis, why in UNSUPPORTED_AXES.items():
+            if mesh.shape.get(axis, 1) > 1:
+                raise ValueError(f"offload with mesh.{axis}={mesh.shape[axis]} is not supported yet: {why}")
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
+        raise ValueError(f"offload.prefetch={prefetch!r} must be an int >= 1")
+    limit = None if budget is None else parse_bytes(budget, name="offload.device_budget")
+    bandwidth = float(parse_bytes(host_bandwidth, name="offload.host_bandwidth")
+                      if isinstance(host_bandwidth, str) else host_bandwidth)
+    update_bandwidth = float(parse_bytes(host_update_bandwidth, name="host_update_bandwidth")
+                             if isinstance(host_update_bandwidth, str) else host_update_bandwidth)
+    for name, rate in (("offload.host_bandwidth", bandwidth), ("host_update_bandwidth", update_bandwidth),
+                       ("peak_flops", peak_flops)):
+        if not rate > 0:
+            raise ValueError(f"{name}={rate!r} must be positive")
+    activations = tuple(activations)
+    sizes = dict(activation_bytes or {})
+    missing = [n for n in activations if n not in sizes]
+    if missing:
+        raise ValueError(f"plan: activation_bytes gives no size for offloaded activations {missing}")
+    state = state_bytes(abstract_state, layers_key=layers_key)
+    L = state.layers
+    if resident_layers is not None and not 0 <= resident_layers <= L:
+        raise ValueError(f"offload.resident_layers={resident_layers} must be between 0 and the "
+                         f"model's {L} stacked layers")
+    if L == 0 and params != "device":
+        params = "device"  # nothing stacked to fetch layer by layer
+
+    placements = []  # (params place, resident count)
+    if params in ("device", "auto") and (resident_layers is None or resident_layers == L):
+        placements.append(("device", L))
+    if params in ("host", "auto"):
+        counts = range(L + 1 if params == "host" else L) if resident_layers is None else [resident_layers]
+        placements += [("host", r) for r in counts if params == "host" or r < L]
+    if params == "host" and resident_layers is None and limit is None:
+        placements = [("host", 0)]  # OffloadOptions' meaning of params=host alone: no layer resident
+    opt_places = ("device", "host") if optimizer == "auto" else (optimizer,)
+    rates = {"host_bandwidth": bandwidth, "peak_flops": float(peak_flops),
+             "host_update_bandwidth": update_bandwidth}
+    candidates = [
+        _cost(state, profile, limit, place, r, opt, activations, prefetch, sizes, set(saved_names), rates)
+        for place, r in placements for opt in opt_places
+    ]
+    fitting = [c for c in candidates if c.fits]
+    if not fitting:
+        smallest = min(candidates, key=lambda c: (c.device_bytes, c.step_s))
+        part, nbytes = smallest.dominant()
+        what = budget_source or f"a device budget of {format_bytes(limit)}"
+        raise PlanError(
+            f"{what} is below what any plan needs: the smallest ({smallest.summary()}) needs "
+            f"{format_bytes(smallest.device_bytes)} per device ({smallest.device_bytes} bytes), most "
+            f"of it {DEVICE_PARTS[part]} ({format_bytes(nbytes)})", smallest)
+    return min(fitting, key=lambda c: (c.step_s, c.host_to_device + c.device_to_host, -c.resident_layers))
+
+
+def _cost(state: StateBytes, profile: Mapping, budget: int | None, place: str, resident: int,
+          optimizer: str, activations: tuple[str, ...], prefetch: int, sizes: Mapping[str, int],
+          saved: set[str], rates: Mapping[str, float]) -> Plan:
+    """One candidate's ``Plan``: the module docstring's formulas, term by term."""
+    L = state.layers
+    host_layers = L - resident
+    layer_p = state.layer_params  # a layer's gradients are as big: same shapes, dtypes, shardings
+    params_device = state.other_params + resident * layer_p
+    params_host = host_layers * layer_p
+    opt_on_device = optimizer == "device"
+
+    saved_total = sum(n for name, n in sizes.items() if name in saved)
+    offloaded = sum(sizes[name] for name in activations)
+    offloaded_saved = sum(sizes[name] for name in activations if name in saved)
+    per_layer_act = offloaded / L if L else offloaded
+    temp = int(profile.get("temp_bytes") or 0)
+    inputs = max(int(profile.get("argument_bytes") or 0) - state.total, 0)
+    outputs = int(profile.get("output_bytes") or 0) - int(profile.get("alias_bytes") or 0)
+
+    device = {
+        "params": params_device,
+        "optimizer": state.optimizer if opt_on_device else 0,
+        "prefetch": min(prefetch + 1, host_layers) * layer_p,
+        "gradients": params_device + min(2, host_layers) * layer_p,
+        "optimizer_in_flight": 0 if opt_on_device else max(state.layer_optimizer, state.other_optimizer),
+        "temporaries": max(temp - state.params - saved_total, 0),
+        "activations": saved_total - offloaded_saved + math.ceil(min(prefetch + 1, max(L, 1)) * per_layer_act),
+        "inputs_outputs": inputs + max(outputs, 0),
+    }
+    host = {"params": params_host, "optimizer": 0 if opt_on_device else state.optimizer,
+            "activations": offloaded}
+
+    # Moves during the layers (overlapping their compute) and at the update (not overlapping).
+    fwd_h2d, fwd_d2h = layer_p, 0  # per host layer; activations added for every layer below
+    bwd_h2d, bwd_d2h = layer_p, layer_p
+    if opt_on_device:
+        update_h2d, update_d2h = host_layers * 2 * layer_p, params_host
+    else:
+        update_h2d, update_d2h = params_device, params_device
+    h2d = host_layers * (fwd_h2d + bwd_h2d) + offloaded + update_h2d
+    d2h = host_layers * (fwd_d2h + bwd_d2h) + offloaded + update_d2h
+
+    bw = rates["host_bandwidth"]
+    compute = float(profile.get("flops") or 0.0) / rates["peak_flops"]
+    c = compute / L if L else compute
+
+    def layer_time(host_layer: bool) -> float:
+        f_h2d, b_h2d, b_d2h = (fwd_h2d, bwd_h2d, bwd_d2h) if host_layer else (0, 0, 0)
+        forward = max(c / 3, f_h2d / bw, per_layer_act / bw)
+        backward = max(2 * c / 3, (b_h2d + per_layer_act) / bw, b_d2h / bw)
+        return forward + backward
+
+    step = host_layers * layer_time(True) + resident * layer_time(False) + (0 if L else compute)
+    step += max(update_h2d, update_d2h) / bw
+    if not opt_on_device:
+        step += (2 * state.params + state.params + 2 * state.optimizer) / rates["host_update_bandwidth"]
+
+    options = OffloadOptions(params=place, resident_layers=resident if place == "host" else None,
+                             optimizer=optimizer, activations=activations, prefetch=prefetch)
+    return Plan(options, L, resident, prefetch, budget, device, host, int(h2d), int(d2h),
+                compute, step, dict(rates))

@@ -1,0 +1,442 @@
+"""jaxpar.offload's plan as data: byte budgets, the planner's accounting on hand-made and
+real abstract states (nothing runs; one compile, marked slow), and jaxpar-train's
+``offload`` section."""
+
+import json
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxpar
+from jaxpar.offload import OffloadOptions, PlanError, parse_bytes, plan
+from jaxpar.offload.budget import format_bytes
+from jaxpar.offload.planner import state_bytes
+from jaxpar.train.config import ConfigError, load_config
+
+
+# --------------------------------------------------------------------------- budgets
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("6GiB", 6 * 2**30), ("512MiB", 512 * 2**20), ("1.5GB", 1_500_000_000), ("4096", 4096),
+    (4096, 4096), ("2 KiB", 2048), ("1.5KiB", 1536), ("3TB", 3 * 10**12), ("1TiB", 2**40),
+    ("10B", 10), ("0", 0), (2.0e9, 2_000_000_000), ("1e9", 10**9), ("2.5e3", 2500), ("0.5KiB", 512),
+])
+def test_parse_bytes(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["6G", "6 gigs", "-1GiB", "GiB", "1.5", "", "6gib", "1e-3", -5, 1.5, True, None, [1]])
+def test_parse_bytes_refuses_anything_else_in_one_line(bad):
+    with pytest.raises(ValueError, match=r"^offload.device_budget=.* is not a byte count: give an "
+                                         r"integer or a number with one of the units B/KB/MB/GB/TB/KiB/MiB/GiB/TiB"):
+        parse_bytes(bad, name="offload.device_budget")
+
+
+def test_format_bytes():
+    assert [format_bytes(n) for n in (0, 1023, 1536, 6 * 2**30, 3 * 2**40)] == \
+        ["0B", "1023B", "1.5KiB", "6GiB", "3TiB"]
+
+
+# ------------------------------------------------------------- a hand-made train state
+
+L = 4
+
+
+def _state():
+    """params: an embedding [64, 32] and one stacked weight [L, 32, 64], f32, split over
+    fsdp=8 (1 KiB per device each, per layer for the stack); Adam-like mu and nu copies
+    and a replicated int32 counter."""
+    mesh = jaxpar.make_mesh(fsdp=8)
+    sds = lambda shape, spec, dtype=jnp.float32: jax.ShapeDtypeStruct(  # noqa: E731
+        shape, dtype, sharding=NamedSharding(mesh, spec))
+    params = {"embed": sds((64, 32), P("fsdp", None)), "layers": {"w": sds((L, 32, 64), P(None, "fsdp", None))}}
+    opt = {"mu": params, "nu": params, "count": sds((), P(), jnp.int32)}
+    return {"params": params, "opt_state": opt}, mesh
+
+
+STATE_BYTES = dict(layers=L, layer_params=1024, layer_optimizer=2048, other_params=1024, other_optimizer=2052)
+STATE = L * (1024 + 2048) + 1024 + 2052  # 15364 bytes per device
+PARAMS = L * 1024 + 1024
+
+
+def _profile(temp_extra=10_000, flops=1e9):
+    """What a compile of the all-on-device step would say: the state and a 100-byte batch
+    as arguments, state + 4 bytes out (all but the loss aliased), the whole gradient and
+    ``temp_extra`` bytes of temporaries."""
+    return {"argument_bytes": STATE + 100, "output_bytes": STATE + 4, "alias_bytes": STATE,
+            "temp_bytes": PARAMS + temp_extra, "flops": flops}
+
+
+def test_state_bytes_are_per_device_shards_split_by_layer():
+    state, _ = _state()
+    assert state_bytes(state).__dict__ == STATE_BYTES
+
+
+def test_all_on_device_plan_is_the_profiles_peak():
+    state, mesh = _state()
+    profile = _profile()
+    p = plan(state, mesh, profile, None)
+    assert p.options == OffloadOptions() and p.resident_layers == L
+    peak = profile["argument_bytes"] + profile["output_bytes"] - profile["alias_bytes"] + profile["temp_bytes"]
+    assert p.device_bytes == peak
+    assert p.device_state_bytes == STATE and p.host_bytes == 0
+    assert p.host_to_device == p.device_to_host == 0
+
+
+def test_partial_residency_accounting_term_by_term():
+    """params=host with 1 of 4 layers resident, prefetch 1, optimizer on the device."""
+    state, mesh = _state()
+    p = plan(state, mesh, _profile(), None, params="host", resident_layers=1, optimizer="device")
+    assert p.options == OffloadOptions(params="host", resident_layers=1, optimizer="device")
+    assert p.device == {
+        "params": 1024 + 1024,  # embedding + the resident layer
+        "optimizer": L * 2048 + 2052,
+        "prefetch": 2 * 1024,  # the layer computing and the one fetched ahead
+        "gradients": 2048 + 2 * 1024,  # resident ones + the chunk in flight and the one draining
+        "optimizer_in_flight": 0,
+        "temporaries": 10_000,  # temp_bytes less the whole gradient
+        "activations": 0,
+        "inputs_outputs": 100 + 4,
+    }
+    assert p.host == {"params": 3 * 1024, "optimizer": 0, "activations": 0}
+    # 3 host layers fetched twice, then streamed through the update (grads + params in, params out)
+    assert p.host_to_device == 3 * 2 * 1024 + 3 * 2 * 1024
+    assert p.device_to_host == 3 * 1024 + 3 * 1024
+    assert p.device_state_bytes + p.host_state_bytes == STATE
+
+
+def test_optimizer_on_host_moves_every_gradient_and_the_device_params():
+    state, mesh = _state()
+    p = plan(state, mesh, _profile(), None, params="device", optimizer="host")
+    assert p.device["optimizer"] == 0 and p.host["optimizer"] == L * 2048 + 2052
+    assert p.device["optimizer_in_flight"] == 2052  # the larger chunk: the embedding's moments
+    assert p.host_to_device == PARAMS and p.device_to_host == PARAMS
+
+
+def test_prefetch_window_grows_with_prefetch_but_not_past_the_host_layers():
+    state, mesh = _state()
+    window = [plan(state, mesh, _profile(), None, params="host", resident_layers=0, optimizer="device",
+                   prefetch=k).device["prefetch"] for k in (1, 2, 3, 8)]
+    assert window == [2 * 1024, 3 * 1024, 4 * 1024, 4 * 1024]
+
+
+def test_offloaded_activations_free_only_what_the_profile_saved_and_always_move():
+    state, mesh = _state()
+    sizes = {"query": 4000, "mlp_hidden": 8000}
+    args = (state, mesh, _profile(temp_extra=50_000), None)
+    plain = plan(*args, params="device", optimizer="device")
+    kept = plan(*args, params="device", optimizer="device", activation_bytes=sizes,
+                saved_names=("query", "mlp_hidden"))
+    moved = plan(*args, params="device", optimizer="device", activations=("query",),
+                 activation_bytes=sizes, saved_names=("query", "mlp_hidden"))
+    unknown = plan(*args, params="device", optimizer="device", activations=("query",), activation_bytes=sizes)
+    # saved activations are part of the temporaries: named apart, the total is the same
+    assert kept.device["activations"] == 12_000 and kept.device["temporaries"] == 50_000 - 12_000
+    assert kept.device_bytes == plain.device_bytes
+    # query leaves the device but two layers' worth (the one computing, the one fetched) are in flight
+    assert moved.device["activations"] == 8000 + 2 * 4000 // L
+    assert moved.device_bytes == plain.device_bytes - 4000 + 2 * 4000 // L
+    assert moved.host["activations"] == 4000 and moved.host_to_device == moved.device_to_host == 4000
+    # not known to be saved: nothing freed, the moves still counted
+    assert unknown.device_bytes == plain.device_bytes + 2 * 4000 // L and unknown.host_to_device == 4000
+    with pytest.raises(ValueError, match=r"activation_bytes gives no size for offloaded activations \['key'\]"):
+        plan(*args, activations=("key",), activation_bytes=sizes)
+
+
+def _sweep(state, mesh, profile, budgets, **options):
+    """The plans chosen under each budget, each checked to keep its promise."""
+    plans = []
+    for budget in budgets:
+        p = plan(state, mesh, profile, int(budget), **options)
+        assert p.device_bytes <= budget and p.fits
+        plans.append(p)
+    return plans
+
+
+def test_more_layers_stay_resident_as_the_budget_grows_and_no_plan_promises_more():
+    state, mesh = _state()
+    profile = _profile(flops=1e5)  # transfer-bound: every host layer costs time
+    smallest = plan(state, mesh, profile, None, params="host", resident_layers=0, optimizer="host").device_bytes
+    largest = plan(state, mesh, profile, None).device_bytes
+    budgets = np.linspace(smallest, largest, 12).astype(int)
+    for optimizer in ("device", "host"):
+        low = plan(state, mesh, profile, None, params="host", resident_layers=0, optimizer=optimizer).device_bytes
+        resident = [p.resident_layers for p in _sweep(state, mesh, profile, [b for b in budgets if b >= low],
+                                                       params="auto", optimizer=optimizer)]
+        assert resident == sorted(resident) and resident[0] == 0 and resident[-1] == L, (optimizer, resident)
+    # both searched: a larger budget never gives a slower plan; the largest, all on the device
+    chosen = _sweep(state, mesh, profile, budgets)
+    times = [p.step_s for p in chosen]
+    assert times == sorted(times, reverse=True) and chosen[-1].options == OffloadOptions()
+    assert chosen[0].options == OffloadOptions(params="host", resident_layers=0, optimizer="host")
+
+
+def test_the_fastest_fitting_plan_wins_and_ties_keep_more_on_the_device():
+    state, mesh = _state()
+    compute_bound = plan(state, mesh, _profile(flops=1e15), 10**9, params="auto", optimizer="device")
+    assert compute_bound.options == OffloadOptions()  # same time, fewer bytes moved
+    forced = plan(state, mesh, _profile(flops=1e15), 10**9, params="host", optimizer="device")
+    assert forced.options.params == "host" and forced.resident_layers == L
+
+
+def test_nothing_fits_names_the_smallest_budget_and_what_dominates_it():
+    state, mesh = _state()
+    profile = _profile(temp_extra=50_000)
+    smallest = plan(state, mesh, profile, None, params="host", resident_layers=0, optimizer="host")
+    with pytest.raises(PlanError) as error:
+        plan(state, mesh, profile, "1KiB")
+    message = str(error.value)
+    assert "\n" not in message
+    assert message == (
+        f"a device budget of 1KiB is below what any plan needs: the smallest (params=host "
+        f"resident_layers=0/4 prefetch=1 optimizer=host) needs {format_bytes(smallest.device_bytes)} per "
+        f"device ({smallest.device_bytes} bytes), most of it the step's compiled temporaries (48.8KiB)")
+    assert error.value.smallest.device_bytes == smallest.device_bytes
+    assert plan(state, mesh, profile, smallest.device_bytes).device_bytes == smallest.device_bytes
+
+
+def test_params_host_alone_without_a_budget_keeps_no_layer_resident():
+    state, mesh = _state()
+    p = plan(state, mesh, _profile(), None, params="host", optimizer="device")
+    assert p.options == OffloadOptions(params="host", resident_layers=0)
+
+
+def test_bad_arguments():
+    state, mesh = _state()
+    with pytest.raises(ValueError, match=r"offload.params='cpu' must be one of \['device', 'host', 'auto'\]"):
+        plan(state, mesh, _profile(), None, params="cpu")
+    with pytest.raises(ValueError, match="offload.resident_layers=5 must be between 0 and the model's 4"):
+        plan(state, mesh, _profile(), None, params="host", resident_layers=5)
+    with pytest.raises(ValueError, match="offload.prefetch=0 must be an int >= 1"):
+        plan(state, mesh, _profile(), None, prefetch=0)
+    with pytest.raises(ValueError, match="offload.device_budget='lots' is not a byte count"):
+        plan(state, mesh, _profile(), "lots")
+    with pytest.raises(ValueError, match="offload with mesh.pipe=2 is not supported yet: pipeline stages"):
+        plan(state, jaxpar.make_mesh(pipe=2, fsdp=4), _profile(), None)
+
+
+def test_plan_data_is_json_and_describe_is_readable():
+    state, mesh = _state()
+    p = plan(state, mesh, _profile(), None, params="host", resident_layers=1, optimizer="host")
+    data = json.loads(json.dumps(p.to_dict()))
+    assert data["params"] == "host" and data["resident_layers"] == 1 and data["layers"] == L
+    assert data["device_bytes"] == sum(data["device"].values()) == p.device_bytes
+    assert data["host_to_device_bytes"] == p.host_to_device
+    text = p.describe()
+    assert text.splitlines()[0] == "offload plan: params=host resident_layers=1/4 prefetch=1 optimizer=host"
+    assert "temporaries" in text and "host->device" in text
+
+
+# ----------------------------------------------------------------- the 1b model, fsdp=8
+
+# The all-on-device step of `1b` (vocabulary 32768) under fsdp=8, batch 8 x 2048, as
+# XLA:CPU compiled it (jax 0.10.2): temp_bytes and flops per device
+# (test_1b_plan_matches_its_compile checks them, slow).
+TEMP_1B, FLOPS_1B, BATCH_1B = 6_114_297_080, 1.5111e13, 5 * 2048 * 4
+
+
+@pytest.fixture(scope="module")
+def state_1b():
+    from jaxpar.models.transformer import sharding_rules
+    from jaxpar.train.loop import build_mesh, build_model, make_optimizer
+    from jaxpar.train.step import make_train_step
+
+    cfg = load_config("1b", ["mesh.fsdp=8", "batch_size=8"])
+    mesh = build_mesh(cfg.mesh)
+    model = nnx.eval_shape(lambda: build_model(cfg))
+    step = make_train_step(model, make_optimizer(cfg.optimizer, 10)[0], mesh, sharding_rules(cfg.model, mesh))
+    return cfg, step, model, step.abstract_state(model), mesh
+
+
+def test_1b_state_is_split_eight_ways(state_1b):
+    cfg, _, _, state, _ = state_1b
+    s = state_bytes(state)
+    m = cfg.model
+    matrices = m.dim * (m.heads + 2 * m.kv_heads) * m.head_dim + m.heads * m.head_dim * m.dim + 3 * m.dim * m.mlp_dim
+    # f32 matrices split over fsdp, the two norm scales [D] replicated on every device
+    assert s.layers == 16 and s.layer_params == matrices * 4 // 8 + 2 * m.dim * 4
+    assert s.layer_optimizer == 2 * s.layer_params
+    assert s.other_params == m.vocab_size * m.dim * 4 // 8 + m.dim * 4  # tied embedding, final norm
+
+
+def test_1b_plans_under_budgets(state_1b):
+    _, _, _, state, mesh = state_1b
+    s = state_bytes(state)
+    profile = {"argument_bytes": s.total + BATCH_1B, "output_bytes": s.total + 304, "alias_bytes": s.total,
+               "temp_bytes": TEMP_1B, "flops": FLOPS_1B}
+    everything = plan(state, mesh, profile, None)
+    assert everything.options == OffloadOptions() and everything.device_bytes == \
+        profile["argument_bytes"] + profile["output_bytes"] - profile["alias_bytes"] + TEMP_1B
+    smallest = plan(state, mesh, profile, None, params="host", resident_layers=0, optimizer="host")
+    low = plan(state, mesh, profile, None, params="host", resident_layers=0, optimizer="device").device_bytes
+    budgets = np.linspace(low, everything.device_bytes, 6).astype(int)
+    resident = [p.resident_layers for p in _sweep(state, mesh, profile, budgets, optimizer="device")]
+    assert resident == sorted(resident) and resident[0] == 0 and resident[-1] == 16, resident
+    budgets = np.linspace(smallest.device_bytes, everything.device_bytes, 9).astype(int)
+    chosen = _sweep(state, mesh, profile, budgets)
+    assert [p.step_s for p in chosen] == sorted((p.step_s for p in chosen), reverse=True)
+    assert chosen[0].options.optimizer == "host" and chosen[-1].options == OffloadOptions()
+    with pytest.raises(PlanError, match="a device budget of 4GiB is below what any plan needs: .* most of it "
+                                        "the step's compiled temporaries"):
+        plan(state, mesh, profile, "4GiB")
+
+
+@pytest.mark.slow
+def test_1b_plan_matches_its_compile(state_1b):
+    """The all-on-device plan against XLA:CPU's compile of the 1b step (8 s on 2 cores)."""
+    from jaxpar.profiler import profile as profile_of
+
+    cfg, step, model, state, mesh = state_1b
+    profile = profile_of(step.compile(model, cfg.batch_size, cfg.seq_len))
+    p = plan(state, mesh, profile, None)
+    assert abs(p.device_bytes - profile["peak_bytes"]) <= 0.1 * profile["peak_bytes"]
+    assert abs(p.device_state_bytes - profile["alias_bytes"]) <= 0.1 * profile["alias_bytes"]
+    assert profile["argument_bytes"] - p.device_state_bytes == BATCH_1B
+    assert abs(profile["temp_bytes"] - TEMP_1B) <= 0.1 * TEMP_1B
+    assert abs(profile["flops"] - FLOPS_1B) <= 0.1 * FLOPS_1B
+
+
+# ------------------------------------------------------------- the model's checkpoint names
+
+
+def test_checkpoint_names_are_the_ones_the_model_tags():
+    from jaxpar.models import ModelConfig, Transformer
+    from jaxpar.models.config import CHECKPOINT_NAMES
+
+    cfg = ModelConfig(vocab_size=64, dim=16, layers=1, heads=2, kv_heads=1, head_dim=8, mlp_dim=32)
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(model)
+    jaxpr = jax.make_jaxpr(lambda s, t: nnx.merge(graphdef, s)(t))(state, jnp.zeros((1, 4), jnp.int32))
+
+    def names(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "name":
+                yield eqn.params["name"]
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                yield from names(sub)
+
+    assert sorted(set(names(jaxpr.jaxpr))) == sorted(CHECKPOINT_NAMES)
+
+
+# ------------------------------------------------------------------- the config section
+
+
+def test_offload_section_parses():
+    cfg = load_config("tiny", ["offload.params=auto", "offload.optimizer=host", "offload.activations=[query,key]",
+                               "offload.device_budget=6GiB", "offload.resident_layers=2", "offload.prefetch=2",
+                               "offload.host_bandwidth=32GB"])
+    o = cfg.offload
+    assert (o.params, o.optimizer, o.activations, o.resident_layers, o.prefetch) == ("auto", "host", ("query", "key"), 2, 2)
+    assert o.budget == 6 * 2**30 and o.bandwidth == 32e9
+    assert load_config("tiny", ["offload.activations=none"]).offload.activations == ()
+    assert load_config("tiny", ["offload.device_budget=4096"]).offload.budget == 4096
+    assert load_config("tiny", ["offload.host_bandwidth=25e9"]).offload.bandwidth == 25e9
+    assert load_config("tiny").offload.requested == ()
+    assert load_config("tiny", ["offload.device_budget=1GB"]).offload.requested == ("offload.device_budget='1GB'",)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["offload.device_budget=6G"], r"^offload.device_budget='6G' is not a byte count: give an integer or a number"),
+    (["offload.device_budget=-1"], r"^offload.device_budget=-1 is not a byte count"),
+    (["offload.host_bandwidth=fast"], r"^offload.host_bandwidth='fast' is not a byte count"),
+    (["offload.params=cpu"], r"^offload.params='cpu' must be one of \['device', 'host', 'auto'\]$"),
+    (["offload.params=host", "offload.resident_layers=5"], r"^offload.resident_layers=5 is above model.layers=4$"),
+    (["offload.resident_layers=1"], r"^offload.resident_layers=1 applies to offload.params=host or auto"),
+    (["offload.prefetch=0"], r"^offload.prefetch=0 must be at least 1$"),
+    (["offload.activations=[query,qkv]"],
+     r"^offload.activations=\['query', 'qkv'\] names no checkpoint of the model \(qkv\); it defines "
+     r"query, key, value, attention, mlp_hidden$"),
+    (["offload.optimizer=host", "mesh.pipe=2"],
+     r"^offload.optimizer='host' with mesh.pipe=2 is not supported yet: pipeline stages hold their own layers"),
+    (["offload.activations=[query]", "mesh.seq=2"],
+     r"^offload.activations=\['query'\] with mesh.seq=2 is not supported yet: the sequence-parallel attention"),
+])
+def test_bad_offload_input_is_one_config_error_line(overrides, message):
+    with pytest.raises(ConfigError, match=message) as error:
+        load_config("tiny", overrides)
+    assert "\n" not in str(error.value)
+
+
+# ------------------------------------------------------------ jaxpar-train with a budget
+
+
+def test_activation_bytes_follow_the_shapes_and_the_mesh():
+    from jaxpar.models.transformer import sharding_rules
+    from jaxpar.train.loop import build_mesh
+    from jaxpar.train.offload import activation_bytes, saved_names
+
+    cfg = load_config("tiny", ["mesh.fsdp=4", "mesh.tensor=2", "batch_size=16", "optimizer.grad_accum=2"])
+    mesh = build_mesh(cfg.mesh)
+    sizes = activation_bytes(cfg, mesh, sharding_rules(cfg.model, mesh))
+    m, rows = cfg.model, 16 // 2 // 4  # a microbatch's rows per data-parallel group (fsdp=4)
+    assert sizes["query"] == sizes["attention"] == m.layers * rows * 128 * (m.heads // 2) * m.head_dim * 4
+    assert sizes["key"] == sizes["value"] == m.layers * rows * 128 * (m.kv_heads // 2) * m.head_dim * 4
+    assert sizes["mlp_hidden"] == m.layers * rows * 128 * (m.mlp_dim // 2) * 4
+    assert saved_names(cfg.model) == ("query", "key", "value", "attention", "mlp_hidden")
+    assert saved_names(load_config("tiny", ["model.remat=names", "model.remat_names=[key]"]).model) == ("key",)
+    assert saved_names(load_config("small").model) == ()
+
+
+def test_device_live_bytes_counts_device_memory_on_the_most_loaded_device():
+    from jaxpar.train.offload import device_live_bytes
+
+    mesh = jaxpar.make_mesh(fsdp=8)
+    before = device_live_bytes()
+    on_host = jax.device_put(np.ones((8, 1024), np.float32), NamedSharding(mesh, P(), memory_kind="pinned_host"))
+    assert on_host.sharding.memory_kind == "pinned_host" and device_live_bytes() == before
+    one = jax.device_put(np.ones((1024,), np.float32), jax.devices()[3])  # 4 KiB on device 3 only
+    split = jax.device_put(np.ones((8, 1024), np.float32), NamedSharding(mesh, P("fsdp")))  # 4 KiB each
+    assert device_live_bytes() == before + 8192
+    del one, split, on_host
+
+
+@pytest.mark.slow
+def test_dry_run_reports_the_plan_and_refuses_a_budget_nothing_fits(tmp_path, capsys):
+    """tiny (2 layers) on fsdp=8: a budget the all-on-device step fits, then one below
+    every plan (a ConfigError, which jaxpar-train exits 2 on, before anything is written)."""
+    from jaxpar.train.loop import train
+
+    base = ["dry_run=true", "model.layers=2", "mesh.fsdp=8", "batch_size=8", "seq_len=64", f"run_dir={tmp_path / 'run'}"]
+    train(load_config("tiny", base + ["offload.params=auto", "offload.optimizer=auto", "offload.device_budget=1GiB"]),
+          progress=False)
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    p = out["offload_plan"]
+    assert (p["params"], p["optimizer"], p["resident_layers"], p["budget_bytes"]) == ("device", "device", 2, 2**30)
+    assert out["device_state_bytes"] == out["alias_bytes"] and out["host_state_bytes"] == 0
+    assert out["transfer_bytes"] == {"host_to_device": 0, "device_to_host": 0}
+    assert p["device_bytes"] == out["peak_bytes"] == sum(p["device"].values())
+    # with 2 layers, fetching them saves nothing (the window and the gradients in flight
+    # hold two layers): the smallest plan moves the optimizer state only
+    with pytest.raises(ConfigError, match=r"^offload.device_budget=1MiB is below what any plan needs: the smallest "
+                                          r"\(params=device optimizer=host\) needs .* most of it the step's "
+                                          r"compiled temporaries"):
+        train(load_config("tiny", base + ["dry_run=false", "offload.params=auto", "offload.optimizer=auto",
+                                          "offload.device_budget=1MiB"]), progress=False)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_dry_run_with_a_budget_the_all_on_device_step_exceeds(tmp_path, capsys):
+    """tiny (4 layers) on fsdp=8 under one byte less than the all-on-device peak: the
+    plan offloads, keeps its promise, and the step is built with its OffloadOptions (on
+    CPU the compile still counts host state as device memory: profiler docstring)."""
+    from jaxpar.train.loop import train
+
+    base = ["dry_run=true", "mesh.fsdp=8", "batch_size=8", "seq_len=64", f"run_dir={tmp_path / 'run'}",
+            "offload.params=auto", "offload.optimizer=auto"]
+    train(load_config("tiny", base), progress=False)
+    everything = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    train(load_config("tiny", base + [f"offload.device_budget={everything['peak_bytes'] - 1}"]), progress=False)
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    p = out["offload_plan"]
+    assert p["device_bytes"] <= everything["peak_bytes"] - 1 and (p["params"], p["optimizer"]) != ("device", "device")
+    assert out["host_state_bytes"] > 0 and out["device_state_bytes"] + out["host_state_bytes"] == everything["alias_bytes"]
+    assert out["transfer_bytes"]["host_to_device"] > 0 and out["transfer_bytes"]["device_to_host"] > 0
+    assert not (tmp_path / "run").exists()

@@ -1,0 +1,108 @@
+"""jaxpar-train's side of ``jaxpar.offload``: the plan a config's ``offload`` section
+asks for, the fields it adds to ``dry_run``'s JSON, and the device bytes a step leaves
+live (``metrics.jsonl``'s ``device_live_bytes``)."""
+
+from __future__ import annotations
+
+import collections
+import math
+
+import jax
+
+from jaxpar.models.config import CHECKPOINT_NAMES, ModelConfig
+from jaxpar.models.transformer import ACT_BTD, ACT_BTF, ACT_BTKH, ACT_BTNH
+from jaxpar.offload import budget as budget_lib
+from jaxpar.offload.planner import H100_PEAK_FLOPS, Plan, PlanError, plan
+from jaxpar.placement import rules as rules_lib
+from jaxpar.train.config import Config, ConfigError
+
+
+def activation_bytes(cfg: Config, mesh, rules) -> dict[str, int]:
+    """Per-device bytes of each ``checkpoint_name``'s residuals over all layers of one
+    step: one microbatch (``batch_size / grad_accum`` rows) of the compute dtype, each
+    dimension divided by the mesh axes the rules split it over (rounded up).
+
+    layer_input [B, T, D], query [B, T, N, H], key and value [B, T, K, H], attention
+    [B, T, N, H], mlp_hidden [B, T, F] (``CHECKPOINT_NAMES``), times ``model.layers``.
+    """
+    m = cfg.model
+    B, T = cfg.batch_size // cfg.optimizer.grad_accum, cfg.seq_len
+    shapes = {
+        "layer_input": ((B, T, m.dim), ACT_BTD),
+        "query": ((B, T, m.heads, m.head_dim), ACT_BTNH),
+        "key": ((B, T, m.kv_heads, m.head_dim), ACT_BTKH),
+        "value": ((B, T, m.kv_heads, m.head_dim), ACT_BTKH),
+        "attention": ((B, T, m.heads, m.head_dim), ACT_BTNH),
+        "mlp_hidden": ((B, T, m.mlp_dim), ACT_BTF),
+    }
+    assert set(shapes) == set(CHECKPOINT_NAMES), "a checkpoint name without a shape here"
+    itemsize = m.compute_dtype.itemsize
+    sizes = {}
+    for name, (shape, axes) in shapes.items():
+        spec = rules_lib.logical_to_spec(axes, rules) if mesh is not None else (None,) * len(shape)
+        ways = [math.prod(mesh.shape[a] for a in rules_lib.as_tuple(s)) if mesh is not None else 1
+                for s in spec]
+        sizes[name] = m.layers * itemsize * math.prod(-(-n // w) for n, w in zip(shape, ways))
+    return sizes
+
+
+def saved_names(model: ModelConfig) -> tuple[str, ...]:
+    """The checkpoint names whose residuals the step keeps on the device without
+    offload: all with ``remat=none`` (the backward reads each of them), ``remat_names``
+    with ``remat=names``; none known by name under ``full`` or the ``dots`` policies
+    (they save other values, the projections' outputs before RoPE and the gating)."""
+    if model.remat == "none":
+        return CHECKPOINT_NAMES
+    if model.remat == "names":
+        return tuple(model.remat_names)
+    return ()
+
+
+def resolve(cfg: Config, profile: dict, abstract_state: dict, mesh, rules,
+            peak_flops: float | None) -> Plan:
+    """The plan for ``cfg.offload`` from the all-on-device step's ``profile`` and
+    ``abstract_state`` (``TrainStep.abstract_state``). The budget is
+    ``offload.device_budget``, else the device's own memory where the backend says.
+
+    Raises:
+      ConfigError: no plan fits (one line: the smallest budget that works and what
+        dominates it), or the section asks what the plan cannot do.
+    """
+    offload = cfg.offload
+    budget, source = offload.budget, f"offload.device_budget={offload.device_budget}"
+    if budget is None:
+        budget = budget_lib.device_memory(jax.devices()[0])
+        source = None if budget is None else f"the device's memory ({budget_lib.format_bytes(budget)})"
+    try:
+        return plan(abstract_state, mesh, profile, budget, params=offload.params,
+                    optimizer=offload.optimizer, activations=offload.activations,
+                    resident_layers=offload.resident_layers, prefetch=offload.prefetch,
+                    host_bandwidth=offload.bandwidth, peak_flops=peak_flops or H100_PEAK_FLOPS,
+                    activation_bytes=activation_bytes(cfg, mesh, rules),
+                    saved_names=saved_names(cfg.model), budget_source=source)
+    except PlanError as e:
+        raise ConfigError(str(e)) from None
+
+
+def dry_run_fields(offload_plan: Plan) -> dict:
+    """What ``dry_run`` adds with an ``offload`` section: state bytes by place, bytes
+    moved per step each way, and the plan itself."""
+    return {
+        "device_state_bytes": offload_plan.device_state_bytes,
+        "host_state_bytes": offload_plan.host_state_bytes,
+        "transfer_bytes": {"host_to_device": offload_plan.host_to_device,
+                           "device_to_host": offload_plan.device_to_host},
+        "offload_plan": offload_plan.to_dict(),
+    }
+
+
+def device_live_bytes() -> int:
+    """Bytes of the live arrays in device memory (memory kind ``device``, or unset) on
+    this process's most loaded device: what the budget is checked against."""
+    per_device = collections.Counter()
+    for array in jax.live_arrays():
+        if array.is_deleted() or array.sharding.memory_kind not in (None, "device"):
+            continue
+        for shard in array.addressable_shards:
+            per_device[shard.device] += shard.data.nbytes
+    return max(per_device.values(), default=0)
