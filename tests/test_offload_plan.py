@@ -310,7 +310,8 @@ def test_checkpoint_names_are_the_ones_the_model_tags():
     from jaxpar.models import ModelConfig, Transformer
     from jaxpar.models.config import CHECKPOINT_NAMES
 
-    cfg = ModelConfig(vocab_size=64, dim=16, layers=1, heads=2, kv_heads=1, head_dim=8, mlp_dim=32)
+    # remat on: layer_input is named inside the layer's checkpoint
+    cfg = ModelConfig(vocab_size=64, dim=16, layers=1, heads=2, kv_heads=1, head_dim=8, mlp_dim=32, remat="full")
     model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(model)
     jaxpr = jax.make_jaxpr(lambda s, t: nnx.merge(graphdef, s)(t))(state, jnp.zeros((1, 4), jnp.int32))
@@ -352,7 +353,7 @@ def test_offload_section_parses():
     (["offload.prefetch=0"], r"^offload.prefetch=0 must be at least 1$"),
     (["offload.activations=[query,qkv]"],
      r"^offload.activations=\['query', 'qkv'\] names no checkpoint of the model \(qkv\); it defines "
-     r"query, key, value, attention, mlp_hidden$"),
+     r"layer_input, query, key, value, attention, mlp_hidden$"),
     (["offload.optimizer=host", "mesh.pipe=2"],
      r"^offload.optimizer='host' with mesh.pipe=2 is not supported yet: pipeline stages hold their own layers"),
     (["offload.activations=[query]", "mesh.seq=2"],
@@ -379,7 +380,7 @@ def test_activation_bytes_follow_the_shapes_and_the_mesh():
     assert sizes["query"] == sizes["attention"] == m.layers * rows * 128 * (m.heads // 2) * m.head_dim * 4
     assert sizes["key"] == sizes["value"] == m.layers * rows * 128 * (m.kv_heads // 2) * m.head_dim * 4
     assert sizes["mlp_hidden"] == m.layers * rows * 128 * (m.mlp_dim // 2) * 4
-    assert saved_names(cfg.model) == ("query", "key", "value", "attention", "mlp_hidden")
+    assert saved_names(cfg.model) == ("layer_input", "query", "key", "value", "attention", "mlp_hidden")
     assert saved_names(load_config("tiny", ["model.remat=names", "model.remat_names=[key]"]).model) == ("key",)
     assert saved_names(load_config("small").model) == ()
 
