@@ -62,12 +62,14 @@ def expected_kinds(params, opt_state, options: OffloadOptions):
     return (jax.tree.map_with_path(param, params, is_leaf=is_split), jax.tree.map(lambda _: opt, opt_state))
 
 
-def train(options, mesh=None, steps=STEPS):
-    """AdamW steps from one seed; returns losses, model-order parameters, the state's
-    memory kinds after init and after the steps, and what the options say they are."""
+def train(options, mesh=None, steps=STEPS, tx=None):
+    """AdamW steps (or ``tx``'s) from one seed; returns losses, model-order parameters,
+    the state's memory kinds after init and after the steps, and what the options say
+    they are."""
     model = Transformer(CFG, rngs=nnx.Rngs(0))
     rules = sharding_rules(CFG, mesh) if mesh is not None else None
-    step = make_train_step(model, optax.adamw(1e-2, weight_decay=0.1), mesh, rules, offload=options)
+    tx = tx or optax.adamw(1e-2, weight_decay=0.1)
+    step = make_train_step(model, tx, mesh, rules, offload=options)
     params, opt_state = step.init(model)
     placed = [kinds((params, opt_state))]
     losses = []
@@ -109,6 +111,16 @@ def test_offloaded_training_on_a_mesh_matches_all_on_device(on_device_mesh):
     q = run[1]["layers"]["attn"]["q"][...]  # model order: joined in host memory
     assert q.shape[0] == CFG.layers and q.sharding.memory_kind == "pinned_host"
     assert q.sharding.spec == jax.sharding.PartitionSpec("pipe", "fsdp", "tensor", None)
+
+
+def test_host_optimizer_with_global_norm_clipping_matches_all_on_device():
+    """jaxpar-train's optimizer, AdamW after ``clip_by_global_norm``, updating on the host:
+    ``optax.tree.norm`` makes a zero imaginary part for each gradient, in device memory
+    as JAX makes every new array, which a host computation refused beside the
+    host-resident gradient. The clip (1e-3, below every gradient norm here) acts at every step."""
+    tx = optax.chain(optax.clip_by_global_norm(1e-3), optax.adamw(1e-2, weight_decay=0.1))
+    check(train(OffloadOptions(params="host", optimizer="host", resident_layers=1), steps=3, tx=tx),
+          train(OffloadOptions(), steps=3, tx=tx))
 
 
 def test_step_lowers_for_cuda_with_host_arguments_and_transfers():

@@ -132,7 +132,7 @@ def update(tx: optax.GradientTransformation, options: OffloadOptions, grads, opt
         grads, params = jax.tree.map(to_host, grads), jax.tree.map(to_host, params)
 
         def host_update(grads, opt_state, params):
-            updates, opt_state = tx.update(grads, opt_state, params)
+            updates, opt_state = creating_on_host(tx.update)(grads, opt_state, params)
             # optax.tree.norm adds a zero imaginary part made in device memory: not here
             norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
             return optax.apply_updates(params, updates), opt_state, norm
@@ -146,6 +146,38 @@ def update(tx: optax.GradientTransformation, options: OffloadOptions, grads, opt
         norm = optax.tree.norm(grads)
     params = jax.tree.map(lambda x, host: to_host(x) if host else to_device(x), params, kinds)
     return params, opt_state, norm
+
+
+def creating_on_host(fn):
+    """``fn`` for host computation on host-resident operands: traced as written, then
+    run with every array it creates from scalars (``jnp.zeros``, a ``broadcast_in_dim``)
+    placed in host memory. JAX types such an array in device memory wherever it is made,
+    and inside host computation an op refuses operands of two memory spaces, as it would
+    where ``optax.clip_by_global_norm`` (``optax.tree.norm``) adds a zero imaginary part to
+    each host-resident gradient."""
+    def wrapped(*args):
+        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
+        closed, out_shapes = jax.make_jaxpr(fn, return_shape=True)(*shapes)
+        outs = _eval_creating_on_host(closed.jaxpr, closed.consts, *jax.tree.leaves(args))
+        return jax.tree.unflatten(jax.tree.structure(out_shapes), outs)
+
+    return wrapped
+
+
+def _eval_creating_on_host(jaxpr, consts, *args) -> list:
+    """``jax.core.eval_jaxpr`` with each non-scalar result in device memory moved to
+    the host: only an array the jaxpr creates is in device memory when its operands are
+    all on the host (a scalar, of either memory, combines with anything)."""
+    env = {}
+    read = lambda v: v.val if isinstance(v, jax_core.Literal) else env[v]  # noqa: E731
+    env.update(zip(jaxpr.constvars, [to_host(c) if jnp.ndim(c) else c for c in consts]))
+    env.update(zip(jaxpr.invars, args))
+    for eqn in jaxpr.eqns:
+        with eqn.ctx.manager:
+            outs = eqn.primitive.bind(*map(read, eqn.invars), **eqn.primitive.get_bind_params(eqn.params))
+        outs = outs if eqn.primitive.multiple_results else [outs]
+        env.update(zip(eqn.outvars, [to_host(x) if jnp.ndim(x) else x for x in outs]))
+    return [read(v) for v in jaxpr.outvars]
 
 
 def _refuse_branches(tx, grads, opt_state, params) -> None:
