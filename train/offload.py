@@ -77,6 +77,7 @@ def resolve(cfg: Config, profile: dict, abstract_state: dict, mesh, rules,
         return plan(abstract_state, mesh, profile, budget, params=offload.params,
                     optimizer=offload.optimizer, activations=offload.activations,
                     resident_layers=offload.resident_layers, prefetch=offload.prefetch,
+                    grad_accum=cfg.optimizer.grad_accum,
                     host_bandwidth=offload.bandwidth, peak_flops=peak_flops or H100_PEAK_FLOPS,
                     activation_bytes=activation_bytes(cfg, mesh, rules),
                     saved_names=saved_names(cfg.model), budget_source=source)
@@ -98,7 +99,10 @@ def dry_run_fields(offload_plan: Plan) -> dict:
 
 def device_live_bytes() -> int:
     """Bytes of the live arrays in device memory (memory kind ``device``, or unset) on
-    this process's most loaded device: what the budget is checked against."""
+    this process's most loaded device. Between steps of a run alone in its process it
+    stays within the plan's ``between_steps_bytes`` (the device-resident state, the
+    batch and the step's outputs); the step's peak (``Plan.device_bytes``) is not visible
+    between steps."""
     per_device = collections.Counter()
     for array in jax.live_arrays():
         if array.is_deleted() or array.sharding.memory_kind not in (None, "device"):

@@ -7,75 +7,121 @@ placement ratio, as a count of stacked layers) x the optimizer's placement, with
 activation offload given, predicts each candidate's device bytes and step time, and
 returns the fastest that fits the budget (ties: the one moving fewer bytes, so more
 stays on the device). All figures are per device: every device offloads its own shards,
-so each leaf counts the bytes of its shard (``sharding.shard_shape``).
+so each leaf counts the bytes of its shard (``sharding.shard_shape``). The accounting
+follows what the step does (``jaxpar.offload.fetch`` and ``jaxpar.offload.state``);
+``tests/test_offload_plan.py`` checks it against the step's own placement and moves.
 
 Inputs:
 
 * ``abstract_state``: ``{"params": ..., "opt_state": ...}`` of ``ShapeDtypeStruct``s with
   the step's shardings (``TrainStep.abstract_state``). A leaf with a ``layers`` key in
   its path is a stacked layer array ``[L, ...]``: its shard divides into ``L`` equal
-  chunks, one per layer (the scan's unit, the fetch's unit). Everything else
-  (embedding, head, final norm, the optimizer's counters) is "other" state, which the
-  plan keeps on the device with ``params=host`` (it is small next to the layers, and
-  the embedding's and head's use brackets the whole step).
+  chunks, one per layer (the scan's unit, the fetch's unit). The other parameters
+  (``E``: embedding, positions, final norm, head) form two chunks of their own, as
+  ``jaxpar.models.Transformer`` reads them (``NON_LAYER_USES``): the input chunk
+  ``C_in`` (embedding, positions: the lookup at the forward's start) and the output
+  chunk ``C_out`` (final norm and head, the embedding again when tied: the forward's
+  end, fetched again in the backward, whose gradient needs their values; the lookup's
+  does not). A parameter of another name counts in both chunks, fetched twice for each.
 * ``profile``: ``jaxpar.profiler.profile`` of the ALL-ON-DEVICE step (what
   ``dry_run`` compiles without offload). Its ``temp_bytes`` hold the whole gradient
   (global-norm clipping needs every gradient before any update, and the backward scan
   returns them stacked) and the saved activations; ``flops`` give the compute time.
+* ``grad_accum``: ``k`` microbatches per step (each one's forward and backward moves
+  what one step without accumulation moves).
 
-Device bytes promised (``Plan.device``, each per device)::
+What the step does, per step, with ``H = L - R`` host layers of ``p`` bytes each
+(gradients: the same), ``f = min(prefetch, H)``:
 
-    params          other params + resident layers' params                   (exact)
+* ``params=host``: ``E`` and the ``H`` host layers live in ``pinned_host`` memory, the
+  ``R`` resident layers on the device. The forward fetches ``C_in``, runs the resident
+  layers, streams the host layers (a scan carrying ``f`` fetched layers: step ``i``
+  fetches layer ``i + f``, the last ``f`` steps fetch the last layer again, a wasted
+  copy, so ``H + f`` fetches per pass) saving only each host layer's input, then
+  fetches ``C_out``. The backward fetches ``C_out`` again, streams the host layers in
+  reverse (``H + f`` fetches again), recomputing each host layer's forward from its
+  saved input (one more forward per host layer) and sending its gradient to the host
+  at once, then the resident layers; each non-layer parameter's gradient goes to the
+  host where it is made. With ``k > 1`` each microbatch's host gradients come back to
+  the device, where the accumulated gradient (all of it) is summed.
+* ``optimizer=device``: ``state.update`` moves every host parameter and gradient to
+  the device (``P_h + G_h``), updates there and sends the new host parameters back.
+* ``optimizer=host``: every gradient still on the device (``G_d``: the resident
+  layers', or all with ``params=device`` or ``k > 1``) and every device parameter
+  (``P_d``) go to the host, the update runs there (``compute_on``), the new device
+  parameters come back; the moments never move.
+
+Device bytes promised (``Plan.device``, each per device; summed, though the update's
+moves and the layers' fetches are not live at once: conservative)::
+
+    params          device-resident params: R p (+ E with params=device)     (exact)
     optimizer       all optimizer state with optimizer=device, else 0        (exact)
-    prefetch        min(prefetch + 1, host layers) x one layer's params: the layer
-                    computing and the ``prefetch`` fetched ahead              (exact)
-    gradients       gradients of device-resident params (other + resident layers)
-                    + min(2, host layers) x one layer's gradients: the chunk in flight
-                    and the one still draining to the host                   (exact)
-    optimizer_in_flight  with optimizer=host, the largest chunk's optimizer state
-                    (a layer's, or all the other state's), in case the update streams
-                    through the device (ZeRO-Infinity) rather than running on the host
+    fetched         params=host: the layer window and the larger of the two
+                    other chunks, f p + max(p [H > 0], C_in, C_out)           (exact)
+    gradients       params=device: G. params=host, k = 1: R p + the two largest
+                    host chunks' gradients (the one made, the one draining).
+                    k > 1: G (the accumulator) + max(that pair, G_h) (a
+                    microbatch's host gradients back for the sum)
+    update          params=host, optimizer=device: P_h (+ G_h when k = 1: with k > 1
+                    they are on the device already), host state brought in   (exact)
     temporaries     profile temp_bytes - whole gradient - saved activations: the
                     step's working buffers, taken from the all-on-device compile
     activations     saved residuals kept on the device + (prefetch + 1) layers' worth
-                    of the offloaded ones in flight
+                    of the offloaded ones in flight; an offloaded ``layer_input``
+                    frees only the resident layers' share (a host layer's input is
+                    the streamed scan's own residual, on the device)
     inputs_outputs  the batch (profile argument_bytes - state) + outputs that do
                     not reuse a donated buffer
 
 With nothing offloaded this sums to the profile's ``peak_bytes``
 (``argument + output - alias + temp``) unless the activation estimate exceeds the
-temporaries, in which case the temporaries count as 0 and the sum is larger.
+temporaries, in which case the temporaries count as 0 and the sum is larger. With
+``optimizer=device`` the update holds every parameter and gradient on the device, so
+``params=host`` then never promises less than all on the device: the search pairs it
+with ``optimizer=host`` under a budget the all-on-device step exceeds.
 
-Transfer bytes per step (per device; ``P_h`` host layers' params, ``G`` gradients,
-``A`` offloaded activations, ``P_d``/``G_d`` device-resident params/gradients)::
+``Plan.device_state_bytes`` (``params + optimizer``) is what lives on the device
+between steps; with the batch and the step's small outputs (``inputs_outputs``) it is
+the most that live device arrays can hold between steps (``Plan.between_steps_bytes``,
+what ``jaxpar-train``'s ``device_live_bytes`` is checked against).
 
-    host -> device   2 P_h (fetched for the forward and again for the backward) + A
-                     + optimizer=host: P_d (updated device params come back)
-                     + optimizer=device: G_h + P_h (host layers stream through the update)
-    device -> host   G_h (host layers' gradients) + A
-                     + optimizer=host: G_d (every gradient goes to the host update)
-                     + optimizer=device: P_h (updated host layers go back)
+Transfer bytes per step (per device; ``F_E`` the non-layer fetches: ``C_in`` once,
+``C_out`` twice; ``S_E`` their gradients, one per use; ``A`` offloaded activations
+per microbatch)::
+
+    host -> device   k (2 (H + f) p + F_E + A) + k > 1: k G_h (back for the sum)
+                     + optimizer=device: P_h (+ G_h when k = 1)
+                     + optimizer=host: P_d
+    device -> host   k (H p + S_E + A)
+                     + optimizer=device: P_h
+                     + optimizer=host: G_d + P_d
 
 Step time (the prediction that ranks plans; seconds)::
 
     c = profile flops / peak_flops / L                  compute per layer
-    per layer: max(c / 3, h2d_fwd / bw, d2h_fwd / bw) + max(2 c / 3, h2d_bwd / bw, d2h_bwd / bw)
-    + max(h2d_update, d2h_update) / bw                  the update's moves, not overlapped
-    + optimizer=host: (2 params + gradients + 2 optimizer bytes) / host_update_bandwidth
+    resident layer: max(c / 3, k a / bw) + max(2 c / 3, k a / bw)
+    host layer:     max(c / 3, k p / bw, k a / bw) + max(c, k (p + a) / bw)
+                    (c: the backward's 2 c / 3 and the recomputed forward)
+    + k (2 f p + F_E + [k > 1] G_h) / bw, k S_E / bw   the window fills and the other
+                                                       chunks, not overlapped (max of both ways)
+    + max(update h2d, update d2h) / bw                 the update's moves, not overlapped
+    + optimizer=host: (3 params + 2 optimizer bytes) / host_update_bandwidth
 
-``bw`` is ``host_bandwidth`` per direction (PCIe is full duplex). The backward is taken
-as twice the forward's compute.
+``a`` is one layer's share of ``A``, ``bw`` is ``host_bandwidth`` per direction (PCIe is
+full duplex); the backward is taken as twice the forward's compute. ``compute_s``
+includes the host layers' recomputed forwards, ``H c / 3``.
 
 Conservative where the inputs are estimates (a plan that promises too little OOMs,
 ColossalAI#2246): the working temporaries are the all-on-device compile's, which holds
-more than an offloaded step needs; the prefetch window and the gradients in flight
-count one chunk more than the minimum; offloaded activations free device bytes only
-for ``saved_names`` (names the profiled step is known to keep: by default none, and
-then offloading activations frees nothing in the plan but still costs its transfers);
-``host_bandwidth`` and ``host_update_bandwidth`` default below what the hardware
-reaches (host-side updates have measured 2-3x slower than expected, axlearn PR#867).
-The FLOP-based compute time assumes the peak rate: it under-predicts compute, so the
-plan sees transfers as more exposed than they are and keeps more on the device.
+more than an offloaded step needs (a host layer saves only its input); phases not live
+at once are summed; the gradients in flight count one chunk more than the minimum;
+offloaded activations free device bytes only for ``saved_names`` (names the profiled
+step is known to keep: by default none, and then offloading activations frees nothing
+in the plan but still costs its transfers); ``host_bandwidth`` and
+``host_update_bandwidth`` default below what the hardware reaches (host-side updates
+have measured 2-3x slower than expected, axlearn PR#867). The FLOP-based compute time
+assumes the peak rate: it under-predicts compute, so the plan sees transfers as more
+exposed than they are and keeps more on the device.
 """
 
 from __future__ import annotations
@@ -111,13 +157,27 @@ UNSUPPORTED_AXES = {
 DEVICE_PARTS = {
     "params": "the device-resident parameters",
     "optimizer": "the device-resident optimizer state",
-    "prefetch": "the prefetch window of fetched layers",
+    "fetched": "the fetched chunks of host parameters",
     "gradients": "the gradients",
-    "optimizer_in_flight": "the optimizer state streamed through the device",
+    "update": "the host state brought to the device for the optimizer update",
     "temporaries": "the step's compiled temporaries",
     "activations": "the activations kept on the device",
     "inputs_outputs": "the batch and the step's outputs",
 }
+
+# How jaxpar.models.Transformer reads each non-layer parameter under params=host (its
+# fetch.to_device calls): (chunk, fetches per step) for each use. "in": the lookup at
+# the forward's start, whose gradient does not need the table (fetched once); "out":
+# the final norm and the head, fetched in the forward and again in the backward. A tied
+# embedding (no lm_head) is also the head. Each use sends one gradient to the host.
+NON_LAYER_USES = {
+    "embed": (("in", 1),),
+    "positions": (("in", 1),),
+    "final_norm": (("out", 2),),
+    "lm_head": (("out", 2),),
+}
+TIED_EMBED_USES = (("in", 1), ("out", 2))
+UNKNOWN_USES = (("in", 2), ("out", 2))  # a parameter the table does not name: both, twice
 
 
 class PlanError(ValueError):
@@ -135,7 +195,12 @@ class StateBytes:
 
     layers: ``L``, the stacked layer count (0 without stacked layers).
     layer_params / layer_optimizer: one layer's share of the stacked arrays' shards.
-    other_params / other_optimizer: every array without a ``layers`` axis.
+    other_params / other_optimizer: every array without a ``layers`` axis (``E``).
+    chunk_in / chunk_out: the non-layer parameters' input and output chunks (``C_in``,
+      ``C_out``; ``NON_LAYER_USES``), what one fetch of each brings to the device.
+    other_fetched / other_sent: per forward and backward, bytes of non-layer parameters
+      fetched (``F_E``) and of their gradients sent to the host (``S_E``) with
+      ``params=host``.
     """
 
     layers: int
@@ -143,6 +208,10 @@ class StateBytes:
     layer_optimizer: int
     other_params: int
     other_optimizer: int
+    chunk_in: int = 0
+    chunk_out: int = 0
+    other_fetched: int = 0
+    other_sent: int = 0
 
     @property
     def params(self) -> int:
@@ -190,12 +259,15 @@ def state_bytes(abstract_state: Mapping, *, layers_key: str = "layers") -> State
     """
     layers = None
     sums = {"layer_params": 0, "layer_optimizer": 0, "other_params": 0, "other_optimizer": 0}
+    others = []  # (top-level name, bytes) of each non-layer parameter
     for part, kind in (("params", "params"), ("opt_state", "optimizer")):
         for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_state[part])[0]:
             nbytes = shard_bytes(leaf)
             names = [_key_name(k) for k in path]
             if layers_key not in names or not leaf.shape:
                 sums[f"other_{kind}"] += nbytes
+                if kind == "params":
+                    others.append((names[0] if names else None, nbytes))
                 continue
             where = jax.tree_util.keystr(path)
             if layers is None:
@@ -211,7 +283,21 @@ def state_bytes(abstract_state: Mapping, *, layers_key: str = "layers") -> State
     if layers:
         sums["layer_params"] //= layers
         sums["layer_optimizer"] //= layers
-    return StateBytes(layers, **sums)
+    return StateBytes(layers, **sums, **_non_layer_chunks(others))
+
+
+def _non_layer_chunks(others: list) -> dict[str, int]:
+    """``chunk_in``, ``chunk_out``, ``other_fetched``, ``other_sent`` of the non-layer
+    parameters ``[(name, bytes)]``, each used as ``NON_LAYER_USES`` says."""
+    tied = "lm_head" not in {name for name, _ in others}
+    out = {"chunk_in": 0, "chunk_out": 0, "other_fetched": 0, "other_sent": 0}
+    for name, nbytes in others:
+        uses = TIED_EMBED_USES if tied and name == "embed" else NON_LAYER_USES.get(name, UNKNOWN_USES)
+        for chunk, fetches in uses:
+            out[f"chunk_{chunk}"] += nbytes
+            out["other_fetched"] += fetches * nbytes
+            out["other_sent"] += nbytes
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,6 +308,7 @@ class Plan:
     layers / resident_layers: ``L`` and how many keep their parameters on the device
       (``L`` with ``params=device``).
     prefetch: the fetch distance, in layers.
+    grad_accum: the microbatches per step the transfers and gradients count.
     budget: the device budget it was chosen under (None: unlimited).
     device: bytes on the device at the step's peak, by part (module docstring);
       ``device_bytes`` their sum, the figure promised to stay within ``budget``.
@@ -236,6 +323,7 @@ class Plan:
     layers: int
     resident_layers: int
     prefetch: int
+    grad_accum: int
     budget: int | None
     device: dict[str, int]
     host: dict[str, int]
@@ -257,6 +345,13 @@ class Plan:
     def device_state_bytes(self) -> int:
         """Parameters and optimizer state that live on the device between steps."""
         return self.device["params"] + self.device["optimizer"]
+
+    @property
+    def between_steps_bytes(self) -> int:
+        """The most that live device arrays hold between steps: the device-resident state
+        and the batch and outputs (``inputs_outputs``); ``device_live_bytes`` after a step
+        stays within it."""
+        return self.device_state_bytes + self.device["inputs_outputs"]
 
     @property
     def host_state_bytes(self) -> int:
@@ -288,6 +383,7 @@ class Plan:
         return {
             "params": o.params, "resident_layers": self.resident_layers, "layers": self.layers,
             "optimizer": o.optimizer, "activations": list(o.activations), "prefetch": o.prefetch,
+            "grad_accum": self.grad_accum,
             "budget_bytes": self.budget, "device_bytes": self.device_bytes, "device": dict(self.device),
             "host_bytes": self.host_bytes, "host": dict(self.host),
             "host_to_device_bytes": self.host_to_device, "device_to_host_bytes": self.device_to_host,
@@ -319,6 +415,7 @@ def plan(
     activations: Collection[str] = (),
     resident_layers: int | None = None,
     prefetch: int = 1,
+    grad_accum: int = 1,
     host_bandwidth: float | str = PCIE5_X16_BANDWIDTH,
     peak_flops: float = H100_PEAK_FLOPS,
     host_update_bandwidth: float | str = HOST_UPDATE_BANDWIDTH,
@@ -340,6 +437,7 @@ def plan(
       activations: ``checkpoint_name``s whose residuals go to the host (given, not searched).
       resident_layers: fixes the count of device-resident layers (``params`` host/auto).
       prefetch: layers fetched ahead (>= 1).
+      grad_accum: microbatches per step (>= 1).
       host_bandwidth: host<->device bytes/s per direction (default ``PCIE5_X16_BANDWIDTH``).
       peak_flops: the device's FLOP/s for the compute time (default ``H100_PEAK_FLOPS``).
       host_update_bandwidth: optimizer bytes/s a host-side update streams per device.
@@ -364,6 +462,8 @@ def plan(
                 raise ValueError(f"offload with mesh.{axis}={mesh.shape[axis]} is not supported yet: {why}")
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
         raise ValueError(f"offload.prefetch={prefetch!r} must be an int >= 1")
+    if isinstance(grad_accum, bool) or not isinstance(grad_accum, int) or grad_accum < 1:
+        raise ValueError(f"optimizer.grad_accum={grad_accum!r} must be an int >= 1")
     limit = None if budget is None else parse_bytes(budget, name="offload.device_budget")
     bandwidth = float(parse_bytes(host_bandwidth, name="offload.host_bandwidth")
                       if isinstance(host_bandwidth, str) else host_bandwidth)
@@ -398,7 +498,8 @@ def plan(
     rates = {"host_bandwidth": bandwidth, "peak_flops": float(peak_flops),
              "host_update_bandwidth": update_bandwidth}
     candidates = [
-        _cost(state, profile, limit, place, r, opt, activations, prefetch, sizes, set(saved_names), rates)
+        _cost(state, profile, limit, place, r, opt, activations, prefetch, grad_accum, sizes, set(saved_names),
+              rates)
         for place, r in placements for opt in opt_places
     ]
     fitting = [c for c in candidates if c.fits]
@@ -414,63 +515,73 @@ def plan(
 
 
 def _cost(state: StateBytes, profile: Mapping, budget: int | None, place: str, resident: int,
-          optimizer: str, activations: tuple[str, ...], prefetch: int, sizes: Mapping[str, int],
+          optimizer: str, activations: tuple[str, ...], prefetch: int, k: int, sizes: Mapping[str, int],
           saved: set[str], rates: Mapping[str, float]) -> Plan:
     """One candidate's ``Plan``: the module docstring's formulas, term by term."""
     L = state.layers
-    host_layers = L - resident
-    layer_p = state.layer_params  # a layer's gradients are as big: same shapes, dtypes, shardings
-    params_device = state.other_params + resident * layer_p
-    params_host = host_layers * layer_p
+    H = L - resident  # host layers
+    p = state.layer_params  # a layer's gradients are as big: same shapes, dtypes, shardings
+    host_params = place == "host"
     opt_on_device = optimizer == "device"
+    E = state.other_params
+    params_device = resident * p + (0 if host_params else E)
+    params_host = state.params - params_device  # P_h, and G_h: their gradients
+    f = min(prefetch, H)
 
     saved_total = sum(n for name, n in sizes.items() if name in saved)
     offloaded = sum(sizes[name] for name in activations)
-    offloaded_saved = sum(sizes[name] for name in activations if name in saved)
+    # a host layer's input stays on the device whatever the policy: the streamed scan's residual
+    freed = sum(sizes[name] * (resident / L if name == "layer_input" and L else 1)
+                for name in activations if name in saved)
     per_layer_act = offloaded / L if L else offloaded
     temp = int(profile.get("temp_bytes") or 0)
     inputs = max(int(profile.get("argument_bytes") or 0) - state.total, 0)
     outputs = int(profile.get("output_bytes") or 0) - int(profile.get("alias_bytes") or 0)
 
+    if host_params:
+        fetched = f * p + max(p if H else 0, state.chunk_in, state.chunk_out)
+        in_flight = sum(sorted([state.chunk_in, state.chunk_out] + [p] * min(H, 2))[-2:])
+        gradients = resident * p + in_flight if k == 1 else state.params + max(in_flight, params_host)
+        update = params_host * (2 if k == 1 else 1) if opt_on_device else 0
+    else:
+        fetched, update, gradients = 0, 0, state.params
     device = {
         "params": params_device,
         "optimizer": state.optimizer if opt_on_device else 0,
-        "prefetch": min(prefetch + 1, host_layers) * layer_p,
-        "gradients": params_device + min(2, host_layers) * layer_p,
-        "optimizer_in_flight": 0 if opt_on_device else max(state.layer_optimizer, state.other_optimizer),
+        "fetched": fetched,
+        "gradients": gradients,
+        "update": update,
         "temporaries": max(temp - state.params - saved_total, 0),
-        "activations": saved_total - offloaded_saved + math.ceil(min(prefetch + 1, max(L, 1)) * per_layer_act),
+        "activations": math.ceil(saved_total - freed + min(prefetch + 1, max(L, 1)) * per_layer_act),
         "inputs_outputs": inputs + max(outputs, 0),
     }
     host = {"params": params_host, "optimizer": 0 if opt_on_device else state.optimizer,
             "activations": offloaded}
 
-    # Moves during the layers (overlapping their compute) and at the update (not overlapping).
-    fwd_h2d, fwd_d2h = layer_p, 0  # per host layer; activations added for every layer below
-    bwd_h2d, bwd_d2h = layer_p, layer_p
+    # Per microbatch outside the layer loops: window fills, the other chunks, gradients back for the sum.
+    fills_h2d = (2 * f * p + state.other_fetched + (params_host if k > 1 else 0)) if host_params else 0
+    fills_d2h = state.other_sent if host_params else 0
     if opt_on_device:
-        update_h2d, update_d2h = host_layers * 2 * layer_p, params_host
+        update_h2d = params_host * (2 if k == 1 and host_params else 1)
+        update_d2h = params_host
     else:
-        update_h2d, update_d2h = params_device, params_device
-    h2d = host_layers * (fwd_h2d + bwd_h2d) + offloaded + update_h2d
-    d2h = host_layers * (fwd_d2h + bwd_d2h) + offloaded + update_d2h
+        grads_device = params_device if k == 1 else state.params  # accumulated on the device
+        update_h2d, update_d2h = params_device, grads_device + params_device
+    h2d = k * (2 * H * p + fills_h2d + offloaded) + update_h2d
+    d2h = k * (H * p + fills_d2h + offloaded) + update_d2h
 
     bw = rates["host_bandwidth"]
-    compute = float(profile.get("flops") or 0.0) / rates["peak_flops"]
-    c = compute / L if L else compute
-
-    def layer_time(host_layer: bool) -> float:
-        f_h2d, b_h2d, b_d2h = (fwd_h2d, bwd_h2d, bwd_d2h) if host_layer else (0, 0, 0)
-        forward = max(c / 3, f_h2d / bw, per_layer_act / bw)
-        backward = max(2 * c / 3, (b_h2d + per_layer_act) / bw, b_d2h / bw)
-        return forward + backward
-
-    step = host_layers * layer_time(True) + resident * layer_time(False) + (0 if L else compute)
-    step += max(update_h2d, update_d2h) / bw
+    flops_time = float(profile.get("flops") or 0.0) / rates["peak_flops"]
+    c = flops_time / L if L else flops_time
+    a = k * per_layer_act
+    resident_layer = max(c / 3, a / bw) + max(2 * c / 3, a / bw)
+    host_layer = max(c / 3, k * p / bw, a / bw) + max(c, (k * p + a) / bw)
+    step = H * host_layer + resident * resident_layer + (0 if L else flops_time)
+    step += k * max(fills_h2d, fills_d2h) / bw + max(update_h2d, update_d2h) / bw
     if not opt_on_device:
-        step += (2 * state.params + state.params + 2 * state.optimizer) / rates["host_update_bandwidth"]
+        step += (3 * state.params + 2 * state.optimizer) / rates["host_update_bandwidth"]
 
-    options = OffloadOptions(params=place, resident_layers=resident if place == "host" else None,
+    options = OffloadOptions(params=place, resident_layers=resident if host_params else None,
                              optimizer=optimizer, activations=activations, prefetch=prefetch)
-    return Plan(options, L, resident, prefetch, budget, device, host, int(h2d), int(d2h),
-                compute, step, dict(rates))
+    return Plan(options, L, resident, prefetch, k, budget, device, host, int(h2d), int(d2h),
+                flops_time + H * c / 3, step, dict(rates))
