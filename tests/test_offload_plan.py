@@ -521,14 +521,9 @@ def test_dry_run_reports_the_plan_and_refuses_a_budget_nothing_fits(tmp_path, ca
 
 # Under a budget the all-on-device step exceeds only optimizer=host plans fit (with the
 # optimizer on the device the update holds every parameter and gradient there).
-HOST_UPDATE_OF_A_CLIPPED_CHAIN = pytest.mark.xfail(strict=True, raises=ValueError, reason=(
-    "offload.optimizer=host does not trace with jaxpar-train's optimizer: inside the host update "
-    "optax.clip_by_global_norm makes the scaled gradients in device memory and adamw adds them to "
-    "host moments ('memory_space of all inputs passed to `add` must be the same'); plain adamw works"))
 
 
 @pytest.mark.slow
-@HOST_UPDATE_OF_A_CLIPPED_CHAIN
 def test_dry_run_with_a_budget_the_all_on_device_step_exceeds(tmp_path, capsys):
     """tiny (4 layers) on fsdp=8 under one byte less than the all-on-device peak: the
     plan offloads, keeps its promise, and the step is built with its OffloadOptions (on
@@ -549,7 +544,6 @@ def test_dry_run_with_a_budget_the_all_on_device_step_exceeds(tmp_path, capsys):
 
 
 @pytest.mark.slow
-@HOST_UPDATE_OF_A_CLIPPED_CHAIN
 def test_auto_under_a_budget_the_all_on_device_step_exceeds_trains_the_same(tmp_path, capsys):
     """tiny (4 layers, fsdp=8) through train() with offload.params=auto
     offload.optimizer=auto under the device bytes of the plan with 2 of 4 layers resident
