@@ -399,18 +399,23 @@ def make_train_step(
         return params, opt_state, {"loss": value, "grad_norm": optax.tree.norm(grads)}
 
     donate_argnums = (0, 1) if donate else ()
-    if offloading:
-        return _offloaded_step(step, graphdef, params, tx, mesh, rules, resolved, offload, execution, loss,
-                               donate_argnums, frozen)
-    if mesh is None:
+    if mesh is None and not offloading:
         return TrainStep(graphdef, tx, jax.jit(step, donate_argnums=donate_argnums),
                          None, None, None, None, execution, loss, layer_order)
-    params_sharding = model_shardings(params, mesh, rules)
-    replicated = NamedSharding(mesh, PartitionSpec())
-    opt_shape = jax.eval_shape(tx.init, params)
-    opt_sharding = like_params(opt_shape, params, params_sharding, replicated)
-    batch_sharding = NamedSharding(mesh, rules_lib.logical_to_spec(BATCH_AXES, resolved))
-    frozen_sharding = () if frozen is None else (model_shardings(frozen, mesh, rules),)
+    if mesh is None:  # offloading on one device: a sharding of its own, for the memory kinds
+        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        params_sharding, replicated = jax.tree.map(lambda _: one, params), one
+        batch_sharding, frozen_sharding = None, () if frozen is None else (None,)
+    else:
+        params_sharding = model_shardings(params, mesh, rules)
+        replicated = NamedSharding(mesh, PartitionSpec())
+        batch_sharding = NamedSharding(mesh, rules_lib.logical_to_spec(BATCH_AXES, resolved))
+        frozen_sharding = () if frozen is None else (model_shardings(frozen, mesh, rules),)
+    opt_sharding = like_params(jax.eval_shape(tx.init, params), params, params_sharding, replicated)
+    split = None
+    if offloading:
+        params_sharding, opt_sharding, split = _offloaded_shardings(params, tx, offload, params_sharding,
+                                                                    opt_sharding)
     jitted = jax.jit(
         step,
         in_shardings=(params_sharding, opt_sharding, batch_sharding, *frozen_sharding),
@@ -418,33 +423,21 @@ def make_train_step(
         donate_argnums=donate_argnums,
     )
     return TrainStep(graphdef, tx, jitted, mesh, params_sharding, opt_sharding, batch_sharding,
-                     execution, loss, layer_order)
+                     execution, loss, layer_order, split)
 
 
-def _offloaded_step(step, graphdef, params, tx, mesh, rules, resolved, offload: OffloadOptions,
-                    execution: Execution, loss, donate_argnums, frozen) -> TrainStep:
-    """``make_train_step``'s jitted step and placement under offload: the parameters'
-    and optimizer state's shardings (a device of its own without a mesh) with the memory
-    kinds ``jaxpar.offload.state.storage_shardings`` gives them."""
+def _offloaded_shardings(params, tx, offload: OffloadOptions, params_sharding, opt_sharding):
+    """The parameters' and optimizer state's shardings under ``offload``: as stored
+    (``Split`` stacked leaves with ``0 < resident < L``), with the memory kinds
+    ``jaxpar.offload.state.storage_shardings`` gives them; and ``TrainStep.split``."""
     stacked = [x.shape[0] for path, x in jax.tree.leaves_with_path(params) if offload_state.is_layers(path)]
     layers = stacked[0] if stacked else 0
     resident = offload_state.resident_count(offload, layers)
-    if mesh is None:
-        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        params_sharding, replicated = jax.tree.map(lambda _: one, params), one
-        batch_sharding = frozen_sharding = None
-    else:
-        params_sharding = model_shardings(params, mesh, rules)
-        replicated = NamedSharding(mesh, PartitionSpec())
-        batch_sharding = NamedSharding(mesh, rules_lib.logical_to_spec(BATCH_AXES, resolved))
-        frozen_sharding = None if frozen is None else model_shardings(frozen, mesh, rules)
-    opt_sharding = like_params(jax.eval_shape(tx.init, params), params, params_sharding, replicated)
-    host_params = offload.params == "host"
+    params_kind = offload_state.HOST_KIND if offload.params == "host" else offload_state.DEVICE_KIND
     optimizer_kind = offload_state.HOST_KIND if offload.optimizer == "host" else offload_state.DEVICE_KIND
     params_sharding = offload_state.storage_shardings(
         params_sharding, resident=resident, layers=layers, resident_kind=offload_state.DEVICE_KIND,
-        offloaded_kind=offload_state.HOST_KIND if host_params else offload_state.DEVICE_KIND,
-        rest_kind=offload_state.HOST_KIND if host_params else offload_state.DEVICE_KIND)
+        offloaded_kind=params_kind, rest_kind=params_kind)
     opt_sharding = offload_state.storage_shardings(
         opt_sharding, resident=resident, layers=layers, resident_kind=optimizer_kind,
         offloaded_kind=optimizer_kind, rest_kind=optimizer_kind)
@@ -453,12 +446,4 @@ def _offloaded_step(step, graphdef, params, tx, mesh, rules, resolved, offload: 
         stored = jax.eval_shape(functools.partial(offload_state.split_layers, resident=resident, layers=layers),
                                 params)
         assert jax.tree.structure(jax.eval_shape(tx.init, stored)) == jax.tree.structure(opt_sharding)
-    frozen_shardings = () if frozen is None else (frozen_sharding,)
-    jitted = jax.jit(
-        step,
-        in_shardings=(params_sharding, opt_sharding, batch_sharding, *frozen_shardings),
-        out_shardings=(params_sharding, opt_sharding, replicated),
-        donate_argnums=donate_argnums,
-    )
-    return TrainStep(graphdef, tx, jitted, mesh, params_sharding, opt_sharding, batch_sharding,
-                     execution, loss, None, split)
+    return params_sharding, opt_sharding, split
