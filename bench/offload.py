@@ -17,12 +17,13 @@ budget, the largest model whose device bytes fit the budget per device, without 
 offload.optimizer=auto``, exactly what ``dry_run=true`` prints as
 ``offload_plan.device_bytes``). The model grows by ``model.layers`` at the config's
 width; only when not even one layer fits does the width (``model.dim``, with heads,
-kv heads and ``mlp_dim`` in proportion) shrink, and the layers grow at that width. Each model shape is compiled once
-(the all-on-device step; the planner reads its profile) and the search interpolates
-linearly between measured layer counts, verifying every answer ``L`` by compiling
-``L`` and ``L + 1``. The batch is the config's, in microbatches of one row per device
-(``optimizer.grad_accum``), so activations are those of one 2048-token row; with
-``--no-accumulate`` the batch is one row per device, without accumulation.
+kv heads and ``mlp_dim`` in proportion) shrink, and the layers grow at that width.
+Each model shape is compiled once (the all-on-device step; the planner reads its
+profile) and the search interpolates linearly between measured layer counts,
+verifying every answer ``L`` by compiling ``L`` and ``L + 1``. The batch is the
+config's, in microbatches of one row per device (``optimizer.grad_accum``), so the
+activations are those of one 2048-token row; with ``--no-accumulate`` the batch is one
+row per device, without accumulation.
 
 ``overhead`` (one CPU device): step time of real training steps with each offload mode
 beside none. On a CPU host and device memory are the same RAM and the memory-kind
@@ -52,20 +53,12 @@ import statistics
 import sys
 import time
 
-COMMANDS = ("capacity", "overhead", "picture")
+import jax
 
+if __name__ == "__main__" and len(sys.argv) > 1:  # before a backend starts
+    # 8 simulated devices for the compile-only parts, 1 for the timed one.
+    jax.config.update("jax_num_cpu_devices", 1 if sys.argv[1] == "overhead" else 8)
 
-def _devices_for(command: str) -> int:
-    """8 simulated devices for the compile-only parts, 1 for the timed one."""
-    return 1 if command == "overhead" else 8
-
-
-if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] in COMMANDS:
-    import jax
-
-    jax.config.update("jax_num_cpu_devices", _devices_for(sys.argv[1]))
-
-import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
@@ -234,7 +227,8 @@ def largest_model(profiles: Profiles, config: str, base: list[str], devices: int
                   offload: bool, max_layers: int) -> dict | None:
     """The largest model of ``config`` + ``base`` fitting ``budget`` (None: none):
     most layers at the config's width; where not even one layer fits, the widest width
-    (steps of 256) one layer fits, then most layers of that width."""
+    (steps of 256) one layer fits, then most layers of that width. With ``offload``,
+    ``plan`` is the plan chosen for it (``Plan.to_dict``)."""
     base_dim = load_config(config, base).model.dim
 
     def width(dim: int) -> list[str]:
@@ -264,7 +258,8 @@ def largest_model(profiles: Profiles, config: str, base: list[str], devices: int
         layers = most_layers(dim)
     e = entry(layers, dim)
     return {"layers": layers, "dim": dim, "params": e["params"],
-            "device_bytes": device_bytes(e, budget, offload)[0], "capped": layers == max_layers}
+            "device_bytes": device_bytes(e, budget, offload)[0], "capped": layers == max_layers,
+            "plan": planned(e, budget).to_dict() if offload else None}
 
 
 def capacity(args) -> dict:
@@ -290,20 +285,12 @@ def capacity(args) -> dict:
                 row = {"config": args.config, "mesh": mesh, "remat": remat if remat != "shipped" else
                        f"{cfg0.model.remat} (shipped)", "overrides": base, "budget": budget_text,
                        "budget_bytes": budget, **found}
-                if found["with"] is not None:
-                    e = profiles.get(args.config, [*base, *_width(found["with"], cfg0),
-                                                   f"model.layers={found['with']['layers']}"], devices)
-                    row["plan"] = planned(e, budget).to_dict()
                 w, o = found["without"], found["with"]
                 row["ratio"] = (o["params"] / w["params"]) if w and o else None
                 rows.append(row)
                 print(_capacity_line(row), flush=True)
     return {"rows": rows, "compiles": profiles.compiles, "compile_s": round(profiles.compile_s, 1),
             "seconds": round(time.perf_counter() - began, 1)}
-
-
-def _width(found: dict, cfg0: Config) -> list[str]:
-    return [] if found["dim"] == cfg0.model.dim else width_overrides(found["dim"])
 
 
 def _model_text(found: dict | None, cfg_dim: int) -> str:
@@ -318,7 +305,7 @@ def _model_text(found: dict | None, cfg_dim: int) -> str:
 def _capacity_line(row: dict) -> str:
     dim = load_config(row["config"], []).model.dim
     ratio = "-" if row["ratio"] is None else f"{row['ratio']:.1f}x"
-    plan = row.get("plan")
+    plan = row["with"] and row["with"]["plan"]
     summary = "-" if plan is None else (
         f"params={plan['params']} resident={plan['resident_layers']}/{plan['layers']} "
         f"optimizer={plan['optimizer']}; {format_bytes(plan['device_bytes'])}")
@@ -360,7 +347,8 @@ def overhead(args) -> dict:
             began = time.perf_counter()
             state[0], state[1], out = step(state[0], state[1], batches[0])  # compile + one step
             float(out["loss"])
-            runs[mode] = {"step": step, "state": state, "compile_s": time.perf_counter() - began, "times": []}
+            runs[mode] = {"step": step, "state": state, "options": options, "times": [],
+                          "compile_s": time.perf_counter() - began}
         for _ in range(args.rounds):
             for mode, run in runs.items():
                 for batch_ in batches:
@@ -372,8 +360,7 @@ def overhead(args) -> dict:
         for mode, run in runs.items():
             median = statistics.median(run["times"])
             rows.append({"model": name, "layers": cfg.layers, "batch": batch, "seq_len": seq, "mode": mode,
-                         "options": dataclasses.asdict(MODES[mode] or OffloadOptions(
-                             params="host", resident_layers=cfg.layers // 2)),
+                         "options": dataclasses.asdict(run["options"]),
                          "step_s": median, "steps_timed": len(run["times"]),
                          "vs_none": None if base is None else median / base,
                          "compile_s": round(run["compile_s"], 1)})
@@ -395,22 +382,25 @@ def timeline(plan, layer_params: int, other_params: int) -> list[tuple[str, dict
     passes them, the chunk in flight while in host layers); saved activations grow
     over the forward and shrink over the backward; the optimizer state streamed
     through the device at the update."""
-    d = plan.device
+    d = dict(plan.device)
     L, r, ahead = plan.layers, plan.resident_layers, plan.prefetch
     host = L - r
-    in_flight = max(d["gradients"] - d["params"], 0)
-    always = {k: d[k] for k in ("params", "optimizer", "temporaries", "inputs_outputs")}
+    timed = ("prefetch", "gradients", "activations", "optimizer_in_flight")
+    always = {k: v for k, v in d.items() if k not in timed}  # and any part not modelled here
+    prefetch, saved = d.get("prefetch", 0), d.get("activations", 0)
+    resident_grads = min(d.get("params", 0), d.get("gradients", 0))  # the device-resident params'
+    in_flight = d.get("gradients", 0) - resident_grads  # the host layers' chunks in flight
     moments = []
     for i in range(L):
-        moments.append((f"F{i}", {**always, "prefetch": d["prefetch"] if host and i + ahead >= r else 0,
-                                  "activations": d["activations"] * (i + 1) // L}))
+        moments.append((f"F{i}", {**always, "prefetch": prefetch if host and i + ahead >= r else 0,
+                                  "activations": saved * (i + 1) // L}))
     for i in reversed(range(L)):
-        grads = other_params + (r - min(i, r)) * layer_params
-        moments.append((f"B{i}", {**always, "prefetch": d["prefetch"] if i >= r else 0,
-                                  "gradients": min(grads, d["params"]) + (in_flight if i >= r else 0),
-                                  "activations": d["activations"] * i // L}))
-    moments.append(("update", {**always, "gradients": d["params"],
-                               "optimizer_in_flight": d["optimizer_in_flight"]}))
+        done = other_params + (r - min(i, r)) * layer_params  # head, embedding, resident layers passed
+        moments.append((f"B{i}", {**always, "prefetch": prefetch if i >= r else 0,
+                                  "gradients": min(done, resident_grads) + (in_flight if i >= r else 0),
+                                  "activations": saved * i // L}))
+    moments.append(("update", {**always, "gradients": resident_grads,
+                               "optimizer_in_flight": d.get("optimizer_in_flight", 0)}))
     return moments
 
 
@@ -427,14 +417,13 @@ def picture(args) -> dict:
     overrides = [*mesh_ov, f"optimizer.grad_accum={accum}", *args.set]
     entry = Profiles(args.cache).get(args.config, overrides, devices)
     budget = parse_bytes(args.budget, name="--budget")
-    everything = planned(entry, budget, params="device", optimizer="device")
-    on_device = everything or offload_lib.resolve(
-        with_offload(entry["cfg"], 1 << 60, params="device", optimizer="device"), entry["profile"],
-        entry["abstract_state"], entry["mesh"], entry["rules"], peak_flops())
+    on_device = (planned(entry, budget, params="device", optimizer="device")  # None: over the budget
+                 or planned(entry, 1 << 62, params="device", optimizer="device"))
     chosen = planned(entry, budget)
     sizes = state_bytes(entry["abstract_state"])
     panels = [("all on the device", on_device)] + ([("the planner's plan", chosen)] if chosen else [])
-    result = {"config": args.config, "mesh": args.mesh, "remat": entry["cfg"].model.remat, "overrides": overrides, "budget": args.budget,
+    result = {"config": args.config, "mesh": args.mesh, "remat": entry["cfg"].model.remat,
+              "overrides": overrides, "budget": args.budget,
               "budget_bytes": budget, "all_on_device_peak_bytes": entry["profile"]["peak_bytes"],
               "panels": [{"title": title, "plan": plan.to_dict(),
                           "timeline": [{"at": at, **parts} for at, parts in
@@ -442,7 +431,7 @@ def picture(args) -> dict:
                          for title, plan in panels]}
     for panel in result["panels"]:
         peak = max(sum(v for k, v in m.items() if k != "at") for m in panel["timeline"])
-        print(f"{panel['title']}: {panel['plan']['params']} resident {panel['plan']['resident_layers']}/"
+        print(f"{panel['title']}: params={panel['plan']['params']} resident {panel['plan']['resident_layers']}/"
               f"{panel['plan']['layers']} optimizer={panel['plan']['optimizer']}: promised "
               f"{format_bytes(panel['plan']['device_bytes'])}, timeline peak {format_bytes(peak)}, "
               f"budget {format_bytes(budget)}")
@@ -466,10 +455,12 @@ def draw(result: dict, path: pathlib.Path) -> None:
     for ax, panel in zip(axes[:, 0], panels):
         moments = panel["timeline"]
         x = np.arange(len(moments))
-        parts = [p for p in PART_COLORS if any(m.get(p, 0) for m in moments)]
+        named = {k for m in moments for k in m if k != "at"}
+        parts = [p for p in [*PART_COLORS, *sorted(named - set(PART_COLORS))]
+                 if any(m.get(p, 0) for m in moments)]
         ys = [[m.get(p, 0) / GiB for m in moments] for p in parts]
         ax.stackplot(x, ys, labels=[p.replace("_", " ") for p in parts],
-                     colors=[PART_COLORS[p] for p in parts], step="mid", alpha=0.9)
+                     colors=[PART_COLORS.get(p, "lightgrey") for p in parts], step="mid", alpha=0.9)
         ax.axhline(budget, color="red", lw=2, label=f"budget {result['budget']}")
         ax.axhline(panel["plan"]["device_bytes"] / GiB, color="black", ls="--", lw=1,
                    label=f"plan's promise {format_bytes(panel['plan']['device_bytes'])}")
