@@ -1,6 +1,9 @@
 """The README's commands and the benchmark scripts run as a newcomer runs them."""
 
+import importlib.util
+import json
 import pathlib
+import runpy
 import subprocess
 
 import pytest
@@ -74,3 +77,63 @@ def test_kernels_benchmark_smoke():
         assert header in out.stdout
     last = out.stdout.strip().splitlines()
     assert "| target (issue) | jaxpar measured | verdict |" in last[-7] and last[-1].startswith("| decode >= 70%")
+
+
+def test_offload_benchmark(tmp_path):
+    """bench/offload.py in this process (the suite's 8 devices), small: its JSON's
+    structure; the capacity search's offloaded model is one for which the planner
+    (`train.offload.resolve` on the all-on-device compile, as `dry_run=true` plans)
+    promises exactly the device bytes reported, under the budget; the picture's step
+    never exceeds its plan's promise (and is a PNG where matplotlib, the `bench` extra,
+    is installed); the overhead table times both modes."""
+    from flax import nnx
+
+    from jaxpar.models.transformer import sharding_rules
+    from jaxpar.train.config import load_config
+    from jaxpar.train.loop import build_mesh, build_model, dry_run_profile, make_optimizer
+    from jaxpar.train.offload import resolve
+    from jaxpar.train.step import make_train_step
+
+    bench = runpy.run_path(str(ROOT / "bench" / "offload.py"), run_name="bench_offload")
+    bench["main"](["capacity", "--config", "tiny", "--meshes", "fsdp=8", "--budgets", "48MiB",
+                   "--remats", "shipped", "--max-layers", "16", "--json", str(tmp_path / "capacity.json")])
+    result = json.loads((tmp_path / "capacity.json").read_text())
+    assert set(result) == {"meta", "capacity"} and {"command", "date", "machine"} <= set(result["meta"])
+    (row,) = result["capacity"]["rows"]
+    without, offloaded = row["without"], row["with"]
+    assert {"layers", "dim", "params", "device_bytes", "capped"} <= set(offloaded)
+    assert 1 <= without["layers"] < offloaded["layers"] < 16 and row["ratio"] > 1
+    assert without["device_bytes"] <= row["budget_bytes"] == 48 << 20
+    assert offloaded["plan"]["params"] == "host"
+    assert offloaded["plan"]["device_bytes"] == offloaded["device_bytes"]
+    # The plan jaxpar-train's dry run prints (offload_plan), from a compile of our own.
+    cfg = load_config("tiny", [*row["overrides"], f"model.layers={offloaded['layers']}",
+                               "offload.params=auto", "offload.optimizer=auto", "offload.device_budget=48MiB"])
+    mesh = build_mesh(cfg.mesh)
+    rules = sharding_rules(cfg.model, mesh)
+    model = nnx.eval_shape(lambda: build_model(cfg))
+    step = make_train_step(model, make_optimizer(cfg.optimizer, cfg.steps)[0], mesh, rules,
+                           grad_accum=cfg.optimizer.grad_accum)
+    plan = resolve(cfg, dry_run_profile(cfg, step, model, mesh, rules, None), step.abstract_state(model),
+                   mesh, rules, None)
+    assert plan.device_bytes == offloaded["device_bytes"] <= 48 << 20
+    assert plan.to_dict() == offloaded["plan"]
+
+    png = ["--png", str(tmp_path / "plan.png")] if importlib.util.find_spec("matplotlib") else []
+    bench["main"](["picture", "--config", "tiny", "--budget", "48MiB",
+                   "--set", f"model.layers={offloaded['layers']}", "--json", str(tmp_path / "picture.json"),
+                   *png])
+    assert not png or (tmp_path / "plan.png").read_bytes().startswith(b"\x89PNG")
+    picture = json.loads((tmp_path / "picture.json").read_text())["picture"]
+    on_device, planned = picture["panels"]
+    assert planned["plan"] == offloaded["plan"]
+    for panel in (on_device, planned):  # the step's moments: forward, backward, update
+        moments = panel["timeline"]
+        assert len(moments) == 2 * panel["plan"]["layers"] + 1 and moments[-1]["at"] == "update"
+        peak = max(sum(v for k, v in m.items() if k != "at") for m in moments)
+        assert peak <= panel["plan"]["device_bytes"]
+
+    bench["main"](["overhead", "--configs", "tiny", "--modes", "both", "--steps", "1", "--rounds", "1",
+                   "--json", str(tmp_path / "overhead.json")])
+    rows = json.loads((tmp_path / "overhead.json").read_text())["overhead"]["rows"]
+    assert [r["mode"] for r in rows] == ["none", "both"] and all(r["step_s"] > 0 for r in rows)
