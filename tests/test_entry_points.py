@@ -104,7 +104,7 @@ def test_offload_benchmark(tmp_path):
     assert {"layers", "dim", "params", "device_bytes", "capped"} <= set(offloaded)
     assert 1 <= without["layers"] < offloaded["layers"] < 16 and row["ratio"] > 1
     assert without["device_bytes"] <= row["budget_bytes"] == 48 << 20
-    assert offloaded["plan"]["params"] == "host"
+    assert "host" in (offloaded["plan"]["params"], offloaded["plan"]["optimizer"])  # it offloads
     assert offloaded["plan"]["device_bytes"] == offloaded["device_bytes"]
     # The plan jaxpar-train's dry run prints (offload_plan), from a compile of our own.
     cfg = load_config("tiny", [*row["overrides"], f"model.layers={offloaded['layers']}",

@@ -103,10 +103,17 @@ def device_live_bytes() -> int:
     stays within the plan's ``between_steps_bytes`` (the device-resident state, the
     batch and the step's outputs); the step's peak (``Plan.device_bytes``) is not visible
     between steps."""
+    return max(live_bytes_per_device().values(), default=0)
+
+
+def live_bytes_per_device() -> collections.Counter:
+    """Bytes of the live arrays in device memory, per device of this process. (From the
+    shardings' shard shapes: reading ``shard.data`` would make new live arrays.)"""
     per_device = collections.Counter()
     for array in jax.live_arrays():
         if array.is_deleted() or array.sharding.memory_kind not in (None, "device"):
             continue
-        for shard in array.addressable_shards:
-            per_device[shard.device] += shard.data.nbytes
-    return max(per_device.values(), default=0)
+        shard_bytes = math.prod(array.sharding.shard_shape(array.shape)) * array.dtype.itemsize
+        for device in array.sharding.addressable_devices:
+            per_device[device] += shard_bytes
+    return per_device
