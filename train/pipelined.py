@@ -70,13 +70,15 @@ def _is_layers(path) -> bool:
     return any(getattr(k, "key", None) == "layers" for k in path)
 
 
-def to_storage(tree, order: np.ndarray):
+def to_storage(tree, order):
     """``tree`` (parameters, or any state holding copies of them such as Adam's moments)
-    with every leaf under ``layers`` (``[L, ...]``) from model order into ``order``."""
+    with every leaf under ``layers`` (``[L, ...]``) from model order into ``order`` (a
+    sequence of layer indices)."""
+    order = np.asarray(order)
     return jax.tree.map_with_path(lambda path, x: x[order] if _is_layers(path) else x, tree)
 
 
-def to_model(tree, order: np.ndarray):
+def to_model(tree, order):
     """The inverse of ``to_storage``: stored ``layers`` leaves back in model order."""
     return to_storage(tree, np.argsort(order))
 

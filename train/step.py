@@ -96,21 +96,15 @@ def token_shares(mask: jax.Array) -> jax.Array:
 
 
 @functools.cache
-def _reorderer(reorder: Callable, order: tuple[int, ...], shardings: tuple, treedef) -> Callable:
-    """``reorder`` (``pipelined.to_model`` / ``to_storage``) jitted once per layer order and
-    state layout, each array kept on its sharding: every checkpoint save calls it."""
-    return jax.jit(functools.partial(reorder, order=np.asarray(order)),
-                   out_shardings=jax.tree.unflatten(treedef, shardings))
-
-
-@functools.cache
 def _cached_converter(fn: Callable, kwargs: tuple, shardings: tuple, treedef) -> Callable:
     return jax.jit(functools.partial(fn, **dict(kwargs)), out_shardings=jax.tree.unflatten(treedef, shardings))
 
 
 def _converter(fn: Callable, out_shardings, **kwargs) -> Callable:
-    """``fn(state, **kwargs)`` (``jaxpar.offload.state.split_layers`` / ``join_layers``)
-    jitted once per layout, its results placed on ``out_shardings``."""
+    """``fn(state, **kwargs)`` (``pipelined.to_model`` / ``to_storage``,
+    ``jaxpar.offload.state.split_layers`` / ``join_layers``; ``kwargs`` hashable) jitted
+    once per layout, its results placed on ``out_shardings``: every checkpoint save
+    calls one."""
     shardings, treedef = jax.tree.flatten(out_shardings)
     return _cached_converter(fn, tuple(sorted(kwargs.items())), tuple(shardings), treedef)
 
@@ -166,7 +160,7 @@ class TrainStep:
     @property
     def offloading(self) -> bool:
         """Whether parameters or optimizer state live in host memory between steps."""
-        return self.execution.offload.params == "host" or self.execution.offload.optimizer == "host"
+        return self.execution.offload.state_on_host
 
     @property
     def sequence(self) -> SequenceOptions:
@@ -243,8 +237,8 @@ class TrainStep:
     def _reorder(self, state, reorder: Callable):
         if self.layer_order is None:
             return state
-        shardings, treedef = jax.tree.flatten(jax.tree.map(lambda x: x.sharding, state))
-        return _reorderer(reorder, tuple(self.layer_order), tuple(shardings), treedef)(state)
+        shardings = jax.tree.map(lambda x: x.sharding, state)
+        return _converter(reorder, shardings, order=tuple(int(i) for i in self.layer_order))(state)
 
     def model(self, params) -> nnx.Module:
         """The model that ``params`` (as this step keeps them) are; traceable."""
@@ -341,7 +335,7 @@ def make_train_step(
     resolved = None if mesh is None else rules_lib.for_mesh(mesh, rules_lib.DEFAULT_RULES if rules is None else rules)
     offload = offload or OffloadOptions()
     execution = Execution(resolved, kernels or KernelOptions(), sequence, offload)
-    offloading = offload.params == "host" or offload.optimizer == "host"
+    offloading = offload.state_on_host
     layer_order = None
     if pipeline is not None and offloading:
         raise ValueError("offload.params=host / offload.optimizer=host do not compose with a pipeline yet: "

@@ -104,9 +104,14 @@ class OffloadOptions:
         object.__setattr__(self, "activations", tuple(self.activations))
 
     @property
+    def state_on_host(self) -> bool:
+        """Whether parameters or optimizer state live in host memory between steps."""
+        return self.params == "host" or self.optimizer == "host"
+
+    @property
     def any(self) -> bool:
         """Whether anything lives on, or goes to, the host."""
-        return self.params == "host" or self.optimizer == "host" or bool(self.activations)
+        return self.state_on_host or bool(self.activations)
 
 
 @dataclasses.dataclass(frozen=True)
