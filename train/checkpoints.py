@@ -7,13 +7,17 @@ one mesh restores on another (elastic restarts), and their memory kinds, so one 
 with host-resident state (``jaxpar.offload``: ``memory_kind="pinned_host"``) restores onto
 the device and the reverse: placement is a plan, not part of the checkpoint. Orbax
 copies each addressable shard to the file from where it lives and reads each straight
-into the target's memory kind, so host-resident state never passes through device
-memory (``orbax/checkpoint/_src/serialization``: ``replica_slices.transfer_arrays_to_host``,
-``serialization._read_array_index_and_device_put``); it needs nothing of ours for that. A checkpoint that cannot be read
-(half-written, corrupt) is skipped with one log line naming its step and why, and the
-previous one is used; training (``restore_latest``) moves it aside to
-``checkpoints/corrupt/<step>`` (never deletes it), so the retrained step can be saved
-again. Opening a run's checkpoints creates no directory; the first save does.
+into the target's memory kind (``orbax/checkpoint/_src/serialization``:
+``replica_slices.transfer_arrays_to_host``, ``serialization._read_array_index_and_device_put``),
+so host-resident state never passes through device memory, provided the save is not
+replica-parallel (``Checkpoints(replica_parallel=False)``, what a run whose state lives
+on the host opens).
+
+A checkpoint that cannot be read (half-written, corrupt) is skipped with one log line
+naming its step and why, and the previous one is used; training (``restore_latest``)
+moves it aside to ``checkpoints/corrupt/<step>`` (never deletes it), so the retrained
+step can be saved again. Opening a run's checkpoints creates no directory; the first
+save does.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import pathlib
 import shutil
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
@@ -34,20 +39,56 @@ class CheckpointError(RuntimeError):
     """A checkpoint that should have been written was not."""
 
 
+_TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's name for a step directory being written
+
+
+def _remove_unfinished_saves(directory: pathlib.Path) -> None:
+    """Removes ``<step>.orbax-checkpoint-tmp*`` directories (a save cut short by SIGKILL or
+    a second Ctrl-C), which no restore can read; on process 0, as orbax does."""
+    if jax.process_index() != 0 or not directory.is_dir():
+        return
+    for path in directory.glob(f"*{_TMP_SUFFIX}*"):
+        log.info("removing unfinished checkpoint save %s", path)
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _state_handler(replica_parallel: bool) -> ocp.PyTreeCheckpointHandler:
+    """orbax's handler for the train state, its arrays written replica-parallel or not.
+
+    Replica-parallel (orbax's default) has each replica of a replicated array write a
+    slice of it, and slicing an array held in host memory makes the slice in device
+    memory (JAX computes on the device): a save of data-parallel host-resident state
+    would hold 1/R of it on every device until written. ``False`` writes each array from
+    its first replica, straight from where it lives."""
+    array = ocp.type_handlers.ArrayHandler(use_replica_parallel=replica_parallel)
+    scalar = ocp.type_handlers.ScalarHandler()
+    registry = ocp.type_handlers.create_type_handler_registry(
+        (int, scalar), (float, scalar), (np.number, scalar),
+        (np.ndarray, ocp.type_handlers.NumpyHandler()), (jax.Array, array))
+    return ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
+
+
 class Checkpoints:
-    def __init__(self, run_dir: str | pathlib.Path, *, keep: int):
+    """A run's checkpoints; ``replica_parallel=False`` for state that lives in host
+    memory (``_state_handler``)."""
+
+    def __init__(self, run_dir: str | pathlib.Path, *, keep: int, replica_parallel: bool = True):
         self.directory = pathlib.Path(run_dir).absolute() / "checkpoints"
         # create=False: a run that fails before its first save leaves no empty directory.
-        # cleanup_tmp_directories: a save cut short (SIGKILL, a second Ctrl-C) leaves a
-        # `<step>.orbax-checkpoint-tmp` directory that no restore can read.
+        # Unfinished saves are removed here, synchronously: orbax's own cleanup
+        # (cleanup_tmp_directories) runs in a thread that its close() does not wait for
+        # (orbax-checkpoint 0.12), and that thread then races interpreter shutdown.
+        _remove_unfinished_saves(self.directory)
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True,
-                                               create=False, cleanup_tmp_directories=True)
+                                               create=False)
         # Orbax logs an error of its own for each unparsable file it meets listing and
         # restoring steps: held back until a restore has tried them (_release_logs).
         self._held_logs: list[logging.LogRecord] = []
         self._closed = False
         with _holding_orbax_logs(self._held_logs):
-            self.manager = ocp.CheckpointManager(self.directory, options=options)
+            self.manager = ocp.CheckpointManager(
+                self.directory, options=options,
+                item_handlers={"state": _state_handler(replica_parallel), "meta": ocp.JsonCheckpointHandler()})
 
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
@@ -59,7 +100,7 @@ class Checkpoints:
         its latest, readable or not)."""
         if jax.process_index() == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
-        args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
+        args = ocp.args.Composite(state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta))
         if not self.manager.save(step, args=args):
             raise CheckpointError(
                 f"checkpoint at step {step} was not saved to {self.directory} "
@@ -75,8 +116,7 @@ class Checkpoints:
 
         ``abstract_state`` gives shapes, dtypes and the shardings to restore onto.
         """
-        args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state),
-                                  meta=ocp.args.JsonRestore())
+        args = ocp.args.Composite(state=_restore_args(abstract_state), meta=ocp.args.JsonRestore())
         found = self._restore_newest(args, move_aside=True)
         return None if found is None else (found[0], found[1]["state"], found[1]["meta"])
 
@@ -85,10 +125,7 @@ class Checkpoints:
         ``params`` subtree alone (orbax's partial restore), the optimizer state (twice the
         parameters' bytes under AdamW) never read. ``abstract_params`` gives shapes, dtypes
         and shardings. Reads only: an unreadable checkpoint is skipped where it lies."""
-        target = {"params": abstract_params}
-        args = ocp.args.Composite(state=ocp.args.PyTreeRestore(
-            item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-            partial_restore=True))
+        args = ocp.args.Composite(state=_restore_args({"params": abstract_params}, partial=True))
         found = self._restore_newest(args, move_aside=False)
         return None if found is None else (found[0], found[1]["state"]["params"])
 
@@ -155,10 +192,17 @@ class Checkpoints:
 
     def __exit__(self, kind, error, traceback) -> None:
         # Closed on every way out: a manager left open races interpreter shutdown
-        # (its background cleanup thread then prints "cannot schedule new futures").
+        # (a save thread still running then prints "cannot schedule new futures").
         # Not on KeyboardInterrupt: a second Ctrl-C leaves at once, save or no save.
         if kind is None or not issubclass(kind, KeyboardInterrupt):
             self.close()
+
+
+def _restore_args(target, *, partial: bool = False) -> ocp.args.PyTreeRestore:
+    """Restores ``target``'s leaves (abstract arrays) onto their shardings, memory kinds
+    included; ``partial``: only the subtrees ``target`` has."""
+    return ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                                  partial_restore=partial)
 
 
 @contextlib.contextmanager

@@ -279,7 +279,9 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
         print(json.dumps(profile, separators=(",", ":")))
         return []
 
-    with Checkpoints(run_dir, keep=cfg.checkpoint.keep) as checkpoints:  # closed on every way out
+    host_state = offload_plan is not None and offload_plan.options.state_on_host
+    with Checkpoints(run_dir, keep=cfg.checkpoint.keep,  # closed on every way out
+                     replica_parallel=not host_state) as checkpoints:
         _check_same_model(checkpoints, cfg)
         restored = checkpoints.restore_latest(step_fn.abstract_state(abstract_model))
         start = 0 if restored is None else restored[0]
