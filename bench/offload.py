@@ -377,35 +377,32 @@ def timeline(plan, layer_params: int, other_params: int) -> list[tuple[str, dict
     ``0..L-1``, backward ``L-1..0``, then the update. Each part of ``plan.device`` is
     at its full size where the plan counts it, so the maximum over the step is at most
     ``plan.device_bytes``: state, temporaries, batch and outputs all the step; the
-    prefetch window while a host layer is computed or fetched ahead; gradients from
-    the backward on (the head's and embedding's, resident layers' as the backward
-    passes them, the chunk in flight while in host layers); saved activations grow
-    over the forward and shrink over the backward; the optimizer state streamed
-    through the device at the update."""
+    fetched chunks (the layer window, the embedding and head) over the forward and
+    backward; gradients from the backward on (the head's and embedding's, resident
+    layers' as the backward passes them, the chunks in flight while in host layers);
+    saved activations grow over the forward and shrink over the backward; host state
+    brought in for a device-side update at the update."""
     d = dict(plan.device)
-    L, r, ahead = plan.layers, plan.resident_layers, plan.prefetch
-    host = L - r
-    timed = ("prefetch", "gradients", "activations", "optimizer_in_flight")
+    L, r = plan.layers, plan.resident_layers
+    timed = ("fetched", "gradients", "activations", "update")
     always = {k: v for k, v in d.items() if k not in timed}  # and any part not modelled here
-    prefetch, saved = d.get("prefetch", 0), d.get("activations", 0)
+    fetched, saved = d.get("fetched", 0), d.get("activations", 0)
     resident_grads = min(d.get("params", 0), d.get("gradients", 0))  # the device-resident params'
     in_flight = d.get("gradients", 0) - resident_grads  # the host layers' chunks in flight
     moments = []
     for i in range(L):
-        moments.append((f"F{i}", {**always, "prefetch": prefetch if host and i + ahead >= r else 0,
-                                  "activations": saved * (i + 1) // L}))
+        moments.append((f"F{i}", {**always, "fetched": fetched, "activations": saved * (i + 1) // L}))
     for i in reversed(range(L)):
         done = other_params + (r - min(i, r)) * layer_params  # head, embedding, resident layers passed
-        moments.append((f"B{i}", {**always, "prefetch": prefetch if i >= r else 0,
+        moments.append((f"B{i}", {**always, "fetched": fetched,
                                   "gradients": min(done, resident_grads) + (in_flight if i >= r else 0),
                                   "activations": saved * i // L}))
-    moments.append(("update", {**always, "gradients": resident_grads,
-                               "optimizer_in_flight": d.get("optimizer_in_flight", 0)}))
+    moments.append(("update", {**always, "gradients": resident_grads, "update": d.get("update", 0)}))
     return moments
 
 
-PART_COLORS = {"params": "#1f77b4", "optimizer": "#aec7e8", "gradients": "#ff7f0e", "prefetch": "#2ca02c",
-               "optimizer_in_flight": "#98df8a", "temporaries": "#9467bd", "activations": "#c5b0d5",
+PART_COLORS = {"params": "#1f77b4", "optimizer": "#aec7e8", "gradients": "#ff7f0e", "fetched": "#2ca02c",
+               "update": "#98df8a", "temporaries": "#9467bd", "activations": "#c5b0d5",
                "inputs_outputs": "#8c564b"}
 
 

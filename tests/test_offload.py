@@ -137,36 +137,58 @@ def test_host_optimizer_with_global_norm_clipping_matches_all_on_device():
           train(OffloadOptions(), steps=3, tx=tx))
 
 
-def test_step_lowers_for_cuda_with_host_arguments_and_transfers():
-    """params=host (1 of 3 layers resident), optimizer=host on data=2 x fsdp=4: every
-    host-resident argument is ``pinned_host`` in the CUDA program, the layer scan fetches
-    to the device inside its loop, and the optimizer update is host computation."""
+HOST_COMPUTE = '_xla_compute_type = "host"'
+
+
+def lowered_for_cuda(grad_accum=1):
+    """params=host (1 of 3 layers resident), optimizer=host on data=2 x fsdp=4, lowered
+    for CUDA: ``(text, stored state, loops)``, ``loops`` what each scan's loop body does
+    (up to its first return), the functions it calls included."""
     model = nnx.eval_shape(lambda: Transformer(CFG, rngs=nnx.Rngs(0)))
     mesh = jaxpar.make_mesh(data=2, fsdp=4)
     options = OffloadOptions(params="host", optimizer="host", resident_layers=1)
-    step = make_train_step(model, optax.adamw(1e-2), mesh, sharding_rules(CFG, mesh), offload=options)
+    step = make_train_step(model, optax.adamw(1e-2), mesh, sharding_rules(CFG, mesh), offload=options,
+                           grad_accum=grad_accum)
     state = step.abstract_state(model, stored=True)
     token = jax.ShapeDtypeStruct((8, 16), jnp.int32, sharding=step.batch_sharding)
     with step.context():
         traced = step.step.trace(state["params"], state["opt_state"], dict.fromkeys(BATCH_KEYS, token))
         text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    functions = {m[0]: m[1] for m in re.findall(r"func\.func (?:public |private )?@([\w.]+)(.*?)\n  \}", text, re.S)}
+    loops = []
+    for loop in text.split("stablehlo.while")[1:]:
+        body = loop.split("do {", 1)[1].split("stablehlo.return")[0]
+        loops.append(body + "".join(functions.get(name, "") for name in re.findall(r"call @([\w.]+)", body)))
+    return text, state, loops
+
+
+def test_step_lowers_for_cuda_with_host_arguments_and_transfers():
+    """Every host-resident argument is ``pinned_host`` in the CUDA program, the layer
+    scan fetches to the device inside its loop, and the optimizer update is host
+    computation."""
+    text, state, loops = lowered_for_cuda()
     main = next(line for line in text.splitlines() if "func.func public @main" in line)
     args = re.findall(r"%arg\d+: tensor<[^>]*> \{([^}]*)\}", main)
     host_args = [a for a in args if 'mhlo.memory_kind = "pinned_host"' in a]
     stored = jax.tree.leaves((state["params"], state["opt_state"]))
     on_host = [x for x in stored if x.sharding.memory_kind == "pinned_host"]
     assert len(host_args) == len(on_host) > 0
-    functions = {m[0]: m[1] for m in re.findall(r"func\.func (?:public |private )?@([\w.]+)(.*?)\n  \}", text, re.S)}
     to_device, to_host = '_xla_buffer_placement = "device"', '_xla_buffer_placement = "pinned_host"'
-    loops = []  # what each scan's loop body does, the functions it calls included
-    for loop in text.split("stablehlo.while")[1:]:
-        body = loop.split("do {", 1)[1].split("stablehlo.return")[0]
-        loops.append(body + "".join(functions.get(name, "") for name in re.findall(r"call @([\w.]+)", body)))
     assert len(loops) == 4  # resident layers and offloaded layers, forward and backward
     fetching = [body for body in loops if to_device in body]
     assert len(fetching) == 2  # the offloaded layers' forward and backward fetch in their loops
     assert sum(to_host in body for body in fetching) == 1  # the backward sends each gradient home
-    assert '_xla_compute_type = "host"' in text  # the optimizer update runs on the host
+    assert not any(HOST_COMPUTE in body for body in loops)
+    assert HOST_COMPUTE in text  # the optimizer update runs on the host
+
+
+def test_accumulating_step_sums_host_gradients_on_the_host_for_cuda():
+    """With two microbatches the step gains one loop, over the microbatches, and the
+    sums of the host-resident parameters' gradients in it are host computation: the
+    accumulated gradient of a host layer never lives on the device."""
+    _, _, loops = lowered_for_cuda(grad_accum=2)
+    assert len(loops) == 5
+    assert HOST_COMPUTE in loops[0] and not any(HOST_COMPUTE in body for body in loops[1:])
 
 
 def test_resident_layers_above_the_layer_count_is_an_error():

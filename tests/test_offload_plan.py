@@ -143,16 +143,22 @@ def test_optimizer_on_host_moves_every_gradient_and_the_device_params():
     assert p.host_to_device == PARAMS and p.device_to_host == 2 * PARAMS
 
 
-def test_grad_accum_sums_every_gradient_on_the_device():
-    """params=host, optimizer=host, 2 microbatches: the accumulator (all gradients) and
-    a microbatch's host gradients back for the sum on the device; each microbatch moves
-    what one step without accumulation moves, and all gradients go to the host update."""
+def test_grad_accum_sums_host_gradients_on_the_host():
+    """params=host, optimizer=host, 2 microbatches: the host layers' gradients are summed
+    on the host, so the device holds the resident layer's accumulator and a microbatch's
+    gradient of it beside the chunks in flight, and the temporaries lose the two whole
+    gradients the all-on-device step holds; each microbatch moves what one step without
+    accumulation moves, and only the resident layer's gradient goes to the host update."""
     state, mesh = _state()
-    p = plan(state, mesh, _profile(), None, params="host", resident_layers=1, optimizer="host", grad_accum=2)
-    host = 3 * 1024 + 1024
-    assert p.device["gradients"] == PARAMS + host and p.device["update"] == 0
-    assert p.host_to_device == 2 * (2 * (3 + 1) * 1024 + 3 * 1024 + host) + 1024
-    assert p.device_to_host == 2 * (3 * 1024 + 2 * 1024) + PARAMS + 1024
+    profile = _profile()
+    profile["temp_bytes"] += PARAMS  # the all-on-device step's second whole gradient
+    p = plan(state, mesh, profile, None, params="host", resident_layers=1, optimizer="host", grad_accum=2)
+    assert p.device["gradients"] == 2 * 1024 + 2 * 1024 and p.device["update"] == 0
+    assert p.device["temporaries"] == 10_000
+    assert p.host_to_device == 2 * (2 * (3 + 1) * 1024 + 3 * 1024) + 1024
+    assert p.device_to_host == 2 * (3 * 1024 + 2 * 1024) + 2 * 1024
+    everything = plan(state, mesh, profile, None, grad_accum=2)
+    assert everything.device["gradients"] == PARAMS and everything.device["temporaries"] == PARAMS + 10_000
     with pytest.raises(ValueError, match=r"optimizer.grad_accum=0 must be an int >= 1"):
         plan(state, mesh, _profile(), None, grad_accum=0)
 
@@ -279,11 +285,15 @@ def test_plan_data_is_json_and_describe_is_readable():
 
 def _transfers(jaxpr, times=1):
     """``(host_to_device, device_to_host)`` bytes of a traced step's ``device_put``s, each
-    counted as often as it runs (a scan body ``length`` times)."""
+    counted as often as it runs (a scan body ``length`` times). Those inside host
+    computation (``compute_on``) are not counted: there every array is made in host
+    memory, and a ``device_put`` to the host only retypes one (``creating_on_host``)."""
     from jaxpar.offload.fetch import DEVICE, HOST
 
     h2d = d2h = 0
     for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "compute_on":
+            continue
         if eqn.primitive.name == "device_put":
             for var, dst in zip(eqn.invars, eqn.params["devices"]):
                 nbytes = var.aval.size * var.aval.dtype.itemsize * times
@@ -311,11 +321,12 @@ def test_plan_is_what_the_step_places_and_moves(tied):
     mesh = jaxpar.make_mesh(data=8)
     rules, tx = sharding_rules(cfg, mesh), optax.adamw(1e-2)
     abstract = make_train_step(model, tx, mesh, rules).abstract_state(model)
-    for resident, optimizer, prefetch in [(0, "device", 1), (1, "host", 2), (3, "host", 1), (2, "device", 3),
-                                          (None, "host", 1)]:
+    for resident, optimizer, prefetch, k in [(0, "device", 1, 1), (1, "host", 2, 1), (3, "host", 1, 1),
+                                             (2, "device", 3, 1), (None, "host", 1, 1), (1, "host", 1, 2),
+                                             (0, "device", 2, 4)]:
         where = dict(params="device") if resident is None else dict(params="host", resident_layers=resident)
-        p = plan(abstract, mesh, {}, None, optimizer=optimizer, prefetch=prefetch, **where)
-        step = make_train_step(model, tx, mesh, rules, offload=p.options)
+        p = plan(abstract, mesh, {}, None, optimizer=optimizer, prefetch=prefetch, grad_accum=k, **where)
+        step = make_train_step(model, tx, mesh, rules, offload=p.options, grad_accum=k)
         stored = step.abstract_state(model, stored=True)
         placed = {"device": 0, "pinned_host": 0}
         for x in jax.tree.leaves(stored):
@@ -324,9 +335,35 @@ def test_plan_is_what_the_step_places_and_moves(tied):
         token = jax.ShapeDtypeStruct((8, 16), jnp.int32, sharding=step.batch_sharding)
         with step.context():
             traced = step.step.trace(stored["params"], stored["opt_state"], dict.fromkeys(BATCH_KEYS, token))
-        # the host update's gradient norm (a float32 scalar) comes back to the device too
+        # the host update's gradient norm (a float32 scalar) comes back to the device too,
+        # and each microbatch's share of the batch goes to the host for its sums there
         norm = 4 if optimizer == "host" else 0
-        assert _transfers(traced.jaxpr.jaxpr) == (p.host_to_device + norm, p.device_to_host), p.summary()
+        shares = 4 * k if k > 1 and resident is not None and resident < 3 else 0
+        assert _transfers(traced.jaxpr.jaxpr) == (p.host_to_device + norm, p.device_to_host + shares), p.summary()
+
+
+
+def test_an_accumulating_all_on_device_step_holds_two_whole_gradients():
+    """What the planner takes out of an accumulating step's temporaries when the host
+    layers' gradients are summed on the host: the all-on-device compile with 2
+    microbatches holds the accumulator and a microbatch's gradient at once (the sum
+    reads both): two whole gradients, most of one more than without accumulation."""
+    from jaxpar.models import ModelConfig, Transformer
+    from jaxpar.profiler import profile
+    from jaxpar.train.step import BATCH_KEYS, make_train_step
+
+    cfg = ModelConfig(vocab_size=256, dim=128, layers=2, heads=2, kv_heads=2, head_dim=64, mlp_dim=512)
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    params = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model)))
+    temp = {}
+    for k in (1, 2):
+        step = make_train_step(model, optax.adamw(1e-2), grad_accum=k)
+        state = step.abstract_state(model, stored=True)
+        token = jax.ShapeDtypeStruct((2, 8), jnp.int32)
+        compiled = step.step.trace(state["params"], state["opt_state"], dict.fromkeys(BATCH_KEYS, token)).lower().compile()
+        temp[k] = profile(compiled)["temp_bytes"]
+    assert temp[1] >= params and temp[2] >= 2 * params
+    assert temp[2] - temp[1] > 0.75 * params  # the second: most of a gradient more
 
 
 # ----------------------------------------------------------------- the 1b model, fsdp=8

@@ -370,12 +370,11 @@ def make_train_step(
         def body(carry, xs):
             micro, share = xs
             value, grads = loss_and_grads(params, micro, *frozen)
-            if offloading:  # the sum is kept on the device: a jnp op cannot take host operands
-                grads = jax.tree.map(to_device, grads)
-            return jax.tree.map(lambda acc, x: acc + share * x, carry, (value, grads)), None
+            # each sum where its gradient lives: a host-resident parameter's on the host
+            return offload_state.accumulate(carry, (value, grads), share), None
 
-        zeros = (jnp.zeros((), jnp.float32),
-                 jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype) if offloading else jnp.zeros_like(x), params))
+        zeros = (jnp.zeros((), jnp.float32), offload_state.zeros_like(params) if offloading
+                 else jax.tree.map(jnp.zeros_like, params))
         total, _ = jax.lax.scan(body, zeros, (micro, shares))
         return total
 

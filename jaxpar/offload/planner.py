@@ -42,14 +42,14 @@ What the step does, per step, with ``H = L - R`` host layers of ``p`` bytes each
   reverse (``H + f`` fetches again), recomputing each host layer's forward from its
   saved input (one more forward per host layer) and sending its gradient to the host
   at once, then the resident layers; each non-layer parameter's gradient goes to the
-  host where it is made. With ``k > 1`` each microbatch's host gradients come back to
-  the device, where the accumulated gradient (all of it) is summed.
+  host where it is made. With ``k > 1`` each microbatch's host gradients are summed on
+  the host (``jaxpar.offload.state.accumulate``: the accumulator of a host layer lives
+  there), the device-resident ones on the device.
 * ``optimizer=device``: ``state.update`` moves every host parameter and gradient to
   the device (``P_h + G_h``), updates there and sends the new host parameters back.
-* ``optimizer=host``: every gradient still on the device (``G_d``: the resident
-  layers', or all with ``params=device`` or ``k > 1``) and every device parameter
-  (``P_d``) go to the host, the update runs there (``compute_on``), the new device
-  parameters come back; the moments never move.
+* ``optimizer=host``: every gradient still on the device (``G_d``: the device-resident
+  parameters') and every device parameter (``P_d``) go to the host, the update runs
+  there (``compute_on``), the new device parameters come back; the moments never move.
 
 Device bytes promised (``Plan.device``, each per device; summed, though the update's
 moves and the layers' fetches are not live at once: conservative)::
@@ -58,14 +58,17 @@ moves and the layers' fetches are not live at once: conservative)::
     optimizer       all optimizer state with optimizer=device, else 0        (exact)
     fetched         params=host: the layer window and the larger of the two
                     other chunks, f p + max(p [H > 0], C_in, C_out)           (exact)
-    gradients       params=device: G. params=host, k = 1: R p + the two largest
-                    host chunks' gradients (the one made, the one draining).
-                    k > 1: G (the accumulator) + max(that pair, G_h) (a
-                    microbatch's host gradients back for the sum)
-    update          params=host, optimizer=device: P_h (+ G_h when k = 1: with k > 1
-                    they are on the device already), host state brought in   (exact)
+    gradients       params=device: G. params=host: R p + the two largest host
+                    chunks' gradients (the one made, the one draining); k > 1:
+                    + R p (the resident layers' accumulator beside a microbatch's)
+    update          params=host, optimizer=device: P_h + G_h, host state brought
+                    in                                                       (exact)
     temporaries     profile temp_bytes - whole gradient - saved activations: the
-                    step's working buffers, taken from the all-on-device compile
+                    step's working buffers, taken from the all-on-device compile;
+                    with params=host and k > 1, less two whole gradients: that
+                    step holds the accumulator and a microbatch's gradient at once
+                    (the sum reads both; ``tests/test_offload_plan.py`` checks its
+                    compile holds them), the offloaded step the ``gradients`` above
     activations     saved residuals kept on the device + (prefetch + 1) layers' worth
                     of the offloaded ones in flight; an offloaded ``layer_input``
                     frees only the resident layers' share (a host layer's input is
@@ -89,8 +92,8 @@ Transfer bytes per step (per device; ``F_E`` the non-layer fetches: ``C_in`` onc
 ``C_out`` twice; ``S_E`` their gradients, one per use; ``A`` offloaded activations
 per microbatch)::
 
-    host -> device   k (2 (H + f) p + F_E + A) + k > 1: k G_h (back for the sum)
-                     + optimizer=device: P_h (+ G_h when k = 1)
+    host -> device   k (2 (H + f) p + F_E + A)
+                     + optimizer=device: P_h + G_h
                      + optimizer=host: P_d
     device -> host   k (H p + S_E + A)
                      + optimizer=device: P_h
@@ -102,10 +105,11 @@ Step time (the prediction that ranks plans; seconds)::
     resident layer: max(c / 3, k a / bw) + max(2 c / 3, k a / bw)
     host layer:     max(c / 3, k p / bw, k a / bw) + max(c, k (p + a) / bw)
                     (c: the backward's 2 c / 3 and the recomputed forward)
-    + k (2 f p + F_E + [k > 1] G_h) / bw, k S_E / bw   the window fills and the other
+    + k (2 f p + F_E) / bw, k S_E / bw                 the window fills and the other
                                                        chunks, not overlapped (max of both ways)
     + max(update h2d, update d2h) / bw                 the update's moves, not overlapped
     + optimizer=host: (3 params + 2 optimizer bytes) / host_update_bandwidth
+    + params=host, k > 1: 3 k G_h / host_update_bandwidth   the host gradients' sums
 
 ``a`` is one layer's share of ``A``, ``bw`` is ``host_bandwidth`` per direction (PCIe is
 full duplex); the backward is taken as twice the forward's compute. ``compute_s``
@@ -538,11 +542,13 @@ def _cost(state: StateBytes, profile: Mapping, budget: int | None, place: str, r
     inputs = max(int(profile.get("argument_bytes") or 0) - state.total, 0)
     outputs = int(profile.get("output_bytes") or 0) - int(profile.get("alias_bytes") or 0)
 
+    whole_gradients = 1  # in the profile's temp_bytes
     if host_params:
         fetched = f * p + max(p if H else 0, state.chunk_in, state.chunk_out)
         in_flight = sum(sorted([state.chunk_in, state.chunk_out] + [p] * min(H, 2))[-2:])
-        gradients = resident * p + in_flight if k == 1 else state.params + max(in_flight, params_host)
-        update = params_host * (2 if k == 1 else 1) if opt_on_device else 0
+        gradients = resident * p * (1 if k == 1 else 2) + in_flight
+        update = 2 * params_host if opt_on_device else 0
+        whole_gradients = 1 if k == 1 else 2
     else:
         fetched, update, gradients = 0, 0, state.params
     device = {
@@ -551,22 +557,21 @@ def _cost(state: StateBytes, profile: Mapping, budget: int | None, place: str, r
         "fetched": fetched,
         "gradients": gradients,
         "update": update,
-        "temporaries": max(temp - state.params - saved_total, 0),
+        "temporaries": max(temp - whole_gradients * state.params - saved_total, 0),
         "activations": math.ceil(saved_total - freed + min(prefetch + 1, max(L, 1)) * per_layer_act),
         "inputs_outputs": inputs + max(outputs, 0),
     }
     host = {"params": params_host, "optimizer": 0 if opt_on_device else state.optimizer,
             "activations": offloaded}
 
-    # Per microbatch outside the layer loops: window fills, the other chunks, gradients back for the sum.
-    fills_h2d = (2 * f * p + state.other_fetched + (params_host if k > 1 else 0)) if host_params else 0
+    # Per microbatch outside the layer loops: window fills and the other chunks.
+    fills_h2d = (2 * f * p + state.other_fetched) if host_params else 0
     fills_d2h = state.other_sent if host_params else 0
     if opt_on_device:
-        update_h2d = params_host * (2 if k == 1 and host_params else 1)
+        update_h2d = params_host * (2 if host_params else 1)
         update_d2h = params_host
-    else:
-        grads_device = params_device if k == 1 else state.params  # accumulated on the device
-        update_h2d, update_d2h = params_device, grads_device + params_device
+    else:  # the device parameters' gradients and the parameters out, the parameters back
+        update_h2d, update_d2h = params_device, 2 * params_device
     h2d = k * (2 * H * p + fills_h2d + offloaded) + update_h2d
     d2h = k * (H * p + fills_d2h + offloaded) + update_d2h
 
@@ -580,6 +585,8 @@ def _cost(state: StateBytes, profile: Mapping, budget: int | None, place: str, r
     step += k * max(fills_h2d, fills_d2h) / bw + max(update_h2d, update_d2h) / bw
     if not opt_on_device:
         step += (3 * state.params + 2 * state.optimizer) / rates["host_update_bandwidth"]
+    if host_params and k > 1:
+        step += 3 * k * params_host / rates["host_update_bandwidth"]
 
     options = OffloadOptions(params=place, resident_layers=resident if host_params else None,
                              optimizer=optimizer, activations=activations, prefetch=prefetch)

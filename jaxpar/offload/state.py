@@ -122,6 +122,32 @@ def run_on_host(fn):
     return compute_on2(fn, compute_type="device_host", out_memory_spaces=HOST)
 
 
+def accumulate(total, part, share):
+    """``total + share * part``, leaf by leaf, each sum made where its leaves live: the
+    gradient of a host-resident parameter arrives in host memory (``jaxpar.offload.fetch``)
+    and is added there, so gradient accumulation never holds the host layers' gradients
+    on the device (the accumulator of a host layer lives on the host, as its moments do)."""
+    on_the_host = to_host(share) if any(map(on_host, jax.tree.leaves(part))) else None  # once: 4 bytes
+
+    def add(acc, x):
+        if on_host(x):
+            return run_on_host(lambda acc, x, share: acc + share * x)(acc, x, on_the_host)
+        return acc + share * x
+
+    return jax.tree.map(add, total, part)
+
+
+def zeros_like(tree):
+    """Zeros shaped as ``tree``'s leaves (arrays or tracers), each in its leaf's memory:
+    a host leaf's made on the host, never passing through the device."""
+    def zeros(x):
+        if on_host(x):
+            return run_on_host(creating_on_host(jnp.zeros_like))(x)
+        return jnp.zeros(x.shape, x.dtype)
+
+    return jax.tree.map(zeros, tree)
+
+
 def update(tx: optax.GradientTransformation, options: OffloadOptions, grads, opt_state, params):
     """One optimizer update of the stored state: ``(new_params, new_opt_state, grad_norm)``,
     each leaf in the memory its input was in. ``grads`` mirror ``params``; those of
