@@ -284,7 +284,7 @@ def capacity(args) -> dict:
                         profiles, args.config, base, devices, budget, offload, args.max_layers)
                 row = {"config": args.config, "mesh": mesh, "remat": remat if remat != "shipped" else
                        f"{cfg0.model.remat} (shipped)", "overrides": base, "budget": budget_text,
-                       "budget_bytes": budget, **found}
+                       "budget_bytes": budget, "devices": devices, **found}
                 w, o = found["without"], found["with"]
                 row["ratio"] = (o["params"] / w["params"]) if w and o else None
                 rows.append(row)
@@ -309,8 +309,9 @@ def _capacity_line(row: dict) -> str:
     summary = "-" if plan is None else (
         f"params={plan['params']} resident={plan['resident_layers']}/{plan['layers']} "
         f"optimizer={plan['optimizer']}; {format_bytes(plan['device_bytes'])}")
+    host = "-" if plan is None else format_bytes(plan["host_bytes"] * row["devices"])
     return (f"| {row['mesh']} | {row['remat']} | {row['budget']} | {_model_text(row['without'], dim)} | "
-            f"{_model_text(row['with'], dim)} | {ratio} | {summary} |")
+            f"{_model_text(row['with'], dim)} | {ratio} | {summary} | {host} |")
 
 
 # ---------------------------------------------------------------- overhead (CPU, timed)
@@ -529,8 +530,8 @@ def main(argv=None) -> None:
         args.modes = ["none", *args.modes]
     if args.command == "capacity":
         print("| mesh | remat | budget / device | largest without offload | largest with offload | "
-              "params ratio | plan chosen; its device bytes |")
-        print("|---|---|---|---|---|---|---|")
+              "params ratio | plan chosen; its device bytes | its host memory, all devices |")
+        print("|---|---|---|---|---|---|---|---|")
     elif args.command == "overhead":
         print("| model | mode | step ms (median) | vs none |")
         print("|---|---|---|---|")

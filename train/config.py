@@ -261,6 +261,9 @@ class Config:
         if offload.resident_layers is not None and offload.resident_layers > self.model.layers:
             raise ValueError(f"offload.resident_layers={offload.resident_layers} is above "
                              f"model.layers={self.model.layers}")
+        if offload.requested and self.task == "glide":
+            raise ValueError(f"{offload.requested[0]} with task=glide is not supported yet: the draft's "
+                             "model (one layer beside its frozen target) does not fetch host-resident layers")
         for axis, why in UNSUPPORTED_AXES.items():
             size = getattr(self.mesh, axis)
             if offload.requested and size > 1:

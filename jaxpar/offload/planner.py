@@ -316,8 +316,10 @@ class Plan:
     budget: the device budget it was chosen under (None: unlimited).
     device: bytes on the device at the step's peak, by part (module docstring);
       ``device_bytes`` their sum, the figure promised to stay within ``budget``.
-    host: bytes in host memory: ``params``, ``optimizer``, ``activations`` (offloaded
-      residuals, between the forward and the backward).
+    host: bytes in host memory at the step's peak: ``params``, ``optimizer``,
+      ``gradients`` (the host layers' gradients, and with ``optimizer=host`` the device
+      parameters' sent for the update), ``activations`` (offloaded residuals, between
+      the forward and the backward).
     host_to_device / device_to_host: bytes moved per step, each direction.
     compute_s / step_s: predicted compute time and step time (module docstring).
     assumptions: the rates the prediction used.
@@ -562,6 +564,7 @@ def _cost(state: StateBytes, profile: Mapping, budget: int | None, place: str, r
         "inputs_outputs": inputs + max(outputs, 0),
     }
     host = {"params": params_host, "optimizer": 0 if opt_on_device else state.optimizer,
+            "gradients": (params_host if host_params else 0) + (0 if opt_on_device else params_device),
             "activations": offloaded}
 
     # Per microbatch outside the layer loops: window fills and the other chunks.
