@@ -29,3 +29,13 @@ def test_import_layers(tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "1 kept, 0 broken" in result.stdout, result.stdout
+
+
+def test_every_package_is_listed_for_installation(tmp_path):
+    """pyproject's ``packages`` names every package of the installed layout: one left out
+    imports in an editable install (the tests') and is missing from a wheel."""
+    installed_layout(tmp_path / "src")
+    found = {".".join(p.parent.relative_to(tmp_path / "src").parts)
+             for p in (tmp_path / "src").rglob("__init__.py")}
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    assert found == listed
