@@ -144,7 +144,9 @@ class Attention(nnx.Module):
         ``[B]`` the slots each sequence has filled), sequence ``b``'s new keys/values are
         written at slots ``lengths[b] + 0..T-1`` and its queries attend over the cache
         (causally, or by ``tree_mask [B, T, T]`` among the new tokens). Returns
-        ``(y, (k, v))`` then.
+        ``(y, (k, v))`` then. A ``cache`` with an ``attend(q, k, v) -> (out, new_cache)``
+        method (``jaxpar.serving``'s paged caches) stores the new keys/values and
+        attends itself; ``(y, new_cache)`` is returned.
         """
         cfg, dtype = self.cfg, self.cfg.compute_dtype
 
@@ -163,12 +165,15 @@ class Attention(nnx.Module):
             inv_freq = rope_frequencies(cfg)
             q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         q, k, v = checkpoint_name(q, "query"), checkpoint_name(k, "key"), checkpoint_name(v, "value")
-        q_start = None
-        if cache is not None:
-            cache_k, cache_v, q_start = cache
-            k, v = write_cache(cache_k, k, q_start), write_cache(cache_v, v, q_start)
-        out = dot_product_attention(q, k, v, causal=True, segment_ids=segment_ids, q_start=q_start,
-                                    tree_mask=tree_mask)
+        if hasattr(cache, "attend"):
+            out, (k, v) = cache.attend(q, k, v)
+        else:
+            q_start = None
+            if cache is not None:
+                cache_k, cache_v, q_start = cache
+                k, v = write_cache(cache_k, k, q_start), write_cache(cache_v, v, q_start)
+            out = dot_product_attention(q, k, v, causal=True, segment_ids=segment_ids, q_start=q_start,
+                                        tree_mask=tree_mask)
         out = checkpoint_name(constrain(out, ACT_BTNH), "attention")
         N, H, D = self.o.shape
         y = dense(out.reshape(*out.shape[:-2], N * H), self.o[...].astype(dtype).reshape(N * H, D),

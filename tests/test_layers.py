@@ -1,5 +1,5 @@
 """The package's layers hold: import-linter's contracts in pyproject.toml (kernels <-
-placement/profiler <- parallel <- ops <- models <- inference <- train) checked over the
+placement/profiler <- parallel <- ops <- models <- inference <- serving <- train) checked over the
 source laid out as it installs."""
 
 import pathlib

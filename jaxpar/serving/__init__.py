@@ -1,0 +1,12 @@
+"""Serving (issue 19): an engine with a paged KV cache and continuous batching.
+
+``Engine(model, ...)`` owns the model, the pages and the scheduler (``engine.py``);
+``Engine.generate(prompts, SamplingParams(...))`` runs an offline batch, ``add_request``
+/ ``step`` / ``abort`` drive it one iteration at a time. ``pages.py`` holds the paged
+cache and the views the model's attention reads it through, ``programs.py`` the
+compiled decode and prefill programs.
+"""
+
+from jaxpar.serving.engine import Engine, RequestOutput, SamplingParams
+
+__all__ = ["Engine", "RequestOutput", "SamplingParams"]

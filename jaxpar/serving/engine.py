@@ -1,0 +1,331 @@
+"""The serving engine: a model, a paged KV cache and an iteration-level scheduler (Orca's
+continuous batching, vLLM's ``LLM.generate`` shape).
+
+Each ``Engine.step``:
+
+1. **admits** waiting requests, in arrival order, while a batch slot is free and the
+   page pool holds the pages of the request's prompt plus its ``max_tokens``. Pages are
+   reserved whole at admission, so a running sequence never runs out of pages and
+   nothing is preempted (vLLM allocates page by page and preempts under pressure: more
+   requests in flight when outputs end early, at the cost of recomputation).
+2. **prefills** up to ``prefill_chunk`` prompt tokens, packed into one row without
+   padding between prompts (EnergonAI's padding removal): sequences in admission order,
+   each taking what is left of the row; a longer prompt continues in the next steps'
+   rows, so a long prompt never stalls the others' decoding. A sequence whose prompt is
+   done samples its first token here.
+3. **decodes** one token for every sequence that has one to extend, in one program over
+   every batch slot; finished sequences leave at once and their pages go back.
+
+A sequence ends at one of its ``eos_ids``, after ``max_tokens`` tokens, or (with a
+tokenizer) when its text contains one of its ``stop`` strings, the text then cut before
+it.
+
+Compiled programs: one decode program and one prefill program per row bucket (powers of
+two from 16 up to ``prefill_chunk``); ``Engine.compiled_programs`` lists the shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections import deque
+from collections.abc import Sequence
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxpar.serving import programs
+from jaxpar.serving.pages import NULL_PAGE, PagePool, init_pages, page_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples: greedy at ``temperature == 0``, else from the nucleus
+    ``top_p``; its tokens depend on ``seed`` alone (not on the batch it runs in)."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+
+    def check(self) -> None:
+        """ValueError, one line naming the bad value."""
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens={self.max_tokens!r} must be an int >= 1")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature={self.temperature!r} must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """A request's tokens so far. ``finish_reason``: None while running, ``"stop"`` (an
+    end token or stop string), ``"length"`` (``max_tokens``) or ``"abort"``. ``text``
+    (with a tokenizer) is cut before a stop string; ``token_ids`` are all generated."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    text: str | None = None
+    finish_reason: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass
+class _Sequence:
+    output: RequestOutput
+    params: SamplingParams
+    slot: int = -1
+    pages: list[int] = dataclasses.field(default_factory=list)
+    prefilled: int = 0  # prompt tokens in the cache
+    admitted: int = 0  # admission order: prompts prefill first come, first served
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.output.prompt_token_ids
+
+    @property
+    def cached(self) -> int:
+        """Tokens in the cache once the last generated one is written: the position the
+        next decode writes at."""
+        return len(self.prompt) + len(self.output.token_ids) - 1
+
+
+class Engine:
+    """Serves ``model`` (a ``jaxpar.models.Transformer``) from a paged KV cache.
+
+    Args:
+      tokenizer: a ``tokenizers.Tokenizer``, for string prompts, ``text`` and ``stop``.
+      eos_ids: tokens that end a sequence.
+      max_batch: batch slots, the sequences decoded together.
+      max_context: the longest prompt + ``max_tokens`` a request may ask for (default
+        the model's ``max_position``).
+      page_size: tokens per page.
+      kv_pages: pages in the pool (the null page included); default enough for
+        ``max_batch`` sequences of ``max_context`` tokens, or what ``kv_memory`` bytes
+        hold.
+      prefill_chunk: most prompt tokens prefilled per step.
+    """
+
+    def __init__(self, model, *, tokenizer=None, eos_ids: Sequence[int] = (), max_batch: int = 8,
+                 max_context: int | None = None, page_size: int = 16, kv_pages: int | None = None,
+                 kv_memory: int | None = None, prefill_chunk: int = 256):
+        cfg = model.cfg
+        self.tokenizer, self.eos_ids = tokenizer, frozenset(int(i) for i in eos_ids)
+        self.max_batch, self.page_size = max_batch, page_size
+        self.max_context = max_context or cfg.max_position
+        self.max_pages = math.ceil(self.max_context / page_size)
+        per_page = page_bytes(cfg.layers, page_size, cfg.kv_heads, cfg.head_dim, cfg.compute_dtype)
+        if kv_pages is None:
+            kv_pages = kv_memory // per_page if kv_memory else max_batch * self.max_pages + 1
+        self.graphdef, self.params = nnx.split(model)
+        self.kv = init_pages(cfg.layers, kv_pages, page_size, cfg.kv_heads, cfg.head_dim, cfg.compute_dtype)
+        self.pool = PagePool(kv_pages)
+        self.buckets = tuple(sorted({min(2 ** n, prefill_chunk) for n in range(4, max(5, math.ceil(
+            math.log2(prefill_chunk)) + 1))}))
+        self.prefill_chunk = self.buckets[-1]
+        self.compiled_programs: set[tuple] = set()
+        self._waiting: deque[_Sequence] = deque()
+        self._slots: list[_Sequence | None] = [None] * max_batch
+        self._by_id: dict[str, _Sequence] = {}
+        self._ids, self._admissions = itertools.count(), itertools.count()
+
+    # -------------------------------------------------------------- requests
+
+    def add_request(self, prompt: Sequence[int] | str, params: SamplingParams = SamplingParams(),
+                    request_id: str | None = None) -> str:
+        """Queues a request; returns its id. ValueError (one line) for an empty prompt,
+        bad sampling values, or a prompt + ``max_tokens`` past ``max_context``."""
+        params.check()
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs an Engine with a tokenizer")
+            prompt = self.tokenizer.encode(prompt).ids
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if len(prompt) + params.max_tokens > self.max_context:
+            raise ValueError(f"prompt of {len(prompt)} tokens + max_tokens={params.max_tokens} is past the "
+                             f"context of {self.max_context} tokens")
+        if math.ceil((len(prompt) + params.max_tokens - 1) / self.page_size) > self.pool.total:
+            raise ValueError(f"prompt of {len(prompt)} tokens + max_tokens={params.max_tokens} needs more "
+                             f"pages than the cache has ({self.pool.total})")
+        request_id = request_id or f"req-{next(self._ids)}"
+        sequence = _Sequence(RequestOutput(request_id, prompt), params)
+        self._by_id[request_id] = sequence
+        self._waiting.append(sequence)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Ends a request now (its pages go back); a finished or unknown id is ignored."""
+        sequence = self._by_id.get(request_id)
+        if sequence is not None and not sequence.output.finished:
+            if sequence in self._waiting:
+                self._waiting.remove(sequence)
+            self._finish(sequence, "abort")
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting) or any(s is not None for s in self._slots)
+
+    @property
+    def running(self) -> int:
+        return sum(s is not None for s in self._slots)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def generate(self, prompts: Sequence[Sequence[int] | str],
+                 params: SamplingParams | Sequence[SamplingParams] = SamplingParams()) -> list[RequestOutput]:
+        """Runs ``prompts`` to completion; their outputs in the prompts' order."""
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        ids = [self.add_request(p, s) for p, s in zip(prompts, params, strict=True)]
+        while self.has_unfinished():
+            self.step()
+        return [self._by_id.pop(i).output for i in ids]
+
+    def warm_up(self) -> None:
+        """Compiles every program the engine runs (decode, prefill per bucket) on rows
+        that touch only the null page, so serving compiles nothing."""
+        G, B = self.max_batch, self.max_batch
+        empty = [None] * G
+        tables = np.full((G, self.max_pages), NULL_PAGE, np.int32)
+        for C in self.buckets:
+            zeros = np.zeros(C, np.int32)
+            self.compiled_programs.add(("prefill", C, G, self.max_pages))
+            _, self.kv = programs.prefill(self.graphdef, self.params, self.kv, zeros, zeros,
+                                          np.full(C, -1, np.int32), tables, np.zeros(G, np.int32),
+                                          self._sampling(empty))
+        zeros = np.zeros(B, np.int32)
+        self.compiled_programs.add(("decode", B, self.max_pages))
+        tokens, self.kv = programs.decode(self.graphdef, self.params, self.kv, zeros, tables, zeros,
+                                          self._sampling(empty))
+        tokens.block_until_ready()
+
+    # -------------------------------------------------------------- one step
+
+    def step(self) -> list[RequestOutput]:
+        """Admits, prefills one row, decodes one token per running sequence; returns the
+        outputs that changed (new tokens, or finished)."""
+        changed: dict[str, RequestOutput] = {}
+        self._admit()
+        for sequence in self._prefill():
+            changed[sequence.output.request_id] = sequence.output
+        for sequence in self._decode():
+            changed[sequence.output.request_id] = sequence.output
+        return list(changed.values())
+
+    def _admit(self) -> None:
+        while self._waiting and None in self._slots:
+            sequence = self._waiting[0]
+            need = math.ceil((len(sequence.prompt) + sequence.params.max_tokens - 1) / self.page_size)
+            if need > self.pool.free:
+                return  # first come, first served: nothing overtakes it
+            self._waiting.popleft()
+            sequence.pages = self.pool.take(need)
+            sequence.slot, sequence.admitted = self._slots.index(None), next(self._admissions)
+            self._slots[sequence.slot] = sequence
+
+    def _table(self, sequence: _Sequence | None) -> np.ndarray:
+        row = np.full((self.max_pages,), NULL_PAGE, np.int32)
+        if sequence is not None:
+            row[:len(sequence.pages)] = sequence.pages
+        return row
+
+    def _sampling(self, sequences: list[_Sequence | None]):
+        """``(seeds, counts, temperature, top_p)`` per row; empty rows greedy."""
+        rows = [(s.params.seed, len(s.output.token_ids), s.params.temperature, s.params.top_p)
+                if s is not None else (0, 0, 0.0, 1.0) for s in sequences]
+        seeds, counts, temperature, top_p = zip(*rows)
+        return (jnp.asarray(seeds, jnp.uint32), jnp.asarray(counts, jnp.int32),
+                jnp.asarray(temperature, jnp.float32), jnp.asarray(top_p, jnp.float32))
+
+    def _prefill(self) -> list[_Sequence]:
+        """One packed row of prompt chunks; the sequences whose prompts it completes get
+        their first token."""
+        pending = sorted((s for s in self._slots if s is not None and s.prefilled < len(s.prompt)),
+                         key=lambda s: s.admitted)
+        if not pending:
+            return []
+        G, budget = self.max_batch, self.prefill_chunk
+        chunks = []
+        for sequence in pending[:G]:
+            take = min(len(sequence.prompt) - sequence.prefilled, budget)
+            if take == 0:
+                break
+            chunks.append((sequence, take))
+            budget -= take
+        used = sum(take for _, take in chunks)
+        C = next(b for b in self.buckets if b >= used)
+        tokens, positions, index = (np.zeros(C, np.int32), np.zeros(C, np.int32), np.full(C, -1, np.int32))
+        tables, last = np.full((G, self.max_pages), NULL_PAGE, np.int32), np.zeros(G, np.int32)
+        row = [None] * G
+        at = 0
+        for g, (sequence, take) in enumerate(chunks):
+            start = sequence.prefilled
+            tokens[at:at + take] = sequence.prompt[start:start + take]
+            positions[at:at + take] = np.arange(start, start + take)
+            index[at:at + take] = g
+            tables[g], last[g], row[g] = self._table(sequence), at + take - 1, sequence
+            at += take
+        self.compiled_programs.add(("prefill", C, G, self.max_pages))
+        next_tokens, self.kv = programs.prefill(self.graphdef, self.params, self.kv, tokens, positions, index,
+                                                tables, last, self._sampling(row))
+        next_tokens = np.asarray(next_tokens)
+        done = []
+        for g, (sequence, take) in enumerate(chunks):
+            sequence.prefilled += take
+            if sequence.prefilled == len(sequence.prompt):
+                self._append(sequence, int(next_tokens[g]))
+                done.append(sequence)
+        return done
+
+    def _decode(self) -> list[_Sequence]:
+        """One token for every slot whose sequence has a generated token to extend."""
+        active = [s if s is not None and s.output.token_ids and not s.output.finished else None
+                  for s in self._slots]
+        if not any(active):
+            return []
+        B = self.max_batch
+        tokens = np.array([s.output.token_ids[-1] if s else 0 for s in active], np.int32)
+        lengths = np.array([s.cached if s else 0 for s in active], np.int32)
+        tables = np.stack([self._table(s) for s in active])
+        self.compiled_programs.add(("decode", B, self.max_pages))
+        next_tokens, self.kv = programs.decode(self.graphdef, self.params, self.kv, tokens, tables, lengths,
+                                               self._sampling(active))
+        next_tokens = np.asarray(next_tokens)
+        stepped = [s for s in active if s is not None]
+        for sequence in stepped:
+            self._append(sequence, int(next_tokens[sequence.slot]))
+        return stepped
+
+    # -------------------------------------------------------------- endings
+
+    def _append(self, sequence: _Sequence, token: int) -> None:
+        out = sequence.output
+        out.token_ids.append(token)
+        if self.tokenizer is not None:
+            out.text = self.tokenizer.decode(out.token_ids)
+            for stop in sequence.params.stop:
+                if stop and stop in out.text:
+                    out.text = out.text[:out.text.index(stop)]
+                    return self._finish(sequence, "stop")
+        if token in self.eos_ids:
+            return self._finish(sequence, "stop")
+        if len(out.token_ids) >= sequence.params.max_tokens:
+            return self._finish(sequence, "length")
+
+    def _finish(self, sequence: _Sequence, reason: str) -> None:
+        sequence.output.finish_reason = reason
+        if sequence.slot >= 0:
+            self._slots[sequence.slot] = None
+            self.pool.give_back(sequence.pages)
+            sequence.slot, sequence.pages = -1, []

@@ -1,0 +1,154 @@
+"""A paged KV cache: fixed-size pages of keys/values shared by every sequence, a page
+table per sequence, pages freed and reused (vLLM's PagedAttention layout, in JAX).
+
+Device side: ``KVPages`` holds ``k``, ``v`` ``[L, P, page_size, K, H]`` for ``P`` pages
+(keys rotated at their positions). Page 0 is the null page: rows of a page table past a
+sequence's pages, and batch slots with no sequence, point at it, so their writes land
+there and are never read as anyone's context. A sequence's token at position ``p`` lives
+in page ``table[p // page_size]`` at offset ``p % page_size``.
+
+Two views run inside a model's attention (``Attention.__call__`` calls ``attend``):
+
+* ``DecodeView``: one new token per batch slot (``q [B, 1, N, H]``), its key/value
+  written at its slot's next position, then attention over the slot's pages gathered
+  into one ``[B, pages * page_size, K, H]`` row (XLA's gather: the CPU path; on a GPU
+  ``dot_product_attention`` runs the Pallas decode kernel over the gathered row).
+* ``PrefillView``: one packed row of new tokens from up to ``G`` sequences (``q [1, C,
+  N, H]``), each token with its sequence's index in the row and its position; written
+  to their pages, then each token attends over its own sequence's pages up to its
+  position (an explicit ``[1, C, G * S]`` mask over the row's ``G`` gathered page
+  ranges): a chunk continues a prefix already in the cache, so a prompt prefills in
+  pieces. No padding between prompts; the row's tail past its tokens (to the compiled
+  bucket) writes to the null page and is masked out.
+
+Host side: ``PagePool`` hands out page ids and takes them back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxpar.ops.attention import dot_product_attention
+
+NULL_PAGE = 0
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVPages:
+    """Every layer's pages: ``k``, ``v`` ``[L, P, page_size, K, H]``."""
+
+    k: jax.Array
+    v: jax.Array
+
+    @property
+    def page_size(self) -> int:
+        return self.k.shape[2]
+
+
+def init_pages(layers: int, pages: int, page_size: int, kv_heads: int, head_dim: int, dtype) -> KVPages:
+    """``pages`` empty pages (page 0, the null page, among them)."""
+    shape = (layers, pages, page_size, kv_heads, head_dim)
+    return KVPages(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))  # two buffers: both are donated
+
+
+def page_bytes(layers: int, page_size: int, kv_heads: int, head_dim: int, dtype) -> int:
+    """Bytes of one page over every layer, keys and values."""
+    return 2 * layers * page_size * kv_heads * head_dim * jnp.dtype(dtype).itemsize
+
+
+def _write(pages: jax.Array, tables: jax.Array, positions: jax.Array, new: jax.Array) -> jax.Array:
+    """``pages [P, S_p, K, H]`` with ``new [..., K, H]`` written at ``positions [...]`` of
+    the sequences whose page tables are ``tables [..., max_pages]``."""
+    size = pages.shape[1]
+    page = jnp.take_along_axis(tables, (positions // size)[..., None], axis=-1)[..., 0]
+    return pages.at[page, positions % size].set(new.astype(pages.dtype))
+
+
+def _gather(pages: jax.Array, tables: jax.Array) -> jax.Array:
+    """``pages [P, S_p, K, H]`` read through ``tables [R, max_pages]``: ``[R,
+    max_pages * S_p, K, H]``, each row one sequence's positions in order."""
+    rows = pages[tables]  # [R, max_pages, S_p, K, H]
+    return rows.reshape(rows.shape[0], -1, *rows.shape[3:])
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeView:
+    """One layer's pages seen by ``B`` batch slots decoding one token each.
+
+    ``k``, ``v`` ``[P, page_size, K, H]``; ``tables`` int32 ``[B, max_pages]``;
+    ``lengths`` int32 ``[B]``: tokens already cached per slot, so the new token sits at
+    position ``lengths[b]``."""
+
+    k: jax.Array
+    v: jax.Array
+    tables: jax.Array
+    lengths: jax.Array
+
+    def attend(self, q, k, v):
+        """``q [B, 1, N, H]``, the new ``k``, ``v [B, 1, K, H]`` -> (``[B, 1, N, H]``,
+        the layer's updated pages ``(k, v)``)."""
+        pages_k = _write(self.k, self.tables, self.lengths, k[:, 0])
+        pages_v = _write(self.v, self.tables, self.lengths, v[:, 0])
+        keys, values = _gather(pages_k, self.tables), _gather(pages_v, self.tables)
+        out = dot_product_attention(q, keys, values, causal=True, q_start=self.lengths)
+        return out, (pages_k, pages_v)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PrefillView:
+    """One layer's pages seen by a packed row of ``C`` new tokens from up to ``G``
+    sequences.
+
+    ``tables`` int32 ``[G, max_pages]`` (the row's sequences); ``index`` int32 ``[C]``:
+    each token's sequence in ``tables`` (``-1``: padding past the row's tokens);
+    ``positions`` int32 ``[C]``: each token's position in its sequence."""
+
+    k: jax.Array
+    v: jax.Array
+    tables: jax.Array
+    index: jax.Array
+    positions: jax.Array
+
+    def attend(self, q, k, v):
+        """``q [1, C, N, H]``, the new ``k``, ``v [1, C, K, H]`` -> (``[1, C, N, H]``,
+        the layer's updated pages ``(k, v)``)."""
+        valid = self.index >= 0
+        token_tables = jnp.where(valid[:, None], self.tables[jnp.maximum(self.index, 0)], NULL_PAGE)
+        positions = jnp.where(valid, self.positions, 0)
+        pages_k = _write(self.k, token_tables, positions, k[0])
+        pages_v = _write(self.v, token_tables, positions, v[0])
+        G, S = self.tables.shape[0], self.tables.shape[1] * self.k.shape[1]
+        keys = _gather(pages_k, self.tables).reshape(1, G * S, *k.shape[2:])
+        values = _gather(pages_v, self.tables).reshape(1, G * S, *v.shape[2:])
+        owner, slot = jnp.arange(G * S) // S, jnp.arange(G * S) % S
+        mask = (owner[None, :] == self.index[:, None]) & (slot[None, :] <= positions[:, None])
+        out = dot_product_attention(q, keys, values, causal=False, mask=mask[None])
+        return out, (pages_k, pages_v)
+
+
+class PagePool:
+    """Page ids ``1 .. pages - 1`` (0 is the null page), handed out and taken back."""
+
+    def __init__(self, pages: int):
+        if pages < 2:
+            raise ValueError(f"a paged KV cache needs at least 2 pages (one is the null page), got {pages}")
+        self.total = pages - 1
+        self._free = list(range(pages - 1, 0, -1))  # pop() hands out the lowest first
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def take(self, count: int) -> list[int]:
+        if count > len(self._free):
+            raise ValueError(f"{count} pages asked for, {len(self._free)} free")
+        return [self._free.pop() for _ in range(count)]
+
+    def give_back(self, pages: list[int]) -> None:
+        self._free.extend(reversed(pages))
