@@ -11,7 +11,7 @@ from jaxpar.inference.decoding import generate
 from jaxpar.models import ModelConfig, Transformer
 from jaxpar.serving import Engine, SamplingParams
 
-CFG = ModelConfig(vocab_size=97, dim=32, layers=2, heads=4, kv_heads=2, head_dim=8, mlp_dim=64)
+CFG = ModelConfig(vocab_size=96, dim=32, layers=2, heads=4, kv_heads=2, head_dim=8, mlp_dim=64)
 
 
 @pytest.fixture(scope="module")
@@ -113,3 +113,19 @@ def test_end_tokens_abort_and_bad_requests(model):
     ]:
         with pytest.raises(ValueError, match=message):
             served.add_request(prompt, params)
+
+
+@pytest.mark.parametrize("tensor", [2, 4])
+def test_tensor_parallel_serving_gives_one_devices_tokens(model, tensor):
+    """mesh.tensor=2 splits the 4 query and 2 kv heads; tensor=4 outnumbers the kv heads,
+    which are then replicated (as training does) rather than failing: the tokens of one
+    device, the pages split by kv head (tensor=2) or replicated (tensor=4)."""
+    import jaxpar
+
+    prompts, params = requests(6, 6)
+    reference = engine(model).generate(prompts, params)
+    mesh = jaxpar.make_mesh(data=8 // tensor, tensor=tensor, axis_types="auto")
+    served = engine(model, mesh=mesh)
+    assert served.kv.k.sharding.spec[3] == ("tensor" if tensor == 2 else None)
+    outputs = served.generate(prompts, params)
+    assert [o.token_ids for o in outputs] == [r.token_ids for r in reference]

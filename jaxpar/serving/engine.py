@@ -32,10 +32,18 @@ import math
 from collections import deque
 from collections.abc import Sequence
 
+import contextlib
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxpar.models.transformer import ACT_BTKH, sharding_rules
+from jaxpar.placement import rules as rules_lib
+from jaxpar.placement.execution import Execution
+from jaxpar.placement.sharding import model_shardings
 from jaxpar.serving import programs
 from jaxpar.serving.pages import NULL_PAGE, PagePool, init_pages, page_bytes
 
@@ -112,11 +120,15 @@ class Engine:
         ``max_batch`` sequences of ``max_context`` tokens, or what ``kv_memory`` bytes
         hold.
       prefill_chunk: most prompt tokens prefilled per step.
+      mesh, rules: serve on ``mesh`` (``mesh.tensor=k`` splits the weights and the
+        pages' kv heads over ``k`` devices, ``jaxpar.models.transformer.sharding_rules``
+        as training does: kv heads replicated where ``k`` outnumbers them); ``model``'s
+        parameters are placed there (the model itself is left as it is).
     """
 
     def __init__(self, model, *, tokenizer=None, eos_ids: Sequence[int] = (), max_batch: int = 8,
                  max_context: int | None = None, page_size: int = 16, kv_pages: int | None = None,
-                 kv_memory: int | None = None, prefill_chunk: int = 256):
+                 kv_memory: int | None = None, prefill_chunk: int = 256, mesh=None, rules=None):
         cfg = model.cfg
         self.tokenizer, self.eos_ids = tokenizer, frozenset(int(i) for i in eos_ids)
         self.max_batch, self.page_size = max_batch, page_size
@@ -127,6 +139,13 @@ class Engine:
             kv_pages = kv_memory // per_page if kv_memory else max_batch * self.max_pages + 1
         self.graphdef, self.params = nnx.split(model)
         self.kv = init_pages(cfg.layers, kv_pages, page_size, cfg.kv_heads, cfg.head_dim, cfg.compute_dtype)
+        self.mesh, self.execution = mesh, Execution()
+        if mesh is not None:
+            rules = sharding_rules(cfg, mesh, rules)
+            self.execution = Execution(rules_lib.for_mesh(mesh, rules))
+            self.params = jax.device_put(self.params, model_shardings(self.params, mesh, rules))
+            heads = rules_lib.logical_to_spec(ACT_BTKH[2:3], self.execution.rules)[0]
+            self.kv = jax.device_put(self.kv, NamedSharding(mesh, PartitionSpec(None, None, None, heads, None)))
         self.pool = PagePool(kv_pages)
         self.buckets = tuple(sorted({min(2 ** n, prefill_chunk) for n in range(4, max(5, math.ceil(
             math.log2(prefill_chunk)) + 1))}))
@@ -201,14 +220,11 @@ class Engine:
         for C in self.buckets:
             zeros = np.zeros(C, np.int32)
             self.compiled_programs.add(("prefill", C, G, self.max_pages))
-            _, self.kv = programs.prefill(self.graphdef, self.params, self.kv, zeros, zeros,
-                                          np.full(C, -1, np.int32), tables, np.zeros(G, np.int32),
-                                          self._sampling(empty))
+            self._run(programs.prefill, zeros, zeros, np.full(C, -1, np.int32), tables, np.zeros(G, np.int32),
+                      self._sampling(empty))
         zeros = np.zeros(B, np.int32)
         self.compiled_programs.add(("decode", B, self.max_pages))
-        tokens, self.kv = programs.decode(self.graphdef, self.params, self.kv, zeros, tables, zeros,
-                                          self._sampling(empty))
-        tokens.block_until_ready()
+        self._run(programs.decode, zeros, tables, zeros, self._sampling(empty)).block_until_ready()
 
     # -------------------------------------------------------------- one step
 
@@ -233,6 +249,13 @@ class Engine:
             sequence.pages = self.pool.take(need)
             sequence.slot, sequence.admitted = self._slots.index(None), next(self._admissions)
             self._slots[sequence.slot] = sequence
+
+    def _run(self, program, *args):
+        """``program`` (``programs.decode`` / ``prefill``) on the engine's model and pages
+        (which it updates), on the engine's mesh; returns the sampled tokens."""
+        with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):
+            tokens, self.kv = program(self.graphdef, self.execution, self.params, self.kv, *args)
+        return tokens
 
     def _table(self, sequence: _Sequence | None) -> np.ndarray:
         row = np.full((self.max_pages,), NULL_PAGE, np.int32)
@@ -277,8 +300,7 @@ class Engine:
             tables[g], last[g], row[g] = self._table(sequence), at + take - 1, sequence
             at += take
         self.compiled_programs.add(("prefill", C, G, self.max_pages))
-        next_tokens, self.kv = programs.prefill(self.graphdef, self.params, self.kv, tokens, positions, index,
-                                                tables, last, self._sampling(row))
+        next_tokens = self._run(programs.prefill, tokens, positions, index, tables, last, self._sampling(row))
         next_tokens = np.asarray(next_tokens)
         done = []
         for g, (sequence, take) in enumerate(chunks):
@@ -299,8 +321,7 @@ class Engine:
         lengths = np.array([s.cached if s else 0 for s in active], np.int32)
         tables = np.stack([self._table(s) for s in active])
         self.compiled_programs.add(("decode", B, self.max_pages))
-        next_tokens, self.kv = programs.decode(self.graphdef, self.params, self.kv, tokens, tables, lengths,
-                                               self._sampling(active))
+        next_tokens = self._run(programs.decode, tokens, tables, lengths, self._sampling(active))
         next_tokens = np.asarray(next_tokens)
         stepped = [s for s in active if s is not None]
         for sequence in stepped:

@@ -5,6 +5,10 @@ Shapes are fixed per engine (batch slots ``B``, pages per sequence ``max_pages``
 page pool) and the prefill row is bucketed (``C`` in ``prefill_buckets``), so a run
 compiles one decode program and one prefill program per bucket, whatever its requests.
 
+``execution`` (static) is the ``jaxpar.Execution`` the model traces under: with a mesh,
+the rules its activations follow (tensor-parallel serving splits the weights and the
+pages' kv heads as training splits them); the engine calls them under ``jax.set_mesh``.
+
 Sampling is per sequence: ``temperature``, ``top_p`` and a key folded from the request's
 own seed and the count of tokens it has generated, so a request's tokens depend on its
 seed alone, not on what else is in the batch.
@@ -19,6 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.inference.sampling import sample
+from jaxpar.placement.execution import use_execution
 from jaxpar.serving.pages import DecodeView, KVPages, PrefillView
 
 
@@ -56,23 +61,24 @@ def _sample(logits, seeds, counts, temperature, top_p):
     return jax.vmap(one)(logits, seeds, counts, temperature, top_p)
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
-def decode(graphdef, params, pages: KVPages, tokens, tables, lengths, sampling):
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=3)
+def decode(graphdef, execution, params, pages: KVPages, tokens, tables, lengths, sampling):
     """One token for every batch slot.
 
     ``tokens``, ``lengths`` int32 ``[B]``: each slot's last token and the tokens its
     sequence has cached (the new token goes to position ``lengths[b]``); ``tables``
     int32 ``[B, max_pages]``; ``sampling``: ``(seeds, counts, temperature, top_p)``,
     each ``[B]``. Returns ``(next tokens [B], pages)``."""
-    model = nnx.merge(graphdef, params)
-    view_of = _Pages(pages, DecodeView, tables=tables, lengths=lengths)
-    x, (k, v) = _features(model, tokens[:, None], lengths[:, None], view_of)
-    logits = model.logits(x)[:, 0]
-    return _sample(logits, *sampling), KVPages(k, v)
+    with use_execution(execution):
+        model = nnx.merge(graphdef, params)
+        view_of = _Pages(pages, DecodeView, tables=tables, lengths=lengths)
+        x, (k, v) = _features(model, tokens[:, None], lengths[:, None], view_of)
+        logits = model.logits(x)[:, 0]
+        return _sample(logits, *sampling), KVPages(k, v)
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
-def prefill(graphdef, params, pages: KVPages, tokens, positions, index, tables, last, sampling):
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=3)
+def prefill(graphdef, execution, params, pages: KVPages, tokens, positions, index, tables, last, sampling):
     """A packed row of prompt tokens from up to ``G`` sequences, written to their pages,
     and a token sampled after each sequence's last token in the row.
 
@@ -81,8 +87,9 @@ def prefill(graphdef, params, pages: KVPages, tokens, positions, index, tables, 
     ``[G]``: where in the row each sequence's last token is; ``sampling`` ``[G]`` each.
     Returns ``(tokens [G], pages)``; a sequence whose prompt goes on in a later chunk
     ignores its token."""
-    model = nnx.merge(graphdef, params)
-    view_of = _Pages(pages, PrefillView, tables=tables, index=index, positions=positions)
-    x, (k, v) = _features(model, tokens[None], positions[None], view_of)
-    logits = model.logits(x[0, last][None])[0]
-    return _sample(logits, *sampling), KVPages(k, v)
+    with use_execution(execution):
+        model = nnx.merge(graphdef, params)
+        view_of = _Pages(pages, PrefillView, tables=tables, index=index, positions=positions)
+        x, (k, v) = _features(model, tokens[None], positions[None], view_of)
+        logits = model.logits(x[0, last][None])[0]
+        return _sample(logits, *sampling), KVPages(k, v)
