@@ -137,3 +137,15 @@ def test_offload_benchmark(tmp_path):
                    "--json", str(tmp_path / "overhead.json")])
     rows = json.loads((tmp_path / "overhead.json").read_text())["overhead"]["rows"]
     assert [r["mode"] for r in rows] == ["none", "both"] and all(r["step_s"] > 0 for r in rows)
+
+
+def test_serving_benchmark(tmp_path):
+    """bench/serve.py at a tiny scale: both batching modes serve every request, every
+    request generates what it asked for (no end token), and the figures are numbers."""
+    bench = runpy.run_path(str(ROOT / "bench" / "serve.py"), run_name="bench_serve")
+    bench["main"](["--rates", "40", "--requests", "5", "--max-batch", "2", "--prompt-tokens", "3", "12",
+                   "--max-tokens", "2", "5", "--prefill-chunk", "16", "--json", str(tmp_path / "serve.json")])
+    rows = json.loads((tmp_path / "serve.json").read_text())["rows"]
+    assert [r["mode"] for r in rows] == ["continuous", "static"]
+    assert rows[0]["output_tokens"] == rows[1]["output_tokens"] >= 2 * 5
+    assert all(r["requests"] == 5 and r["programs"] == 2 and r["ttft_p99_s"] > 0 for r in rows)

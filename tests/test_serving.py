@@ -76,6 +76,25 @@ def test_continuous_batching_gives_each_request_its_tokens_alone(model):
     assert len(served.compiled_programs) == 1 + len(served.buckets) == 4
 
 
+def test_static_batching_admits_only_into_an_empty_batch(model):
+    """The baseline the benchmark compares with: 6 requests through 4 slots, the last 2
+    admitted only once the first 4 have all ended; the same tokens as continuous."""
+    prompts, params = requests(7, 6)
+    served = engine(model, batching="static")
+    ids = [served.add_request(p, s) for p, s in zip(prompts, params)]
+    admitted = []
+    while served.has_unfinished():
+        served.step()
+        admitted.append((served.running, served.waiting))
+    first = admitted.index(next(a for a in admitted if a[1] == 0))
+    assert all(waiting == 2 for _, waiting in admitted[:first]) and admitted[0][0] == 4
+    assert all(running == 0 for running, _ in admitted[first - 1:first])
+    outputs = [served._by_id[i].output.token_ids for i in ids]
+    assert outputs == [o.token_ids for o in engine(model).generate(prompts, params)]
+    with pytest.raises(ValueError, match="batching='dynamic' must be 'continuous' or 'static'"):
+        engine(model, batching="dynamic")
+
+
 def test_a_seeded_request_samples_the_same_alone_and_in_a_full_batch(model):
     """temperature 0.9, top_p 0.95, seed 7: the same tokens alone in the engine, beside
     7 other sampling requests (other seeds), and from the dense-cache decoder."""

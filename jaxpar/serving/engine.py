@@ -120,6 +120,9 @@ class Engine:
         ``max_batch`` sequences of ``max_context`` tokens, or what ``kv_memory`` bytes
         hold.
       prefill_chunk: most prompt tokens prefilled per step.
+      batching: ``"continuous"`` (admit whenever a slot and pages are free) or
+        ``"static"`` (admit only into an empty batch, which then runs until its last
+        sequence ends: the baseline continuous batching is measured against).
       mesh, rules: serve on ``mesh`` (``mesh.tensor=k`` splits the weights and the
         pages' kv heads over ``k`` devices, ``jaxpar.models.transformer.sharding_rules``
         as training does: kv heads replicated where ``k`` outnumbers them); ``model``'s
@@ -128,7 +131,11 @@ class Engine:
 
     def __init__(self, model, *, tokenizer=None, eos_ids: Sequence[int] = (), max_batch: int = 8,
                  max_context: int | None = None, page_size: int = 16, kv_pages: int | None = None,
-                 kv_memory: int | None = None, prefill_chunk: int = 256, mesh=None, rules=None):
+                 kv_memory: int | None = None, prefill_chunk: int = 256, batching: str = "continuous",
+                 mesh=None, rules=None):
+        if batching not in ("continuous", "static"):
+            raise ValueError(f"batching={batching!r} must be 'continuous' or 'static'")
+        self.batching = batching
         cfg = model.cfg
         self.tokenizer, self.eos_ids = tokenizer, frozenset(int(i) for i in eos_ids)
         self.max_batch, self.page_size = max_batch, page_size
@@ -240,6 +247,8 @@ class Engine:
         return list(changed.values())
 
     def _admit(self) -> None:
+        if self.batching == "static" and self.running:
+            return
         while self._waiting and None in self._slots:
             sequence = self._waiting[0]
             need = math.ceil((len(sequence.prompt) + sequence.params.max_tokens - 1) / self.page_size)
