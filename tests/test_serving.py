@@ -123,6 +123,13 @@ def test_end_tokens_abort_and_bad_requests(model):
     served.abort(request)
     assert served.pool.free == served.pool.total and not served.has_unfinished()
 
+    # the pool from a byte budget: 10 pages' bytes (one of them the null page)
+    one_page = 2 * CFG.layers * 8 * CFG.kv_heads * CFG.head_dim * 4
+    small = engine(model, kv_memory=10 * one_page)
+    assert small.pool.total == 9
+    with pytest.raises(ValueError, match=r"needs more pages than the cache has \(9\)"):
+        small.add_request([1] * 70, SamplingParams(max_tokens=10))  # 79 positions: 10 pages
+
     for prompt, params, message in [
         ([], SamplingParams(), "the prompt is empty"),
         ([1], SamplingParams(max_tokens=0), "max_tokens=0 must be an int >= 1"),

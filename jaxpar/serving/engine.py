@@ -48,6 +48,21 @@ from jaxpar.serving import programs
 from jaxpar.serving.pages import NULL_PAGE, PagePool, init_pages, page_bytes
 
 
+def _free_bytes(devices) -> int | None:
+    """The least memory free over ``devices`` (``bytes_limit - bytes_in_use``), or None
+    where the backend keeps no statistics (CPU)."""
+    free = []
+    for device in devices:
+        try:
+            stats = device.memory_stats() or {}
+        except Exception:  # noqa: BLE001 - backends without memory statistics raise or return None
+            return None
+        if "bytes_limit" not in stats:
+            return None
+        free.append(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+    return min(free) if free else None
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How one request samples: greedy at ``temperature == 0``, else from the nucleus
@@ -116,9 +131,10 @@ class Engine:
       max_context: the longest prompt + ``max_tokens`` a request may ask for (default
         the model's ``max_position``).
       page_size: tokens per page.
-      kv_pages: pages in the pool (the null page included); default enough for
-        ``max_batch`` sequences of ``max_context`` tokens, or what ``kv_memory`` bytes
-        hold.
+      kv_pages: pages in the pool (the null page included); else what ``kv_memory``
+        bytes (per device) hold; else enough for ``max_batch`` sequences of
+        ``max_context`` tokens, or, where fewer fit, 90% of the device's free memory
+        after the weights (on a GPU; a CPU does not say).
       prefill_chunk: most prompt tokens prefilled per step.
       batching: ``"continuous"`` (admit whenever a slot and pages are free) or
         ``"static"`` (admit only into an empty batch, which then runs until its last
@@ -141,18 +157,26 @@ class Engine:
         self.max_batch, self.page_size = max_batch, page_size
         self.max_context = max_context or cfg.max_position
         self.max_pages = math.ceil(self.max_context / page_size)
-        per_page = page_bytes(cfg.layers, page_size, cfg.kv_heads, cfg.head_dim, cfg.compute_dtype)
-        if kv_pages is None:
-            kv_pages = kv_memory // per_page if kv_memory else max_batch * self.max_pages + 1
         self.graphdef, self.params = nnx.split(model)
-        self.kv = init_pages(cfg.layers, kv_pages, page_size, cfg.kv_heads, cfg.head_dim, cfg.compute_dtype)
-        self.mesh, self.execution = mesh, Execution()
+        self.mesh, self.execution, kv_sharding, split = mesh, Execution(), None, 1
         if mesh is not None:
             rules = sharding_rules(cfg, mesh, rules)
             self.execution = Execution(rules_lib.for_mesh(mesh, rules))
             self.params = jax.device_put(self.params, model_shardings(self.params, mesh, rules))
             heads = rules_lib.logical_to_spec(ACT_BTKH[2:3], self.execution.rules)[0]
-            self.kv = jax.device_put(self.kv, NamedSharding(mesh, PartitionSpec(None, None, None, heads, None)))
+            kv_sharding = NamedSharding(mesh, PartitionSpec(None, None, None, heads, None))
+            split = math.prod(mesh.shape[a] for a in rules_lib.as_tuple(heads))
+        per_page = page_bytes(cfg.layers, page_size, cfg.kv_heads, cfg.head_dim, cfg.compute_dtype) // split
+        if kv_pages is None and kv_memory:
+            kv_pages = kv_memory // per_page
+        if kv_pages is None:
+            kv_pages = max_batch * self.max_pages + 1
+            free = _free_bytes(jax.tree.leaves(self.params)[0].sharding.device_set)
+            if free is not None:
+                kv_pages = min(kv_pages, int(0.9 * free) // per_page)
+        self.kv = init_pages(cfg.layers, kv_pages, page_size, cfg.kv_heads, cfg.head_dim, cfg.compute_dtype)
+        if kv_sharding is not None:
+            self.kv = jax.device_put(self.kv, kv_sharding)
         self.pool = PagePool(kv_pages)
         self.buckets = tuple(sorted({min(2 ** n, prefill_chunk) for n in range(4, max(5, math.ceil(
             math.log2(prefill_chunk)) + 1))}))
