@@ -155,3 +155,33 @@ def test_tensor_parallel_serving_gives_one_devices_tokens(model, tensor):
     assert served.kv.k.sharding.spec[3] == ("tensor" if tensor == 2 else None)
     outputs = served.generate(prompts, params)
     assert [o.token_ids for o in outputs] == [r.token_ids for r in reference]
+
+
+def test_speculative_rounds_are_lossless_per_sequence(model):
+    """A draft in the engine: every decode step is one round for the running batch, each
+    sequence accepting its own prefix. Greedy: the tokens without a draft, with the model
+    itself as its draft (every proposal accepted: the draft's cache must catch up on the
+    last one) and with an unrelated small draft (few accepted); pages all back. Seeded
+    sampling: a request's tokens alone equal those beside 3 others; after warm_up a
+    mix compiles nothing."""
+    small = Transformer(ModelConfig(vocab_size=CFG.vocab_size, dim=16, layers=1, heads=2, kv_heads=1,
+                                    head_dim=8, mlp_dim=32), rngs=nnx.Rngs(1))
+    prompts, params = requests(8, 6)
+    reference = [o.token_ids for o in engine(model).generate(prompts, params)]
+    for draft, per_round in ((model, 3.0), (small, None)):
+        served = engine(model, draft=draft, gamma=3)
+        assert [o.token_ids for o in served.generate(prompts, params)] == reference
+        assert served.pool.free == served.pool.total
+        if per_round:
+            assert served.accepted == per_round * served.rounds
+    assert 0 <= served.accepted < served.rounds  # the small draft's proposals mostly rejected
+
+    sampled = SamplingParams(max_tokens=10, temperature=0.8, seed=3)
+    by_itself = engine(model, draft=small, gamma=3).generate([prompts[2]], sampled)[0].token_ids
+    served = engine(model, draft=small, gamma=3)
+    served.warm_up()
+    crowd = [SamplingParams(max_tokens=12, temperature=1.0, seed=s) for s in range(3)]
+    outputs = []
+    assert compiles_during(lambda: outputs.extend(served.generate(prompts[:1] + prompts[2:5], [crowd[0], sampled,
+                                                                                                *crowd[1:]]))) == 0
+    assert outputs[1].token_ids == by_itself and len(by_itself) == 10

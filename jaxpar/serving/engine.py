@@ -20,8 +20,9 @@ A sequence ends at one of its ``eos_ids``, after ``max_tokens`` tokens, or (with
 tokenizer) when its text contains one of its ``stop`` strings, the text then cut before
 it.
 
-Compiled programs: one decode program and one prefill program per row bucket (powers of
-two from 16 up to ``prefill_chunk``); ``Engine.compiled_programs`` lists the shapes.
+Compiled programs: one decode program (with a draft: one speculative round) and one
+prefill program per row bucket (powers of two from 16 up to ``prefill_chunk``);
+``Engine.compiled_programs`` lists the shapes.
 """
 
 from __future__ import annotations
@@ -139,6 +140,13 @@ class Engine:
       batching: ``"continuous"`` (admit whenever a slot and pages are free) or
         ``"static"`` (admit only into an empty batch, which then runs until its last
         sequence ends: the baseline continuous batching is measured against).
+      draft, gamma: speculative decoding (Leviathan et al.) with ``draft``, a smaller
+        ``Transformer`` over the model's vocabulary: each decode step is then one round
+        for every running sequence, the draft proposing ``gamma`` tokens and the model
+        verifying them in one pass, each sequence accepting its own prefix (lossless:
+        exact match when greedy, the speculative-sampling rule otherwise). The draft's
+        pages mirror the model's (the same page tables). Not yet with ``mesh``, nor
+        GliDe / CaPE drafts.
       mesh, rules: serve on ``mesh`` (``mesh.tensor=k`` splits the weights and the
         pages' kv heads over ``k`` devices, ``jaxpar.models.transformer.sharding_rules``
         as training does: kv heads replicated where ``k`` outnumbers them); ``model``'s
@@ -148,15 +156,24 @@ class Engine:
     def __init__(self, model, *, tokenizer=None, eos_ids: Sequence[int] = (), max_batch: int = 8,
                  max_context: int | None = None, page_size: int = 16, kv_pages: int | None = None,
                  kv_memory: int | None = None, prefill_chunk: int = 256, batching: str = "continuous",
-                 mesh=None, rules=None):
+                 draft=None, gamma: int = 4, mesh=None, rules=None):
         if batching not in ("continuous", "static"):
             raise ValueError(f"batching={batching!r} must be 'continuous' or 'static'")
+        if draft is not None and mesh is not None:
+            raise ValueError("a draft model on a mesh is not supported yet: serve speculatively on one device")
+        if draft is not None and draft.cfg.vocab_size != model.cfg.vocab_size:
+            raise ValueError(f"the draft's vocabulary ({draft.cfg.vocab_size}) is not the model's "
+                             f"({model.cfg.vocab_size})")
+        if draft is not None and gamma < 1:
+            raise ValueError(f"gamma={gamma!r} must be at least 1")
         self.batching = batching
         cfg = model.cfg
         self.tokenizer, self.eos_ids = tokenizer, frozenset(int(i) for i in eos_ids)
         self.max_batch, self.page_size = max_batch, page_size
         self.max_context = max_context or cfg.max_position
-        self.max_pages = math.ceil(self.max_context / page_size)
+        # a speculative round writes up to gamma positions past what a request keeps
+        self.lookahead = gamma if draft is not None else 0
+        self.max_pages = math.ceil((self.max_context + self.lookahead) / page_size)
         self.graphdef, self.params = nnx.split(model)
         self.mesh, self.execution, kv_sharding, split = mesh, Execution(), None, 1
         if mesh is not None:
@@ -167,6 +184,9 @@ class Engine:
             kv_sharding = NamedSharding(mesh, PartitionSpec(None, None, None, heads, None))
             split = math.prod(mesh.shape[a] for a in rules_lib.as_tuple(heads))
         per_page = page_bytes(cfg.layers, page_size, cfg.kv_heads, cfg.head_dim, cfg.compute_dtype) // split
+        if draft is not None:
+            d = draft.cfg
+            per_page += page_bytes(d.layers, page_size, d.kv_heads, d.head_dim, d.compute_dtype)
         if kv_pages is None and kv_memory:
             kv_pages = kv_memory // per_page
         if kv_pages is None:
@@ -177,6 +197,12 @@ class Engine:
         self.kv = init_pages(cfg.layers, kv_pages, page_size, cfg.kv_heads, cfg.head_dim, cfg.compute_dtype)
         if kv_sharding is not None:
             self.kv = jax.device_put(self.kv, kv_sharding)
+        self.draft, self.gamma, self.draft_kv = None, gamma, None
+        if draft is not None:
+            d = draft.cfg
+            self.draft = nnx.split(draft)
+            self.draft_kv = init_pages(d.layers, kv_pages, page_size, d.kv_heads, d.head_dim, d.compute_dtype)
+        self.rounds = self.accepted = 0  # speculative rounds run per sequence, drafts accepted
         self.pool = PagePool(kv_pages)
         self.buckets = tuple(sorted({min(2 ** n, prefill_chunk) for n in range(4, max(5, math.ceil(
             math.log2(prefill_chunk)) + 1))}))
@@ -204,7 +230,7 @@ class Engine:
         if len(prompt) + params.max_tokens > self.max_context:
             raise ValueError(f"prompt of {len(prompt)} tokens + max_tokens={params.max_tokens} is past the "
                              f"context of {self.max_context} tokens")
-        if math.ceil((len(prompt) + params.max_tokens - 1) / self.page_size) > self.pool.total:
+        if self._pages_needed(len(prompt), params.max_tokens) > self.pool.total:
             raise ValueError(f"prompt of {len(prompt)} tokens + max_tokens={params.max_tokens} needs more "
                              f"pages than the cache has ({self.pool.total})")
         request_id = request_id or f"req-{next(self._ids)}"
@@ -243,8 +269,9 @@ class Engine:
         return [self._by_id.pop(i).output for i in ids]
 
     def warm_up(self) -> None:
-        """Compiles every program the engine runs (decode, prefill per bucket) on rows
-        that touch only the null page, so serving compiles nothing."""
+        """Compiles every program the engine runs (decode or the speculative round,
+        prefill per bucket) on rows that touch only the null page, so serving compiles
+        nothing."""
         G, B = self.max_batch, self.max_batch
         empty = [None] * G
         tables = np.full((G, self.max_pages), NULL_PAGE, np.int32)
@@ -254,6 +281,10 @@ class Engine:
             self._run(programs.prefill, zeros, zeros, np.full(C, -1, np.int32), tables, np.zeros(G, np.int32),
                       self._sampling(empty))
         zeros = np.zeros(B, np.int32)
+        if self.draft is not None:
+            self.compiled_programs.add(("speculative_round", B, self.max_pages, self.gamma))
+            self._round(zeros, zeros, tables, zeros, self._sampling(empty))
+            return
         self.compiled_programs.add(("decode", B, self.max_pages))
         self._run(programs.decode, zeros, tables, zeros, self._sampling(empty)).block_until_ready()
 
@@ -275,7 +306,7 @@ class Engine:
             return
         while self._waiting and None in self._slots:
             sequence = self._waiting[0]
-            need = math.ceil((len(sequence.prompt) + sequence.params.max_tokens - 1) / self.page_size)
+            need = self._pages_needed(len(sequence.prompt), sequence.params.max_tokens)
             if need > self.pool.free:
                 return  # first come, first served: nothing overtakes it
             self._waiting.popleft()
@@ -283,12 +314,26 @@ class Engine:
             sequence.slot, sequence.admitted = self._slots.index(None), next(self._admissions)
             self._slots[sequence.slot] = sequence
 
+    def _pages_needed(self, prompt: int, max_tokens: int) -> int:
+        """Pages for positions ``0 .. prompt + max_tokens - 2`` (the last token is never
+        written), and the speculative rounds' lookahead."""
+        return math.ceil((prompt + max_tokens - 1 + self.lookahead) / self.page_size)
+
     def _run(self, program, *args):
         """``program`` (``programs.decode`` / ``prefill``) on the engine's model and pages
         (which it updates), on the engine's mesh; returns the sampled tokens."""
         with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):
             tokens, self.kv = program(self.graphdef, self.execution, self.params, self.kv, *args)
+            if self.draft is not None and program is programs.prefill:  # the draft's cache too
+                _, self.draft_kv = program(self.draft[0], self.execution, self.draft[1], self.draft_kv, *args)
         return tokens
+
+    def _round(self, prev, last, tables, lengths, sampling):
+        """One speculative round (``programs.speculative_round``): ``(emitted, accepted)``."""
+        emitted, accepted, self.kv, self.draft_kv = programs.speculative_round(
+            self.graphdef, self.draft[0], self.execution, self.gamma, self.params, self.draft[1], self.kv,
+            self.draft_kv, prev, last, tables, lengths, sampling)
+        return np.asarray(emitted), np.asarray(accepted)
 
     def _table(self, sequence: _Sequence | None) -> np.ndarray:
         row = np.full((self.max_pages,), NULL_PAGE, np.int32)
@@ -353,10 +398,20 @@ class Engine:
         tokens = np.array([s.output.token_ids[-1] if s else 0 for s in active], np.int32)
         lengths = np.array([s.cached if s else 0 for s in active], np.int32)
         tables = np.stack([self._table(s) for s in active])
-        self.compiled_programs.add(("decode", B, self.max_pages))
-        next_tokens = self._run(programs.decode, tokens, tables, lengths, self._sampling(active))
-        next_tokens = np.asarray(next_tokens)
         stepped = [s for s in active if s is not None]
+        if self.draft is not None:
+            prev = np.array([(s.prompt + s.output.token_ids)[-2] if s else 0 for s in active], np.int32)
+            self.compiled_programs.add(("speculative_round", B, self.max_pages, self.gamma))
+            emitted, accepted = self._round(prev, tokens, tables, lengths, self._sampling(active))
+            for sequence in stepped:
+                self.rounds, self.accepted = self.rounds + 1, self.accepted + int(accepted[sequence.slot])
+                for token in emitted[sequence.slot, :accepted[sequence.slot] + 1]:
+                    self._append(sequence, int(token))
+                    if sequence.output.finished:
+                        break
+            return stepped
+        self.compiled_programs.add(("decode", B, self.max_pages))
+        next_tokens = np.asarray(self._run(programs.decode, tokens, tables, lengths, self._sampling(active)))
         for sequence in stepped:
             self._append(sequence, int(next_tokens[sequence.slot]))
         return stepped

@@ -78,11 +78,12 @@ def _gather(pages: jax.Array, tables: jax.Array) -> jax.Array:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DecodeView:
-    """One layer's pages seen by ``B`` batch slots decoding one token each.
+    """One layer's pages seen by ``B`` batch slots each extending its sequence by ``T``
+    tokens (one when decoding, ``gamma + 1`` when verifying a speculative draft).
 
     ``k``, ``v`` ``[P, page_size, K, H]``; ``tables`` int32 ``[B, max_pages]``;
-    ``lengths`` int32 ``[B]``: tokens already cached per slot, so the new token sits at
-    position ``lengths[b]``."""
+    ``lengths`` int32 ``[B]``: tokens already cached per slot, so the new tokens sit at
+    positions ``lengths[b] + 0..T-1`` and attend causally."""
 
     k: jax.Array
     v: jax.Array
@@ -90,10 +91,13 @@ class DecodeView:
     lengths: jax.Array
 
     def attend(self, q, k, v):
-        """``q [B, 1, N, H]``, the new ``k``, ``v [B, 1, K, H]`` -> (``[B, 1, N, H]``,
+        """``q [B, T, N, H]``, the new ``k``, ``v [B, T, K, H]`` -> (``[B, T, N, H]``,
         the layer's updated pages ``(k, v)``)."""
-        pages_k = _write(self.k, self.tables, self.lengths, k[:, 0])
-        pages_v = _write(self.v, self.tables, self.lengths, v[:, 0])
+        B, T = k.shape[:2]
+        positions = self.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)
+        tables = jnp.broadcast_to(self.tables[:, None], (B, T, self.tables.shape[1]))
+        pages_k = _write(self.k, tables, positions, k)
+        pages_v = _write(self.v, tables, positions, v)
         keys, values = _gather(pages_k, self.tables), _gather(pages_v, self.tables)
         out = dot_product_attention(q, keys, values, causal=True, q_start=self.lengths)
         return out, (pages_k, pages_v)

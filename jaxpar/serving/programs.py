@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar.inference.sampling import sample
+from jaxpar.inference.sampling import probabilities, sample
+from jaxpar.inference.speculative import accept_greedy, accept_sampled
 from jaxpar.placement.execution import use_execution
 from jaxpar.serving.pages import DecodeView, KVPages, PrefillView
 
@@ -61,6 +62,15 @@ def _sample(logits, seeds, counts, temperature, top_p):
     return jax.vmap(one)(logits, seeds, counts, temperature, top_p)
 
 
+def _extend(model, pages: KVPages, tokens, tables, lengths):
+    """``model`` over ``tokens [B, T]`` continuing each slot's cached ``lengths [B]``
+    tokens (``tables [B, max_pages]``): ``(logits [B, T, V], pages)``."""
+    positions = lengths[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
+    view_of = _Pages(pages, DecodeView, tables=tables, lengths=lengths)
+    x, (k, v) = _features(model, tokens, positions, view_of)
+    return model.logits(x), KVPages(k, v)
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=3)
 def decode(graphdef, execution, params, pages: KVPages, tokens, tables, lengths, sampling):
     """One token for every batch slot.
@@ -70,11 +80,58 @@ def decode(graphdef, execution, params, pages: KVPages, tokens, tables, lengths,
     int32 ``[B, max_pages]``; ``sampling``: ``(seeds, counts, temperature, top_p)``,
     each ``[B]``. Returns ``(next tokens [B], pages)``."""
     with use_execution(execution):
-        model = nnx.merge(graphdef, params)
-        view_of = _Pages(pages, DecodeView, tables=tables, lengths=lengths)
-        x, (k, v) = _features(model, tokens[:, None], lengths[:, None], view_of)
-        logits = model.logits(x)[:, 0]
-        return _sample(logits, *sampling), KVPages(k, v)
+        logits, pages = _extend(nnx.merge(graphdef, params), pages, tokens[:, None], tables, lengths)
+        return _sample(logits[:, 0], *sampling), pages
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(6, 7))
+def speculative_round(target_graph, draft_graph, execution, gamma: int, target_params, draft_params,
+                      target_pages: KVPages, draft_pages: KVPages, prev, last, tables, lengths, sampling):
+    """One round of speculative decoding for every batch slot (Leviathan et al.): the
+    draft proposes ``gamma`` tokens, the target verifies them in one pass, each slot
+    accepts its own prefix (``jaxpar.inference.speculative``'s rules: exact match when
+    greedy, the speculative-sampling rule otherwise, so the output follows the target's
+    distribution).
+
+    ``last``, ``lengths`` ``[B]``: each slot's last token and its position (the tokens
+    cached before it); ``prev`` ``[B]``: the token before ``last``, fed again with it
+    to the draft, whose cache runs one token behind (a fully accepted round leaves its
+    last proposal unwritten there). Both models' pages share the page tables. Keys:
+    the row's ``fold_in(key(seed), count)``, folded again with the draft step (0 ..
+    gamma - 1) and with ``gamma`` for the acceptance.
+
+    Returns ``(emitted [B, gamma + 1], accepted [B], target pages, draft pages)``: a
+    slot emits ``emitted[b, :accepted[b] + 1]``.
+    """
+    seeds, counts, temperature, top_p = sampling
+    keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counts)
+    key_at = lambda i: jax.vmap(lambda k: jax.random.fold_in(k, i))(keys)  # noqa: E731
+    rows = lambda x: x.reshape(-1, *([1] * 2))  # [B] -> [B, 1, 1]: per-row settings  # noqa: E731
+
+    def choose(logits, i):
+        return jax.vmap(lambda l, k, t, p: sample(l[None], k, t, p)[0])(logits, key_at(i), temperature, top_p)
+
+    with use_execution(execution):
+        target, draft = nnx.merge(target_graph, target_params), nnx.merge(draft_graph, draft_params)
+        logits, draft_pages = _extend(draft, draft_pages, jnp.stack([prev, last], 1), tables, lengths - 1)
+        proposals, proposal_logits = [choose(logits[:, -1], 0)], [logits[:, -1]]
+        for i in range(1, gamma):
+            logits, draft_pages = _extend(draft, draft_pages, proposals[-1][:, None], tables, lengths + i)
+            proposals.append(choose(logits[:, 0], i))
+            proposal_logits.append(logits[:, 0])
+        drafts, draft_logits = jnp.stack(proposals, 1), jnp.stack(proposal_logits, 1)
+        target_logits, target_pages = _extend(target, target_pages, jnp.concatenate([last[:, None], drafts], 1),
+                                              tables, lengths)
+    accepted, nxt = accept_greedy(drafts, target_logits)
+    draft_probs = probabilities(draft_logits, rows(temperature), rows(top_p))
+    target_probs = probabilities(target_logits, rows(temperature), rows(top_p))
+    sampled = jax.vmap(lambda d, q, p, k: jax.tree.map(lambda x: x[0], accept_sampled(d[None], q[None], p[None], k)))(
+        drafts, draft_probs, target_probs, key_at(gamma))
+    accepted, nxt = (jnp.where(temperature > 0, s, g) for s, g in zip(sampled, (accepted, nxt)))
+    slot = jnp.arange(gamma + 1)[None, :]
+    padded = jnp.concatenate([drafts, jnp.zeros_like(drafts[:, :1])], 1)
+    emitted = jnp.where(slot < accepted[:, None], padded, nxt[:, None])
+    return emitted, accepted, target_pages, draft_pages
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=3)
