@@ -2,8 +2,10 @@
 and the GliDe draft model that reads its KV cache."""
 
 from jaxpar.models.config import PRESETS, ModelConfig, RopeScaling
+from jaxpar.models.gguf import from_gguf
 from jaxpar.models.glide import GlideDraft
 from jaxpar.models.hf import from_hf, to_hf
 from jaxpar.models.transformer import Transformer
 
-__all__ = ["PRESETS", "GlideDraft", "ModelConfig", "RopeScaling", "Transformer", "from_hf", "to_hf"]
+__all__ = ["PRESETS", "GlideDraft", "ModelConfig", "RopeScaling", "Transformer", "from_gguf", "from_hf",
+           "to_hf"]

@@ -35,6 +35,7 @@ import contextlib
 import dataclasses
 import json
 import pathlib
+from collections.abc import Callable, Collection
 
 import jax
 import jax.numpy as jnp
@@ -87,23 +88,30 @@ def _read_config(path: pathlib.Path) -> ModelConfig:
         hf = json.loads((path / "config.json").read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path / 'config.json'} is not valid JSON: {e}") from None
+    return config_from_dict(hf, path / "config.json")
+
+
+def config_from_dict(hf: dict, where) -> ModelConfig:
+    """The ``ModelConfig`` of a Hugging Face Llama ``config.json`` dict ``hf``; error
+    lines name ``where`` (the file, or what the dict was made from: models/gguf.py
+    builds one from GGUF metadata)."""
     archs = hf.get("architectures") or []
     if not ("LlamaForCausalLM" in archs if archs else hf.get("model_type") == "llama"):
         raise ValueError(
-            f"{path / 'config.json'}: unsupported architecture "
+            f"{where}: unsupported architecture "
             f"{archs or hf.get('model_type')!r}; only LlamaForCausalLM is read"
         )
     required = ("hidden_size", "num_hidden_layers", "num_attention_heads",
                 "intermediate_size", "vocab_size")
     if missing := [k for k in required if not isinstance(hf.get(k), int)]:
-        raise ValueError(f"{path / 'config.json'} lacks integer {', '.join(missing)}")
+        raise ValueError(f"{where} lacks integer {', '.join(missing)}")
     if (act := hf.get("hidden_act", "silu")) != "silu":
-        raise ValueError(f"{path / 'config.json'}: hidden_act={act!r}; only 'silu' is supported")
+        raise ValueError(f"{where}: hidden_act={act!r}; only 'silu' is supported")
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind not in ("default", "llama3") or rope.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError(
-            f"{path / 'config.json'}: RoPE {rope}; only 'default' and 'llama3' are supported"
+            f"{where}: RoPE {rope}; only 'default' and 'llama3' are supported"
         )
     heads = hf["num_attention_heads"]
     try:
@@ -127,9 +135,9 @@ def _read_config(path: pathlib.Path) -> ModelConfig:
             init_std=float(hf.get("initializer_range", 0.02)),
         )
     except KeyError as e:
-        raise ValueError(f"{path / 'config.json'}: RoPE {rope} lacks {e}") from None
+        raise ValueError(f"{where}: RoPE {rope} lacks {e}") from None
     except (TypeError, ValueError) as e:
-        raise ValueError(f"{path / 'config.json'}: {e}") from None
+        raise ValueError(f"{where}: {e}") from None
 
 
 def _tensor_files(path: pathlib.Path) -> dict[str, pathlib.Path]:
@@ -178,45 +186,59 @@ def from_hf(path, *, dtype="float32", mesh=None, rules=None) -> Transformer:
         raise FileNotFoundError(f"Hugging Face checkpoint directory {path} {why}")
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"no config.json in {path}")
-    dtype = jnp.dtype(dtype).name
     cfg = _read_config(path)
-    cfg = dataclasses.replace(cfg, dtype=dtype, param_dtype=dtype)
     files = _tensor_files(path)
+    with contextlib.ExitStack() as stack:
+        handles = {f: stack.enter_context(safe_open(f, framework="numpy"))
+                   for f in set(files.values())}
+        return load_tensors(cfg, files, lambda name: handles[files[name]].get_tensor(name),
+                            dtype=dtype, mesh=mesh, rules=rules,
+                            mismatch=f"checkpoint {path} does not match its config.json")
 
+
+def load_tensors(cfg: ModelConfig, names: Collection[str], read: Callable[[str], np.ndarray], *,
+                 dtype, mesh, rules, mismatch: str) -> Transformer:
+    """The ``Transformer`` of ``cfg`` in ``dtype`` holding a checkpoint's weights.
+
+    Args:
+      names: every tensor the checkpoint holds, by Hugging Face name (``TABLE``).
+      read: the tensor of a name as an array in Hugging Face layout (``[out, in]``).
+      mesh, rules: as in ``from_hf``.
+      mismatch: the start of the error line when tensors are missing, misshapen or
+        unexpected (which checkpoint, against what).
+    """
+    dtype = jnp.dtype(dtype).name
+    cfg = dataclasses.replace(cfg, dtype=dtype, param_dtype=dtype)
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     variables = dict(nnx.to_flat_state(state))
     _check_mapped(variables)
     missing, misshapen, used = [], [], set()
-    with contextlib.ExitStack() as stack:
-        handles = {f: stack.enter_context(safe_open(f, framework="numpy"))
-                   for f in set(files.values())}
-        for p, var in variables.items():
-            shape, (_, (to_ours, back)) = var.get_value().shape, TABLE[p]
-            per_layer = shape[1:] if p[0] == "layers" else shape
-            expected = jax.eval_shape(back, jax.ShapeDtypeStruct(per_layer, np.float32)).shape
-            arrays = []
-            for name in _names(p, cfg.layers):
-                w = handles[files[name]].get_tensor(name) if name in files else None
-                used.add(name)
-                if w is None:
-                    missing.append(name)
-                elif w.shape != expected:
-                    misshapen.append(f"{name} expected {expected}, found {w.shape}")
-                else:
-                    arrays.append(np.asarray(to_ours(w, per_layer), dtype=dtype))
-            if len(arrays) == len(_names(p, cfg.layers)):
-                value = np.stack(arrays) if p[0] == "layers" else arrays[0]
-                # With a mesh, host arrays go to their shards only (shard_model below).
-                var.set_value(jnp.asarray(value) if mesh is None else value)
+    for p, var in variables.items():
+        shape, (_, (to_ours, back)) = var.get_value().shape, TABLE[p]
+        per_layer = shape[1:] if p[0] == "layers" else shape
+        expected = jax.eval_shape(back, jax.ShapeDtypeStruct(per_layer, np.float32)).shape
+        arrays = []
+        for name in _names(p, cfg.layers):
+            w = read(name) if name in names else None
+            used.add(name)
+            if w is None:
+                missing.append(name)
+            elif w.shape != expected:
+                misshapen.append(f"{name} expected {expected}, found {w.shape}")
+            else:
+                arrays.append(np.asarray(to_ours(w, per_layer), dtype=dtype))
+        if len(arrays) == len(_names(p, cfg.layers)):
+            value = np.stack(arrays) if p[0] == "layers" else arrays[0]
+            # With a mesh, host arrays go to their shards only (shard_model below).
+            var.set_value(jnp.asarray(value) if mesh is None else value)
     ignored = {"lm_head.weight"} if cfg.tie_embeddings else set()
-    unused = sorted(n for n in set(files) - used - ignored if not n.endswith(_IGNORED))
+    unused = sorted(n for n in set(names) - used - ignored if not n.endswith(_IGNORED))
     problems = [f"missing tensors: {', '.join(missing)}"] if missing else []
     problems += [f"wrong shapes: {'; '.join(misshapen)}"] if misshapen else []
     problems += [f"unexpected tensors: {', '.join(unused)}"] if unused else []
     if problems:
-        raise ValueError(f"checkpoint {path} does not match its config.json: "
-                         + " | ".join(problems))
+        raise ValueError(f"{mismatch}: " + " | ".join(problems))
     model = nnx.merge(graphdef, state)
     return model if mesh is None else shard_model(model, mesh, rules)
 

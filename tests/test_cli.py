@@ -111,7 +111,7 @@ def test_generate_names_what_is_wrong_with_a_run_dir(tmp_path, capsys):
     neither = "no config.yaml (a jaxpar run) or config.json (Hugging Face) in"
     for args, message in [
         ([tmp_path / "nope"], f"{tmp_path / 'nope'} does not exist"),
-        ([tmp_path / "file"], f"{tmp_path / 'file'} is not a directory"),
+        ([tmp_path / "file"], f"{tmp_path / 'file'} is not a directory (nor a .gguf file)"),
         ([tmp_path / "empty"], f"{neither} {tmp_path / 'empty'}"),
         ([tmp_path / "hf", "--draft", tmp_path / "nope"], f"{tmp_path / 'nope'} does not exist"),
     ]:

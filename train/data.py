@@ -48,6 +48,8 @@ import numpy as np
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from jaxpar.models.gguf import gguf_tokenizer
+
 log = logging.getLogger(__name__)
 
 EOS = "<|endoftext|>"
@@ -242,8 +244,8 @@ def _fingerprint(*parts) -> str:
 
 
 def load_tokenizer(cfg: DataConfig, vocab_size: int, cache_dir: str | os.PathLike) -> tokenizers.Tokenizer:
-    """``cfg.tokenizer`` if given, else the byte-level BPE of the train split with
-    ``vocab_size`` tokens (the model's).
+    """``cfg.tokenizer`` if given (a tokenizer.json, or a .gguf file's tokenizer), else
+    the byte-level BPE of the train split with ``vocab_size`` tokens (the model's).
 
     The trained tokenizer is cached as ``cache_dir/tokenizer-<key>.json`` with key =
     hash(recipe version, the ``tokenizers`` release, vocab_size, EOS, every train
@@ -254,6 +256,8 @@ def load_tokenizer(cfg: DataConfig, vocab_size: int, cache_dir: str | os.PathLik
     if cfg.tokenizer is not None:
         if not os.path.isfile(cfg.tokenizer):
             raise ValueError(f"data.tokenizer={cfg.tokenizer!r}: no such file")
+        if cfg.tokenizer.endswith(".gguf"):
+            return gguf_tokenizer(cfg.tokenizer)
         return tokenizers.Tokenizer.from_file(cfg.tokenizer)
     docs = split_documents(cfg, "train")
     key = _fingerprint("bpe", _CACHE_VERSION, tokenizers.__version__, vocab_size, EOS, *docs)

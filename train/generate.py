@@ -2,10 +2,11 @@
 from a trained run or an HF model, plainly or by speculative decoding.
 
 RUN_DIR is a ``jaxpar-train`` run directory (its latest checkpoint, ``config.yaml``
-and ``tokenizer.json``) or a Hugging Face Llama directory (``config.json``,
-``*.safetensors``, ``tokenizer.json``). Generation stops at the end-of-sequence
-token (``jaxpar.train.runs.eos_ids``: a run's end-of-text token; in a Hugging Face
-directory ``generation_config.json``'s ids, as ``transformers`` stops). Text streams
+and ``tokenizer.json``), a Hugging Face Llama directory (``config.json``,
+``*.safetensors``, ``tokenizer.json``) or a llama.cpp ``.gguf`` file of a Llama.
+Generation stops at the end-of-sequence token (``jaxpar.train.runs.eos_ids``: a run's
+end-of-text token; in a Hugging Face directory ``generation_config.json``'s ids, as
+``transformers`` stops; a GGUF file's end tokens, as llama.cpp stops). Text streams
 to stdout as it is produced, then a line with tokens/s goes to stderr; ``--json``
 prints one JSON object instead.
 
@@ -35,6 +36,7 @@ import numpy as np
 from jaxpar.inference import speculative
 from jaxpar.inference.decoding import DEFAULT_BINS, METHODS, speculative_stream
 from jaxpar.models import GlideDraft
+from jaxpar.models.gguf import is_gguf
 from jaxpar.inference.speculative import Method
 from jaxpar.train.command import CommandParser
 from jaxpar.train.runs import (check_run_dir, context_length, eos_ids, is_hf, load_glide_draft, load_model,
@@ -43,15 +45,15 @@ from jaxpar.train.runs import (check_run_dir, context_length, eos_ids, is_hf, lo
 
 def load_draft(draft_dir: pathlib.Path):
     """A GliDe draft run (``task: glide``) or any model ``load_model`` reads."""
-    if not is_hf(draft_dir) and read_config(draft_dir).task == "glide":
+    if not (is_hf(draft_dir) or is_gguf(draft_dir)) and read_config(draft_dir).task == "glide":
         return load_glide_draft(draft_dir)
     return load_model(draft_dir)
 
 
 def check_same_tokenizer(target_dir: pathlib.Path, draft_dir: pathlib.Path) -> None:
     if load_tokenizer(target_dir).get_vocab() != load_tokenizer(draft_dir).get_vocab():
-        raise ValueError(f"the draft's tokenizer ({draft_dir / 'tokenizer.json'}) differs from the "
-                         f"target's ({target_dir / 'tokenizer.json'}); a draft must share the target's")
+        raise ValueError(f"the draft's tokenizer ({draft_dir}) differs from the target's "
+                         f"({target_dir}); a draft must share the target's")
 
 
 def _parser() -> CommandParser:

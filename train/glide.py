@@ -33,15 +33,17 @@ from jaxpar.train.step import Batch, cross_entropy, masked_mean
 
 
 def prepare(cfg: Config) -> tuple[Config, Transformer]:
-    """Loads the target in ``cfg.target_run_dir`` (a jaxpar run or a Hugging Face
-    directory, on one device) and returns ``(cfg, target)`` with ``cfg.model`` the
-    target's model config and ``cfg.data.tokenizer`` its ``tokenizer.json``: the draft
-    run's ``config.yaml`` then says what it was trained for.
+    """Loads the target in ``cfg.target_run_dir`` (a jaxpar run, a Hugging Face
+    directory or a GGUF file, on one device) and returns ``(cfg, target)`` with
+    ``cfg.model`` the target's model config and ``cfg.data.tokenizer`` its
+    ``tokenizer.json`` (a GGUF file: the file itself): the draft run's ``config.yaml``
+    then says what it was trained for.
 
     Raises:
       ValueError: settings a GliDe run does not take, or a target too shallow.
       FileNotFoundError: no target model or tokenizer there.
     """
+    from jaxpar.models.gguf import is_gguf
     from jaxpar.train.runs import load_model
 
     if cfg.dry_run:
@@ -50,7 +52,7 @@ def prepare(cfg: Config) -> tuple[Config, Transformer]:
         raise ValueError(f"task=glide runs without pipeline or sequence parallelism, got "
                          f"mesh.pipe={cfg.mesh.pipe} mesh.seq={cfg.mesh.seq}")
     target_dir = pathlib.Path(cfg.target_run_dir)
-    tokenizer = target_dir / "tokenizer.json"
+    tokenizer = target_dir if is_gguf(target_dir) else target_dir / "tokenizer.json"
     if cfg.data.tokenizer is not None and pathlib.Path(cfg.data.tokenizer).resolve() != tokenizer.resolve():
         raise ValueError(f"data.tokenizer={cfg.data.tokenizer!r}: a GliDe draft uses its target's "
                          f"tokenizer ({tokenizer}); leave data.tokenizer unset")

@@ -1,7 +1,8 @@
 """Reading finished runs back: a ``jaxpar-train`` run directory (``config.yaml``,
-``tokenizer.json``, orbax ``checkpoints/``) or a Hugging Face Llama directory
-(``config.json``, ``*.safetensors``, ``tokenizer.json``), as ``jaxpar-generate`` and the
-GliDe trainer load their target and draft models; ``load_glide_draft`` reads a
+``tokenizer.json``, orbax ``checkpoints/``), a Hugging Face Llama directory
+(``config.json``, ``*.safetensors``, ``tokenizer.json``) or a llama.cpp ``.gguf`` file
+(weights, tokenizer and end tokens in one file), as ``jaxpar-generate`` and the GliDe
+trainer load their target and draft models; ``load_glide_draft`` reads a
 ``jaxpar-train glide`` run."""
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import tokenizers
 from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
-from jaxpar.models import GlideDraft, Transformer, from_hf
+from jaxpar.models import GlideDraft, Transformer, from_gguf, from_hf
+from jaxpar.models.gguf import gguf_metadata, gguf_tokenizer, is_gguf
 from jaxpar.train.checkpoints import Checkpoints
 from jaxpar.train.config import Config, load_config
 from jaxpar.train.data import EOS
@@ -22,13 +24,15 @@ from jaxpar.train.data import EOS
 
 def check_run_dir(run_dir: pathlib.Path) -> None:
     """Raises ``FileNotFoundError`` saying what is wrong where ``run_dir`` is neither a
-    jaxpar run (``config.yaml``) nor a Hugging Face directory (``config.json``): it does
-    not exist, is not a directory, or holds neither file."""
+    jaxpar run (``config.yaml``), a Hugging Face directory (``config.json``) nor a
+    ``.gguf`` file: it does not exist, is another file, or a directory holding neither."""
     run_dir = pathlib.Path(run_dir)
     if not run_dir.exists():
         raise FileNotFoundError(f"{run_dir} does not exist")
+    if is_gguf(run_dir):
+        return
     if not run_dir.is_dir():
-        raise FileNotFoundError(f"{run_dir} is not a directory")
+        raise FileNotFoundError(f"{run_dir} is not a directory (nor a .gguf file)")
     if not ((run_dir / "config.yaml").is_file() or (run_dir / "config.json").is_file()):
         raise FileNotFoundError(f"no config.yaml (a jaxpar run) or config.json (Hugging Face) in {run_dir}")
 
@@ -42,6 +46,8 @@ def is_hf(run_dir: pathlib.Path) -> bool:
 def read_config(run_dir: pathlib.Path) -> Config:
     """The resolved config a jaxpar run wrote (``RUN_DIR/config.yaml``)."""
     check_run_dir(run_dir)
+    if is_gguf(run_dir):
+        raise FileNotFoundError(f"{run_dir} is a GGUF file, not a jaxpar run")
     path = pathlib.Path(run_dir) / "config.yaml"
     if not path.is_file():
         raise FileNotFoundError(f"no config.yaml in {run_dir}: a Hugging Face directory, not a jaxpar run")
@@ -49,7 +55,10 @@ def read_config(run_dir: pathlib.Path) -> Config:
 
 
 def load_tokenizer(run_dir: pathlib.Path) -> tokenizers.Tokenizer:
+    """A run's or Hugging Face directory's ``tokenizer.json``, or a GGUF file's tokenizer."""
     check_run_dir(run_dir)
+    if is_gguf(run_dir):
+        return gguf_tokenizer(run_dir)
     path = pathlib.Path(run_dir) / "tokenizer.json"
     if not path.is_file():
         raise FileNotFoundError(f"no tokenizer.json in {run_dir}")
@@ -62,9 +71,12 @@ def eos_ids(run_dir: pathlib.Path, tokenizer: tokenizers.Tokenizer) -> tuple[int
     A jaxpar run: the tokenizer's end-of-text token (``jaxpar.train.data.EOS``). A Hugging
     Face directory: ``generation_config.json``'s ``eos_token_id`` (an int or a list, as
     Llama 3 has), else ``config.json``'s, else ``tokenizer_config.json``'s ``eos_token``
-    looked up in ``tokenizer``; ``()`` (no stop) when none names one.
+    looked up in ``tokenizer``; ``()`` (no stop) when none names one. A GGUF file: its
+    end-of-sequence, end-of-turn and end-of-message ids (``gguf_metadata``).
     """
     run_dir = pathlib.Path(run_dir)
+    if is_gguf(run_dir):
+        return gguf_metadata(run_dir).eos_ids
     if not is_hf(run_dir):
         eos = tokenizer.token_to_id(EOS)
         return () if eos is None else (eos,)
@@ -109,17 +121,20 @@ def load_run(run_dir: pathlib.Path) -> Transformer:
 
 
 def load_model(run_dir: pathlib.Path) -> Transformer:
-    """A jaxpar run's model or a Hugging Face model (``from_hf``), on one device."""
+    """A jaxpar run's model, a Hugging Face model (``from_hf``) or a GGUF file's
+    (``from_gguf``), on one device."""
     check_run_dir(run_dir)
+    if is_gguf(run_dir):
+        return from_gguf(run_dir)
     return from_hf(run_dir) if is_hf(run_dir) else load_run(run_dir)
 
 
 def context_length(run_dir: pathlib.Path, model: Transformer) -> int:
     """The most tokens, prompt and generated together, that ``model`` (as ``load_model``
     read it from ``run_dir``) reads in one sequence: a Hugging Face model's
-    ``max_position_embeddings``; a jaxpar run's ``seq_len``, the positions it was trained
+    ``max_position_embeddings`` (a GGUF file's ``context_length``); a jaxpar run's ``seq_len``, the positions it was trained
     on (with learned positions, no more than the table's ``model.max_position`` rows)."""
-    if is_hf(run_dir):
+    if is_hf(run_dir) or is_gguf(run_dir):
         return model.cfg.max_position
     seq_len = read_config(run_dir).seq_len
     return min(seq_len, model.cfg.max_position) if model.cfg.position == "learned" else seq_len
