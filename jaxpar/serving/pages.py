@@ -7,7 +7,9 @@ sequence's pages, and batch slots with no sequence, point at it, so their writes
 there and are never read as anyone's context. A sequence's token at position ``p`` lives
 in page ``table[p // page_size]`` at offset ``p % page_size``.
 
-Two views run inside a model's attention (``Attention.__call__`` calls ``attend``):
+Two views run inside a model's attention (``Attention.__call__`` calls ``attend``), each
+holding every layer's pages and the index of the layer it serves (the layer scan carries
+the pages whole and each layer scatters into them in place):
 
 * ``DecodeView``: one new token per batch slot (``q [B, 1, N, H]``), its key/value
   written at its slot's next position, then attention over the slot's pages gathered
@@ -60,18 +62,20 @@ def page_bytes(layers: int, page_size: int, kv_heads: int, head_dim: int, dtype)
     return 2 * layers * page_size * kv_heads * head_dim * jnp.dtype(dtype).itemsize
 
 
-def _write(pages: jax.Array, tables: jax.Array, positions: jax.Array, new: jax.Array) -> jax.Array:
-    """``pages [P, S_p, K, H]`` with ``new [..., K, H]`` written at ``positions [...]`` of
-    the sequences whose page tables are ``tables [..., max_pages]``."""
-    size = pages.shape[1]
+def _write(pages: jax.Array, layer, tables: jax.Array, positions: jax.Array, new: jax.Array) -> jax.Array:
+    """Every layer's ``pages [L, P, S_p, K, H]`` with ``new [..., K, H]`` written into
+    layer ``layer``'s at ``positions [...]`` of the sequences whose page tables are
+    ``tables [..., max_pages]``: a scatter into the whole array, which XLA does in place
+    (a layer's pages sliced out and put back would copy them every step)."""
+    size = pages.shape[2]
     page = jnp.take_along_axis(tables, (positions // size)[..., None], axis=-1)[..., 0]
-    return pages.at[page, positions % size].set(new.astype(pages.dtype))
+    return pages.at[layer, page, positions % size].set(new.astype(pages.dtype))
 
 
-def _gather(pages: jax.Array, tables: jax.Array) -> jax.Array:
-    """``pages [P, S_p, K, H]`` read through ``tables [R, max_pages]``: ``[R,
-    max_pages * S_p, K, H]``, each row one sequence's positions in order."""
-    rows = pages[tables]  # [R, max_pages, S_p, K, H]
+def _gather(pages: jax.Array, layer, tables: jax.Array) -> jax.Array:
+    """Layer ``layer``'s pages read through ``tables [R, max_pages]``: ``[R, max_pages *
+    S_p, K, H]``, each row one sequence's positions in order (one gather)."""
+    rows = pages[layer, tables]  # [R, max_pages, S_p, K, H]
     return rows.reshape(rows.shape[0], -1, *rows.shape[3:])
 
 
@@ -81,24 +85,26 @@ class DecodeView:
     """One layer's pages seen by ``B`` batch slots each extending its sequence by ``T``
     tokens (one when decoding, ``gamma + 1`` when verifying a speculative draft).
 
-    ``k``, ``v`` ``[P, page_size, K, H]``; ``tables`` int32 ``[B, max_pages]``;
-    ``lengths`` int32 ``[B]``: tokens already cached per slot, so the new tokens sit at
-    positions ``lengths[b] + 0..T-1`` and attend causally."""
+    ``k``, ``v`` ``[L, P, page_size, K, H]``, every layer's, read and written at
+    ``layer``; ``tables`` int32 ``[B, max_pages]``; ``lengths`` int32 ``[B]``: tokens
+    already cached per slot, so the new tokens sit at positions ``lengths[b] + 0..T-1``
+    and attend causally."""
 
     k: jax.Array
     v: jax.Array
+    layer: jax.Array
     tables: jax.Array
     lengths: jax.Array
 
     def attend(self, q, k, v):
         """``q [B, T, N, H]``, the new ``k``, ``v [B, T, K, H]`` -> (``[B, T, N, H]``,
-        the layer's updated pages ``(k, v)``)."""
+        the updated pages ``(k, v)``)."""
         B, T = k.shape[:2]
         positions = self.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)
         tables = jnp.broadcast_to(self.tables[:, None], (B, T, self.tables.shape[1]))
-        pages_k = _write(self.k, tables, positions, k)
-        pages_v = _write(self.v, tables, positions, v)
-        keys, values = _gather(pages_k, self.tables), _gather(pages_v, self.tables)
+        pages_k = _write(self.k, self.layer, tables, positions, k)
+        pages_v = _write(self.v, self.layer, tables, positions, v)
+        keys, values = _gather(pages_k, self.layer, self.tables), _gather(pages_v, self.layer, self.tables)
         out = dot_product_attention(q, keys, values, causal=True, q_start=self.lengths)
         return out, (pages_k, pages_v)
 
@@ -115,21 +121,22 @@ class PrefillView:
 
     k: jax.Array
     v: jax.Array
+    layer: jax.Array
     tables: jax.Array
     index: jax.Array
     positions: jax.Array
 
     def attend(self, q, k, v):
         """``q [1, C, N, H]``, the new ``k``, ``v [1, C, K, H]`` -> (``[1, C, N, H]``,
-        the layer's updated pages ``(k, v)``)."""
+        the updated pages ``(k, v)``)."""
         valid = self.index >= 0
         token_tables = jnp.where(valid[:, None], self.tables[jnp.maximum(self.index, 0)], NULL_PAGE)
         positions = jnp.where(valid, self.positions, 0)
-        pages_k = _write(self.k, token_tables, positions, k[0])
-        pages_v = _write(self.v, token_tables, positions, v[0])
-        G, S = self.tables.shape[0], self.tables.shape[1] * self.k.shape[1]
-        keys = _gather(pages_k, self.tables).reshape(1, G * S, *k.shape[2:])
-        values = _gather(pages_v, self.tables).reshape(1, G * S, *v.shape[2:])
+        pages_k = _write(self.k, self.layer, token_tables, positions, k[0])
+        pages_v = _write(self.v, self.layer, token_tables, positions, v[0])
+        G, S = self.tables.shape[0], self.tables.shape[1] * self.k.shape[2]
+        keys = _gather(pages_k, self.layer, self.tables).reshape(1, G * S, *k.shape[2:])
+        values = _gather(pages_v, self.layer, self.tables).reshape(1, G * S, *v.shape[2:])
         owner, slot = jnp.arange(G * S) // S, jnp.arange(G * S) % S
         mask = (owner[None, :] == self.index[:, None]) & (slot[None, :] <= positions[:, None])
         out = dot_product_attention(q, keys, values, causal=False, mask=mask[None])

@@ -29,37 +29,46 @@ from jaxpar.serving.pages import DecodeView, KVPages, PrefillView
 
 
 def _features(model, tokens, positions, view_of):
-    """The residual stream after the last layer and the updated pages: ``model``'s
-    embedding and stacked layers over ``tokens [R, T]`` at ``positions [R, T]``, each
-    layer's attention reading and writing its pages through ``view_of(k, v)``."""
+    """``(x, (k, v))``: the residual stream after the last layer and the updated pages;
+    ``model``'s embedding and stacked layers over ``tokens [R, T]`` at ``positions [R,
+    T]``, layer ``i``'s attention reading and writing the pages through ``view_of(k, v,
+    i)``. The pages ride in the scan's carry, whole, so each layer's writes land in place."""
     x = model.embed_tokens(tokens, positions)
     graphdef, layer_state = nnx.split(model.layers)
 
-    def layer(x, xs):
-        state, k, v = xs
-        return nnx.merge(graphdef, state)(x, positions, None, view_of(k, v))
+    def layer(carry, xs):
+        x, k, v = carry
+        state, i = xs
+        x, (k, v) = nnx.merge(graphdef, state)(x, positions, None, view_of(k, v, i))
+        return (x, k, v), None
 
-    return jax.lax.scan(layer, x, (layer_state, *view_of.pages))
+    layers = jax.tree.leaves(layer_state)[0].shape[0]
+    (x, k, v), _ = jax.lax.scan(layer, (x, *view_of.pages), (layer_state, jnp.arange(layers)))
+    return x, (k, v)
 
 
 class _Pages:
-    """``view_of``: a view class bound to its arguments, over one layer's pages."""
+    """``view_of``: a view class bound to its arguments, over every layer's pages."""
 
     def __init__(self, pages: KVPages, view, **fields):
         self.pages, self._view, self._fields = (pages.k, pages.v), view, fields
 
-    def __call__(self, k, v):
-        return self._view(k, v, **self._fields)
+    def __call__(self, k, v, layer):
+        return self._view(k, v, layer, **self._fields)
 
 
 def _sample(logits, seeds, counts, temperature, top_p):
     """One token per row of ``logits [R, V]``, row ``r`` with its own key
-    ``fold_in(key(seeds[r]), counts[r])``, temperature and top_p."""
+    ``fold_in(key(seeds[r]), counts[r])``, temperature and top_p. When no row samples
+    the nucleus (two sorts of the vocabulary per row) is not computed: greedy rows take
+    the argmax either way."""
     def one(logits, seed, count, temperature, top_p):
         key = jax.random.fold_in(jax.random.key(seed), count)
         return sample(logits[None], key, temperature, top_p)[0]
 
-    return jax.vmap(one)(logits, seeds, counts, temperature, top_p)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return jax.lax.cond(jnp.any(temperature > 0),
+                        lambda: jax.vmap(one)(logits, seeds, counts, temperature, top_p), lambda: greedy)
 
 
 def _extend(model, pages: KVPages, tokens, tables, lengths):
@@ -122,12 +131,16 @@ def speculative_round(target_graph, draft_graph, execution, gamma: int, target_p
         drafts, draft_logits = jnp.stack(proposals, 1), jnp.stack(proposal_logits, 1)
         target_logits, target_pages = _extend(target, target_pages, jnp.concatenate([last[:, None], drafts], 1),
                                               tables, lengths)
-    accepted, nxt = accept_greedy(drafts, target_logits)
-    draft_probs = probabilities(draft_logits, rows(temperature), rows(top_p))
-    target_probs = probabilities(target_logits, rows(temperature), rows(top_p))
-    sampled = jax.vmap(lambda d, q, p, k: jax.tree.map(lambda x: x[0], accept_sampled(d[None], q[None], p[None], k)))(
-        drafts, draft_probs, target_probs, key_at(gamma))
-    accepted, nxt = (jnp.where(temperature > 0, s, g) for s, g in zip(sampled, (accepted, nxt)))
+    greedy = accept_greedy(drafts, target_logits)
+
+    def sampled():
+        draft_probs = probabilities(draft_logits, rows(temperature), rows(top_p))
+        target_probs = probabilities(target_logits, rows(temperature), rows(top_p))
+        one = lambda d, q, p, k: jax.tree.map(lambda x: x[0], accept_sampled(d[None], q[None], p[None], k))  # noqa: E731
+        drawn = jax.vmap(one)(drafts, draft_probs, target_probs, key_at(gamma))
+        return tuple(jnp.where(temperature > 0, s, g) for s, g in zip(drawn, greedy))
+
+    accepted, nxt = jax.lax.cond(jnp.any(temperature > 0), sampled, lambda: greedy)
     slot = jnp.arange(gamma + 1)[None, :]
     padded = jnp.concatenate([drafts, jnp.zeros_like(drafts[:, :1])], 1)
     emitted = jnp.where(slot < accepted[:, None], padded, nxt[:, None])
