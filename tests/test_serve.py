@@ -256,8 +256,12 @@ def test_bad_requests_get_openai_errors_and_the_server_goes_on(served):
         assert raw.get("/health").json() == {"status": "ok"}
         models = raw.get("/v1/models").json()["data"]
         assert [m["id"] for m in models] == [NAME] and models[0]["max_model_len"] == 256
-    out = asyncio.run(served.client().completions.create(model=NAME, prompt="t3 t4", max_tokens=3, temperature=0))
-    assert out.choices[0].text == text_of(served.reference([3, 4], 3))
+    prompts = [[3, 4], PROMPTS[2]]  # a list of texts: one choice each, in order
+    out = asyncio.run(served.client().completions.create(model=NAME, prompt=[text_of(p) for p in prompts],
+                                                         max_tokens=3, temperature=0))
+    assert [c.index for c in out.choices] == [0, 1]
+    assert [c.text for c in out.choices] == [text_of(served.reference(p, 3)) for p in prompts]
+    assert out.usage.prompt_tokens == 2 + len(PROMPTS[2]) and out.usage.completion_tokens == 6
 
 
 def test_full_queue_429_and_disconnected_streams_free_their_pages(served):
