@@ -13,7 +13,7 @@ holds it in CI; contracts in ``pyproject.toml``)::
       <- jaxpar.ops                      attention / linear / kernel entry points
       <- jaxpar.models                   the transformer, GliDe draft, HF import
       <- jaxpar.inference                decoding, speculative decoding
-      <- jaxpar.serving                  the serving engine: paged KV cache, continuous batching
+      <- jaxpar.serving                  paged KV cache, continuous batching, the HTTP app
       <- jaxpar.train                    the trainer and the command lines
 
 Nothing below ``jaxpar.models`` imports a model: the core sees arrays, rules and meshes.

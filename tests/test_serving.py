@@ -122,6 +122,7 @@ def test_end_tokens_abort_and_bad_requests(model):
     assert served.pool.free < served.pool.total
     served.abort(request)
     assert served.pool.free == served.pool.total and not served.has_unfinished()
+    assert not served._by_id  # a server's finished requests are not kept
 
     # the pool from a byte budget: 10 pages' bytes (one of them the null page)
     one_page = 2 * CFG.layers * 8 * CFG.kv_heads * CFG.head_dim * 4
@@ -132,6 +133,7 @@ def test_end_tokens_abort_and_bad_requests(model):
 
     for prompt, params, message in [
         ([], SamplingParams(), "the prompt is empty"),
+        ([1, 97], SamplingParams(), "token id 97 is outside the model's vocabulary of 97"),
         ([1], SamplingParams(max_tokens=0), "max_tokens=0 must be an int >= 1"),
         ([1], SamplingParams(temperature=-1.0), "temperature=-1.0 must be >= 0"),
         ([1], SamplingParams(top_p=0.0), r"top_p=0.0 must be in \(0, 1\]"),

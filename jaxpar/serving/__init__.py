@@ -4,7 +4,9 @@
 ``Engine.generate(prompts, SamplingParams(...))`` runs an offline batch, ``add_request``
 / ``step`` / ``abort`` drive it one iteration at a time. ``pages.py`` holds the paged
 cache and the views the model's attention reads it through, ``programs.py`` the
-compiled decode and prefill programs.
+compiled decode and prefill programs. ``async_engine.py`` runs an engine on a thread of
+its own for asyncio callers (``AsyncEngine``), ``server.py`` is the OpenAI-compatible
+FastAPI app ``jaxpar-serve`` runs (imported on its own: it needs fastapi).
 """
 
 from jaxpar.serving.engine import Engine, RequestOutput, SamplingParams

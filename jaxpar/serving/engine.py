@@ -89,7 +89,8 @@ class SamplingParams:
 class RequestOutput:
     """A request's tokens so far. ``finish_reason``: None while running, ``"stop"`` (an
     end token or stop string), ``"length"`` (``max_tokens``) or ``"abort"``. ``text``
-    (with a tokenizer) is cut before a stop string; ``token_ids`` are all generated."""
+    (with a tokenizer) is cut before a stop string and leaves an end token out;
+    ``token_ids`` are all generated, an end token included."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -169,6 +170,7 @@ class Engine:
         self.batching = batching
         cfg = model.cfg
         self.tokenizer, self.eos_ids = tokenizer, frozenset(int(i) for i in eos_ids)
+        self.vocab_size = cfg.vocab_size
         self.max_batch, self.page_size = max_batch, page_size
         self.max_context = max_context or cfg.max_position
         # a speculative round writes up to gamma positions past what a request keeps
@@ -217,8 +219,9 @@ class Engine:
 
     def add_request(self, prompt: Sequence[int] | str, params: SamplingParams = SamplingParams(),
                     request_id: str | None = None) -> str:
-        """Queues a request; returns its id. ValueError (one line) for an empty prompt,
-        bad sampling values, or a prompt + ``max_tokens`` past ``max_context``."""
+        """Queues a request; returns its id. ValueError (one line) for an empty prompt, a
+        token outside the vocabulary, bad sampling values, a prompt + ``max_tokens``
+        past ``max_context``, or the id of a request still unfinished."""
         params.check()
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -227,6 +230,9 @@ class Engine:
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise ValueError("the prompt is empty")
+        outside = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
+        if outside is not None:  # the embedding's gather would clamp it silently
+            raise ValueError(f"token id {outside} is outside the model's vocabulary of {self.vocab_size}")
         if len(prompt) + params.max_tokens > self.max_context:
             raise ValueError(f"prompt of {len(prompt)} tokens + max_tokens={params.max_tokens} is past the "
                              f"context of {self.max_context} tokens")
@@ -234,6 +240,8 @@ class Engine:
             raise ValueError(f"prompt of {len(prompt)} tokens + max_tokens={params.max_tokens} needs more "
                              f"pages than the cache has ({self.pool.total})")
         request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self._by_id:
+            raise ValueError(f"request_id={request_id!r} is already in the engine")
         sequence = _Sequence(RequestOutput(request_id, prompt), params)
         self._by_id[request_id] = sequence
         self._waiting.append(sequence)
@@ -264,9 +272,10 @@ class Engine:
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         ids = [self.add_request(p, s) for p, s in zip(prompts, params, strict=True)]
+        outputs = [self._by_id[i].output for i in ids]
         while self.has_unfinished():
             self.step()
-        return [self._by_id.pop(i).output for i in ids]
+        return outputs
 
     def warm_up(self) -> None:
         """Compiles every program the engine runs (decode or the speculative round,
@@ -422,7 +431,8 @@ class Engine:
         out = sequence.output
         out.token_ids.append(token)
         if self.tokenizer is not None:
-            out.text = self.tokenizer.decode(out.token_ids)
+            # an end token is not text (jaxpar-generate leaves it out too)
+            out.text = self.tokenizer.decode(out.token_ids[:-1] if token in self.eos_ids else out.token_ids)
             for stop in sequence.params.stop:
                 if stop and stop in out.text:
                     out.text = out.text[:out.text.index(stop)]
@@ -434,6 +444,7 @@ class Engine:
 
     def _finish(self, sequence: _Sequence, reason: str) -> None:
         sequence.output.finish_reason = reason
+        del self._by_id[sequence.output.request_id]  # a server's finished requests must not pile up
         if sequence.slot >= 0:
             self._slots[sequence.slot] = None
             self.pool.give_back(sequence.pages)

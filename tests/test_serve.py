@@ -1,0 +1,351 @@
+"""jaxpar-serve (issue 19's server): a real server on 127.0.0.1 answering the official
+``openai`` client. Concurrent requests get the tokens they get decoded alone, streamed
+or not; stop strings and the end token cut where they should; bad requests get
+OpenAI's error shape and the server goes on; a full queue answers 429; a client gone
+mid-stream has its pages back; no compiles after warm-up; SIGTERM finishes the running
+request and exits 0."""
+
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import tokenizers
+import uvicorn
+from conftest import random_init
+from flax import nnx
+from test_serving import compiles_during
+
+from jaxpar.inference.decoding import generate
+from jaxpar.models import ModelConfig, Transformer, to_hf
+from jaxpar.serving.server import create_app
+from jaxpar.train import serve
+
+CFG = ModelConfig(vocab_size=128, dim=32, layers=2, heads=4, kv_heads=2, head_dim=8, mlp_dim=64,
+                  max_position=256)
+NAME = "tiny-served"
+# transformers' variables: the tokenizer's bos_token, the messages, add_generation_prompt
+TEMPLATE = ("{{ bos_token }} {% for m in messages %}{{ m['content'] }} {% endfor %}"
+            "{% if add_generation_prompt %}t9{% endif %}")
+LONGEST = 24  # the references' new tokens: one compiled program per prompt length
+PROMPTS = [np.random.default_rng(n).integers(2, 128, n).tolist() for n in (1, 6, 40, 77, 130, 200)]
+EOS_PROMPT = PROMPTS[1]
+
+
+def text_of(ids) -> str:
+    """The word-level tokenizer's text of ``ids``."""
+    return " ".join(f"t{i}" for i in ids)
+
+
+def decode_alone(model, prompt) -> list[int]:
+    """``prompt``'s first LONGEST greedy tokens, decoded by itself with a dense cache."""
+    return [int(t[0]) for t in generate(model, np.array([prompt]), max_new_tokens=LONGEST)]
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """A tiny random Llama as a Hugging Face directory: a word-level tokenizer (``t0`` ...
+    ``t127``), a chat template, and an end token that EOS_PROMPT's greedy tokens reach
+    (first seen at their 4th token or later)."""
+    path = tmp_path_factory.mktemp("served")
+    model = random_init(lambda: Transformer(CFG, rngs=nnx.Rngs(0)), np.random.default_rng(1))
+    to_hf(model, path)
+    words = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"t{i}": i for i in range(128)}, "t0"))
+    words.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    words.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "t1", "chat_template": TEMPLATE}))
+    free = decode_alone(model, EOS_PROMPT)
+    end = next(free[i] for i in range(3, LONGEST) if free[i] not in free[:i])
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [end]}))
+    return path
+
+
+class Served:
+    """The module's server: its URL, clients, engine and the references."""
+
+    def __init__(self, url, async_engine, engine, model, eos):
+        self.url, self.async_engine, self.engine, self.model, self.eos = url, async_engine, engine, model, eos
+        self._references = {}
+
+    def client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0)
+
+    def reference(self, prompt, max_tokens) -> list[int]:
+        """What the request should get: its tokens alone, up to ``max_tokens``, cut after
+        the end token."""
+        key = tuple(prompt)
+        if key not in self._references:
+            self._references[key] = decode_alone(self.model, prompt)
+        tokens = self._references[key][:max_tokens]
+        ends = [i for i, t in enumerate(tokens) if t in self.eos]
+        return tokens[:ends[0] + 1] if ends else tokens
+
+    def metrics(self) -> dict[str, float]:
+        """``/metrics``' samples without labels, by name."""
+        text = httpx.get(f"{self.url}/metrics").text
+        return {name: float(value) for name, value in re.findall(r"^(\w+) (\S+)$", text, re.M)} | {"_text": text}
+
+
+def start(app) -> tuple[uvicorn.Server, threading.Thread, str]:
+    """``app`` served by uvicorn on a thread, on a free port of 127.0.0.1."""
+    sock = socket.create_server(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        assert thread.is_alive()
+        time.sleep(0.01)
+    return server, thread, f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+@pytest.fixture(scope="module")
+def served(hf_dir):
+    """jaxpar-serve's own build (flags as on its command line: 4 batch slots, pages of 8
+    tokens, prefill rows of up to 64) under uvicorn in this process."""
+    args = serve._parser().parse_args([str(hf_dir), "--max-batch", "4", "--page-size", "8",
+                                       "--prefill-chunk", "64", "--model-name", NAME])
+    async_engine, app, engine = serve.build(args)
+    server, thread, url = start(app)
+    model = nnx.merge(engine.graphdef, engine.params)
+    yield Served(url, async_engine, engine, model, engine.eos_ids)
+    server.should_exit = True
+    thread.join(60)
+    assert not thread.is_alive() and not async_engine._thread.is_alive()  # the app's shutdown stopped it
+
+
+async def complete(client, prompt, max_tokens, *, stream=False, **kw) -> tuple[str, str, dict]:
+    """``(text, finish_reason, usage)`` of one completion; streamed, the text is its
+    deltas joined and the usage its last chunk's."""
+    if not stream:
+        out = await client.completions.create(model=NAME, prompt=prompt, max_tokens=max_tokens, **kw)
+        return out.choices[0].text, out.choices[0].finish_reason, out.usage.model_dump(exclude_none=True)
+    chunks = await client.completions.create(model=NAME, prompt=prompt, max_tokens=max_tokens, stream=True,
+                                             stream_options={"include_usage": True}, **kw)
+    deltas, reason, usage = [], None, None
+    async for chunk in chunks:
+        if chunk.choices:
+            deltas.append(chunk.choices[0].text)
+            reason = chunk.choices[0].finish_reason or reason
+        if chunk.usage:
+            usage = chunk.usage.model_dump(exclude_none=True)
+    return "".join(deltas), reason, usage
+
+
+def test_concurrent_requests_get_their_tokens_alone(served):
+    """15 requests at once through 4 batch slots: the 6 prompts (1 to 200 tokens, one
+    reaching the end token) each streamed and not, with 1 to 24 new tokens, greedy, as
+    token ids or text, plus three with stop strings: each request's text and usage are
+    those of its tokens decoded alone, streamed deltas join to that text, stop strings
+    cut before their first appearance; nothing compiles; every page is free after.
+    A seeded sampling request gives the same text alone as in the crowd."""
+    rng = np.random.default_rng(0)
+    cases = [(p, int(m), stream) for p, m in zip(PROMPTS, rng.integers(1, LONGEST + 1, len(PROMPTS)))
+             for stream in (False, True)]
+    cases[2] = (cases[2][0], LONGEST, False)  # the end token's prompt, long enough to reach it
+    cases[3] = (cases[3][0], LONGEST, True)
+    expected = {i: served.reference(p, m) for i, (p, m, _) in enumerate(cases)}
+    # stop strings: two words of a reference, and one that never appears beside one that does
+    long_text = text_of(served.reference(PROMPTS[3], LONGEST))
+    words = long_text.split(" ")
+    stops = [(PROMPTS[3], [f"{words[5]} {words[6]}"], False), (PROMPTS[3], [f"{words[5]} {words[6]}"], True),
+             (PROMPTS[4], ["t999", text_of(served.reference(PROMPTS[4], 9)[7:9])], True)]
+    sampled = dict(prompt=PROMPTS[2], max_tokens=12, temperature=0.9, top_p=0.95, seed=7)
+
+    async def burst():
+        client = served.client()
+        plain = [complete(client, p if i % 4 else text_of(p), m, stream=s, temperature=0)
+                 for i, (p, m, s) in enumerate(cases)]
+        cut = [complete(client, p, LONGEST, stream=s, stop=stop, temperature=0) for p, stop, s in stops]
+        crowd = client.completions.create(model=NAME, **sampled)
+        return await asyncio.gather(*plain, *cut, crowd)
+
+    results = []
+    assert compiles_during(lambda: results.extend(asyncio.run(burst()))) == 0
+    for i, (prompt, max_tokens, stream) in enumerate(cases):
+        text, reason, usage = results[i]
+        tokens = expected[i]
+        assert text == text_of([t for t in tokens if t not in served.eos]), (i, len(prompt), max_tokens, stream)
+        assert reason == ("stop" if tokens[-1] in served.eos else "length"), i
+        assert usage == {"prompt_tokens": len(prompt), "completion_tokens": len(tokens),
+                         "total_tokens": len(prompt) + len(tokens)}
+    assert results[2][1] == results[3][1] == "stop"  # the end token reached, and left out of the text
+    for (prompt, stop, _), (text, reason, usage) in zip(stops, results[len(cases):]):
+        whole = text_of(t for t in served.reference(prompt, LONGEST) if t not in served.eos)
+        at, first = min((whole.index(s), s) for s in stop if s in whole)
+        assert text == whole[:at] and reason == "stop", stop
+        # the tokens up to the one that completes the stop string
+        assert usage["completion_tokens"] == len(whole[:at + len(first)].split(" ")), stop
+
+    async def alone():
+        return await served.client().completions.create(model=NAME, **sampled)
+
+    crowd = results[-1].choices[0].text
+    assert crowd == asyncio.run(alone()).choices[0].text and len(set(crowd.split())) > 1
+    metrics = served.metrics()
+    assert metrics["jaxpar_kv_pages_free"] == metrics["jaxpar_kv_pages_total"] == served.engine.pool.total
+    assert not served.engine._by_id  # finished requests are not kept
+
+
+def test_chat_completions_render_the_template(served):
+    """/v1/chat/completions renders the directory's template (bos_token, the messages,
+    the generation prompt) and completes it as /v1/completions completes the rendered
+    text; streamed, the deltas join to the message. A server without a template says so
+    in a 400."""
+    messages = [{"role": "user", "content": "t5 t6"}, {"role": "assistant", "content": "t7"},
+                {"role": "user", "content": [{"type": "text", "text": "t8"}]}]
+
+    async def run():
+        client = served.client()
+        chat = await client.chat.completions.create(model=NAME, messages=messages, max_tokens=6, temperature=0)
+        plain = await client.completions.create(model=NAME, prompt="t1 t5 t6 t7 t8 t9", max_tokens=6,
+                                                temperature=0)
+        chunks = await client.chat.completions.create(model=NAME, messages=messages, max_tokens=6,
+                                                      temperature=0, stream=True)
+        deltas = [c.choices[0].delta async for c in chunks]
+        no_template = create_app(served.async_engine, NAME, served.engine.tokenizer)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(no_template), base_url="http://x") as raw:
+            refused = await raw.post("/v1/chat/completions", json={"model": NAME, "messages": messages})
+        return chat, plain, deltas, refused
+
+    chat, plain, deltas, refused = asyncio.run(run())
+    assert chat.choices[0].message.content == plain.choices[0].text and chat.choices[0].message.role == "assistant"
+    assert chat.usage.prompt_tokens == plain.usage.prompt_tokens == 6
+    assert deltas[0].role == "assistant" and "".join(d.content or "" for d in deltas) == plain.choices[0].text
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "no_chat_template"
+
+
+BAD = [  # (body, status, param, words in the message)
+    (b"{not json", 400, None, "not valid JSON"),
+    ({"model": NAME}, 400, "prompt", "no prompt"),
+    ({"model": NAME, "prompt": ""}, 400, "prompt", "the prompt is empty"),
+    ({"model": NAME, "prompt": []}, 400, "prompt", "non-empty string"),
+    ({"model": NAME, "prompt": "t5", "max_tokens": 0}, 400, "max_tokens", "max_tokens=0 must be at least 1"),
+    ({"model": NAME, "prompt": "t5", "max_tokens": 300}, 400, "max_tokens", "past the model's context of 256"),
+    ({"model": NAME, "prompt": "t5", "temperature": -0.5}, 400, "temperature", "temperature=-0.5 must be >= 0"),
+    ({"model": NAME, "prompt": "t5", "top_p": 0}, 400, "top_p", "top_p=0 must be in (0, 1]"),
+    ({"model": NAME, "prompt": "t5", "top_p": 1.5}, 400, "top_p", "top_p=1.5 must be in (0, 1]"),
+    ({"model": NAME, "prompt": "t5", "n": 2}, 400, "n", "n=2 is not supported"),
+    ({"model": "gpt-4", "prompt": "t5"}, 400, "model", "model 'gpt-4' is not served here"),
+    ({"model": NAME, "prompt": [3] * 256}, 400, "prompt", "the prompt is 256 tokens"),
+    ({"model": NAME, "prompt": [3, 500]}, 400, None, "token id 500 is outside the model's vocabulary of 128"),
+    ({"model": NAME, "prompt": "t5", "echo": True}, 400, "echo", "not supported"),
+]
+
+
+def test_bad_requests_get_openai_errors_and_the_server_goes_on(served):
+    """Each bad request: its status and OpenAI's error object naming the bad value; a
+    valid request after all of them succeeds."""
+    with httpx.Client(base_url=served.url) as raw:
+        for body, status, param, words in BAD:
+            kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+            response = raw.post("/v1/completions", **kw)
+            error = response.json()["error"]
+            assert response.status_code == status and error["param"] == param, (body, error)
+            assert words in error["message"] and set(error) == {"message", "type", "param", "code"}
+            assert error["type"] == "invalid_request_error"
+        assert raw.get("/health").json() == {"status": "ok"}
+        models = raw.get("/v1/models").json()["data"]
+        assert [m["id"] for m in models] == [NAME] and models[0]["max_model_len"] == 256
+    prompts = [[3, 4], PROMPTS[2]]  # a list of texts: one choice each, in order
+    out = asyncio.run(served.client().completions.create(model=NAME, prompt=[text_of(p) for p in prompts],
+                                                         max_tokens=3, temperature=0))
+    assert [c.index for c in out.choices] == [0, 1]
+    assert [c.text for c in out.choices] == [text_of(served.reference(p, 3)) for p in prompts]
+    assert out.usage.prompt_tokens == 2 + len(PROMPTS[2]) and out.usage.completion_tokens == 6
+
+
+def test_full_queue_429_and_disconnected_streams_free_their_pages(served):
+    """With no queue allowed, 4 streams fill the 4 batch slots and a fifth request gets
+    429 (the official client's RateLimitError). The streams' clients then disconnect
+    mid-stream: every page comes back (/metrics) within a moment. /metrics holds every
+    series issue 19 names."""
+    served.async_engine.max_queue = 0
+
+    async def run():
+        client = served.client()
+        whole = await client.completions.create(model=NAME, prompt="t16", max_tokens=250, temperature=0)
+        assert whole.choices[0].finish_reason == "length"  # so these streams would run 250 tokens
+        streams = [await client.completions.create(model=NAME, prompt="t16", max_tokens=250, temperature=0,
+                                                   stream=True) for _ in range(4)]
+        for stream in streams:  # each running: a first chunk
+            await stream.__anext__()
+        with pytest.raises(openai.RateLimitError) as refused:
+            await client.completions.create(model=NAME, prompt="t3", max_tokens=2)
+        busy = served.metrics()
+        for stream in streams:
+            await stream.close()  # the client hangs up mid-stream
+        return refused.value, busy
+
+    try:
+        refused, busy = asyncio.run(run())
+    finally:
+        served.async_engine.max_queue = 256
+    assert refused.status_code == 429 and refused.body["code"] == "queue_full"
+    assert busy["jaxpar_requests_running"] == 4 and busy["jaxpar_kv_pages_free"] < busy["jaxpar_kv_pages_total"]
+    deadline = time.monotonic() + 10
+    while (m := served.metrics())["jaxpar_kv_pages_free"] != m["jaxpar_kv_pages_total"]:
+        assert time.monotonic() < deadline, "the disconnected streams' pages never came back"
+        time.sleep(0.05)
+    assert m["jaxpar_requests_running"] == m["jaxpar_requests_waiting"] == 0
+    # aborted: not run on to their 4 x 250 tokens
+    assert m["jaxpar_generated_tokens_total"] - busy["jaxpar_generated_tokens_total"] < 500
+    assert m["jaxpar_generated_tokens_total"] > 0 and m["jaxpar_time_to_first_token_seconds_count"] > 0
+    for series in ["jaxpar_time_to_first_token_seconds_bucket{le=\"+Inf\"}",
+                   "jaxpar_time_per_output_token_seconds_bucket{le=\"+Inf\"}",
+                   "# TYPE jaxpar_time_per_output_token_seconds histogram",
+                   "# TYPE jaxpar_generated_tokens_total counter"]:
+        assert series in m["_text"]
+    assert m["jaxpar_time_per_output_token_seconds_count"] > 0
+
+
+def test_command_line_refuses_what_is_not_supported_yet(hf_dir, capsys):
+    """--draft/--method and key=value overrides: one line, exit 2, before loading."""
+    for argv, words in [([str(hf_dir), "--draft", str(hf_dir)], "speculative decoding inside the serving engine"),
+                        ([str(hf_dir), "mesh.tensor=2"], "mesh.tensor=2: overrides (tensor-parallel serving)"),
+                        ([str(hf_dir), "--max-batch", "0"], "--max-batch 0 must be at least 1")]:
+        with pytest.raises(SystemExit) as exit_:
+            serve.main(argv)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and words in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.slow
+def test_sigterm_finishes_the_running_request_and_exits_0(hf_dir):
+    """``python -m jaxpar.train.serve PATH --port 0``: one log line with the URL and the
+    compiled programs; SIGTERM during a streamed request stops the listener, the stream
+    still ends with all its tokens, and the process exits 0."""
+    process = subprocess.Popen([sys.executable, "-m", "jaxpar.train.serve", str(hf_dir), "--port", "0",
+                                "--max-batch", "2", "--prefill-chunk", "16", "--model-name", NAME],
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        while not (match := re.search(r"^jaxpar-serve: .* on (http://127\.0\.0\.1:\d+)/v1 \((\d+) compiled "
+                                      r"programs", lines[-1] if lines else "")):
+            lines.append(process.stderr.readline())
+            assert lines[-1], "".join(lines)  # the process ended without its line
+        assert int(match[2]) == 2, lines[-1]  # one decode, one prefill bucket
+        client = openai.OpenAI(base_url=f"{match[1]}/v1", api_key="unused", max_retries=0)
+        chunks = client.completions.create(model=NAME, prompt="t16", max_tokens=200, temperature=0, stream=True,
+                                           stream_options={"include_usage": True})  # no end token in 200
+        text = next(chunks).choices[0].text
+        process.send_signal(signal.SIGTERM)
+        rest = list(chunks)
+        text += "".join(c.choices[0].text for c in rest if c.choices)
+        reason = [c.choices[0].finish_reason for c in rest if c.choices][-1]
+        assert process.wait(60) == 0, process.stderr.read()
+        assert reason == "length" and len(text.split()) == rest[-1].usage.completion_tokens == 200
+        with pytest.raises(openai.APIConnectionError):
+            client.completions.create(model=NAME, prompt="t3", max_tokens=1)
+    finally:
+        process.kill()
+        process.wait()

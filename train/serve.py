@@ -1,0 +1,163 @@
+"""``jaxpar-serve PATH [--host 127.0.0.1] [--port 8000] [--max-batch N] [...]``: an
+OpenAI-compatible server (``jaxpar.serving.server``) for a trained run or a Hugging Face
+directory.
+
+PATH is read as ``jaxpar-generate`` reads it (``jaxpar.train.runs``): the model, its
+tokenizer, its end-of-sequence ids and its context length. A Hugging Face directory's
+chat template (``chat_template.jinja``, or ``tokenizer_config.json``'s
+``chat_template``) enables ``/v1/chat/completions``. The engine compiles every program
+it runs (``Engine.warm_up``) before the server listens, then one line on stderr gives
+the URL and the compiled programs. SIGTERM (or Ctrl-C) stops admitting requests, lets
+the running ones finish for up to ``--shutdown-timeout`` seconds, and exits 0.
+
+Not supported yet, refused in one line: ``--draft``/``--method`` (speculative decoding
+inside the engine) and ``key=value`` overrides such as ``mesh.tensor=2``
+(tensor-parallel serving).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import socket
+import sys
+
+from jaxpar.train.command import CommandParser
+from jaxpar.train.runs import check_run_dir, context_length, eos_ids, is_hf, load_model, load_tokenizer
+
+METHODS = ("speculative", "glide", "cape")
+
+
+def _parser() -> CommandParser:
+    parser = CommandParser(prog="jaxpar-serve", description=__doc__.split("\n\n")[0].replace("``", ""))
+    parser.add_argument("run_dir", type=pathlib.Path, metavar="PATH",
+                        help="a jaxpar-train run directory or a Hugging Face directory")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                        help="model placement overrides such as mesh.tensor=2 (not supported yet)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000, help="0: any free port (the log line says which)")
+    parser.add_argument("--max-batch", type=int, default=8, help="sequences decoded together (%(default)s)")
+    parser.add_argument("--max-queue", type=int, default=256,
+                        help="requests waiting beyond the free batch slots before new ones get 429 "
+                             "(%(default)s)")
+    parser.add_argument("--page-size", type=int, default=16, help="tokens per KV cache page (%(default)s)")
+    parser.add_argument("--kv-memory", type=int, metavar="BYTES",
+                        help="bytes of KV cache pages (default: room for --max-batch sequences of the "
+                             "whole context)")
+    parser.add_argument("--prefill-chunk", type=int, default=256,
+                        help="most prompt tokens prefilled per engine step (%(default)s)")
+    parser.add_argument("--model-name", help="the model id clients name (default: PATH's directory name)")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="seconds running requests get to finish after SIGTERM (%(default)s)")
+    parser.add_argument("--access-log", action="store_true", help="log every request (uvicorn's access log)")
+    parser.add_argument("--draft", type=pathlib.Path, metavar="DRAFT_DIR",
+                        help="speculative decoding's draft model (not supported yet)")
+    parser.add_argument("--method", choices=METHODS, help="speculative decoding method (not supported yet)")
+    return parser
+
+
+def check_args(args, parser: CommandParser) -> None:
+    """``parser.error`` (one line, exit 2) for what is not supported yet or a bad value."""
+    if args.draft is not None or args.method is not None:
+        parser.error("--draft/--method: speculative decoding inside the serving engine is not supported yet")
+    if args.overrides:
+        parser.error(f"{args.overrides[0]}: overrides (tensor-parallel serving) are not supported yet")
+    for flag, value, least in [("--max-batch", args.max_batch, 1), ("--max-queue", args.max_queue, 0),
+                               ("--page-size", args.page_size, 1), ("--prefill-chunk", args.prefill_chunk, 1),
+                               ("--port", args.port, 0), ("--kv-memory", args.kv_memory, 1),
+                               ("--shutdown-timeout", args.shutdown_timeout, 0)]:
+        if value is not None and value < least:
+            parser.error(f"{flag} {value} must be at least {least}")
+    if args.port > 65535:
+        parser.error(f"--port {args.port} must be at most 65535")
+
+
+def chat_template(run_dir: pathlib.Path) -> tuple[str | None, dict[str, str]]:
+    """A Hugging Face directory's chat template and the special tokens it may read
+    (``bos_token``, ``eos_token`` from ``tokenizer_config.json``): ``chat_template.jinja``
+    (where ``transformers`` saves it now), else ``tokenizer_config.json``'s
+    ``chat_template`` (a string, or a list of named templates: the ``default`` one).
+    ``(None, {})`` for a jaxpar run or a directory without one."""
+    run_dir = pathlib.Path(run_dir)
+    if not is_hf(run_dir):
+        return None, {}
+    config_path = run_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    tokens = {}
+    for name in ("bos_token", "eos_token"):
+        token = config.get(name)
+        token = token.get("content") if isinstance(token, dict) else token
+        if isinstance(token, str):
+            tokens[name] = token
+    if (run_dir / "chat_template.jinja").is_file():
+        return (run_dir / "chat_template.jinja").read_text(), tokens
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    return (template if isinstance(template, str) else None), tokens
+
+
+def build(args):
+    """``(async_engine, app, engine)`` for parsed ``args``: the model loaded, the engine
+    warmed up (every program compiled)."""
+    from jaxpar.serving import Engine
+    from jaxpar.serving.async_engine import AsyncEngine
+    from jaxpar.serving.server import create_app
+
+    tokenizer = load_tokenizer(args.run_dir)
+    model = load_model(args.run_dir)
+    engine = Engine(model, tokenizer=tokenizer, eos_ids=eos_ids(args.run_dir, tokenizer),
+                    max_batch=args.max_batch, max_context=context_length(args.run_dir, model),
+                    page_size=args.page_size, kv_memory=args.kv_memory, prefill_chunk=args.prefill_chunk)
+    engine.warm_up()
+    async_engine = AsyncEngine(engine, max_queue=args.max_queue)
+    template, special_tokens = chat_template(args.run_dir)
+    name = args.model_name or args.run_dir.resolve().name
+    app = create_app(async_engine, name, tokenizer, chat_template=template, special_tokens=special_tokens,
+                     shutdown_timeout=args.shutdown_timeout)
+    return async_engine, app, engine
+
+
+def main(argv=None) -> int:
+    import uvicorn
+
+    parser = _parser()
+    args = parser.parse_args(argv)
+    check_args(args, parser)
+    try:
+        check_run_dir(args.run_dir)
+    except FileNotFoundError as e:
+        parser.error(str(e))
+    try:
+        async_engine, app, engine = build(args)
+        sock = socket.create_server((args.host, args.port))
+    except (FileNotFoundError, ValueError, OSError) as e:
+        print(f"jaxpar-serve: error: {e}", file=sys.stderr)
+        return 1
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            async_engine.close()  # admit nothing from now on, while running requests finish
+            super().handle_exit(sig, frame)
+            # uvicorn re-raises a caught signal after its graceful shutdown, so the process
+            # would die of SIGTERM; a shutdown that finished its requests exits 0.
+            self._captured_signals.clear()
+
+    config = uvicorn.Config(app, log_level="info" if args.access_log else "warning",
+                            access_log=args.access_log, timeout_graceful_shutdown=args.shutdown_timeout)
+    host, port = sock.getsockname()[:2]
+    host = f"[{host}]" if ":" in host else host
+    print(f"jaxpar-serve: serving {app.state.model_name!r} on http://{host}:{port}/v1 "
+          f"({len(engine.compiled_programs)} compiled programs; {engine.max_batch} batch slots, "
+          f"{engine.pool.total} KV pages of {engine.page_size} tokens, context {engine.max_context})",
+          file=sys.stderr, flush=True)
+    Server(config).run(sockets=[sock])
+    return 0
+
+
+def main_entry() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    main_entry()
