@@ -28,6 +28,7 @@ from test_serving import compiles_during
 
 from jaxpar.inference.decoding import generate
 from jaxpar.models import ModelConfig, Transformer, to_hf
+from jaxpar.serving import SamplingParams
 from jaxpar.serving.server import create_app
 from jaxpar.train import serve
 
@@ -309,14 +310,33 @@ def test_full_queue_429_and_disconnected_streams_free_their_pages(served):
 
 
 def test_command_line_refuses_what_is_not_supported_yet(hf_dir, capsys):
-    """--draft/--method and key=value overrides: one line, exit 2, before loading."""
-    for argv, words in [([str(hf_dir), "--draft", str(hf_dir)], "speculative decoding inside the serving engine"),
-                        ([str(hf_dir), "mesh.tensor=2"], "mesh.tensor=2: overrides (tensor-parallel serving)"),
+    """GliDe drafts, a draft on a mesh and overrides other than mesh.tensor: one line,
+    exit 2, before loading."""
+    for argv, words in [([str(hf_dir), "--draft", str(hf_dir), "--method", "glide"],
+                         "--method glide: GliDe drafts in the serving engine are not supported yet"),
+                        ([str(hf_dir), "--draft", str(hf_dir), "mesh.tensor=2"],
+                         "--draft with mesh.tensor: speculative decoding on a mesh is not supported yet"),
+                        ([str(hf_dir), "mesh.data=2"], "mesh.data=2: only mesh.tensor=K is supported"),
+                        ([str(hf_dir), "mesh.tensor=x"], "mesh.tensor=x: mesh.tensor must be a positive integer"),
+                        ([str(hf_dir), "--method", "speculative"], "--method speculative needs --draft"),
                         ([str(hf_dir), "--max-batch", "0"], "--max-batch 0 must be at least 1")]:
         with pytest.raises(SystemExit) as exit_:
             serve.main(argv)
         err = capsys.readouterr().err
         assert exit_.value.code == 2 and words in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_command_line_serves_tensor_parallel_and_speculative(hf_dir):
+    """``mesh.tensor=2`` and ``--draft`` (the model as its own draft: every proposal
+    accepted) build engines that answer as the plain one does."""
+    prompt = "t5 t9 t2 t7"
+    params = SamplingParams(max_tokens=8)
+    plain = serve.build(serve._parser().parse_args([str(hf_dir), "--prefill-chunk", "16"]))[2]
+    want = plain.generate([prompt], params)[0].token_ids
+    for extra in (["mesh.tensor=2"], ["--draft", str(hf_dir), "--gamma", "2"]):
+        engine = serve.build(serve._parser().parse_args([str(hf_dir), "--prefill-chunk", "16", *extra]))[2]
+        assert engine.generate([prompt], params)[0].token_ids == want, extra
+    assert engine.draft is not None and engine.accepted == 2 * engine.rounds
 
 
 @pytest.mark.slow

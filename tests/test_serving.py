@@ -82,14 +82,14 @@ def test_static_batching_admits_only_into_an_empty_batch(model):
     prompts, params = requests(7, 6)
     served = engine(model, batching="static")
     ids = [served.add_request(p, s) for p, s in zip(prompts, params)]
-    admitted = []
+    admitted, finished = [], {}
     while served.has_unfinished():
-        served.step()
+        finished.update((o.request_id, o.token_ids) for o in served.step() if o.finished)
         admitted.append((served.running, served.waiting))
     first = admitted.index(next(a for a in admitted if a[1] == 0))
     assert all(waiting == 2 for _, waiting in admitted[:first]) and admitted[0][0] == 4
     assert all(running == 0 for running, _ in admitted[first - 1:first])
-    outputs = [served._by_id[i].output.token_ids for i in ids]
+    outputs = [finished[i] for i in ids]
     assert outputs == [o.token_ids for o in engine(model).generate(prompts, params)]
     with pytest.raises(ValueError, match="batching='dynamic' must be 'continuous' or 'static'"):
         engine(model, batching="dynamic")
@@ -133,7 +133,7 @@ def test_end_tokens_abort_and_bad_requests(model):
 
     for prompt, params, message in [
         ([], SamplingParams(), "the prompt is empty"),
-        ([1, 97], SamplingParams(), "token id 97 is outside the model's vocabulary of 97"),
+        ([1, 96], SamplingParams(), "token id 96 is outside the model's vocabulary of 96"),
         ([1], SamplingParams(max_tokens=0), "max_tokens=0 must be an int >= 1"),
         ([1], SamplingParams(temperature=-1.0), "temperature=-1.0 must be >= 0"),
         ([1], SamplingParams(top_p=0.0), r"top_p=0.0 must be in \(0, 1\]"),

@@ -10,9 +10,16 @@ it runs (``Engine.warm_up``) before the server listens, then one line on stderr 
 the URL and the compiled programs. SIGTERM (or Ctrl-C) stops admitting requests, lets
 the running ones finish for up to ``--shutdown-timeout`` seconds, and exits 0.
 
-Not supported yet, refused in one line: ``--draft``/``--method`` (speculative decoding
-inside the engine) and ``key=value`` overrides such as ``mesh.tensor=2``
-(tensor-parallel serving).
+PATH may also be a ``.gguf`` file (``jaxpar.models.from_gguf``), whose chat template
+the file carries.
+
+``--draft DIR`` serves with speculative decoding (``--method speculative``, the default
+with a draft): every engine step is one round for the running batch (``Engine(draft=,
+gamma=)``), lossless. ``mesh.tensor=K`` serves tensor-parallel over the first ``K``
+devices (``Engine(mesh=)``: weights and KV heads split by the training rules). Not
+supported yet, refused in one line: ``--method glide|cape`` (GliDe drafts read the
+target's cache, which the paged engine does not hand them yet), a draft with
+``mesh.tensor``, and every other override (``mesh.data`` replicas among them).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import socket
 import sys
 
 from jaxpar.train.command import CommandParser
+from jaxpar.models.gguf import gguf_metadata, is_gguf
 from jaxpar.train.runs import check_run_dir, context_length, eos_ids, is_hf, load_model, load_tokenizer
 
 METHODS = ("speculative", "glide", "cape")
@@ -33,7 +41,7 @@ def _parser() -> CommandParser:
     parser.add_argument("run_dir", type=pathlib.Path, metavar="PATH",
                         help="a jaxpar-train run directory or a Hugging Face directory")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                        help="model placement overrides such as mesh.tensor=2 (not supported yet)")
+                        help="mesh.tensor=K: tensor-parallel serving over K devices")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="0: any free port (the log line says which)")
     parser.add_argument("--max-batch", type=int, default=8, help="sequences decoded together (%(default)s)")
@@ -51,17 +59,30 @@ def _parser() -> CommandParser:
                         help="seconds running requests get to finish after SIGTERM (%(default)s)")
     parser.add_argument("--access-log", action="store_true", help="log every request (uvicorn's access log)")
     parser.add_argument("--draft", type=pathlib.Path, metavar="DRAFT_DIR",
-                        help="speculative decoding's draft model (not supported yet)")
-    parser.add_argument("--method", choices=METHODS, help="speculative decoding method (not supported yet)")
+                        help="speculative decoding's draft model (a run, Hugging Face directory or .gguf file)")
+    parser.add_argument("--method", choices=METHODS,
+                        help="speculative decoding method (speculative; glide and cape not supported yet)")
+    parser.add_argument("--gamma", type=int, default=4, help="tokens the draft proposes per round (%(default)s)")
     return parser
 
 
 def check_args(args, parser: CommandParser) -> None:
     """``parser.error`` (one line, exit 2) for what is not supported yet or a bad value."""
-    if args.draft is not None or args.method is not None:
-        parser.error("--draft/--method: speculative decoding inside the serving engine is not supported yet")
-    if args.overrides:
-        parser.error(f"{args.overrides[0]}: overrides (tensor-parallel serving) are not supported yet")
+    if args.method is not None and args.draft is None:
+        parser.error(f"--method {args.method} needs --draft DRAFT_DIR")
+    if args.method in ("glide", "cape"):
+        parser.error(f"--method {args.method}: GliDe drafts in the serving engine are not supported yet "
+                     "(--method speculative is)")
+    for override in args.overrides:
+        key, _, value = override.partition("=")
+        if key != "mesh.tensor":
+            parser.error(f"{override}: only mesh.tensor=K is supported by jaxpar-serve yet")
+        if not value.isdigit() or int(value) < 1:
+            parser.error(f"{override}: mesh.tensor must be a positive integer")
+    if tensor_parallel(args) > 1 and args.draft is not None:
+        parser.error("--draft with mesh.tensor: speculative decoding on a mesh is not supported yet")
+    if args.gamma < 1:
+        parser.error(f"--gamma {args.gamma} must be at least 1")
     for flag, value, least in [("--max-batch", args.max_batch, 1), ("--max-queue", args.max_queue, 0),
                                ("--page-size", args.page_size, 1), ("--prefill-chunk", args.prefill_chunk, 1),
                                ("--port", args.port, 0), ("--kv-memory", args.kv_memory, 1),
@@ -72,6 +93,24 @@ def check_args(args, parser: CommandParser) -> None:
         parser.error(f"--port {args.port} must be at most 65535")
 
 
+def tensor_parallel(args) -> int:
+    """``K`` of a ``mesh.tensor=K`` override (1 without one)."""
+    values = [int(o.partition("=")[2]) for o in args.overrides if o.startswith("mesh.tensor=")]
+    return values[-1] if values else 1
+
+
+def _mesh(k: int):
+    """A mesh of the first ``k`` devices on one ``tensor`` axis (Auto), or None for 1."""
+    if k == 1:
+        return None
+    import jax
+
+    if k > len(jax.devices()):
+        raise ValueError(f"mesh.tensor={k} is more than the {len(jax.devices())} devices here")
+    return jax.make_mesh((k,), ("tensor",), devices=jax.devices()[:k],
+                         axis_types=(jax.sharding.AxisType.Auto,))
+
+
 def chat_template(run_dir: pathlib.Path) -> tuple[str | None, dict[str, str]]:
     """A Hugging Face directory's chat template and the special tokens it may read
     (``bos_token``, ``eos_token`` from ``tokenizer_config.json``): ``chat_template.jinja``
@@ -79,6 +118,11 @@ def chat_template(run_dir: pathlib.Path) -> tuple[str | None, dict[str, str]]:
     ``chat_template`` (a string, or a list of named templates: the ``default`` one).
     ``(None, {})`` for a jaxpar run or a directory without one."""
     run_dir = pathlib.Path(run_dir)
+    if is_gguf(run_dir):
+        meta, tokenizer = gguf_metadata(run_dir), load_tokenizer(run_dir)
+        tokens = {name: tokenizer.id_to_token(i) for name, i in
+                  (("bos_token", meta.bos_id), ("eos_token", (meta.eos_ids or (None,))[0])) if i is not None}
+        return meta.chat_template, tokens
     if not is_hf(run_dir):
         return None, {}
     config_path = run_dir / "tokenizer_config.json"
@@ -106,9 +150,17 @@ def build(args):
 
     tokenizer = load_tokenizer(args.run_dir)
     model = load_model(args.run_dir)
+    draft = None
+    if args.draft is not None:
+        from jaxpar.train.generate import check_same_tokenizer
+
+        check_run_dir(args.draft)
+        check_same_tokenizer(args.run_dir, args.draft)
+        draft = load_model(args.draft)
     engine = Engine(model, tokenizer=tokenizer, eos_ids=eos_ids(args.run_dir, tokenizer),
                     max_batch=args.max_batch, max_context=context_length(args.run_dir, model),
-                    page_size=args.page_size, kv_memory=args.kv_memory, prefill_chunk=args.prefill_chunk)
+                    page_size=args.page_size, kv_memory=args.kv_memory, prefill_chunk=args.prefill_chunk,
+                    draft=draft, gamma=args.gamma, mesh=_mesh(tensor_parallel(args)))
     engine.warm_up()
     async_engine = AsyncEngine(engine, max_queue=args.max_queue)
     template, special_tokens = chat_template(args.run_dir)
