@@ -1,25 +1,32 @@
-"""Serving under load (``jaxpar.serving``, issue 19): continuous batching against static
-batching on the same engine, requests arriving as a Poisson process.
+"""Serving under load (``jaxpar.serving``, issue 19): requests arriving as a Poisson
+process, continuous batching against static batching on the same engine, and jaxpar-serve
+against another OpenAI-compatible server on the same load.
 
-    python bench/serve.py [--model PATH | --config tiny] [--rates 2 4 8 16]
+    python bench/serve.py engine [--model PATH | --config tiny] [--rates 2 4 8 16]
         [--requests 48] [--max-batch 8] [--prompt-tokens 16 256] [--max-tokens 8 96]
         [--seed 0] [--json PATH] [--png PATH]
+    python bench/serve.py http --model PATH [--rates ...] [--requests ...] [...]
+        [--against-url URL --against-model NAME --against-label LABEL]
 
-Each rate (requests per second) runs the same requests twice, continuous and static
-(``Engine(batching=...)``: static admits only into an empty batch): prompts are slices of
-the interpreter's standard library source (tokenized with the model's tokenizer, or as
-bytes modulo the vocabulary for a random-weights ``--config`` model), lengths uniform in
-``--prompt-tokens``, each asking for a number of tokens uniform in ``--max-tokens``, no
-end token (every request generates exactly what it asks for, so both modes do the same
-work). The engine runs in this process, its loop driven by the wall clock: requests are
-added when their arrival time has passed, then one ``Engine.step``. Programs are
-compiled before the clock starts (``Engine.warm_up``).
+``engine``: the engine in this process, its loop driven by the wall clock (requests are
+added when their arrival time has passed, then one ``Engine.step``); every request
+generates exactly what it asks for (no end token), so both modes do the same work.
+``http`` (loopback): ``jaxpar-serve PATH --batching MODE`` is started for each mode
+(``--port 0``, programs compiled before it listens) and the load is sent to it with
+streamed ``/v1/completions`` (greedy, ``stream_options.include_usage``); with
+``--against-url`` the same load also goes to that server (``transformers serve``, say),
+its completions counted by the usage it reports. Requests may end at the model's end
+token there, so modes and servers are compared by output tokens per second.
 
-Reported per mode and rate: time to first token (arrival to the step that samples it)
-p50/p99, time per output token (first to last token over the tokens after the first)
-p50/p99, request and output-token throughput over the run (first arrival to last
-token), and KV-page utilisation (pages reserved / pages, mean over steps). The PNG
-plots p99 time to first token and median time per output token against output tokens/s.
+Prompts are slices of the interpreter's standard library source (the model's tokenizer;
+bytes modulo the vocabulary for a random-weights ``--config`` model, engine mode only),
+lengths uniform in ``--prompt-tokens``, each asking for a number of tokens uniform in
+``--max-tokens``. Reported per mode and rate: time to first token (arrival to its first
+token) p50/p99, time per output token (first to last token over the tokens after the
+first) p50/p99, request and output-token throughput over the run (first arrival to
+last token), and (engine mode) KV-page utilisation (pages reserved / pages, mean over
+steps). The PNG plots p99 time to first token and median time per output token
+against output tokens/s.
 """
 
 from __future__ import annotations
@@ -81,6 +88,20 @@ def make_requests(args, vocab: int, tokenizer, rng) -> list[tuple[float, list[in
     return out
 
 
+def summary(arrived: dict, first: dict, last: dict) -> dict:
+    """The figures of one run from per-request times: ``arrived`` / ``first`` (seconds
+    from the run's start), ``last`` ``(seconds, output tokens)``."""
+    ttft = [first[r] - arrived[r] for r in arrived]
+    tpot = [(last[r][0] - first[r]) / (last[r][1] - 1) for r in arrived if last[r][1] > 1]
+    tokens = sum(n for _, n in last.values())
+    span = max(t for t, _ in last.values())
+    pct = lambda xs, q: float(np.percentile(xs, q)) if xs else float("nan")  # noqa: E731
+    return {"requests": len(arrived), "output_tokens": tokens, "seconds": span,
+            "requests_per_s": len(arrived) / span, "output_tokens_per_s": tokens / span,
+            "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
+            "tpot_p50_s": pct(tpot, 50), "tpot_p99_s": pct(tpot, 99)}
+
+
 def run(engine: Engine, requests, rate: float) -> dict:
     """The requests through ``engine`` at ``rate`` requests/s: per-request timings."""
     pending = [(arrival / rate, prompt, m) for arrival, prompt, m in requests]
@@ -102,16 +123,72 @@ def run(engine: Engine, requests, rate: float) -> dict:
             first.setdefault(out.request_id, now)
             if out.finished:
                 last[out.request_id] = (now, len(out.token_ids))
-    ttft = [first[r] - arrived[r] for r in arrived]
-    tpot = [(last[r][0] - first[r]) / (last[r][1] - 1) for r in arrived if last[r][1] > 1]
-    tokens = sum(n for _, n in last.values())
-    span = max(t for t, _ in last.values())
-    pct = lambda xs, q: float(np.percentile(xs, q))  # noqa: E731
-    return {"rate": rate, "requests": len(arrived), "output_tokens": tokens, "seconds": span,
-            "requests_per_s": len(arrived) / span, "output_tokens_per_s": tokens / span,
-            "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
-            "tpot_p50_s": pct(tpot, 50), "tpot_p99_s": pct(tpot, 99),
-            "kv_utilisation": float(np.mean(used)), "steps": len(used)}
+    return {"rate": rate, **summary(arrived, first, last), "kv_utilisation": float(np.mean(used)),
+            "steps": len(used)}
+
+
+async def _one(client, url: str, model: str, text: str, max_tokens: int, t0: float, times: dict, key: int):
+    """One streamed completion; records its first and last token times and token count."""
+    import json as json_lib
+
+    body = {"model": model, "prompt": text, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    first, count, chunks = None, None, 0
+    async with client.stream("POST", f"{url}/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"{url}: HTTP {response.status_code}: {(await response.aread())[:300]!r}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json_lib.loads(line[6:])
+            if chunk.get("usage"):
+                count = chunk["usage"]["completion_tokens"]
+            if any(c.get("text") for c in chunk.get("choices") or ()):
+                chunks += 1
+                first = first or time.perf_counter() - t0
+    times["first"][key] = first if first is not None else time.perf_counter() - t0
+    times["last"][key] = (time.perf_counter() - t0, count if count is not None else chunks)
+
+
+def run_http(url: str, model: str, tokenizer, requests, rate: float) -> dict:
+    """The requests, as text, to the server at ``url`` at ``rate`` requests/s."""
+    import asyncio
+
+    import httpx
+
+    async def main():
+        times = {"arrived": {}, "first": {}, "last": {}}
+        async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=1000)) as client:
+            t0 = time.perf_counter()
+            tasks = []
+            for key, (arrival, prompt, m) in enumerate(requests):
+                await asyncio.sleep(max(arrival / rate - (time.perf_counter() - t0), 0))
+                times["arrived"][key] = time.perf_counter() - t0
+                tasks.append(asyncio.create_task(_one(client, url, model, tokenizer.decode(prompt), m, t0, times,
+                                                      key)))
+            await asyncio.gather(*tasks)
+        return times
+
+    times = asyncio.run(main())
+    return {"rate": rate, **summary(times["arrived"], times["first"], times["last"])}
+
+
+def start_server(path: str, mode: str, args) -> tuple:
+    """``(process, url)``: ``jaxpar-serve PATH --batching MODE --port 0``, once listening."""
+    import re
+    import subprocess
+
+    command = [sys.executable, "-m", "jaxpar.train.serve", path, "--port", "0", "--batching", mode,
+               "--max-batch", str(args.max_batch), "--page-size", str(args.page_size),
+               "--prefill-chunk", str(args.prefill_chunk), "--model-name", "bench", "--max-queue", "100000",
+               "--max-context", str(args.prompt_tokens[1] + args.max_tokens[1] + 16)]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    lines = []
+    while not (match := re.search(r" on (http://\S+/v1) ", lines[-1] if lines else "")):
+        lines.append(process.stderr.readline())
+        if not lines[-1]:
+            raise RuntimeError("jaxpar-serve ended before listening:\n" + "".join(lines))
+    return process, match[1]
 
 
 def draw(rows: list[dict], png: pathlib.Path, title: str) -> None:
@@ -121,57 +198,93 @@ def draw(rows: list[dict], png: pathlib.Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for mode, marker in zip(MODES, "os"):
-        mine = [r for r in rows if r["mode"] == mode]
+    series = list(dict.fromkeys((r["server"], r["mode"]) for r in rows))
+    for (server, mode), marker in zip(series, "os^vD"):
+        mine = [r for r in rows if (r["server"], r["mode"]) == (server, mode)]
         x = [r["output_tokens_per_s"] for r in mine]
         for ax, key, label in ((axes[0], "ttft_p99_s", "p99 time to first token (s)"),
                                (axes[1], "tpot_p50_s", "median time per output token (s)")):
-            ax.plot(x, [r[key] for r in mine], marker=marker, label=f"{mode} batching")
+            ax.plot(x, [r[key] for r in mine], marker=marker, label=f"{server}, {mode}")
             for r in mine:
                 ax.annotate(f"{r['rate']:g}/s", (r["output_tokens_per_s"], r[key]), fontsize=7,
                             textcoords="offset points", xytext=(4, 4))
             ax.set_xlabel("output tokens / s")
             ax.set_ylabel(label)
             ax.grid(alpha=0.3)
-    axes[0].legend()
+    axes[0].legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=110)
 
 
+def _print(row: dict) -> None:
+    kv = f"{row['kv_utilisation']:.0%}" if "kv_utilisation" in row else "-"
+    print(f"| {row['server']} | {row['mode']} | {row['rate']:g} | {row['output_tokens_per_s']:.1f} | "
+          f"{row['requests_per_s']:.2f} | {row['ttft_p50_s']:.2f} / {row['ttft_p99_s']:.2f} | "
+          f"{row['tpot_p50_s'] * 1e3:.1f} / {row['tpot_p99_s'] * 1e3:.1f} | {kv} |", flush=True)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", help="a run or Hugging Face directory (default: random weights)")
-    parser.add_argument("--config", default="tiny", help="the random-weights model's config")
-    parser.add_argument("--rates", type=float, nargs="+", default=[2, 4, 8, 16])
-    parser.add_argument("--requests", type=int, default=48)
-    parser.add_argument("--max-batch", type=int, default=8)
-    parser.add_argument("--prompt-tokens", type=int, nargs=2, default=[16, 256])
-    parser.add_argument("--max-tokens", type=int, nargs=2, default=[8, 96])
-    parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--prefill-chunk", type=int, default=256)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", type=pathlib.Path)
-    parser.add_argument("--png", type=pathlib.Path)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in ("engine", "http"):
+        p = sub.add_parser(name)
+        p.add_argument("--model", required=name == "http",
+                       help="a run, Hugging Face directory or .gguf file (engine default: random weights)")
+        p.add_argument("--config", default="tiny", help="the random-weights model's config (engine)")
+        p.add_argument("--rates", type=float, nargs="+", default=[2, 4, 8, 16])
+        p.add_argument("--requests", type=int, default=48)
+        p.add_argument("--max-batch", type=int, default=8)
+        p.add_argument("--prompt-tokens", type=int, nargs=2, default=[16, 256])
+        p.add_argument("--max-tokens", type=int, nargs=2, default=[8, 96])
+        p.add_argument("--page-size", type=int, default=16)
+        p.add_argument("--prefill-chunk", type=int, default=256)
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--json", type=pathlib.Path)
+        p.add_argument("--png", type=pathlib.Path)
+        if name == "http":
+            p.add_argument("--against-url", help="another OpenAI-compatible server's base URL (ending /v1)")
+            p.add_argument("--against-model", help="the model name that server expects")
+            p.add_argument("--against-label", default="other server")
     args = parser.parse_args(argv)
 
-    model, tokenizer = load(args)
-    requests = make_requests(args, model.cfg.vocab_size, tokenizer, np.random.default_rng(args.seed))
+    if args.command == "http":
+        from jaxpar.train.runs import load_tokenizer
+
+        model, tokenizer = None, load_tokenizer(pathlib.Path(args.model))
+        vocab = tokenizer.get_vocab_size()
+    else:
+        model, tokenizer = load(args)
+        vocab = model.cfg.vocab_size
+    requests = make_requests(args, vocab, tokenizer, np.random.default_rng(args.seed))
     context = args.prompt_tokens[1] + args.max_tokens[1]
     rows = []
-    print("| mode | rate (req/s) | output tok/s | req/s | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) | KV pages used |")
-    print("|---|---|---|---|---|---|---|")
+    print("| server | mode | rate (req/s) | output tok/s | req/s | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) "
+          "| KV pages used |")
+    print("|---|---|---|---|---|---|---|---|")
     for rate in args.rates:
         for mode in MODES:
-            engine = Engine(model, tokenizer=tokenizer, max_batch=args.max_batch, max_context=context,
-                            page_size=args.page_size, prefill_chunk=args.prefill_chunk, batching=mode)
-            engine.warm_up()
-            row = {"mode": mode, **run(engine, requests, rate), "programs": len(engine.compiled_programs)}
+            if args.command == "engine":
+                engine = Engine(model, tokenizer=tokenizer, max_batch=args.max_batch, max_context=context,
+                                page_size=args.page_size, prefill_chunk=args.prefill_chunk, batching=mode)
+                engine.warm_up()
+                row = {"server": "jaxpar engine", "mode": mode, **run(engine, requests, rate),
+                       "programs": len(engine.compiled_programs)}
+            else:
+                process, url = start_server(args.model, mode, args)
+                try:
+                    row = {"server": "jaxpar-serve", "mode": mode, **run_http(url, "bench", tokenizer, requests, rate)}
+                finally:
+                    process.terminate()
+                    process.wait(timeout=120)
             rows.append(row)
-            print(f"| {mode} | {rate:g} | {row['output_tokens_per_s']:.1f} | {row['requests_per_s']:.2f} | "
-                  f"{row['ttft_p50_s']:.2f} / {row['ttft_p99_s']:.2f} | {row['tpot_p50_s'] * 1e3:.1f} / "
-                  f"{row['tpot_p99_s'] * 1e3:.1f} | {row['kv_utilisation']:.0%} |", flush=True)
+            _print(row)
+        if args.command == "http" and args.against_url:
+            row = {"server": args.against_label, "mode": "its own",
+                   **run_http(args.against_url, args.against_model, tokenizer, requests, rate)}
+            rows.append(row)
+            _print(row)
     meta = {"command": " ".join(["python", *sys.argv]) if argv is None else "main(...)",
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "machine": f"{platform.machine()}, {os.cpu_count()} cores",
@@ -181,8 +294,9 @@ def main(argv=None) -> None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     if args.png:
-        draw(rows, args.png, f"{meta['model']}, {args.requests} requests, {args.max_batch} slots, "
-                             f"{meta['devices']}, {meta['date']}")
+        name = pathlib.Path(meta["model"]).name
+        draw(rows, args.png, f"{name}, {args.requests} requests, {args.max_batch} slots, "
+                             f"{meta['machine']}, {meta['date']}")
         print(f"wrote {args.png}")
 
 

@@ -143,7 +143,7 @@ def test_serving_benchmark(tmp_path):
     """bench/serve.py at a tiny scale: both batching modes serve every request, every
     request generates what it asked for (no end token), and the figures are numbers."""
     bench = runpy.run_path(str(ROOT / "bench" / "serve.py"), run_name="bench_serve")
-    bench["main"](["--rates", "40", "--requests", "5", "--max-batch", "2", "--prompt-tokens", "3", "12",
+    bench["main"](["engine", "--rates", "40", "--requests", "5", "--max-batch", "2", "--prompt-tokens", "3", "12",
                    "--max-tokens", "2", "5", "--prefill-chunk", "16", "--json", str(tmp_path / "serve.json")])
     rows = json.loads((tmp_path / "serve.json").read_text())["rows"]
     assert [r["mode"] for r in rows] == ["continuous", "static"]

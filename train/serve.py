@@ -52,8 +52,14 @@ def _parser() -> CommandParser:
     parser.add_argument("--kv-memory", type=int, metavar="BYTES",
                         help="bytes of KV cache pages (default: room for --max-batch sequences of the "
                              "whole context)")
+    parser.add_argument("--max-context", type=int, metavar="TOKENS",
+                        help="the longest prompt + max_tokens a request may ask for (default: the model's "
+                             "context); the KV pages and the compiled page buckets follow it")
     parser.add_argument("--prefill-chunk", type=int, default=256,
                         help="most prompt tokens prefilled per engine step (%(default)s)")
+    parser.add_argument("--batching", choices=("continuous", "static"), default="continuous",
+                        help="static: admit only into an empty batch, the baseline bench/serve.py compares "
+                             "with (%(default)s)")
     parser.add_argument("--model-name", help="the model id clients name (default: PATH's directory name)")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds running requests get to finish after SIGTERM (%(default)s)")
@@ -86,11 +92,20 @@ def check_args(args, parser: CommandParser) -> None:
     for flag, value, least in [("--max-batch", args.max_batch, 1), ("--max-queue", args.max_queue, 0),
                                ("--page-size", args.page_size, 1), ("--prefill-chunk", args.prefill_chunk, 1),
                                ("--port", args.port, 0), ("--kv-memory", args.kv_memory, 1),
-                               ("--shutdown-timeout", args.shutdown_timeout, 0)]:
+                               ("--shutdown-timeout", args.shutdown_timeout, 0), ("--max-context", args.max_context, 2)]:
         if value is not None and value < least:
             parser.error(f"{flag} {value} must be at least {least}")
     if args.port > 65535:
         parser.error(f"--port {args.port} must be at most 65535")
+
+
+def _context(args, model_context: int) -> int:
+    """``--max-context`` (at most the model's), or the model's context."""
+    if args.max_context is None:
+        return model_context
+    if args.max_context > model_context:
+        raise ValueError(f"--max-context {args.max_context} is past the model's context of {model_context}")
+    return args.max_context
 
 
 def tensor_parallel(args) -> int:
@@ -158,9 +173,9 @@ def build(args):
         check_same_tokenizer(args.run_dir, args.draft)
         draft = load_model(args.draft)
     engine = Engine(model, tokenizer=tokenizer, eos_ids=eos_ids(args.run_dir, tokenizer),
-                    max_batch=args.max_batch, max_context=context_length(args.run_dir, model),
+                    max_batch=args.max_batch, max_context=_context(args, context_length(args.run_dir, model)),
                     page_size=args.page_size, kv_memory=args.kv_memory, prefill_chunk=args.prefill_chunk,
-                    draft=draft, gamma=args.gamma, mesh=_mesh(tensor_parallel(args)))
+                    draft=draft, gamma=args.gamma, mesh=_mesh(tensor_parallel(args)), batching=args.batching)
     engine.warm_up()
     async_engine = AsyncEngine(engine, max_queue=args.max_queue)
     template, special_tokens = chat_template(args.run_dir)

@@ -20,9 +20,11 @@ A sequence ends at one of its ``eos_ids``, after ``max_tokens`` tokens, or (with
 tokenizer) when its text contains one of its ``stop`` strings, the text then cut before
 it.
 
-Compiled programs: one decode program (with a draft: one speculative round) and one
-prefill program per row bucket (powers of two from 16 up to ``prefill_chunk``);
-``Engine.compiled_programs`` lists the shapes.
+Compiled programs: per page bucket (the pages of a sequence a program reads: x4 from 16
+pages up to the context's, so attention reads what the batch's longest sequence needs),
+one decode program (with a draft: one speculative round) and one prefill program per
+row bucket (powers of two from 16 up to ``prefill_chunk``); ``Engine.compiled_programs``
+lists the shapes, ``warm_up`` compiles them all.
 """
 
 from __future__ import annotations
@@ -209,6 +211,12 @@ class Engine:
         self.buckets = tuple(sorted({min(2 ** n, prefill_chunk) for n in range(4, max(5, math.ceil(
             math.log2(prefill_chunk)) + 1))}))
         self.prefill_chunk = self.buckets[-1]
+        # Pages a program reads per sequence, bucketed (x4 from 16 pages up to the context's):
+        # attention reads what the longest sequence of the batch needs, not the whole context.
+        widths = {self.max_pages}
+        while (width := 16 * 4 ** (len(widths) - 1)) < self.max_pages:
+            widths.add(width)
+        self.page_buckets = tuple(sorted(widths))
         self.compiled_programs: set[tuple] = set()
         self._waiting: deque[_Sequence] = deque()
         self._slots: list[_Sequence | None] = [None] * max_batch
@@ -283,19 +291,17 @@ class Engine:
         nothing."""
         G, B = self.max_batch, self.max_batch
         empty = [None] * G
-        tables = np.full((G, self.max_pages), NULL_PAGE, np.int32)
-        for C in self.buckets:
-            zeros = np.zeros(C, np.int32)
-            self.compiled_programs.add(("prefill", C, G, self.max_pages))
-            self._run(programs.prefill, zeros, zeros, np.full(C, -1, np.int32), tables, np.zeros(G, np.int32),
-                      self._sampling(empty))
         zeros = np.zeros(B, np.int32)
-        if self.draft is not None:
-            self.compiled_programs.add(("speculative_round", B, self.max_pages, self.gamma))
-            self._round(zeros, zeros, tables, zeros, self._sampling(empty))
-            return
-        self.compiled_programs.add(("decode", B, self.max_pages))
-        self._run(programs.decode, zeros, tables, zeros, self._sampling(empty)).block_until_ready()
+        for width in self.page_buckets:
+            tables = np.full((G, width), NULL_PAGE, np.int32)
+            for C in self.buckets:
+                self._prefill_program(np.zeros(C, np.int32), np.zeros(C, np.int32), np.full(C, -1, np.int32),
+                                      tables, np.zeros(G, np.int32), empty)
+            if self.draft is not None:
+                self._round(zeros, zeros, tables, zeros, empty)
+            else:
+                self._decode_program(zeros, tables, zeros, empty)
+        jax.block_until_ready(self.kv)
 
     # -------------------------------------------------------------- one step
 
@@ -337,18 +343,32 @@ class Engine:
                 _, self.draft_kv = program(self.draft[0], self.execution, self.draft[1], self.draft_kv, *args)
         return tokens
 
-    def _round(self, prev, last, tables, lengths, sampling):
+    def _round(self, prev, last, tables, lengths, rows):
         """One speculative round (``programs.speculative_round``): ``(emitted, accepted)``."""
+        self.compiled_programs.add(("speculative_round", len(rows), tables.shape[1], self.gamma))
         emitted, accepted, self.kv, self.draft_kv = programs.speculative_round(
             self.graphdef, self.draft[0], self.execution, self.gamma, self.params, self.draft[1], self.kv,
-            self.draft_kv, prev, last, tables, lengths, sampling)
+            self.draft_kv, prev, last, tables, lengths, self._sampling(rows))
         return np.asarray(emitted), np.asarray(accepted)
 
-    def _table(self, sequence: _Sequence | None) -> np.ndarray:
-        row = np.full((self.max_pages,), NULL_PAGE, np.int32)
+    def _width(self, positions: int) -> int:
+        """The page bucket that holds ``positions`` positions."""
+        return next(w for w in self.page_buckets if w * self.page_size >= positions)
+
+    def _table(self, sequence: _Sequence | None, width: int) -> np.ndarray:
+        row = np.full((width,), NULL_PAGE, np.int32)
         if sequence is not None:
-            row[:len(sequence.pages)] = sequence.pages
+            pages = sequence.pages[:width]
+            row[:len(pages)] = pages
         return row
+
+    def _prefill_program(self, tokens, positions, index, tables, last, rows):
+        self.compiled_programs.add(("prefill", len(tokens), len(rows), tables.shape[1]))
+        return self._run(programs.prefill, tokens, positions, index, tables, last, self._sampling(rows))
+
+    def _decode_program(self, tokens, tables, lengths, rows):
+        self.compiled_programs.add(("decode", len(rows), tables.shape[1]))
+        return self._run(programs.decode, tokens, tables, lengths, self._sampling(rows))
 
     def _sampling(self, sequences: list[_Sequence | None]):
         """``(seeds, counts, temperature, top_p)`` per row; empty rows greedy."""
@@ -375,8 +395,9 @@ class Engine:
             budget -= take
         used = sum(take for _, take in chunks)
         C = next(b for b in self.buckets if b >= used)
+        width = self._width(max(s.prefilled + take for s, take in chunks))
         tokens, positions, index = (np.zeros(C, np.int32), np.zeros(C, np.int32), np.full(C, -1, np.int32))
-        tables, last = np.full((G, self.max_pages), NULL_PAGE, np.int32), np.zeros(G, np.int32)
+        tables, last = np.full((G, width), NULL_PAGE, np.int32), np.zeros(G, np.int32)
         row = [None] * G
         at = 0
         for g, (sequence, take) in enumerate(chunks):
@@ -384,11 +405,9 @@ class Engine:
             tokens[at:at + take] = sequence.prompt[start:start + take]
             positions[at:at + take] = np.arange(start, start + take)
             index[at:at + take] = g
-            tables[g], last[g], row[g] = self._table(sequence), at + take - 1, sequence
+            tables[g], last[g], row[g] = self._table(sequence, width), at + take - 1, sequence
             at += take
-        self.compiled_programs.add(("prefill", C, G, self.max_pages))
-        next_tokens = self._run(programs.prefill, tokens, positions, index, tables, last, self._sampling(row))
-        next_tokens = np.asarray(next_tokens)
+        next_tokens = np.asarray(self._prefill_program(tokens, positions, index, tables, last, row))
         done = []
         for g, (sequence, take) in enumerate(chunks):
             sequence.prefilled += take
@@ -406,12 +425,12 @@ class Engine:
         B = self.max_batch
         tokens = np.array([s.output.token_ids[-1] if s else 0 for s in active], np.int32)
         lengths = np.array([s.cached if s else 0 for s in active], np.int32)
-        tables = np.stack([self._table(s) for s in active])
         stepped = [s for s in active if s is not None]
+        width = self._width(max(s.cached for s in stepped) + 1 + self.lookahead)
+        tables = np.stack([self._table(s, width) for s in active])
         if self.draft is not None:
             prev = np.array([(s.prompt + s.output.token_ids)[-2] if s else 0 for s in active], np.int32)
-            self.compiled_programs.add(("speculative_round", B, self.max_pages, self.gamma))
-            emitted, accepted = self._round(prev, tokens, tables, lengths, self._sampling(active))
+            emitted, accepted = self._round(prev, tokens, tables, lengths, active)
             for sequence in stepped:
                 self.rounds, self.accepted = self.rounds + 1, self.accepted + int(accepted[sequence.slot])
                 for token in emitted[sequence.slot, :accepted[sequence.slot] + 1]:
@@ -419,8 +438,7 @@ class Engine:
                     if sequence.output.finished:
                         break
             return stepped
-        self.compiled_programs.add(("decode", B, self.max_pages))
-        next_tokens = np.asarray(self._run(programs.decode, tokens, tables, lengths, self._sampling(active)))
+        next_tokens = np.asarray(self._decode_program(tokens, tables, lengths, active))
         for sequence in stepped:
             self._append(sequence, int(next_tokens[sequence.slot]))
         return stepped
