@@ -247,6 +247,7 @@ def main(argv=None) -> None:
             p.add_argument("--against-url", help="another OpenAI-compatible server's base URL (ending /v1)")
             p.add_argument("--against-model", help="the model name that server expects")
             p.add_argument("--against-label", default="other server")
+            p.add_argument("--only-against", action="store_true", help="measure the other server alone")
     args = parser.parse_args(argv)
 
     if args.command == "http":
@@ -264,7 +265,7 @@ def main(argv=None) -> None:
           "| KV pages used |")
     print("|---|---|---|---|---|---|---|---|")
     for rate in args.rates:
-        for mode in MODES:
+        for mode in () if getattr(args, "only_against", False) else MODES:
             if args.command == "engine":
                 engine = Engine(model, tokenizer=tokenizer, max_batch=args.max_batch, max_context=context,
                                 page_size=args.page_size, prefill_chunk=args.prefill_chunk, batching=mode)
