@@ -326,6 +326,7 @@ def test_command_line_refuses_what_is_not_supported_yet(hf_dir, capsys):
         assert exit_.value.code == 2 and words in err and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.slow
 def test_command_line_serves_tensor_parallel_and_speculative(hf_dir):
     """``mesh.tensor=2`` and ``--draft`` (the model as its own draft: every proposal
     accepted) build engines that answer as the plain one does."""

@@ -55,6 +55,7 @@ def compiles_during(fn) -> int:
     return count[0]
 
 
+@pytest.mark.slow
 def test_continuous_batching_gives_each_request_its_tokens_alone(model):
     """10 requests of 1 to 149 prompt tokens and 1 to 29 new ones through 4 slots: each
     request's greedy tokens are those it gets decoded alone; every page is free after;
@@ -143,6 +144,7 @@ def test_end_tokens_abort_and_bad_requests(model):
             served.add_request(prompt, params)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tensor", [2, 4])
 def test_tensor_parallel_serving_gives_one_devices_tokens(model, tensor):
     """mesh.tensor=2 splits the 4 query and 2 kv heads; tensor=4 outnumbers the kv heads,
@@ -159,6 +161,7 @@ def test_tensor_parallel_serving_gives_one_devices_tokens(model, tensor):
     assert [o.token_ids for o in outputs] == [r.token_ids for r in reference]
 
 
+@pytest.mark.slow
 def test_speculative_rounds_are_lossless_per_sequence(model):
     """A draft in the engine: every decode step is one round for the running batch, each
     sequence accepting its own prefix. Greedy: the tokens without a draft, with the model
