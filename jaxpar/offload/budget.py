@@ -64,12 +64,27 @@ def format_bytes(n: float) -> str:
     return f"{int(n)}B"
 
 
+def _memory_stats(device) -> dict:
+    try:
+        return device.memory_stats() or {}
+    except Exception:  # noqa: BLE001 - backends without memory statistics raise or return None
+        return {}
+
+
 def device_memory(device) -> int | None:
     """The bytes ``device`` lets a process allocate (XLA's ``bytes_limit``: on a GPU the
     client's memory fraction of the card), or None where the backend does not say (CPU)."""
-    try:
-        stats = device.memory_stats()
-    except Exception:  # noqa: BLE001 - backends without memory statistics raise or return None
-        return None
-    limit = (stats or {}).get("bytes_limit")
+    limit = _memory_stats(device).get("bytes_limit")
     return int(limit) if limit else None
+
+
+def free_memory(devices) -> int | None:
+    """The least memory free over ``devices`` now (``bytes_limit - bytes_in_use``), or
+    None where the backend does not say (CPU)."""
+    free = []
+    for device in devices:
+        stats = _memory_stats(device)
+        if not stats.get("bytes_limit"):
+            return None
+        free.append(int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)))
+    return min(free, default=None)

@@ -29,13 +29,12 @@ lists the shapes, ``warm_up`` compiles them all.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import math
 from collections import deque
 from collections.abc import Sequence
-
-import contextlib
 
 import jax
 import jax.numpy as jnp
@@ -44,26 +43,12 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.models.transformer import ACT_BTKH, sharding_rules
+from jaxpar.offload.budget import free_memory
 from jaxpar.placement import rules as rules_lib
 from jaxpar.placement.execution import Execution
 from jaxpar.placement.sharding import model_shardings
 from jaxpar.serving import programs
 from jaxpar.serving.pages import NULL_PAGE, PagePool, init_pages, page_bytes
-
-
-def _free_bytes(devices) -> int | None:
-    """The least memory free over ``devices`` (``bytes_limit - bytes_in_use``), or None
-    where the backend keeps no statistics (CPU)."""
-    free = []
-    for device in devices:
-        try:
-            stats = device.memory_stats() or {}
-        except Exception:  # noqa: BLE001 - backends without memory statistics raise or return None
-            return None
-        if "bytes_limit" not in stats:
-            return None
-        free.append(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
-    return min(free) if free else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,7 +180,7 @@ class Engine:
             kv_pages = kv_memory // per_page
         if kv_pages is None:
             kv_pages = max_batch * self.max_pages + 1
-            free = _free_bytes(jax.tree.leaves(self.params)[0].sharding.device_set)
+            free = free_memory(jax.tree.leaves(self.params)[0].sharding.device_set)
             if free is not None:
                 kv_pages = min(kv_pages, int(0.9 * free) // per_page)
         self.kv = init_pages(cfg.layers, kv_pages, page_size, cfg.kv_heads, cfg.head_dim, cfg.compute_dtype)
@@ -339,8 +324,6 @@ class Engine:
         (which it updates), on the engine's mesh; returns the sampled tokens."""
         with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):
             tokens, self.kv = program(self.graphdef, self.execution, self.params, self.kv, *args)
-            if self.draft is not None and program is programs.prefill:  # the draft's cache too
-                _, self.draft_kv = program(self.draft[0], self.execution, self.draft[1], self.draft_kv, *args)
         return tokens
 
     def _round(self, prev, last, tables, lengths, rows):
@@ -363,8 +346,13 @@ class Engine:
         return row
 
     def _prefill_program(self, tokens, positions, index, tables, last, rows):
+        """The packed row through the model and, with a draft, through the draft too (its
+        cache mirrors the model's): the model's sampled tokens."""
         self.compiled_programs.add(("prefill", len(tokens), len(rows), tables.shape[1]))
-        return self._run(programs.prefill, tokens, positions, index, tables, last, self._sampling(rows))
+        args = (tokens, positions, index, tables, last, self._sampling(rows))
+        if self.draft is not None:
+            _, self.draft_kv = programs.prefill(self.draft[0], self.execution, self.draft[1], self.draft_kv, *args)
+        return self._run(programs.prefill, *args)
 
     def _decode_program(self, tokens, tables, lengths, rows):
         self.compiled_programs.add(("decode", len(rows), tables.shape[1]))

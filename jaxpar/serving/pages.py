@@ -46,10 +46,6 @@ class KVPages:
     k: jax.Array
     v: jax.Array
 
-    @property
-    def page_size(self) -> int:
-        return self.k.shape[2]
-
 
 def init_pages(layers: int, pages: int, page_size: int, kv_heads: int, head_dim: int, dtype) -> KVPages:
     """``pages`` empty pages (page 0, the null page, among them)."""
@@ -79,6 +75,17 @@ def _gather(pages: jax.Array, layer, tables: jax.Array) -> jax.Array:
     return rows.reshape(rows.shape[0], -1, *rows.shape[3:])
 
 
+def _store_and_read(view, token_tables, positions, k, v):
+    """What both views do first: the new ``k``, ``v [..., K, H]`` written into
+    ``view``'s layer at ``positions [...]`` (``token_tables [..., max_pages]``), then the
+    layer's pages of every row of ``view.tables`` gathered: ``(keys, values, (pages_k,
+    pages_v))``, keys and values ``[R, max_pages * S_p, K, H]``."""
+    pages_k = _write(view.k, view.layer, token_tables, positions, k)
+    pages_v = _write(view.v, view.layer, token_tables, positions, v)
+    keys, values = _gather(pages_k, view.layer, view.tables), _gather(pages_v, view.layer, view.tables)
+    return keys, values, (pages_k, pages_v)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DecodeView:
@@ -102,11 +109,8 @@ class DecodeView:
         B, T = k.shape[:2]
         positions = self.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)
         tables = jnp.broadcast_to(self.tables[:, None], (B, T, self.tables.shape[1]))
-        pages_k = _write(self.k, self.layer, tables, positions, k)
-        pages_v = _write(self.v, self.layer, tables, positions, v)
-        keys, values = _gather(pages_k, self.layer, self.tables), _gather(pages_v, self.layer, self.tables)
-        out = dot_product_attention(q, keys, values, causal=True, q_start=self.lengths)
-        return out, (pages_k, pages_v)
+        keys, values, pages = _store_and_read(self, tables, positions, k, v)
+        return dot_product_attention(q, keys, values, causal=True, q_start=self.lengths), pages
 
 
 @jax.tree_util.register_dataclass
@@ -132,15 +136,12 @@ class PrefillView:
         valid = self.index >= 0
         token_tables = jnp.where(valid[:, None], self.tables[jnp.maximum(self.index, 0)], NULL_PAGE)
         positions = jnp.where(valid, self.positions, 0)
-        pages_k = _write(self.k, self.layer, token_tables, positions, k[0])
-        pages_v = _write(self.v, self.layer, token_tables, positions, v[0])
-        G, S = self.tables.shape[0], self.tables.shape[1] * self.k.shape[2]
-        keys = _gather(pages_k, self.layer, self.tables).reshape(1, G * S, *k.shape[2:])
-        values = _gather(pages_v, self.layer, self.tables).reshape(1, G * S, *v.shape[2:])
+        keys, values, pages = _store_and_read(self, token_tables, positions, k[0], v[0])
+        G, S = keys.shape[:2]  # the row's G sequences' pages side by side: [1, G * S, K, H]
+        keys, values = keys.reshape(1, G * S, *k.shape[2:]), values.reshape(1, G * S, *v.shape[2:])
         owner, slot = jnp.arange(G * S) // S, jnp.arange(G * S) % S
         mask = (owner[None, :] == self.index[:, None]) & (slot[None, :] <= positions[:, None])
-        out = dot_product_attention(q, keys, values, causal=False, mask=mask[None])
-        return out, (pages_k, pages_v)
+        return dot_product_attention(q, keys, values, causal=False, mask=mask[None]), pages
 
 
 class PagePool:

@@ -1,9 +1,10 @@
 """The engine's two compiled programs: a decode step over every batch slot and a packed
 prefill, each a model forward over the paged KV cache, with sampling.
 
-Shapes are fixed per engine (batch slots ``B``, pages per sequence ``max_pages``, the
-page pool) and the prefill row is bucketed (``C`` in ``prefill_buckets``), so a run
-compiles one decode program and one prefill program per bucket, whatever its requests.
+Shapes are bucketed by the engine (``jaxpar.serving.engine``): the batch slots and the
+page pool are fixed, the pages a program reads per sequence (the page tables' width)
+and the prefill row's length come in a few buckets, so a run compiles a few programs,
+whatever its requests.
 
 ``execution`` (static) is the ``jaxpar.Execution`` the model traces under: with a mesh,
 the rules its activations follow (tensor-parallel serving splits the weights and the
@@ -28,56 +29,49 @@ from jaxpar.placement.execution import use_execution
 from jaxpar.serving.pages import DecodeView, KVPages, PrefillView
 
 
-def _features(model, tokens, positions, view_of):
-    """``(x, (k, v))``: the residual stream after the last layer and the updated pages;
+def _features(model, tokens, positions, pages: KVPages, view):
+    """``(x, pages)``: the residual stream after the last layer and the updated pages;
     ``model``'s embedding and stacked layers over ``tokens [R, T]`` at ``positions [R,
-    T]``, layer ``i``'s attention reading and writing the pages through ``view_of(k, v,
-    i)``. The pages ride in the scan's carry, whole, so each layer's writes land in place."""
+    T]``, layer ``i``'s attention reading and writing the pages through ``view(k, v,
+    i)`` (a ``DecodeView`` or ``PrefillView`` with its other fields bound). The pages
+    ride in the scan's carry, whole, so each layer's writes land in place."""
     x = model.embed_tokens(tokens, positions)
     graphdef, layer_state = nnx.split(model.layers)
 
     def layer(carry, xs):
         x, k, v = carry
         state, i = xs
-        x, (k, v) = nnx.merge(graphdef, state)(x, positions, None, view_of(k, v, i))
+        x, (k, v) = nnx.merge(graphdef, state)(x, positions, None, view(k, v, i))
         return (x, k, v), None
 
     layers = jax.tree.leaves(layer_state)[0].shape[0]
-    (x, k, v), _ = jax.lax.scan(layer, (x, *view_of.pages), (layer_state, jnp.arange(layers)))
-    return x, (k, v)
+    (x, k, v), _ = jax.lax.scan(layer, (x, pages.k, pages.v), (layer_state, jnp.arange(layers)))
+    return x, KVPages(k, v)
 
 
-class _Pages:
-    """``view_of``: a view class bound to its arguments, over every layer's pages."""
-
-    def __init__(self, pages: KVPages, view, **fields):
-        self.pages, self._view, self._fields = (pages.k, pages.v), view, fields
-
-    def __call__(self, k, v, layer):
-        return self._view(k, v, layer, **self._fields)
+def _keys(seeds, counts):
+    """Each row's key for this step: ``fold_in(key(seeds[r]), counts[r])``, the request's
+    seed and the tokens it has generated."""
+    return jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counts)
 
 
-def _sample(logits, seeds, counts, temperature, top_p):
-    """One token per row of ``logits [R, V]``, row ``r`` with its own key
-    ``fold_in(key(seeds[r]), counts[r])``, temperature and top_p. When no row samples
-    the nucleus (two sorts of the vocabulary per row) is not computed: greedy rows take
-    the argmax either way."""
-    def one(logits, seed, count, temperature, top_p):
-        key = jax.random.fold_in(jax.random.key(seed), count)
-        return sample(logits[None], key, temperature, top_p)[0]
-
+def _sample(logits, keys, temperature, top_p):
+    """One token per row of ``logits [R, V]``, row ``r`` with its own key, temperature and
+    top_p. When no row samples the nucleus (two sorts of the vocabulary per row) is not
+    computed: greedy rows take the argmax either way."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return jax.lax.cond(jnp.any(temperature > 0),
-                        lambda: jax.vmap(one)(logits, seeds, counts, temperature, top_p), lambda: greedy)
+    sampled = lambda: jax.vmap(lambda l, k, t, p: sample(l[None], k, t, p)[0])(  # noqa: E731
+        logits, keys, temperature, top_p)
+    return jax.lax.cond(jnp.any(temperature > 0), sampled, lambda: greedy)
 
 
 def _extend(model, pages: KVPages, tokens, tables, lengths):
     """``model`` over ``tokens [B, T]`` continuing each slot's cached ``lengths [B]``
     tokens (``tables [B, max_pages]``): ``(logits [B, T, V], pages)``."""
     positions = lengths[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
-    view_of = _Pages(pages, DecodeView, tables=tables, lengths=lengths)
-    x, (k, v) = _features(model, tokens, positions, view_of)
-    return model.logits(x), KVPages(k, v)
+    x, pages = _features(model, tokens, positions, pages,
+                         functools.partial(DecodeView, tables=tables, lengths=lengths))
+    return model.logits(x), pages
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=3)
@@ -88,9 +82,10 @@ def decode(graphdef, execution, params, pages: KVPages, tokens, tables, lengths,
     sequence has cached (the new token goes to position ``lengths[b]``); ``tables``
     int32 ``[B, max_pages]``; ``sampling``: ``(seeds, counts, temperature, top_p)``,
     each ``[B]``. Returns ``(next tokens [B], pages)``."""
+    seeds, counts, temperature, top_p = sampling
     with use_execution(execution):
         logits, pages = _extend(nnx.merge(graphdef, params), pages, tokens[:, None], tables, lengths)
-        return _sample(logits[:, 0], *sampling), pages
+        return _sample(logits[:, 0], _keys(seeds, counts), temperature, top_p), pages
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(6, 7))
@@ -113,12 +108,9 @@ def speculative_round(target_graph, draft_graph, execution, gamma: int, target_p
     slot emits ``emitted[b, :accepted[b] + 1]``.
     """
     seeds, counts, temperature, top_p = sampling
-    keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counts)
+    keys = _keys(seeds, counts)
     key_at = lambda i: jax.vmap(lambda k: jax.random.fold_in(k, i))(keys)  # noqa: E731
-    rows = lambda x: x.reshape(-1, *([1] * 2))  # [B] -> [B, 1, 1]: per-row settings  # noqa: E731
-
-    def choose(logits, i):
-        return jax.vmap(lambda l, k, t, p: sample(l[None], k, t, p)[0])(logits, key_at(i), temperature, top_p)
+    choose = lambda logits, i: _sample(logits, key_at(i), temperature, top_p)  # noqa: E731
 
     with use_execution(execution):
         target, draft = nnx.merge(target_graph, target_params), nnx.merge(draft_graph, draft_params)
@@ -134,8 +126,8 @@ def speculative_round(target_graph, draft_graph, execution, gamma: int, target_p
     greedy = accept_greedy(drafts, target_logits)
 
     def sampled():
-        draft_probs = probabilities(draft_logits, rows(temperature), rows(top_p))
-        target_probs = probabilities(target_logits, rows(temperature), rows(top_p))
+        t, p = temperature[:, None, None], top_p[:, None, None]  # per row, over [B, depth, V]
+        draft_probs, target_probs = probabilities(draft_logits, t, p), probabilities(target_logits, t, p)
         one = lambda d, q, p, k: jax.tree.map(lambda x: x[0], accept_sampled(d[None], q[None], p[None], k))  # noqa: E731
         drawn = jax.vmap(one)(drafts, draft_probs, target_probs, key_at(gamma))
         return tuple(jnp.where(temperature > 0, s, g) for s, g in zip(drawn, greedy))
@@ -157,9 +149,10 @@ def prefill(graphdef, execution, params, pages: KVPages, tokens, positions, inde
     ``[G]``: where in the row each sequence's last token is; ``sampling`` ``[G]`` each.
     Returns ``(tokens [G], pages)``; a sequence whose prompt goes on in a later chunk
     ignores its token."""
+    seeds, counts, temperature, top_p = sampling
     with use_execution(execution):
         model = nnx.merge(graphdef, params)
-        view_of = _Pages(pages, PrefillView, tables=tables, index=index, positions=positions)
-        x, (k, v) = _features(model, tokens[None], positions[None], view_of)
+        view = functools.partial(PrefillView, tables=tables, index=index, positions=positions)
+        x, pages = _features(model, tokens[None], positions[None], pages, view)
         logits = model.logits(x[0, last][None])[0]
-        return _sample(logits, *sampling), KVPages(k, v)
+        return _sample(logits, _keys(seeds, counts), temperature, top_p), pages
