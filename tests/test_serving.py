@@ -3,12 +3,15 @@ each request the tokens it gets decoded alone (jaxpar.inference.decoding.generat
 whatever it is batched with; pages all come back; no compiles after warm-up."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from jaxpar.inference.decoding import generate
+from jaxpar.inference import speculative
+from jaxpar.inference.decoding import generate, speculative_generate
 from jaxpar.models import ModelConfig, Transformer
+from jaxpar.models.glide import GlideDraft
 from jaxpar.serving import Engine, SamplingParams
 
 CFG = ModelConfig(vocab_size=96, dim=32, layers=2, heads=4, kv_heads=2, head_dim=8, mlp_dim=64)
@@ -190,3 +193,53 @@ def test_speculative_rounds_are_lossless_per_sequence(model):
     assert compiles_during(lambda: outputs.extend(served.generate(prompts[:1] + prompts[2:5], [crowd[0], sampled,
                                                                                                 *crowd[1:]]))) == 0
     assert outputs[1].token_ids == by_itself and len(by_itself) == 10
+
+
+@pytest.mark.slow
+def test_glide_rounds_read_the_models_pages_as_the_dense_decoder_does(model):
+    """A GliDe draft in the engine (its layers cross-attending to the model's pages): its
+    pages after a chunked prefill are its dense cache's; each sequence's greedy tokens
+    are the model's alone, and the rounds and accepted drafts over 3 requests batched
+    together are those of ``speculative_generate(method="glide")``
+    run on each alone with the dense cache (which a cross-attention reading a wrong or
+    stale page changes); seeded sampling gives the same tokens alone and in a crowd.
+    A CaPE draft and a method without a draft: one line."""
+    draft = GlideDraft(CFG, 2, rngs=nnx.Rngs(5))  # 2 layers: the second's pages depend on cross-attention
+    prompts, _ = requests(9, 3)
+    params = [SamplingParams(max_tokens=24)] * 3
+    # The draft's pages after its chunked prefill (149 tokens, rows of 64): its dense cache's.
+    served = engine(model, draft=draft, gamma=3)
+    sequence = served._by_id[served.add_request(prompts[1], params[1])]
+    while not sequence.output.token_ids:
+        served.step()
+    P = len(prompts[1])
+    dense = speculative.prefill(speculative.Method("glide", 3), model, draft, jnp.array([prompts[1]]),
+                                jnp.array([P]), 24, jax.random.key(0), ()).draft_cache
+    for pages, cached in ((served.draft_kv.k, dense.k), (served.draft_kv.v, dense.v)):
+        paged = np.asarray(pages[:, np.array(sequence.pages)]).reshape(2, -1, *pages.shape[3:])[:, :P]
+        np.testing.assert_allclose(paged, np.asarray(cached[:, 0, :P]), rtol=1e-5, atol=1e-6)
+
+    served = engine(model, draft=draft, gamma=3)
+    assert served.method == "glide"
+    outputs = served.generate(prompts, params)
+    # each sequence of a ragged batch is decoded as alone (jaxpar.inference's own tests)
+    dense = speculative_generate(model, prompts, draft=draft, method="glide", gamma=3, max_new_tokens=24)
+    plain = list(generate(model, prompts, max_new_tokens=24))
+    for b, out in enumerate(outputs):
+        assert out.token_ids == [int(t) for t in dense.tokens[b]] == [int(t[b]) for t in plain]
+    rounds = int(dense.rounds.sum())
+    accepted = round(dense.accepted_per_step * rounds) - rounds  # drafts: the target's own token out
+    assert (served.rounds, served.accepted) == (rounds, accepted) and served.accepted > served.rounds // 2
+    assert served.pool.free == served.pool.total
+
+    sampled = SamplingParams(max_tokens=10, temperature=0.8, seed=3)
+    by_itself = engine(model, draft=draft, gamma=3).generate([prompts[2]], sampled)[0].token_ids
+    crowd = [SamplingParams(max_tokens=12, temperature=1.0, seed=s) for s in range(3)]
+    together = engine(model, draft=draft, gamma=3).generate([prompts[0], prompts[2], prompts[1]],
+                                                            [crowd[0], sampled, crowd[1]])
+    assert together[1].token_ids == by_itself and len(set(by_itself)) > 1
+    for kw, message in [(dict(draft=draft, method="cape"), "method 'cape' is not supported by the serving engine"),
+                        (dict(method="glide"), "method='glide' needs a draft model"),
+                        (dict(draft=model, method="glide"), "method 'glide' needs a GliDe draft")]:
+        with pytest.raises(ValueError, match=message):
+            engine(model, **kw)

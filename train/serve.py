@@ -13,13 +13,15 @@ the running ones finish for up to ``--shutdown-timeout`` seconds, and exits 0.
 PATH may also be a ``.gguf`` file (``jaxpar.models.from_gguf``), whose chat template
 the file carries.
 
-``--draft DIR`` serves with speculative decoding (``--method speculative``, the default
-with a draft): every engine step is one round for the running batch (``Engine(draft=,
-gamma=)``), lossless. ``mesh.tensor=K`` serves tensor-parallel over the first ``K``
+``--draft DIR`` serves with speculative decoding: every engine step is one round for the
+running batch (``Engine(draft=, method=, gamma=)``), lossless. DIR is a small model
+sharing PATH's tokenizer (``--method speculative``, its default) or a ``jaxpar-train
+glide`` run trained against PATH (``--method glide``, its default: the draft reads the
+model's own paged cache). ``mesh.tensor=K`` serves tensor-parallel over the first ``K``
 devices (``Engine(mesh=)``: weights and KV heads split by the training rules). Not
-supported yet, refused in one line: ``--method glide|cape`` (GliDe drafts read the
-target's cache, which the paged engine does not hand them yet), a draft with
-``mesh.tensor``, and every other override (``mesh.data`` replicas among them).
+supported yet, refused in one line: ``--method cape`` (CaPE's token trees over pages),
+a draft with ``mesh.tensor``, and every other override (``mesh.data`` replicas among
+them).
 """
 
 from __future__ import annotations
@@ -67,7 +69,8 @@ def _parser() -> CommandParser:
     parser.add_argument("--draft", type=pathlib.Path, metavar="DRAFT_DIR",
                         help="speculative decoding's draft model (a run, Hugging Face directory or .gguf file)")
     parser.add_argument("--method", choices=METHODS,
-                        help="speculative decoding method (speculative; glide and cape not supported yet)")
+                        help="speculative decoding method (default: glide for a GliDe draft run, else "
+                             "speculative; cape not supported yet)")
     parser.add_argument("--gamma", type=int, default=4, help="tokens the draft proposes per round (%(default)s)")
     return parser
 
@@ -76,9 +79,9 @@ def check_args(args, parser: CommandParser) -> None:
     """``parser.error`` (one line, exit 2) for what is not supported yet or a bad value."""
     if args.method is not None and args.draft is None:
         parser.error(f"--method {args.method} needs --draft DRAFT_DIR")
-    if args.method in ("glide", "cape"):
-        parser.error(f"--method {args.method}: GliDe drafts in the serving engine are not supported yet "
-                     "(--method speculative is)")
+    if args.method == "cape":
+        parser.error("--method cape: CaPE's token trees in the serving engine are not supported yet "
+                     "(--method speculative and glide are)")
     for override in args.overrides:
         key, _, value = override.partition("=")
         if key != "mesh.tensor":
@@ -167,15 +170,15 @@ def build(args):
     model = load_model(args.run_dir)
     draft = None
     if args.draft is not None:
-        from jaxpar.train.generate import check_same_tokenizer
+        from jaxpar.train.generate import check_same_tokenizer, load_draft
 
         check_run_dir(args.draft)
         check_same_tokenizer(args.run_dir, args.draft)
-        draft = load_model(args.draft)
+        draft = load_draft(args.draft)
     engine = Engine(model, tokenizer=tokenizer, eos_ids=eos_ids(args.run_dir, tokenizer),
                     max_batch=args.max_batch, max_context=_context(args, context_length(args.run_dir, model)),
                     page_size=args.page_size, kv_memory=args.kv_memory, prefill_chunk=args.prefill_chunk,
-                    draft=draft, gamma=args.gamma, mesh=_mesh(tensor_parallel(args)), batching=args.batching)
+                    draft=draft, method=args.method, gamma=args.gamma, mesh=_mesh(tensor_parallel(args)), batching=args.batching)
     engine.warm_up()
     async_engine = AsyncEngine(engine, max_queue=args.max_queue)
     template, special_tokens = chat_template(args.run_dir)

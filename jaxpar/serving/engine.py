@@ -42,6 +42,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxpar.inference import speculative
+from jaxpar.models.glide import GlideDraft
 from jaxpar.models.transformer import ACT_BTKH, sharding_rules
 from jaxpar.offload.budget import free_memory
 from jaxpar.placement import rules as rules_lib
@@ -128,13 +130,15 @@ class Engine:
       batching: ``"continuous"`` (admit whenever a slot and pages are free) or
         ``"static"`` (admit only into an empty batch, which then runs until its last
         sequence ends: the baseline continuous batching is measured against).
-      draft, gamma: speculative decoding (Leviathan et al.) with ``draft``, a smaller
-        ``Transformer`` over the model's vocabulary: each decode step is then one round
-        for every running sequence, the draft proposing ``gamma`` tokens and the model
-        verifying them in one pass, each sequence accepting its own prefix (lossless:
-        exact match when greedy, the speculative-sampling rule otherwise). The draft's
-        pages mirror the model's (the same page tables). Not yet with ``mesh``, nor
-        GliDe / CaPE drafts.
+      draft, method, gamma: speculative decoding with ``draft``: each decode step is then
+        one round for every running sequence, the draft proposing ``gamma`` tokens and
+        the model verifying them in one pass, each sequence accepting its own prefix
+        (lossless: exact match when greedy, the speculative-sampling rule otherwise). The
+        draft's own pages mirror the model's (the same page tables). ``method``
+        ``"speculative"`` (Leviathan et al.; the default for a ``Transformer`` draft over
+        the model's vocabulary) or ``"glide"`` (the default for a ``GlideDraft`` trained
+        against ``model``: its layers cross-attend to the model's pages of the tokens
+        verified so far). Not yet with ``mesh``, nor ``"cape"``.
       mesh, rules: serve on ``mesh`` (``mesh.tensor=k`` splits the weights and the
         pages' kv heads over ``k`` devices, ``jaxpar.models.transformer.sharding_rules``
         as training does: kv heads replicated where ``k`` outnumbers them); ``model``'s
@@ -144,16 +148,20 @@ class Engine:
     def __init__(self, model, *, tokenizer=None, eos_ids: Sequence[int] = (), max_batch: int = 8,
                  max_context: int | None = None, page_size: int = 16, kv_pages: int | None = None,
                  kv_memory: int | None = None, prefill_chunk: int = 256, batching: str = "continuous",
-                 draft=None, gamma: int = 4, mesh=None, rules=None):
+                 draft=None, method: str | None = None, gamma: int = 4, mesh=None, rules=None):
         if batching not in ("continuous", "static"):
             raise ValueError(f"batching={batching!r} must be 'continuous' or 'static'")
         if draft is not None and mesh is not None:
             raise ValueError("a draft model on a mesh is not supported yet: serve speculatively on one device")
-        if draft is not None and draft.cfg.vocab_size != model.cfg.vocab_size:
-            raise ValueError(f"the draft's vocabulary ({draft.cfg.vocab_size}) is not the model's "
-                             f"({model.cfg.vocab_size})")
-        if draft is not None and gamma < 1:
-            raise ValueError(f"gamma={gamma!r} must be at least 1")
+        if draft is not None:
+            method = method or ("glide" if isinstance(draft, GlideDraft) else "speculative")
+            if method == "cape":
+                raise ValueError("method 'cape' is not supported by the serving engine yet (speculative and "
+                                 "glide are)")
+            speculative.check(speculative.Method(method, gamma), model, draft)
+        elif method is not None:
+            raise ValueError(f"method={method!r} needs a draft model")
+        self.method = method
         self.batching = batching
         cfg = model.cfg
         self.tokenizer, self.eos_ids = tokenizer, frozenset(int(i) for i in eos_ids)
@@ -174,7 +182,7 @@ class Engine:
             split = math.prod(mesh.shape[a] for a in rules_lib.as_tuple(heads))
         per_page = page_bytes(cfg.layers, page_size, cfg.kv_heads, cfg.head_dim, cfg.compute_dtype) // split
         if draft is not None:
-            d = draft.cfg
+            d = draft.cache_config() if isinstance(draft, GlideDraft) else draft.cfg
             per_page += page_bytes(d.layers, page_size, d.kv_heads, d.head_dim, d.compute_dtype)
         if kv_pages is None and kv_memory:
             kv_pages = kv_memory // per_page
@@ -188,7 +196,6 @@ class Engine:
             self.kv = jax.device_put(self.kv, kv_sharding)
         self.draft, self.gamma, self.draft_kv = None, gamma, None
         if draft is not None:
-            d = draft.cfg
             self.draft = nnx.split(draft)
             self.draft_kv = init_pages(d.layers, kv_pages, page_size, d.kv_heads, d.head_dim, d.compute_dtype)
         self.rounds = self.accepted = 0  # speculative rounds run per sequence, drafts accepted
@@ -346,13 +353,16 @@ class Engine:
         return row
 
     def _prefill_program(self, tokens, positions, index, tables, last, rows):
-        """The packed row through the model and, with a draft, through the draft too (its
-        cache mirrors the model's): the model's sampled tokens."""
+        """The packed row through the model and then, with a draft, through the draft (its
+        cache mirrors the model's; a GliDe draft reads the model's pages of the row): the
+        model's sampled tokens."""
         self.compiled_programs.add(("prefill", len(tokens), len(rows), tables.shape[1]))
-        args = (tokens, positions, index, tables, last, self._sampling(rows))
+        sampled = self._run(programs.prefill, tokens, positions, index, tables, last, self._sampling(rows))
         if self.draft is not None:
-            _, self.draft_kv = programs.prefill(self.draft[0], self.execution, self.draft[1], self.draft_kv, *args)
-        return self._run(programs.prefill, *args)
+            self.draft_kv = programs.draft_prefill(self.draft[0], self.graphdef, self.execution, self.draft[1],
+                                                   self.params, self.draft_kv, self.kv, tokens, positions, index,
+                                                   tables)
+        return sampled
 
     def _decode_program(self, tokens, tables, lengths, rows):
         self.compiled_programs.add(("decode", len(rows), tables.shape[1]))

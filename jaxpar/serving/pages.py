@@ -68,7 +68,7 @@ def _write(pages: jax.Array, layer, tables: jax.Array, positions: jax.Array, new
     return pages.at[layer, page, positions % size].set(new.astype(pages.dtype))
 
 
-def _gather(pages: jax.Array, layer, tables: jax.Array) -> jax.Array:
+def gather(pages: jax.Array, layer, tables: jax.Array) -> jax.Array:
     """Layer ``layer``'s pages read through ``tables [R, max_pages]``: ``[R, max_pages *
     S_p, K, H]``, each row one sequence's positions in order (one gather)."""
     rows = pages[layer, tables]  # [R, max_pages, S_p, K, H]
@@ -82,8 +82,21 @@ def _store_and_read(view, token_tables, positions, k, v):
     pages_v))``, keys and values ``[R, max_pages * S_p, K, H]``."""
     pages_k = _write(view.k, view.layer, token_tables, positions, k)
     pages_v = _write(view.v, view.layer, token_tables, positions, v)
-    keys, values = _gather(pages_k, view.layer, view.tables), _gather(pages_v, view.layer, view.tables)
+    keys, values = gather(pages_k, view.layer, view.tables), gather(pages_v, view.layer, view.tables)
     return keys, values, (pages_k, pages_v)
+
+
+def side_by_side(rows: jax.Array) -> jax.Array:
+    """``[G, S, K, H]`` (``G`` sequences' gathered pages) -> one row ``[1, G * S, K, H]``."""
+    return rows.reshape(1, -1, *rows.shape[2:])
+
+
+def packed_mask(index: jax.Array, positions: jax.Array, G: int, S: int) -> jax.Array:
+    """bool ``[C, G * S]``: which of ``G`` sequences' gathered positions (``S`` each, side
+    by side) the packed row's tokens see: token ``c`` sees its own sequence's
+    (``index[c]``; -1 sees nothing) positions up to its own (``positions[c]``)."""
+    owner, slot = jnp.arange(G * S) // S, jnp.arange(G * S) % S
+    return (owner[None, :] == index[:, None]) & (slot[None, :] <= positions[:, None])
 
 
 @jax.tree_util.register_dataclass
@@ -137,10 +150,9 @@ class PrefillView:
         token_tables = jnp.where(valid[:, None], self.tables[jnp.maximum(self.index, 0)], NULL_PAGE)
         positions = jnp.where(valid, self.positions, 0)
         keys, values, pages = _store_and_read(self, token_tables, positions, k[0], v[0])
-        G, S = keys.shape[:2]  # the row's G sequences' pages side by side: [1, G * S, K, H]
-        keys, values = keys.reshape(1, G * S, *k.shape[2:]), values.reshape(1, G * S, *v.shape[2:])
-        owner, slot = jnp.arange(G * S) // S, jnp.arange(G * S) % S
-        mask = (owner[None, :] == self.index[:, None]) & (slot[None, :] <= positions[:, None])
+        G, S = keys.shape[:2]  # the row's G sequences' pages side by side
+        keys, values = side_by_side(keys), side_by_side(values)
+        mask = packed_mask(self.index, positions, G, S)
         return dot_product_attention(q, keys, values, causal=False, mask=mask[None]), pages
 
 

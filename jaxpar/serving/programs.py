@@ -26,27 +26,35 @@ from flax import nnx
 from jaxpar.inference.sampling import probabilities, sample
 from jaxpar.inference.speculative import accept_greedy, accept_sampled
 from jaxpar.placement.execution import use_execution
-from jaxpar.serving.pages import DecodeView, KVPages, PrefillView
+from jaxpar.models.glide import GlideDraft
+from jaxpar.serving.pages import DecodeView, KVPages, PrefillView, gather, packed_mask, side_by_side
 
 
-def _features(model, tokens, positions, pages: KVPages, view):
-    """``(x, pages)``: the residual stream after the last layer and the updated pages;
-    ``model``'s embedding and stacked layers over ``tokens [R, T]`` at ``positions [R,
-    T]``, layer ``i``'s attention reading and writing the pages through ``view(k, v,
-    i)`` (a ``DecodeView`` or ``PrefillView`` with its other fields bound). The pages
-    ride in the scan's carry, whole, so each layer's writes land in place."""
-    x = model.embed_tokens(tokens, positions)
-    graphdef, layer_state = nnx.split(model.layers)
+def _layers(layers, x, positions, pages: KVPages, view, cross=None):
+    """``(x, pages)``: ``layers`` (stacked, scanned) over the residual stream ``x [R, T,
+    D]`` at ``positions [R, T]``, layer ``i``'s attention reading and writing the pages
+    through ``view(k, v, i)`` (a ``DecodeView`` or ``PrefillView`` with its other fields
+    bound) and, for a GliDe draft's layers, cross-attending to ``cross(i)``: ``(keys,
+    values, mask)``. The pages ride in the scan's carry, whole, so each layer's writes
+    land in place."""
+    graphdef, layer_state = nnx.split(layers)
 
     def layer(carry, xs):
         x, k, v = carry
         state, i = xs
-        x, (k, v) = nnx.merge(graphdef, state)(x, positions, None, view(k, v, i))
+        extra = () if cross is None else cross(i)
+        x, (k, v) = nnx.merge(graphdef, state)(x, positions, None, *extra, view(k, v, i))
         return (x, k, v), None
 
-    layers = jax.tree.leaves(layer_state)[0].shape[0]
-    (x, k, v), _ = jax.lax.scan(layer, (x, pages.k, pages.v), (layer_state, jnp.arange(layers)))
+    count = jax.tree.leaves(layer_state)[0].shape[0]
+    (x, k, v), _ = jax.lax.scan(layer, (x, pages.k, pages.v), (layer_state, jnp.arange(count)))
     return x, KVPages(k, v)
+
+
+def _features(model, tokens, positions, pages: KVPages, view):
+    """``model``'s embedding and layers over ``tokens [R, T]``: ``(x, pages)``, ``x`` the
+    residual stream after the last layer (``_layers``)."""
+    return _layers(model.layers, model.embed_tokens(tokens, positions), positions, pages, view)
 
 
 def _keys(seeds, counts):
@@ -72,6 +80,37 @@ def _extend(model, pages: KVPages, tokens, tables, lengths):
     x, pages = _features(model, tokens, positions, pages,
                          functools.partial(DecodeView, tables=tables, lengths=lengths))
     return model.logits(x), pages
+
+
+def _cross(draft: GlideDraft, target_pages: KVPages, tables, mask, flat: bool):
+    """A GliDe draft's cross-attention inputs, ``i -> (keys, values, mask)``: its layer
+    ``i`` reads target layer ``draft.target_layers()[i]``'s pages through ``tables [R,
+    max_pages]`` (``[R, S, K, H]``; ``flat``: the rows side by side, ``[1, R * S, K,
+    H]``, for a packed row), where ``mask`` lets it."""
+    first = draft.target_layers().start
+
+    def read(pages, i):
+        rows = gather(pages, first + i, tables)
+        return side_by_side(rows) if flat else rows
+
+    return lambda i: (read(target_pages.k, i), read(target_pages.v, i), mask)
+
+
+def _draft_extend(draft, target, draft_pages: KVPages, target_pages: KVPages, tokens, tables, lengths, verified):
+    """The draft over ``tokens [B, T]`` continuing its cached ``lengths [B]``: ``(logits
+    [B, T, V], draft pages)``. A GliDe draft's queries see the target's first
+    ``verified [B]`` positions, the tokens it has verified (as
+    ``jaxpar.inference.speculative`` gives them the target cache's lengths)."""
+    if not isinstance(draft, GlideDraft):
+        return _extend(draft, draft_pages, tokens, tables, lengths)
+    B, T = tokens.shape
+    positions = lengths[:, None] + jnp.arange(T, dtype=jnp.int32)
+    S = tables.shape[1] * target_pages.k.shape[2]
+    mask = jnp.broadcast_to(jnp.arange(S)[None, None, :] < verified[:, None, None], (B, T, S))
+    view = functools.partial(DecodeView, tables=tables, lengths=lengths)
+    x, draft_pages = _layers(draft.layers, target.embed_tokens(tokens, positions), positions, draft_pages, view,
+                             _cross(draft, target_pages, tables, mask, flat=False))
+    return draft.logits(x, target), draft_pages
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=3)
@@ -114,10 +153,14 @@ def speculative_round(target_graph, draft_graph, execution, gamma: int, target_p
 
     with use_execution(execution):
         target, draft = nnx.merge(target_graph, target_params), nnx.merge(draft_graph, draft_params)
-        logits, draft_pages = _extend(draft, draft_pages, jnp.stack([prev, last], 1), tables, lengths - 1)
+
+        def step(tokens, pages, at):
+            return _draft_extend(draft, target, pages, target_pages, tokens, tables, at, lengths)
+
+        logits, draft_pages = step(jnp.stack([prev, last], 1), draft_pages, lengths - 1)
         proposals, proposal_logits = [choose(logits[:, -1], 0)], [logits[:, -1]]
         for i in range(1, gamma):
-            logits, draft_pages = _extend(draft, draft_pages, proposals[-1][:, None], tables, lengths + i)
+            logits, draft_pages = step(proposals[-1][:, None], draft_pages, lengths + i)
             proposals.append(choose(logits[:, 0], i))
             proposal_logits.append(logits[:, 0])
         drafts, draft_logits = jnp.stack(proposals, 1), jnp.stack(proposal_logits, 1)
@@ -156,3 +199,23 @@ def prefill(graphdef, execution, params, pages: KVPages, tokens, positions, inde
         x, pages = _features(model, tokens[None], positions[None], pages, view)
         logits = model.logits(x[0, last][None])[0]
         return _sample(logits, _keys(seeds, counts), temperature, top_p), pages
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=5)
+def draft_prefill(draft_graph, target_graph, execution, draft_params, target_params, draft_pages: KVPages,
+                  target_pages: KVPages, tokens, positions, index, tables):
+    """``prefill``'s packed row through the draft: its pages (its tokens are never
+    sampled: the target's are). A GliDe draft's token at position ``p`` cross-attends to
+    the target's keys of its own sequence up to ``p`` (the first, causal block of its
+    training mask), so ``target_pages`` must already hold the row."""
+    with use_execution(execution):
+        draft = nnx.merge(draft_graph, draft_params)
+        view = functools.partial(PrefillView, tables=tables, index=index, positions=positions)
+        if not isinstance(draft, GlideDraft):
+            return _features(draft, tokens[None], positions[None], draft_pages, view)[1]
+        target = nnx.merge(target_graph, target_params)
+        G, S = tables.shape[0], tables.shape[1] * target_pages.k.shape[2]
+        mask = packed_mask(index, positions, G, S)[None]
+        x = target.embed_tokens(tokens[None], positions[None])
+        return _layers(draft.layers, x, positions[None], draft_pages, view,
+                       _cross(draft, target_pages, tables, mask, flat=True))[1]
