@@ -74,6 +74,19 @@ def test_decode_attention_with_more_new_tokens_than_the_kernel_takes(rng):
     assert "triton" not in text
 
 
+@pytest.mark.parametrize("T,H,page_size", [(1, 64, 16), (5, 80, 16), (3, 72, 6)])
+def test_paged_decode_attention(rng, T, H, page_size):
+    """Pages of every layer, a traced layer index, tables and lengths: the page table's
+    reads and the rows they pick lower too (pages of 6 slots: any size)."""
+    L, P, B, N, K, max_pages = 2, 9, 3, 8, 2, 4
+    q, k, v = normal(rng, (B, T, N, H)), normal(rng, (L, P, page_size, K, H)), normal(rng, (L, P, page_size, K, H))
+    tables = jnp.asarray(rng.integers(0, P, (B, max_pages)), jnp.int32)
+    lengths = jnp.asarray([T, page_size, max_pages * page_size], jnp.int32)
+    lowers_for_cuda(lambda q, k, v, layer: kernels.paged_decode_attention(q, k, v, layer, tables, lengths,
+                                                                          interpret=False),
+                    q, k, v, jnp.int32(1))
+
+
 @pytest.mark.parametrize("kind,D", [("rms", 256), ("layer", 256), ("rms", 576), ("layer", 768)])
 def test_norm(rng, kind, D):
     x, scale = normal(rng, (37, D)), normal(rng, (D,), jnp.float32)
