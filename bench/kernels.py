@@ -61,9 +61,9 @@ targets table last; ``--json`` gets every figure and error):
   ``jaxpar.kernels.paged_decode_attention`` over the same cache seen as one layer of
   16-slot pages (a reshape) read through page tables, the pages in order (so the same
   bytes as ``jaxpar``: the table reads and per-row addresses are the difference; a
-  shuffled pool moves 16-slot blocks of ``K H`` values, each as contiguous). Up to 8 input sets are chained in one jit
-  (``optimization_barrier`` between calls) and the time divided, so that microsecond
-  kernels are not timed as dispatch. ``err`` against float32 XLA attention.
+  shuffled pool moves 16-slot blocks of ``K H`` values, each as contiguous). Up to 8
+  input sets are chained in one jit (``optimization_barrier`` between calls) and the
+  time divided, so that microsecond kernels are not timed as dispatch. ``err`` against float32 XLA attention.
 * ``train``: the ``1b`` training step with ``execution.attention=pallas``, ``xla`` and ``cudnn``
   (``jaxpar-train`` in child processes, after the kernels, which also run in a child so
   that the GPU memory is free again): median step time of the steps after

@@ -62,8 +62,9 @@ the pages (``pages[layer]`` outside the kernel would copy a layer's pages every 
 and a page may be any size (a tile spans several pages or part of one; each slot's
 ``H`` values are contiguous either way, as in a contiguous cache: the same coalesced
 loads, plus ``block_k`` table reads per tile). HBM traffic is the contiguous kernel's.
-``paged_decode_attention_reference`` gathers the pages into one row per sequence (XLA)
-and runs ``decode_attention_reference``.
+Row numbers are int32: more than ``2**31 - 1`` slots over all layers' pages run the
+reference, logged once. ``paged_decode_attention_reference`` gathers the pages into one
+row per sequence (XLA) and runs ``decode_attention_reference``.
 
 Dispatch (``interpret``) as in ``jaxpar.kernels``: ``None`` is the compiled kernel on GPU
 and the ``*_reference`` elsewhere.
@@ -87,6 +88,8 @@ _TARGET_PROGRAMS = 128
 _MAX_SPLITS = 16
 # New tokens per sequence the kernel takes: the tree mask is one int32 bitmask per row.
 _MAX_QUERIES = 32
+# Slots of every layer's pages the paged kernel addresses (int32 row numbers).
+_MAX_ROWS = 2**31 - 1
 
 
 @functools.partial(jax.jit, static_argnames="scale")
@@ -178,6 +181,10 @@ def paged_decode_attention(q, k_pages, v_pages, layer, tables, lengths, *, scale
     if T > _MAX_QUERIES:
         fall_back(f"paged_decode_attention packs the causal mask in int32 bits, so the kernel takes "
                   f"T <= {_MAX_QUERIES} new tokens, got T={T}")
+        return paged_decode_attention_reference(q, k_pages, v_pages, layer, tables, lengths, scale=scale)
+    if L * P * page_size > _MAX_ROWS:
+        fall_back(f"paged_decode_attention addresses the pages' rows in int32, so the kernel takes "
+                  f"L * P * S_p < 2**31 slots, got {L * P * page_size}")
         return paged_decode_attention_reference(q, k_pages, v_pages, layer, tables, lengths, scale=scale)
     starts = (layer * P + tables) * page_size  # each page's first row among the rows
     rows = lambda pages: pages.reshape(L * P * page_size, K, H)  # noqa: E731  (a bitcast: no copy)

@@ -10,7 +10,6 @@ NaN, so a kernel that read one (even to weigh it by zero) could not pass."""
 
 import logging
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
