@@ -170,7 +170,8 @@ def test_decode_view_reads_the_pages_in_place_under_pallas_attention(rng):
     assert all(bool((a == b).all()) for a, b in zip(pages, want_pages))
 
 
-@pytest.mark.parametrize("speculative", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.slow  # end to end, as the engine's other tests (the view's test above is fast)
+@pytest.mark.parametrize("speculative", [False, True])
 def test_pallas_attention_serves_the_tokens_of_xla(model, speculative):
     """The engine with ``attention="pallas"`` (the paged kernel, interpret mode) gives the
     greedy tokens of the XLA gather path: decoding one token per slot, or speculative
