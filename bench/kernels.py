@@ -57,9 +57,13 @@ targets table last; ``--json`` gets every figure and error):
   with the same mask (``xla``; ``cudnn``, by ``key_value_seq_lengths`` for T = 1) and JAX's
   Pallas ``decode_attention.gqa`` (one query per kv-head group: the T tokens folded into
   the group, so not causal among themselves; its ``[B, S, K, H] -> [B, K, S, H]``
-  transposes are part of it and counted). Up to 8 input sets are chained in one jit
-  (``optimization_barrier`` between calls) and the time divided, so that microsecond
-  kernels are not timed as dispatch. ``err`` against float32 XLA attention.
+  transposes are part of it and counted); ``jaxpar-paged``:
+  ``jaxpar.kernels.paged_decode_attention`` over the same cache seen as one layer of
+  16-slot pages (a reshape) read through page tables, the pages in order (so the same
+  bytes as ``jaxpar``: the table reads and per-row addresses are the difference; a
+  shuffled pool moves 16-slot blocks of ``K H`` values, each as contiguous). Up to 8
+  input sets are chained in one jit (``optimization_barrier`` between calls) and the
+  time divided, so that microsecond kernels are not timed as dispatch. ``err`` against float32 XLA attention.
 * ``train``: the ``1b`` training step with ``execution.attention=pallas``, ``xla`` and ``cudnn``
   (``jaxpar-train`` in child processes, after the kernels, which also run in a child so
   that the GPU memory is free again): median step time of the steps after
@@ -516,6 +520,8 @@ def attention_table(rows: list[dict], peak: float | None) -> str:
 
 # ------------------------------------------------------------------------- decode
 
+PAGE = 16  # jaxpar-paged: slots per page (the serving engine's default)
+
 
 def decode_part(args, s: Settings) -> list[dict]:
     N, K, H = args.decode_heads
@@ -527,7 +533,8 @@ def decode_part(args, s: Settings) -> list[dict]:
                 kv_bytes = 2 * B * S * K * H * 2
                 if time.time() > DEADLINE:
                     results += [{"B": B, "S": S, "T": T, "N": N, "K": K, "H": H, "impl": name, "kv_bytes": kv_bytes,
-                                 "r": {"error": SKIPPED}} for name in ("jaxpar", "xla", "cudnn", "jax-pallas-gqa")]
+                                 "r": {"error": SKIPPED}}
+                                for name in ("jaxpar", "jaxpar-paged", "xla", "cudnn", "jax-pallas-gqa")]
                     continue
                 count = n_sets(kv_bytes, s)
                 base = jax.random.key(7919 * B + 31 * S + T)
@@ -562,6 +569,16 @@ def decode_part(args, s: Settings) -> list[dict]:
                     impls.append(("jaxpar", lambda q, k, v, n: da(q, k, v, n, interpret=s.interpret), True))
                 except Unavailable as e:
                     impls.append(("jaxpar", e, True))
+                try:
+                    pda = jaxpar_kernel("paged_decode_attention")
+                    tables = jnp.arange(B * S // PAGE, dtype=jnp.int32).reshape(B, S // PAGE)
+
+                    def paged(q, k, v, n):  # the cache as one layer of pages, in order (a free reshape)
+                        pages = lambda x: x.reshape(1, B * S // PAGE, PAGE, K, H)  # noqa: E731
+                        return pda(q, pages(k), pages(v), 0, tables, n, interpret=s.interpret)
+                    impls.append(("jaxpar-paged", paged, True))
+                except Unavailable as e:
+                    impls.append(("jaxpar-paged", e, True))
                 impls.append(("xla", lambda q, k, v, n: jax.nn.dot_product_attention(
                     q, k, v, mask=mask(n), implementation="xla"), True))
                 if s.gpu:

@@ -8,7 +8,8 @@ compiled kernel. Each kernel module has its ``*_reference`` in plain ``jnp``.
 
 from jaxpar.kernels.cross_entropy import (linear_cross_entropy, linear_cross_entropy_reference,
                                           log_sum_exp_and_target_logit)
-from jaxpar.kernels.decode_attention import decode_attention, decode_attention_reference
+from jaxpar.kernels.decode_attention import (decode_attention, decode_attention_reference,
+                                             paged_decode_attention, paged_decode_attention_reference)
 from jaxpar.kernels.dispatch import KernelOptions, use_pallas
 from jaxpar.kernels.flash_attention import flash_attention, flash_attention_reference
 from jaxpar.kernels.norms import layer_norm, norm, norm_reference, rms_norm
@@ -16,4 +17,5 @@ from jaxpar.kernels.norms import layer_norm, norm, norm_reference, rms_norm
 __all__ = ["KernelOptions", "decode_attention", "decode_attention_reference", "flash_attention",
            "flash_attention_reference", "layer_norm", "linear_cross_entropy",
            "linear_cross_entropy_reference", "log_sum_exp_and_target_logit", "norm",
-           "norm_reference", "rms_norm", "use_pallas"]
+           "norm_reference", "paged_decode_attention", "paged_decode_attention_reference", "rms_norm",
+           "use_pallas"]

@@ -32,10 +32,13 @@ def tile_index(start, rows: int, cols: int):
     return r, jax.lax.broadcasted_iota(jnp.int32, (1, cols), 1)
 
 
-def load(ref, r, c, extent):
+def load(ref, r, c, extent, rows=None):
     """The tile ``ref[r, c]`` (``r [R, 1]``, ``c [1, C]`` indices into the 2D ``ref``), zeros
-    where ``r >= extent[0]`` or ``c >= extent[1]`` (past the array: never read)."""
-    return plgpu.load(ref.at[r, c], mask=(r < extent[0]) & (c < extent[1]), other=0)
+    where ``r >= extent[0]`` or ``c >= extent[1]`` (past the array: never read).
+    ``rows [R, 1]``: read ``ref[rows, c]`` instead, still masked by ``r`` (where a page
+    table maps a sequence's slots ``r`` into a pool of pages)."""
+    return plgpu.load(ref.at[r if rows is None else rows, c], mask=(r < extent[0]) & (c < extent[1]),
+                      other=0)
 
 
 def store(ref, r, c, extent, value):

@@ -15,7 +15,7 @@ import pytest
 
 from conftest import rel_err
 from jaxpar.ops.attention import dot_product_attention
-from jaxpar.kernels import decode_attention, decode_attention_reference
+from jaxpar.kernels import decode_attention, decode_attention_reference, dispatch
 
 
 def inputs(rng, lengths, T, N, K, H, S, dtype=jnp.float32, tree=False):
@@ -92,9 +92,10 @@ def test_head_dims_that_are_not_powers_of_two(rng, H):
     assert rel_err(got, decode_attention_reference(q, k, v, lengths, tree_mask=tree_mask)) < 1e-5
 
 
-def test_more_new_tokens_than_the_bitmask_holds_run_the_reference(rng, caplog):
+def test_more_new_tokens_than_the_bitmask_holds_run_the_reference(rng, caplog, monkeypatch):
     """T = 40 > 32 new tokens: the tree mask no longer fits the kernel's int32 bitmask, so
     the call runs the XLA reference (and says so) instead of failing."""
+    monkeypatch.setattr(dispatch, "_REPORTED", set())  # said once per process: maybe already
     T = 40
     q, k, v, lengths, tree_mask = inputs(rng, [T, 50], T, 2, 1, 16, 56, tree=True)
     with caplog.at_level(logging.WARNING, logger="jaxpar.kernels"):

@@ -74,6 +74,30 @@ def test_decode_attention_with_more_new_tokens_than_the_kernel_takes(rng):
     assert "triton" not in text
 
 
+@pytest.mark.parametrize("T,H,page_size", [(1, 64, 16), (5, 80, 16), (3, 72, 6)])
+def test_paged_decode_attention(rng, T, H, page_size):
+    """Pages of every layer, a traced layer index, tables and lengths: the page table's
+    reads and the rows they pick lower too (pages of 6 slots: any size)."""
+    L, P, B, N, K, max_pages = 2, 9, 3, 8, 2, 4
+    q, k, v = normal(rng, (B, T, N, H)), normal(rng, (L, P, page_size, K, H)), normal(rng, (L, P, page_size, K, H))
+    tables = jnp.asarray(rng.integers(0, P, (B, max_pages)), jnp.int32)
+    lengths = jnp.asarray([T, page_size, max_pages * page_size], jnp.int32)
+    lowers_for_cuda(lambda q, k, v, layer: kernels.paged_decode_attention(q, k, v, layer, tables, lengths,
+                                                                          interpret=False),
+                    q, k, v, jnp.int32(1))
+
+
+def test_paged_decode_attention_over_more_rows_than_int32_counts(rng):
+    """2 layers of 2**26 pages of 16 slots, 2**31 rows (shapes only, nothing allocated):
+    the kernel's int32 row numbers would overflow, so the XLA reference runs instead."""
+    pages = jax.ShapeDtypeStruct((2, 2**26, 16, 1, 16), jnp.bfloat16)
+    q = normal(rng, (1, 1, 2, 16))
+    tables, lengths = jnp.ones((1, 2), jnp.int32), jnp.asarray([20], jnp.int32)
+    text = jax.jit(lambda q, k, v: kernels.paged_decode_attention(q, k, v, 1, tables, lengths, interpret=False)) \
+        .trace(q, pages, pages).lower(lowering_platforms=("cuda",)).as_text()
+    assert "triton" not in text
+
+
 @pytest.mark.parametrize("kind,D", [("rms", 256), ("layer", 256), ("rms", 576), ("layer", 768)])
 def test_norm(rng, kind, D):
     x, scale = normal(rng, (37, D)), normal(rng, (D,), jnp.float32)

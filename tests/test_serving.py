@@ -8,11 +8,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from conftest import rel_err
 from jaxpar.inference import speculative
 from jaxpar.inference.decoding import generate, speculative_generate
+from jaxpar.kernels import KernelOptions
 from jaxpar.models import ModelConfig, Transformer
 from jaxpar.models.glide import GlideDraft
+from jaxpar.placement.execution import use_execution
 from jaxpar.serving import Engine, SamplingParams
+from jaxpar.serving.pages import DecodeView
 
 CFG = ModelConfig(vocab_size=96, dim=32, layers=2, heads=4, kv_heads=2, head_dim=8, mlp_dim=64)
 
@@ -147,12 +151,49 @@ def test_end_tokens_abort_and_bad_requests(model):
             served.add_request(prompt, params)
 
 
+def test_decode_view_reads_the_pages_in_place_under_pallas_attention(rng):
+    """Three new tokens per slot over ragged cached lengths (a slot with nothing cached):
+    with ``attention="pallas"`` the view runs the paged kernel (interpret mode here) on
+    the pages, no gather, and gives XLA's gathered attention and the same pages."""
+    L, P, S_p, B, T, N, K, H = 2, 7, 4, 2, 3, 4, 2, 8
+    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
+    view = DecodeView(normal(L, P, S_p, K, H), normal(L, P, S_p, K, H), jnp.int32(1),
+                      jnp.asarray([[2, 5, 1], [3, 0, 0]], jnp.int32), jnp.asarray([6, 0], jnp.int32))
+    q, k, v = normal(B, T, N, H), normal(B, T, K, H), normal(B, T, K, H)
+    runs = {}
+    for impl in ("pallas", "xla"):
+        with use_execution(kernels=KernelOptions(attention=impl)):
+            runs[impl] = jax.jit(view.attend)(q, k, v)
+            program = str(jax.make_jaxpr(view.attend)(q, k, v))
+        assert ("paged_decode_attention" in program) == (impl == "pallas")
+        assert (f"f32[{B},3,{S_p},{K},{H}]" in program) == (impl == "xla")  # the gathered pages
+    (out, pages), (want, want_pages) = runs["pallas"], runs["xla"]
+    assert rel_err(out, want) < 1e-5
+    assert all(bool((a == b).all()) for a, b in zip(pages, want_pages))
+
+
+@pytest.mark.slow  # end to end, as the engine's other tests (the view's test above is fast)
+@pytest.mark.parametrize("speculative", [False, True])
+def test_pallas_attention_serves_the_tokens_of_xla(model, speculative):
+    """The engine with ``attention="pallas"`` (the paged kernel, interpret mode) gives the
+    greedy tokens of the XLA gather path: decoding one token per slot, or speculative
+    rounds (the model its own draft, gamma 2: two and three new tokens per slot)."""
+    prompts, _ = requests(9, 3)
+    params = [SamplingParams(max_tokens=4)] * 3
+    want = [o.token_ids for o in engine(model).generate(prompts, params)]
+    draft = {"draft": model, "gamma": 2} if speculative else {}
+    got = engine(model, kernels=KernelOptions(attention="pallas"), **draft).generate(prompts, params)
+    assert [o.token_ids for o in got] == want
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("tensor", [2, 4])
 def test_tensor_parallel_serving_gives_one_devices_tokens(model, tensor):
     """mesh.tensor=2 splits the 4 query and 2 kv heads; tensor=4 outnumbers the kv heads,
     which are then replicated (as training does) rather than failing: the tokens of one
-    device, the pages split by kv head (tensor=2) or replicated (tensor=4)."""
+    device, the pages split by kv head (tensor=2) or replicated (tensor=4). The same
+    with Pallas attention (interpret mode): each device's paged kernel on its batch rows
+    and kv head (tensor=2), or the gathered pages (tensor=4: the kv heads whole)."""
     import jaxpar
 
     prompts, params = requests(6, 6)
@@ -161,6 +202,8 @@ def test_tensor_parallel_serving_gives_one_devices_tokens(model, tensor):
     served = engine(model, mesh=mesh)
     assert served.kv.k.sharding.spec[3] == ("tensor" if tensor == 2 else None)
     outputs = served.generate(prompts, params)
+    assert [o.token_ids for o in outputs] == [r.token_ids for r in reference]
+    outputs = engine(model, mesh=mesh, kernels=KernelOptions(attention="pallas")).generate(prompts, params)
     assert [o.token_ids for o in outputs] == [r.token_ids for r in reference]
 
 

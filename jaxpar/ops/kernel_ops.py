@@ -112,6 +112,31 @@ def decode_attention(q, k_cache, v_cache, lengths, tree_mask=None):
                        q, k_cache, v_cache, lengths, tree_mask)
 
 
+def paged_decode_attention(q, k_pages, v_pages, layer, tables, lengths):
+    """``q [B, T, N, H]`` over layer ``layer`` of every layer's pages ``[L, P, S_p, K,
+    H]``, sequence ``b``'s slots read through ``tables [B, max_pages]`` up to ``lengths
+    [b]`` (the T new tokens last, already written, seen causally), by the Pallas paged
+    decode kernel; or None when the chosen attention is not ``"pallas"``, ``T >
+    DECODE_MAX_QUERIES``, or the kv heads stay whole while the query heads are split
+    (more head shards than kv heads): the caller then gathers the pages, since slicing
+    each device's kv heads out of the pages would copy every layer's. With a mesh, each
+    device runs the kernel on its batch rows and kv heads, over all the pages."""
+    if implementation("attention") != "pallas" or q.shape[1] > DECODE_MAX_QUERIES:
+        return None
+    mesh = _mesh()
+    q_spec, kv_spec, _ = _head_layout(mesh, q.shape[0], q.shape[2], k_pages.shape[3])
+    if kv_spec[2] != q_spec[2]:
+        return None
+    pages_spec = PartitionSpec(None, None, None, kv_spec[2], None)
+
+    def local(q, k, v, layer, tables, lengths):
+        return kernels.paged_decode_attention(q, k, v, layer, tables, lengths, interpret=pallas_interpret())
+
+    return _per_device(local, mesh, (q_spec, pages_spec, pages_spec, PartitionSpec(),
+                                     PartitionSpec(q_spec[0], None), PartitionSpec(q_spec[0])),
+                       q_spec, q, k_pages, v_pages, layer, tables, lengths)
+
+
 # ----------------------------------------------------------------------------- norm
 
 

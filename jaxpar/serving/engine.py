@@ -43,6 +43,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.inference import speculative
+from jaxpar.kernels import KernelOptions
 from jaxpar.models.glide import GlideDraft
 from jaxpar.models.transformer import ACT_BTKH, sharding_rules
 from jaxpar.offload.budget import free_memory
@@ -143,12 +144,16 @@ class Engine:
         pages' kv heads over ``k`` devices, ``jaxpar.models.transformer.sharding_rules``
         as training does: kv heads replicated where ``k`` outnumbers them); ``model``'s
         parameters are placed there (the model itself is left as it is).
+      kernels: who computes attention, norms and the loss (``jaxpar.kernels.KernelOptions``;
+        default ``auto``: the Pallas kernels on a GPU, XLA elsewhere). With Pallas
+        attention, decoding reads the pages in place (``jaxpar.serving.pages``).
     """
 
     def __init__(self, model, *, tokenizer=None, eos_ids: Sequence[int] = (), max_batch: int = 8,
                  max_context: int | None = None, page_size: int = 16, kv_pages: int | None = None,
                  kv_memory: int | None = None, prefill_chunk: int = 256, batching: str = "continuous",
-                 draft=None, method: str | None = None, gamma: int = 4, mesh=None, rules=None):
+                 draft=None, method: str | None = None, gamma: int = 4, mesh=None, rules=None,
+                 kernels: KernelOptions = KernelOptions()):
         if batching not in ("continuous", "static"):
             raise ValueError(f"batching={batching!r} must be 'continuous' or 'static'")
         if draft is not None and mesh is not None:
@@ -172,10 +177,10 @@ class Engine:
         self.lookahead = gamma if draft is not None else 0
         self.max_pages = math.ceil((self.max_context + self.lookahead) / page_size)
         self.graphdef, self.params = nnx.split(model)
-        self.mesh, self.execution, kv_sharding, split = mesh, Execution(), None, 1
+        self.mesh, self.execution, kv_sharding, split = mesh, Execution(kernels=kernels), None, 1
         if mesh is not None:
             rules = sharding_rules(cfg, mesh, rules)
-            self.execution = Execution(rules_lib.for_mesh(mesh, rules))
+            self.execution = Execution(rules_lib.for_mesh(mesh, rules), kernels=kernels)
             self.params = jax.device_put(self.params, model_shardings(self.params, mesh, rules))
             heads = rules_lib.logical_to_spec(ACT_BTKH[2:3], self.execution.rules)[0]
             kv_sharding = NamedSharding(mesh, PartitionSpec(None, None, None, heads, None))

@@ -11,17 +11,23 @@ Two views run inside a model's attention (``Attention.__call__`` calls ``attend`
 holding every layer's pages and the index of the layer it serves (the layer scan carries
 the pages whole and each layer scatters into them in place):
 
-* ``DecodeView``: one new token per batch slot (``q [B, 1, N, H]``), its key/value
-  written at its slot's next position, then attention over the slot's pages gathered
-  into one ``[B, pages * page_size, K, H]`` row (XLA's gather: the CPU path; on a GPU
-  ``dot_product_attention`` runs the Pallas decode kernel over the gathered row).
+* ``DecodeView``: ``T`` new tokens per batch slot (``q [B, T, N, H]``: one when
+  decoding, ``gamma + 1`` when verifying a draft), their keys/values written at the
+  slot's next positions, then attention over the slot's pages, causal among the new
+  tokens. Where the ``Execution``'s attention resolves to Pallas (a GPU, or
+  ``attention="pallas"``: interpret mode elsewhere) the paged decode kernel
+  (``jaxpar.kernels.paged_decode_attention``) reads the pages in place through the
+  page tables; otherwise (the CPU path) XLA gathers each slot's pages into one
+  ``[B, pages * page_size, K, H]`` row for ``dot_product_attention``. The choice is the
+  one ``dot_product_attention`` makes, so it is part of the compiled program's key.
 * ``PrefillView``: one packed row of new tokens from up to ``G`` sequences (``q [1, C,
   N, H]``), each token with its sequence's index in the row and its position; written
   to their pages, then each token attends over its own sequence's pages up to its
   position (an explicit ``[1, C, G * S]`` mask over the row's ``G`` gathered page
   ranges): a chunk continues a prefix already in the cache, so a prompt prefills in
   pieces. No padding between prompts; the row's tail past its tokens (to the compiled
-  bucket) writes to the null page and is masked out.
+  bucket) writes to the null page and is masked out. Always XLA's gather (an explicit
+  mask, which ``dot_product_attention`` computes itself whatever the kernels).
 
 Host side: ``PagePool`` hands out page ids and takes them back.
 """
@@ -33,6 +39,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxpar.ops import kernel_ops
 from jaxpar.ops.attention import dot_product_attention
 
 NULL_PAGE = 0
@@ -75,15 +82,18 @@ def gather(pages: jax.Array, layer, tables: jax.Array) -> jax.Array:
     return rows.reshape(rows.shape[0], -1, *rows.shape[3:])
 
 
-def _store_and_read(view, token_tables, positions, k, v):
-    """What both views do first: the new ``k``, ``v [..., K, H]`` written into
-    ``view``'s layer at ``positions [...]`` (``token_tables [..., max_pages]``), then the
-    layer's pages of every row of ``view.tables`` gathered: ``(keys, values, (pages_k,
-    pages_v))``, keys and values ``[R, max_pages * S_p, K, H]``."""
-    pages_k = _write(view.k, view.layer, token_tables, positions, k)
-    pages_v = _write(view.v, view.layer, token_tables, positions, v)
-    keys, values = gather(pages_k, view.layer, view.tables), gather(pages_v, view.layer, view.tables)
-    return keys, values, (pages_k, pages_v)
+def _store(view, token_tables, positions, k, v):
+    """What both views do first: ``(pages_k, pages_v)``, ``view``'s pages with the new
+    ``k``, ``v [..., K, H]`` written into its layer at ``positions [...]``
+    (``token_tables [..., max_pages]``)."""
+    return (_write(view.k, view.layer, token_tables, positions, k),
+            _write(view.v, view.layer, token_tables, positions, v))
+
+
+def _read(view, pages):
+    """``(keys, values)`` ``[R, max_pages * S_p, K, H]``: ``view``'s layer of ``pages``
+    gathered for every row of ``view.tables``."""
+    return tuple(gather(p, view.layer, view.tables) for p in pages)
 
 
 def side_by_side(rows: jax.Array) -> jax.Array:
@@ -122,8 +132,12 @@ class DecodeView:
         B, T = k.shape[:2]
         positions = self.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)
         tables = jnp.broadcast_to(self.tables[:, None], (B, T, self.tables.shape[1]))
-        keys, values, pages = _store_and_read(self, tables, positions, k, v)
-        return dot_product_attention(q, keys, values, causal=True, q_start=self.lengths), pages
+        pages = _store(self, tables, positions, k, v)
+        out = kernel_ops.paged_decode_attention(q, *pages, self.layer, self.tables, self.lengths + T)
+        if out is None:  # not the Pallas attention: XLA gathers the pages
+            keys, values = _read(self, pages)
+            out = dot_product_attention(q, keys, values, causal=True, q_start=self.lengths)
+        return out, pages
 
 
 @jax.tree_util.register_dataclass
@@ -149,7 +163,8 @@ class PrefillView:
         valid = self.index >= 0
         token_tables = jnp.where(valid[:, None], self.tables[jnp.maximum(self.index, 0)], NULL_PAGE)
         positions = jnp.where(valid, self.positions, 0)
-        keys, values, pages = _store_and_read(self, token_tables, positions, k[0], v[0])
+        pages = _store(self, token_tables, positions, k[0], v[0])
+        keys, values = _read(self, pages)
         G, S = keys.shape[:2]  # the row's G sequences' pages side by side
         keys, values = side_by_side(keys), side_by_side(values)
         mask = packed_mask(self.index, positions, G, S)
