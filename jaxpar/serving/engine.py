@@ -425,7 +425,6 @@ class Engine:
                   for s in self._slots]
         if not any(active):
             return []
-        B = self.max_batch
         tokens = np.array([s.output.token_ids[-1] if s else 0 for s in active], np.int32)
         lengths = np.array([s.cached if s else 0 for s in active], np.int32)
         stepped = [s for s in active if s is not None]
