@@ -268,6 +268,7 @@ def test_glide_without_a_target_is_one_line_and_writes_nothing(tmp_path, capsys)
     ("glide.layers=3", "glide.layers=3 exceeds the target's model.layers=2"),
     ("model.layers=3", "model.* of a glide run is its target's"),
     ("dry_run=true", "dry_run=true is not supported with task=glide"),
+    ("glide.draft_vocab=512", "glide.draft_vocab=512 must be below the target's vocabulary of 512 tokens"),
 ])
 def test_glide_settings_the_target_refuses(target_run, override, message):
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -278,12 +279,28 @@ def test_glide_settings_the_target_refuses(target_run, override, message):
     ("glide.layers=0", "glide.layers=0 must be at least 1"),
     ("glide.block_size=1", "glide.block_size=1 must be at least 2"),
     ("glide.kl_weight=-1", "glide.kl_weight=-1.0 must not be negative"),
+    ("glide.teacher_topk=0", "glide.teacher_topk=0 must be at least 1"),
+    ("glide.draft_vocab=0", "glide.draft_vocab=0 must be at least 1"),
+    ("glide.distill=full glide.teacher_cache=/c", "glide.distill='full' reads the live target's whole distribution"),
 ])
 def test_glide_config(override, message):
     cfg = load_config("glide", ["target_run_dir=runs/tiny"])
     assert cfg.task == "glide" and cfg.glide.layers == 1 and cfg.glide.block_size == 5
     with pytest.raises(ConfigError, match=re.escape(message)):
-        load_config("glide", ["target_run_dir=runs/tiny", override])
+        load_config("glide", ["target_run_dir=runs/tiny", *override.split()])
+
+
+def test_distillation_defaults_follow_the_vocabulary():
+    """Unset, distillation is on and reads the top-k for a large vocabulary (32,000 or
+    more), off (and whole) below; a teacher cache reads the top-k; set values stay."""
+    unset = load_config("glide", ["target_run_dir=t"]).glide
+    assert (unset.kl_weight, unset.distill, unset.teacher_topk) == (None, "auto", 64)
+    decided = lambda g, V: (glide.resolve(g, V).kl_weight, glide.resolve(g, V).distill)  # noqa: E731
+    assert decided(unset, 49_152) == decided(unset, 32_000) == (1.0, "topk")
+    assert decided(unset, 31_999) == (0.0, "full")
+    assert decided(dataclasses.replace(unset, teacher_cache="/c"), 512) == (0.0, "topk")
+    explicit = load_config("glide", ["target_run_dir=t", "glide.kl_weight=0.25", "glide.distill=full"]).glide
+    assert decided(explicit, 49_152) == (0.25, "full")
 
 
 def generate_cli(capsys, *args):
@@ -586,6 +603,15 @@ def test_drafts_from_the_teacher_cache_equal_drafts_from_the_live_target(target_
     built = run("built", f"glide.teacher_cache={cache}")
     manifest = json.loads((cache / "manifest.json").read_text())
     assert manifest["complete"] and manifest["identity"]["layout"]["rows"] == {"train": 16, "validation": 8}
+
+    # bench/glide_step.py on this cache, as BENCHMARKS.md runs it on SmolLM2 (in this process, small).
+    script = pathlib.Path(__file__).resolve().parents[1] / "bench" / "glide_step.py"
+    overrides = [o for o in common[2:] if "=" in o and not o.startswith(("steps=", "eval.", "checkpoint."))]
+    monkeypatch.setattr(sys, "argv", [str(script), "--target", str(target_run), "--cache", str(cache),
+                                      "--steps", "1", *overrides])
+    runpy.run_path(str(script), run_name="__main__")
+    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert table[0].startswith("| draft step") and [r.split("|")[1].strip() for r in table[1:]] == ["live", "cache"]
 
     def target_runs(*args, **kwargs):
         raise AssertionError("the target ran")
