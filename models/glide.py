@@ -16,6 +16,12 @@ Parameter layout (stacked layers lead with L_d):
   layers.mlp.*                 as the Transformer's MLP
   layers.*_norm, final_norm    [L_d, D] / [D]
 
+A draft may predict over a restricted vocabulary (``DraftVocab``: the ``N`` most frequent
+tokens of its training corpus, as FR-Spec and EAGLE-3 do): its head is then those ``N``
+columns of the target's, its logits ``[..., N]``, and ``DraftVocab.full_logits`` puts
+them back over the whole vocabulary (-inf elsewhere) for decoding, whose verification
+stays over every token.
+
 Training (``jaxpar-train glide``) feeds the target's teacher-forced keys/values of a
 whole row with ``cross_block_mask``: a draft query sees the target's keys of the blocks
 before its own, as at inference the target has verified the tokens before the ``gamma``
@@ -25,9 +31,11 @@ the draft proposes. Inference gives the target's cache with ``inference_cross_ma
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxpar.ops.attention import dot_product_attention
@@ -82,6 +90,58 @@ def inference_cross_mask(target_lengths: jax.Array, T: int, S: int) -> jax.Array
     lengths = jnp.asarray(target_lengths, jnp.int32)
     visible = jnp.arange(S, dtype=jnp.int32)[None, None, :] < lengths[:, None, None]
     return jnp.broadcast_to(visible, (lengths.shape[0], T, S))
+
+
+# The restricted vocabulary -------------------------------------------------------------
+
+
+class DraftVocab:
+    """The full-vocabulary ids ``[N]`` (int32, sorted, distinct) a draft predicts over.
+
+    A static attribute of the draft (part of its graph, not of its state: it is neither
+    trained nor checkpointed; the draft run keeps it in ``draft_vocab.npy``), so programs
+    hold the ids as a constant and the optimizer never sees an integer leaf. Hashed once,
+    by content, so jit's cache lookups stay cheap.
+    """
+
+    def __init__(self, ids, vocab_size: int):
+        ids = np.asarray(ids)
+        if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"a draft vocabulary must be a non-empty list of token ids, got shape {ids.shape}")
+        ids = ids.astype(np.int32)
+        if (np.diff(ids) <= 0).any() or ids[0] < 0 or ids[-1] >= vocab_size:
+            raise ValueError(f"a draft vocabulary's ids must be sorted, distinct and below the target's "
+                             f"vocabulary of {vocab_size} tokens")
+        ids.flags.writeable = False
+        self.ids, self.vocab_size = ids, vocab_size
+        self._hash = hash((vocab_size, hashlib.sha256(ids.tobytes()).hexdigest()))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        return (isinstance(other, DraftVocab) and self.vocab_size == other.vocab_size
+                and np.array_equal(self.ids, other.ids))
+
+    def __repr__(self) -> str:
+        return f"DraftVocab({len(self)} of {self.vocab_size} tokens)"
+
+    def index(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Full-vocabulary ``tokens`` (int, any shape) -> ``(index, inside)``: each
+        token's position among ``ids`` (0 where it is not one) and whether it is."""
+        ids = jnp.asarray(self.ids)
+        at = jnp.clip(jnp.searchsorted(ids, tokens), 0, len(self) - 1).astype(jnp.int32)
+        inside = ids[at] == tokens
+        return jnp.where(inside, at, 0), inside
+
+    def full_logits(self, logits: jax.Array) -> jax.Array:
+        """``[..., N]`` -> ``[..., V]``: the draft's logits over the whole vocabulary,
+        -inf outside its ``N`` tokens (so its distribution is zero there)."""
+        full = jnp.full((*logits.shape[:-1], self.vocab_size), -jnp.inf, logits.dtype)
+        return full.at[..., jnp.asarray(self.ids)].set(logits)
 
 
 # Modules -----------------------------------------------------------------------------
@@ -151,19 +211,25 @@ class GlideDraft(nnx.Module):
     """GliDe draft: L_draft decoder layers (default 1), each
     x += self_attn(norm(x)) over the draft's own cache;
     x += cross_attn(norm(x)) into the target's cached K/V of target layer L_target - L_draft + i;
-    x += mlp(norm(x)); then its own final norm and the TARGET's LM head (target.head_weight()).
+    x += mlp(norm(x)); then its own final norm and the TARGET's LM head (target.head_weight()),
+    or with ``vocab`` (a ``DraftVocab``) only its columns of those tokens.
     Token embedding is the target's (target.embed_tokens(tokens, positions)). Both shared
     and frozen: the draft holds no reference to the target, which each call passes.
     """
 
-    def __init__(self, cfg: ModelConfig, layers: int = 1, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, layers: int = 1, *, vocab: DraftVocab | None = None,
+                 rngs: nnx.Rngs):
         """``cfg``: the TARGET's ``ModelConfig`` (the draft layers take its widths, norm,
-        MLP, position and bias settings); ``layers``: ``L_d``, at most ``cfg.layers``."""
+        MLP, position and bias settings); ``layers``: ``L_d``, at most ``cfg.layers``;
+        ``vocab``: the tokens it predicts over (None: all ``cfg.vocab_size``)."""
         if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= cfg.layers:
             raise ValueError(f"GliDe draft layers={layers!r} must be between 1 and the target's "
                              f"model.layers={cfg.layers}")
+        if vocab is not None and vocab.vocab_size != cfg.vocab_size:
+            raise ValueError(f"{vocab!r} is not over the target's vocabulary of {cfg.vocab_size} tokens")
         self.cfg = cfg
         self.num_layers = layers
+        self.vocab = vocab
 
         @nnx.split_rngs(splits=layers)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
@@ -212,8 +278,8 @@ class GlideDraft(nnx.Module):
           cache: the draft's own ``KVCache`` (``self.init_cache``) or None.
 
         Returns:
-          logits ``[B, T, V]`` in the compute dtype; with a cache, ``(logits, cache)``
-          with every length advanced by ``T``.
+          logits ``[B, T, V]`` in the compute dtype (``[B, T, N]`` over a ``vocab`` of
+          ``N`` tokens); with a cache, ``(logits, cache)`` with every length advanced by ``T``.
         """
         B, T = tokens.shape
         L_d, S = self.num_layers, target_k.shape[2]
@@ -243,6 +309,8 @@ class GlideDraft(nnx.Module):
         return self.logits(x, target), KVCache(k, v, lengths + T)
 
     def logits(self, x: jax.Array, target) -> jax.Array:
-        """The draft's final norm and the target's LM head: ``[B, T, D]`` -> ``[B, T, V]``."""
-        logits = dense(self.final_norm(x), target.head_weight(), ("embed", "vocab"))
+        """The draft's final norm and the target's LM head: ``[B, T, D]`` -> ``[B, T, V]``
+        (``[B, T, N]``: its columns of ``vocab``)."""
+        ids = None if self.vocab is None else jnp.asarray(self.vocab.ids)
+        logits = dense(self.final_norm(x), target.head_weight(ids), ("embed", "vocab"))
         return constrain(logits, ACT_BTV)

@@ -446,13 +446,16 @@ class Transformer(nnx.Module):
         logits = dense(self.final_norm(x), self.head_weight(), ("embed", "vocab"))
         return constrain(logits, ACT_BTV)
 
-    def head_weight(self) -> jax.Array:
+    def head_weight(self, ids: jax.Array | None = None) -> jax.Array:
         """The vocabulary projection ``[D, V]`` in the compute dtype (the embedding's
-        transpose when tied)."""
+        transpose when tied); with ``ids`` (int ``[N]``), only those tokens' columns,
+        ``[D, N]`` (a GliDe draft's restricted vocabulary)."""
         dtype = self.cfg.compute_dtype
         if self.cfg.tie_embeddings:
-            return fetch.to_device(self.embed[...]).astype(dtype).T
-        return fetch.to_device(self.lm_head[...]).astype(dtype)
+            table = fetch.to_device(self.embed[...])
+            return (table if ids is None else jnp.take(table, ids, axis=0)).astype(dtype).T
+        head = fetch.to_device(self.lm_head[...])
+        return (head if ids is None else jnp.take(head, ids, axis=1)).astype(dtype)
 
 
 def run_layers(cfg: ModelConfig, graphdef, layer_state, x, positions, segment_ids):

@@ -231,7 +231,7 @@ def test_process_slices_make_the_global_batch(rng):
     evals = [data.eval_batches(rows, 8, 2, process_index=i, process_count=2) for i in range(2)]
     for k in KEYS:
         np.testing.assert_array_equal(
-            np.concatenate([evals[0][1][k], evals[1][1][k]]), data._batch(rows, np.arange(8, 16))[k]
+            np.concatenate([evals[0][1][k], evals[1][1][k]]), data.batch_of_rows(rows, np.arange(8, 16))[k]
         )
 
 

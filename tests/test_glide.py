@@ -20,9 +20,9 @@ from flax import nnx
 import jaxpar
 from conftest import random_init, rel_err
 from jaxpar.models import GlideDraft, ModelConfig, Transformer
-from jaxpar.models.glide import CrossAttention, cross_block_mask, inference_cross_mask
+from jaxpar.models.glide import CrossAttention, DraftVocab, cross_block_mask, inference_cross_mask
 from jaxpar.models.transformer import init_cache
-from jaxpar.train import glide
+from jaxpar.train import data, glide, teacher_cache
 from jaxpar.train.config import ConfigError, load_config
 from jaxpar.train.cli import main
 from jaxpar.train.loop import train
@@ -268,6 +268,7 @@ def test_glide_without_a_target_is_one_line_and_writes_nothing(tmp_path, capsys)
     ("glide.layers=3", "glide.layers=3 exceeds the target's model.layers=2"),
     ("model.layers=3", "model.* of a glide run is its target's"),
     ("dry_run=true", "dry_run=true is not supported with task=glide"),
+    ("glide.draft_vocab=512", "glide.draft_vocab=512 must be below the target's vocabulary of 512 tokens"),
 ])
 def test_glide_settings_the_target_refuses(target_run, override, message):
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -278,12 +279,28 @@ def test_glide_settings_the_target_refuses(target_run, override, message):
     ("glide.layers=0", "glide.layers=0 must be at least 1"),
     ("glide.block_size=1", "glide.block_size=1 must be at least 2"),
     ("glide.kl_weight=-1", "glide.kl_weight=-1.0 must not be negative"),
+    ("glide.teacher_topk=0", "glide.teacher_topk=0 must be at least 1"),
+    ("glide.draft_vocab=0", "glide.draft_vocab=0 must be at least 1"),
+    ("glide.distill=full glide.teacher_cache=/c", "glide.distill='full' reads the live target's whole distribution"),
 ])
 def test_glide_config(override, message):
     cfg = load_config("glide", ["target_run_dir=runs/tiny"])
     assert cfg.task == "glide" and cfg.glide.layers == 1 and cfg.glide.block_size == 5
     with pytest.raises(ConfigError, match=re.escape(message)):
-        load_config("glide", ["target_run_dir=runs/tiny", override])
+        load_config("glide", ["target_run_dir=runs/tiny", *override.split()])
+
+
+def test_distillation_defaults_follow_the_vocabulary():
+    """Unset, distillation is on and reads the top-k for a large vocabulary (32,000 or
+    more), off (and whole) below; a teacher cache reads the top-k; set values stay."""
+    unset = load_config("glide", ["target_run_dir=t"]).glide
+    assert (unset.kl_weight, unset.distill, unset.teacher_topk) == (None, "auto", 64)
+    decided = lambda g, V: (glide.resolve(g, V).kl_weight, glide.resolve(g, V).distill)  # noqa: E731
+    assert decided(unset, 49_152) == decided(unset, 32_000) == (1.0, "topk")
+    assert decided(unset, 31_999) == (0.0, "full")
+    assert decided(dataclasses.replace(unset, teacher_cache="/c"), 512) == (0.0, "topk")
+    explicit = load_config("glide", ["target_run_dir=t", "glide.kl_weight=0.25", "glide.distill=full"]).glide
+    assert decided(explicit, 49_152) == (0.25, "full")
 
 
 def generate_cli(capsys, *args):
@@ -371,3 +388,256 @@ def test_speculative_benchmark(target_run, glide_run, vanilla_run, capsys, monke
     assert rows[0].startswith("| method | batch | accepted/step |")
     assert [r.split("|")[1].strip() for r in rows[1:]] == ["ar", "speculative", "glide", "cape"]
     assert all(r.rstrip().endswith("| yes |") for r in rows[1:])
+
+
+# The teacher cache ----------------------------------------------------------------------
+
+def random_rows(rng, docs=14, seq_len=10):
+    """Packed rows of random documents over CFG's vocabulary (EOS 0)."""
+    return data.pack([rng.integers(1, CFG.vocab_size, rng.integers(3, 20)) for _ in range(docs)], seq_len, 0)
+
+
+class Teaching:
+    """A random target, its live teacher with top-k outputs, and what ``open_cache``
+    takes: ``compute`` counts its calls and raises KeyboardInterrupt at call
+    ``interrupt_at`` (an interrupted build)."""
+
+    def __init__(self, rng, topk=8, batch_size=4):
+        self.target = random_init(lambda: Transformer(CFG, rngs=nnx.Rngs(0)), rng)
+        self.cfg = dataclasses.replace(load_config("glide", ["target_run_dir=t", f"glide.teacher_topk={topk}",
+                                                              f"batch_size={batch_size}"]), model=CFG)
+        self.live = glide.teacher(self.target, self.cfg, outputs="topk")
+        self.state = nnx.state(self.target)
+        self.calls, self.interrupt_at = 0, None
+
+    def teach(self, batch):
+        return self.live(self.state, {k: jnp.asarray(x) for k, x in batch.items()})
+
+    def compute(self, batch):
+        self.calls += 1
+        if self.calls == self.interrupt_at:
+            raise KeyboardInterrupt
+        out = self.teach(batch)
+        return {name: np.asarray(out[key]) for name, key in teacher_cache.BATCH_KEYS.items()}
+
+    def spec(self, rows, target=None, tokenizer="tokenizer", topk=8):
+        target = target or self.target
+        return teacher_cache.spec(target, teacher_cache.params_fingerprint(target), tokenizer,
+                                  {"path": "corpus"}, rows, range(1, 2), topk)
+
+    def open(self, directory, rows, **spec):
+        return teacher_cache.open_cache(directory, self.spec(rows, **spec), rows, self.compute,
+                                        self.cfg.batch_size)
+
+
+def test_an_interrupted_teacher_cache_is_completed_not_used(rng, tmp_path, monkeypatch):
+    """A build stopped after its first shard leaves a manifest marked incomplete; the
+    next open computes only the missing shards, and then reads what the live teacher
+    gives. A complete cache missing a shard file has it recomputed."""
+    teaching = Teaching(rng)
+    rows = {"train": random_rows(rng), "validation": random_rows(rng, docs=4)}
+    per_row = teaching.spec(rows).bytes_per_token * rows["train"].seq_len
+    monkeypatch.setattr(teacher_cache, "SHARD_BYTES", 4 * per_row)  # 4 rows a shard: several
+    R = len(rows["train"])
+    assert R > 8 and len(rows["validation"]) >= 1
+    shards = -(-R // 4) + -(-len(rows["validation"]) // 4)
+    teaching.interrupt_at = 2
+    with pytest.raises(KeyboardInterrupt):
+        teaching.open(tmp_path, rows)
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["complete"] is False and manifest["shard_rows"] == 4
+    assert sorted(p.name for p in tmp_path.glob("train-*.npy")) == [f"train-00000.{a}.npy" for a in sorted(teacher_cache.ARRAYS)]
+
+    teaching.calls, teaching.interrupt_at = 0, None
+    cache = teaching.open(tmp_path, rows)
+    assert teaching.calls == shards - 1  # every shard but the one written before the interruption
+    assert json.loads((tmp_path / "manifest.json").read_text())["complete"] is True
+    index = np.array([R - 1, 0, 5, 2])
+    cached = cache.rows("train", index)
+    live = teaching.teach(data.batch_of_rows(rows["train"], index))
+    assert set(cached) == set(teacher_cache.BATCH_KEYS.values())
+    for key, array in cached.items():
+        np.testing.assert_array_equal(array, np.asarray(live[key]), err_msg=key)
+    assert cached["target_k"].shape == (4, 10, 1, CFG.kv_heads, CFG.head_dim)
+    assert cached["target_topk_ids"].dtype == np.int32 and cached["target_topk_logprobs"].shape == (4, 10, 8)
+
+    (tmp_path / "train-00001.v.npy").unlink()
+    teaching.calls = 0
+    cache = teaching.open(tmp_path, rows)
+    assert teaching.calls == 1
+    np.testing.assert_array_equal(cache.rows("train", [5])["target_v"], np.asarray(live["target_v"])[2:3])
+    teaching.calls = 0
+    teaching.open(tmp_path, rows)
+    assert teaching.calls == 0  # complete: the target is not run
+
+
+def test_the_teacher_cache_refuses_another_target_or_corpus(rng, tmp_path):
+    teaching = Teaching(rng)
+    rows = {"train": random_rows(rng)}
+    teaching.open(tmp_path, rows)
+    other = random_init(lambda: Transformer(CFG, rngs=nnx.Rngs(0)), rng)
+    wider = nnx.eval_shape(lambda: Transformer(dataclasses.replace(CFG, mlp_dim=64), rngs=nnx.Rngs(0)))
+    shuffled = data.PackedRows(*(a[::-1].copy() for a in dataclasses.astuple(rows["train"])))
+    fewer = data.PackedRows(*(a[:-1] for a in dataclasses.astuple(rows["train"])))
+    for kwargs, message in [
+        (dict(target=other), "another target (its parameters differ: sha256"),
+        (dict(tokenizer="another"), "another corpus (another tokenizer)"),
+        (dict(rows={"train": shuffled}), "another corpus (its train rows differ)"),
+        (dict(rows={"train": fewer}), f"another corpus (train rows, glide.train_rows: {len(shuffled)} there, "
+                                      f"{len(fewer)} here)"),
+        (dict(rows={"train": random_rows(rng, seq_len=12)}), "another corpus (seq_len: 10 there, 12 here)"),
+        (dict(topk=4), "another topk (glide.teacher_topk: 8 there, 4 here)"),
+    ]:
+        spec_rows = kwargs.pop("rows", rows)
+        target = kwargs.pop("target", teaching.target)
+        spec = teaching.spec(spec_rows, target, **kwargs)
+        with pytest.raises(teacher_cache.TeacherCacheMismatch) as error:
+            teacher_cache.open_cache(tmp_path, spec, spec_rows, teaching.compute, 4)
+        assert message in str(error.value) and "\n" not in str(error.value), str(error.value)
+    spec = teacher_cache.spec(wider, "not-read", "tokenizer", {}, rows, range(1, 2), 8)
+    with pytest.raises(teacher_cache.TeacherCacheMismatch, match=re.escape("another target (model.mlp_dim: 48 there, 64 here)")):
+        teacher_cache.open_cache(tmp_path, spec, rows, teaching.compute, 4)
+    (tmp_path.parent / "stray").mkdir()
+    (tmp_path.parent / "stray" / "notes.txt").write_text("mine")
+    with pytest.raises(teacher_cache.TeacherCacheMismatch, match="is not empty and holds no manifest.json"):
+        teaching.open(tmp_path.parent / "stray", rows)
+
+
+# Distillation and the draft's vocabulary --------------------------------------------------
+
+
+def kl_reference(target_logp, ids, logits, vocab_ids=None):
+    """Top-k KL in float64 numpy, one position at a time."""
+    out = np.zeros(target_logp.shape[:-1])
+    for pos in np.ndindex(*out.shape):
+        keep = [j for j, t in enumerate(ids[pos]) if vocab_ids is None or t in vocab_ids]
+        if not keep:
+            continue
+        column = [int(ids[pos][j]) if vocab_ids is None else int(np.searchsorted(vocab_ids, ids[pos][j]))
+                  for j in keep]
+        p = np.exp(np.float64(target_logp[pos][keep]))
+        p /= p.sum()
+        q = np.exp(np.float64(logits[pos][column]) - np.float64(logits[pos][column]).max())
+        q /= q.sum()
+        out[pos] = (p * np.log(p / q)).sum()
+    return out
+
+
+def test_topk_kl_matches_a_reference(rng):
+    B, T, V, k = 2, 5, 40, 6
+    topk_kl = jax.jit(glide.topk_kl, static_argnums=3)
+    full = rng.standard_normal((B, T, V)).astype(np.float32) * 2
+    logp = np.asarray(jax.nn.log_softmax(full, -1))
+    order = np.argsort(-logp, -1)
+    top, ids = np.take_along_axis(logp, order[..., :k], -1), order[..., :k].astype(np.int32)
+    logits = rng.standard_normal((B, T, V)).astype(np.float32)
+    assert rel_err(topk_kl(top, ids, logits, None), kl_reference(top, ids, logits)) < 1e-5
+    # With k = V it is the whole distributions' KL.
+    whole = np.take_along_axis(logp, order, -1)
+    assert rel_err(topk_kl(whole, order.astype(np.int32), logits, None),
+                   glide.full_kl(jnp.asarray(logp), jnp.asarray(logits), None)) < 1e-5
+    # Over a draft vocabulary: the teacher's tokens in it, renormalised; none in it, 0.
+    vocab_ids = np.sort(rng.choice(V, 15, replace=False))
+    vocab = DraftVocab(vocab_ids, V)
+    ids[0, 0] = [t for t in range(V) if t not in vocab_ids][:k]
+    sub = logits[..., vocab_ids]
+    kl = topk_kl(top, ids, sub, vocab)
+    assert float(kl[0, 0]) == 0.0
+    assert rel_err(kl, kl_reference(top, ids, sub, vocab_ids)) < 1e-5
+    grads = jax.jit(jax.grad(lambda l: glide.topk_kl(top, ids, l, vocab).sum()))(sub)
+    assert np.isfinite(np.asarray(grads)).all() and np.abs(np.asarray(grads)).max() > 0
+
+
+@nnx.jit
+def head(draft, target, x):
+    """The draft's head over ``x [B, T, D]``: its logits (and with a vocabulary, also
+    over the whole vocabulary)."""
+    logits = draft.logits(x, target)
+    return logits if draft.vocab is None else (logits, draft.vocab.full_logits(logits))
+
+
+def test_a_draft_vocabulary_slices_the_shared_head(rng):
+    """A draft over N tokens gives the whole-vocabulary draft's logits of those tokens
+    (its head: those columns of the target's; tied and untied), -inf elsewhere in
+    full_logits."""
+    for cfg in (CFG, GPT2_STYLE):
+        target, draft = models(cfg, 1, rng)
+        ids = np.sort(rng.choice(cfg.vocab_size, 20, replace=False))
+        graphdef = nnx.graphdef(GlideDraft(cfg, 1, vocab=DraftVocab(ids, cfg.vocab_size), rngs=nnx.Rngs(0)))
+        restricted = nnx.merge(graphdef, nnx.state(draft))  # the same layers, a sliced head
+        x = jnp.asarray(rng.standard_normal((2, 3, cfg.dim)), jnp.float32)
+        logits, spread = head(restricted, target, x)
+        assert logits.shape == (2, 3, 20)
+        assert rel_err(logits, np.asarray(head(draft, target, x))[..., ids]) < 1e-5
+        spread = np.asarray(spread)
+        np.testing.assert_array_equal(spread[..., ids], np.asarray(logits))
+        assert np.isneginf(np.delete(spread, ids, axis=-1)).all()
+    with pytest.raises(ValueError, match="sorted, distinct and below the target's vocabulary of 64 tokens"):
+        DraftVocab([3, 3, 5], 64)
+
+
+# Top-k distillation on the run's rows, from a cache the first run builds.
+CACHED_RUN = ["glide.train_rows=16", "glide.distill=topk", "glide.kl_weight=0.5", "glide.teacher_topk=8",
+              "steps=3", "eval.every=3", "eval.batches=1", "checkpoint.every=0", "--no-progress"]
+
+
+@pytest.mark.slow
+def test_drafts_from_the_teacher_cache_equal_drafts_from_the_live_target(target_run, tmp_path, monkeypatch,
+                                                                         capsys):
+    """jaxpar-train glide with glide.teacher_cache: the run that builds the cache and a
+    later one that only reads it (the target never run) log the live run's losses; a
+    cache of another corpus is refused in one line (exit 2); a draft_vocab run reuses
+    the cache and keeps the training split's most frequent tokens, which its loaded
+    draft predicts over (decoding with such drafts: test_speculative)."""
+    from jaxpar.train.runs import load_glide_draft
+
+    common = ["glide", f"target_run_dir={target_run}", f"cache_dir={target_run.parent / 'cache'}", *DATA,
+              *CACHED_RUN]
+
+    def run(name, *overrides):
+        assert main([*common, f"run_dir={tmp_path / name}", *overrides]) == 0, capsys.readouterr().err
+        return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+
+    cache = tmp_path / "teacher"
+    live = run("live")
+    built = run("built", f"glide.teacher_cache={cache}")
+    manifest = json.loads((cache / "manifest.json").read_text())
+    assert manifest["complete"] and manifest["identity"]["layout"]["rows"] == {"train": 16, "validation": 8}
+
+    # bench/glide_step.py on this cache, as BENCHMARKS.md runs it on SmolLM2 (in this process, small).
+    script = pathlib.Path(__file__).resolve().parents[1] / "bench" / "glide_step.py"
+    overrides = [o for o in common[2:] if "=" in o and not o.startswith(("steps=", "eval.", "checkpoint."))]
+    monkeypatch.setattr(sys, "argv", [str(script), "--target", str(target_run), "--cache", str(cache),
+                                      "--steps", "1", *overrides])
+    runpy.run_path(str(script), run_name="__main__")
+    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert table[0].startswith("| draft step") and [r.split("|")[1].strip() for r in table[1:]] == ["live", "cache"]
+
+    def target_runs(*args, **kwargs):
+        raise AssertionError("the target ran")
+
+    monkeypatch.setattr(glide, "teacher", target_runs)
+    reused = run("reused", f"glide.teacher_cache={cache}")
+    for other in (built, reused):
+        assert [r["step"] for r in other] == [1, 2, 3]
+        for a, b in zip(live, other):
+            for key in ("loss", "val_loss"):
+                if key in a:
+                    assert abs(a[key] - b[key]) <= 1e-5 * abs(a[key]), (key, a, b)
+
+    capsys.readouterr()
+    code = main([*common, f"run_dir={tmp_path / 'refused'}", f"glide.teacher_cache={cache}", "data.max_files=30"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, lines
+    assert "was built for another corpus (its train rows differ; data.max_files: 40 there, 30 here)" in lines[0]
+    assert not (tmp_path / "refused").exists()
+
+    run("vocab", f"glide.teacher_cache={cache}", "glide.draft_vocab=100")
+    draft = load_glide_draft(tmp_path / "vocab")
+    stored = np.load(tmp_path / "vocab" / glide.VOCAB_FILE)
+    assert len(draft.vocab) == 100 and np.array_equal(draft.vocab.ids, stored)
+    data_cfg = load_config("tiny", SMALL + ["data.max_files=40", f"data.tokenizer={target_run / 'tokenizer.json'}"]).data
+    cache_dir = target_run.parent / "cache"
+    rows = data.packed_rows(data_cfg, data.load_tokenizer(data_cfg, 512, cache_dir), 64, "train", cache_dir)
+    counts = np.bincount(rows.tokens.ravel(), minlength=512)
+    assert counts[stored].min() >= np.delete(counts, stored).max()  # the most frequent tokens

@@ -14,6 +14,7 @@ from jaxpar import use_execution
 from jaxpar.kernels.dispatch import KernelOptions
 from jaxpar.inference.decoding import generate, probabilities, speculative_generate
 from jaxpar.models import GlideDraft, ModelConfig, Transformer
+from jaxpar.models.glide import DraftVocab
 from jaxpar.models.transformer import KVCache, init_cache
 from jaxpar.inference.token_tree import TreeLayout, compact, verify_greedy
 from scipy import stats
@@ -41,16 +42,25 @@ def models():
     target = random_init(lambda: Transformer(CFG, rngs=nnx.Rngs(0)), rng)
     return {"target": target, "close": perturbed(target, 0.05, rng),
             "small": random_init(lambda: Transformer(dataclasses.replace(CFG, layers=1), rngs=nnx.Rngs(0)), rng),
-            "glide": random_init(lambda: GlideDraft(CFG, rngs=nnx.Rngs(0)), rng)}
+            "glide": random_init(lambda: GlideDraft(CFG, rngs=nnx.Rngs(0)), rng),
+            "glide_vocab": random_init(lambda: GlideDraft(CFG, vocab=restricted(CFG.vocab_size, 24, rng),
+                                                          rngs=nnx.Rngs(0)), rng)}
+
+
+def restricted(vocab_size: int, n: int, rng) -> DraftVocab:
+    """A draft vocabulary of ``n`` random tokens of ``vocab_size``."""
+    return DraftVocab(np.sort(rng.choice(vocab_size, n, replace=False)), vocab_size)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method,draft,batch", [
     ("ar", None, 4), ("speculative", "close", 1), ("speculative", "close", 4), ("cape", "close", 1),
-    ("cape", "close", 4), ("glide", "glide", 4), ("cape", "glide", 4)])
+    ("cape", "close", 4), ("glide", "glide", 4), ("cape", "glide", 4), ("glide", "glide_vocab", 4),
+    ("cape", "glide_vocab", 4)])
 def test_greedy_methods_return_greedy_decoding(models, rng, method, draft, batch):
     """Batch 1 and 4 where drafts are accepted often (the near copy); GliDe drafts at
-    batch 1 after training: test_glide's jaxpar-generate test."""
+    batch 1 after training: test_glide's jaxpar-generate test. ``glide_vocab``: a GliDe
+    draft over 24 of the 64 tokens (glide.draft_vocab), whose proposals are only those."""
     target = models["target"]
     prompt = rng.integers(0, CFG.vocab_size, (batch, 6))
     reference = greedy(target, prompt, 24)
@@ -130,16 +140,18 @@ def _exact_marginals(target: Transformer, prompt: np.ndarray, steps: int, temper
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method,draft", [("speculative", "small"), ("glide", "glide")])
+@pytest.mark.parametrize("method,draft", [("speculative", "small"), ("glide", "glide"), ("glide", "glide_vocab")])
 def test_sampling_follows_the_target_distribution(method, draft, rng):
     """Chi-square goodness of fit at significance 0.001, per generated position, for the
     tokens the round's acceptance rule produced (positions 2 and 3: the first comes
     from the prefill). 6000 samples, a vocabulary of 8; draft and target disagree (most
-    rounds reject something)."""
+    rounds reject something). ``glide_vocab``: the draft proposes 4 of the 8 tokens
+    (its q is zero on the others, which only the residual draws)."""
     cfg = dataclasses.replace(CFG, vocab_size=8)
     target = random_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), rng, std=0.5)
     drafts = {"small": lambda: Transformer(dataclasses.replace(cfg, layers=1), rngs=nnx.Rngs(0)),
-              "glide": lambda: GlideDraft(cfg, rngs=nnx.Rngs(0))}
+              "glide": lambda: GlideDraft(cfg, rngs=nnx.Rngs(0)),
+              "glide_vocab": lambda: GlideDraft(cfg, vocab=DraftVocab([0, 2, 3, 6], 8), rngs=nnx.Rngs(0))}
     draft = random_init(drafts[draft], rng, std=0.5)
     prompt = rng.integers(0, 8, 5)
     temperature, top_p, n = 1.0, 0.95, 6000
@@ -148,6 +160,8 @@ def test_sampling_follows_the_target_distribution(method, draft, rng):
     assert out.accepted_per_step < 3.0  # rejections happened
     exact = _exact_marginals(target, prompt, 3, temperature, top_p)
     samples = np.stack(out.tokens)
+    if draft == "glide_vocab":  # tokens the draft never proposes come, from the residual
+        assert np.isin(samples[:, 1:], [1, 4, 5, 7]).mean() > 0.05
     for position in (1, 2):
         counts = np.bincount(samples[:, position], minlength=8)
         expected = exact[position] * n

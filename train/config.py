@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import pathlib
 import types
 import typing
@@ -189,22 +190,51 @@ class EvalConfig:
 @dataclasses.dataclass(frozen=True)
 class GlideConfig:
     """With ``task: glide``: the GliDe draft (``jaxpar.models.glide``) trained for the
-    target in ``target_run_dir``."""
+    target in ``target_run_dir`` (``jaxpar.train.glide`` resolves the ``None`` and
+    ``auto`` settings against the target and records the result in the run's
+    ``config.yaml``)."""
 
     layers: int = 1  # L_d, the draft's decoder layers; they read the target's last L_d
     # Tokens per block of the training cross mask, gamma + 1: a draft token sees the
     # target's keys/values of the blocks before its own (jaxpar.models.glide.cross_block_mask).
     block_size: int = 5
     # Weight of KL(target || draft) per token, added to the next-token loss; 0: none.
-    kl_weight: float = 0.0
+    # None: 1.0 for a target with a large vocabulary (jaxpar.train.glide.LARGE_VOCAB
+    # tokens or more: distillation from its top-k on by default), else 0.
+    kl_weight: float | None = None
+    # What the KL term reads of the target: "full" (its whole distribution, live),
+    # "topk" (its top teacher_topk log-probabilities, renormalised over them), or
+    # "auto": topk for a large vocabulary or with a teacher_cache, else full.
+    distill: Literal["auto", "full", "topk"] = "auto"
+    # Top-k of the target's distribution that distillation (and the teacher cache) keeps.
+    teacher_topk: int = 64
+    # A directory holding the target's keys/values and top-k log-probabilities of the
+    # training rows (jaxpar.train.teacher_cache), built on first use and reused: a
+    # draft step then never runs the target.
+    teacher_cache: str | None = None
+    # Packed training rows the draft trains on, spread evenly over the training split
+    # (None: all); with a teacher_cache, the rows it holds.
+    train_rows: int | None = None
+    # The draft predicts over the draft_vocab most frequent tokens of the training split
+    # (its head: those rows of the target's); None: the whole vocabulary.
+    draft_vocab: int | None = None
 
     def __post_init__(self):
+        if self.teacher_cache is not None:  # "~/cache" as a user types it
+            object.__setattr__(self, "teacher_cache", os.path.expanduser(self.teacher_cache))
         if self.layers < 1:
             raise ValueError(f"glide.layers={self.layers!r} must be at least 1")
         if self.block_size < 2:
             raise ValueError(f"glide.block_size={self.block_size!r} must be at least 2 (gamma + 1)")
-        if not self.kl_weight >= 0:  # NaN too
+        if self.kl_weight is not None and not self.kl_weight >= 0:  # NaN too
             raise ValueError(f"glide.kl_weight={self.kl_weight!r} must not be negative")
+        for key in ("teacher_topk", "train_rows", "draft_vocab"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise ValueError(f"glide.{key}={value!r} must be at least 1")
+        if self.distill == "full" and self.teacher_cache is not None:
+            raise ValueError("glide.distill='full' reads the live target's whole distribution; a "
+                             "glide.teacher_cache keeps its top-k: use glide.distill=topk (or auto)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,7 +10,9 @@
   packed_rows            tokenize + pack one split, cached on disk
   Loader                 the batch of a step as a pure function of (seed, step), sliced
                          for this process; its checkpointable state is a few ints
-  eval_batches           the first n validation batches, unshuffled
+  eval_batches           the first n validation batches, unshuffled (their rows:
+                         eval_rows)
+  batch_of_rows          the batch of given rows (what a teacher cache indexes by)
 
 Batches are dicts of int32 ``[B, T]`` numpy arrays (B = this process's share of the
 global batch, T = seq_len): ``inputs``, ``targets``, ``positions``, ``segment_ids``,
@@ -444,7 +446,7 @@ def _write_atomic(path: pathlib.Path, write) -> None:
 # Batches -------------------------------------------------------------------------------
 
 
-def _batch(rows: PackedRows, index: np.ndarray) -> dict[str, np.ndarray]:
+def batch_of_rows(rows: PackedRows, index: np.ndarray) -> dict[str, np.ndarray]:
     """The batch of rows ``index`` ``[B]``: five int32 ``[B, T]`` arrays."""
     tokens, segment_ids = rows.tokens[index], rows.segment_ids[index]
     return {
@@ -520,10 +522,15 @@ class Loader:
             out[at] = self._permutation(int(epoch))[i[at] % n]
         return out
 
+    def local_rows(self, step: int) -> np.ndarray:
+        """This process's row indices ``[B]`` of step ``step``'s batch (B = global_batch
+        // process_count): the rows ``batch(step)`` holds, in its order."""
+        return self.row_indices(step)[self._local]
+
     def batch(self, step: int) -> dict[str, np.ndarray]:
         """This process's slice of step ``step``'s batch: int32 ``[B, T]`` arrays with
-        B = global_batch // process_count (see ``_batch`` for the keys)."""
-        return _batch(self.rows, self.row_indices(step)[self._local])
+        B = global_batch // process_count (see ``batch_of_rows`` for the keys)."""
+        return batch_of_rows(self.rows, self.local_rows(step))
 
     def __iter__(self) -> Loader:
         return self
@@ -549,6 +556,27 @@ class Loader:
         self.step = int(state["step"])
 
 
+def eval_rows(
+    n_rows: int,
+    global_batch: int,
+    n: int | None = None,
+    *,
+    process_index: int | None = None,
+    process_count: int | None = None,
+) -> list[np.ndarray]:
+    """This process's row indices of the first ``n`` (default: all whole) batches of a
+    split of ``n_rows`` rows, in order, unshuffled: what ``eval_batches`` holds."""
+    local = _process_slice(global_batch, process_index, process_count)
+    available = n_rows // global_batch
+    n = available if n is None else n
+    if available < n or available == 0:
+        raise ValueError(
+            f"the dataset has {n_rows} rows, fewer than {max(n, 1)} batch(es) of "
+            f"global_batch={global_batch}"
+        )
+    return [(k * global_batch + np.arange(global_batch))[local] for k in range(n)]
+
+
 def eval_batches(
     rows: PackedRows,
     global_batch: int,
@@ -559,12 +587,5 @@ def eval_batches(
 ) -> list[dict[str, np.ndarray]]:
     """The first ``n`` (default: all whole) batches of ``rows`` in order, unshuffled, as
     this process's slices in ``Loader.batch``'s format: the same every evaluation."""
-    local = _process_slice(global_batch, process_index, process_count)
-    available = len(rows) // global_batch
-    n = available if n is None else n
-    if available < n or available == 0:
-        raise ValueError(
-            f"the dataset has {len(rows)} rows, fewer than {max(n, 1)} batch(es) of "
-            f"global_batch={global_batch}"
-        )
-    return [_batch(rows, (k * global_batch + np.arange(global_batch))[local]) for k in range(n)]
+    indices = eval_rows(len(rows), global_batch, n, process_index=process_index, process_count=process_count)
+    return [batch_of_rows(rows, index) for index in indices]

@@ -13,12 +13,15 @@ run dir is made only once the run can start. The tokenizer/packed-data cache is
 every run dir shares.
 
 With ``task: glide`` the trained model is a GliDe draft for the frozen target in
-``target_run_dir`` (``jaxpar.train.glide``); the loop is the same.
+``target_run_dir`` (``jaxpar.train.glide``); the loop is the same, its batches carrying
+the target's keys/values (live, or from ``glide.teacher_cache``), and ``RUN_DIR`` also
+holds ``draft_vocab.npy`` with ``glide.draft_vocab``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import json
 import logging
@@ -173,9 +176,11 @@ def _check_same_model(checkpoints: Checkpoints, cfg: Config) -> None:
              if k in SHAPE_KEYS and saved.get(k) != v]
     if saved_cfg.get("task", "lm") != cfg.task:
         diffs.append(f"task: {saved_cfg.get('task', 'lm')!r} there, {cfg.task!r} here")
-    elif cfg.task == "glide" and saved_cfg.get("glide", {}).get("layers") != cfg.glide.layers:
-        diffs.append(f"glide.layers: {saved_cfg.get('glide', {}).get('layers')!r} there, "
-                     f"{cfg.glide.layers!r} here")
+    elif cfg.task == "glide":
+        for key in ("layers", "draft_vocab"):  # the draft's shape, which its arrays alone do not show
+            if saved_cfg.get("glide", {}).get(key) != getattr(cfg.glide, key):
+                diffs.append(f"glide.{key}: {saved_cfg.get('glide', {}).get(key)!r} there, "
+                             f"{getattr(cfg.glide, key)!r} here")
     if diffs:
         raise TrainingError(
             f"{checkpoints.directory} holds a checkpoint of a different model ({'; '.join(diffs)}); "
@@ -218,12 +223,24 @@ def peak_flops() -> float | None:
     return next((f for name, f in PEAK_FLOPS.items() if name in jax.devices()[0].device_kind), None)
 
 
-def build_model(cfg: Config) -> nnx.Module:
+def build_model(cfg: Config, vocab=None) -> nnx.Module:
     """The model a run trains: the ``Transformer``, or with ``task: glide`` the GliDe
-    draft for the target's model config (``cfg.model``)."""
+    draft for the target's model config (``cfg.model``) over ``vocab`` (a
+    ``jaxpar.models.glide.DraftVocab``, or None: the whole vocabulary)."""
     if cfg.task == "glide":
-        return GlideDraft(cfg.model, cfg.glide.layers, rngs=nnx.Rngs(cfg.seed))
+        return GlideDraft(cfg.model, cfg.glide.layers, vocab=vocab, rngs=nnx.Rngs(cfg.seed))
     return Transformer(cfg.model, rngs=nnx.Rngs(cfg.seed))
+
+
+def load_data(cfg: Config) -> tuple:
+    """``(tokenizer, train rows, validation rows)`` of the run, from ``cache_dir`` when
+    an earlier run made them."""
+    cache_dir = pathlib.Path(cfg.cache_dir).expanduser() if cfg.cache_dir else data_lib.default_cache_dir()
+    tokenizer = data_lib.load_tokenizer(cfg.data, cfg.model.vocab_size, cache_dir)
+    data_lib.check_vocab(tokenizer, cfg.model.vocab_size)
+    train_rows = data_lib.packed_rows(cfg.data, tokenizer, cfg.seq_len, "train", cache_dir)
+    val_rows = data_lib.packed_rows(cfg.data, tokenizer, cfg.seq_len, "validation", cache_dir)
+    return tokenizer, train_rows, val_rows
 
 
 def train(cfg: Config, *, progress: bool = True) -> list[dict]:
@@ -233,15 +250,17 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
     In the main thread, SIGINT or SIGTERM stops the run at the next step boundary with
     that step saved and raises ``jaxpar.train.stopping.Stopped`` (a second signal acts
     at once); several processes stop at the same step (``stopping``)."""
-    target = None
+    target = vocab = data = None
+    run_dir = pathlib.Path(cfg.run_dir)
     if cfg.task == "glide":
         cfg, target = glide.prepare(cfg)  # model.* and data.tokenizer become the target's
-    run_dir = pathlib.Path(cfg.run_dir)
+        data = load_data(cfg)  # the draft's vocabulary is counted on its training split
+        vocab = glide.draft_vocabulary(cfg, data[1], run_dir)
     mesh = build_mesh(cfg.mesh)
     model_cfg = cfg.model
     rules = sharding_rules(model_cfg, mesh, sequence_parallel=cfg.execution.sequence_parallel)
     _check_batch(cfg, mesh, rules)
-    abstract_model = nnx.eval_shape(lambda: build_model(cfg))
+    abstract_model = nnx.eval_shape(lambda: build_model(cfg, vocab))
     tx, schedule = make_optimizer(cfg.optimizer, cfg.steps)
     stages = pipeline_schedule(cfg, mesh, rules)
     frozen, glide_step = (), {}
@@ -263,15 +282,6 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
         if offload_plan.options.any:
             profile = None  # the step that runs is another program
             step_fn = build_step(offload=offload_plan.options)
-    if target is None:
-        def batch_of(local):
-            return _global_batch(local, step_fn)
-    else:
-        teach = glide.teacher(target, cfg, step_fn.batch_sharding)
-
-        def batch_of(local):  # with the target's keys/values, computed outside the step
-            return teach(frozen[0], _global_batch(local, step_fn))
-
     if cfg.dry_run:
         profile = profile or dry_run_profile(cfg, step_fn, abstract_model, mesh, rules, stages)
         if offload_plan is not None:
@@ -289,13 +299,20 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
             log.warning("%s is already at step %d (steps=%d): nothing to do; raise steps= to continue "
                         "or choose another run_dir", cfg.run_dir, start, cfg.steps)
             return []
-        cache_dir = pathlib.Path(cfg.cache_dir).expanduser() if cfg.cache_dir else data_lib.default_cache_dir()
-        tokenizer = data_lib.load_tokenizer(cfg.data, model_cfg.vocab_size, cache_dir)
-        data_lib.check_vocab(tokenizer, model_cfg.vocab_size)
-        train_rows = data_lib.packed_rows(cfg.data, tokenizer, cfg.seq_len, "train", cache_dir)
-        val_rows = data_lib.packed_rows(cfg.data, tokenizer, cfg.seq_len, "validation", cache_dir)
+        tokenizer, train_rows, val_rows = data if data is not None else load_data(cfg)
+        val_rows_of = data_lib.eval_rows(len(val_rows), cfg.batch_size, cfg.eval.batches) if cfg.eval.every else []
+        val_batches = [(rows, data_lib.batch_of_rows(val_rows, rows)) for rows in val_rows_of]
+        to_global = functools.partial(_global_batch, step_fn=step_fn)
+        if target is None:
+            def batch_of(split, rows, local):
+                return to_global(local)
+        else:  # with the target's keys/values, computed outside the step (or cached)
+            train_rows = glide.training_rows(cfg, train_rows)
+            val_count = cfg.eval.batches * cfg.batch_size if cfg.eval.every else 0
+            val_used = data_lib.PackedRows(*(a[:val_count] for a in dataclasses.astuple(val_rows)))
+            batch_of = glide.make_teacher(cfg, target, frozen[0], {"train": train_rows, "validation": val_used},
+                                          tokenizer.to_str(), to_global, step_fn.batch_sharding)
         loader = data_lib.Loader(train_rows, cfg.batch_size, seed=cfg.seed)
-        val_batches = data_lib.eval_batches(val_rows, cfg.batch_size, cfg.eval.batches) if cfg.eval.every else []
 
         # The run can start: only now is the run dir made (a run refused above leaves none).
         lead = jax.process_index() == 0  # writes the run dir's files; every process checkpoints
@@ -303,10 +320,11 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
             tokenizer.save(str(run_dir / "tokenizer.json"))  # jaxpar-generate needs only the run dir
+            glide.save_vocabulary(vocab, run_dir)
         if restored is None:
             @nnx.jit
             def create():
-                return jaxpar.shard_model(build_model(cfg), mesh, rules)
+                return jaxpar.shard_model(build_model(cfg, vocab), mesh, rules)
 
             with jax.set_mesh(mesh):  # where JAX traces Explicit axes' shardings (axis_types)
                 params, opt_state = step_fn.init(create())
@@ -341,7 +359,8 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
         try:
             with step_fn.context(), stop_on_signals() as stop:
                 for step in range(start + 1, cfg.steps + 1):
-                    batch = batch_of(next(loader))
+                    rows = loader.local_rows(loader.step)
+                    batch = batch_of("train", rows, next(loader))
                     began = time.perf_counter()
                     params, opt_state, out = step_fn(params, opt_state, batch, *frozen)
                     loss = float(out["loss"])
@@ -355,7 +374,8 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
                               "grad_norm": float(out["grad_norm"]), "tokens_per_s": tokens_per_step / elapsed,
                               "step_time_s": elapsed, "device_live_bytes": offload_lib.device_live_bytes()}
                     if val_batches and (step % cfg.eval.every == 0 or step == cfg.steps):
-                        losses = [eval_fn(params, batch_of(b), *frozen) for b in val_batches]
+                        losses = [eval_fn(params, batch_of("validation", rows, b), *frozen)
+                                  for rows, b in val_batches]
                         record["val_loss"] = float(np.mean([float(l) for l in losses]))
                     history.append(record)
                     if lead:

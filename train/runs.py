@@ -11,15 +11,18 @@ import json
 import pathlib
 
 import jax
+import numpy as np
 import tokenizers
 from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
 from jaxpar.models import GlideDraft, Transformer, from_gguf, from_hf
+from jaxpar.models.glide import DraftVocab
 from jaxpar.models.gguf import gguf_metadata, gguf_tokenizer, is_gguf
 from jaxpar.train.checkpoints import Checkpoints
 from jaxpar.train.config import Config, load_config
 from jaxpar.train.data import EOS
+from jaxpar.train.glide import VOCAB_FILE
 
 
 def check_run_dir(run_dir: pathlib.Path) -> None:
@@ -145,13 +148,23 @@ def load_glide_draft(run_dir: pathlib.Path) -> GlideDraft:
     dir, on one device. Its ``cfg`` is the target's model config it was trained for (the
     run's ``model``); the target itself is ``load_model(read_config(run_dir).target_run_dir)``.
 
+    A draft trained with ``glide.draft_vocab=N`` predicts over the ``N`` tokens its run
+    keeps in ``draft_vocab.npy`` (``GlideDraft.vocab``).
+
     Raises:
       ValueError: the run is not a GliDe run.
-      FileNotFoundError: no config or checkpoint.
+      FileNotFoundError: no config, checkpoint or (with ``glide.draft_vocab``) vocabulary.
     """
     cfg = read_config(run_dir)
     if cfg.task != "glide":
         raise ValueError(f"{run_dir} is not a GliDe draft run (task={cfg.task!r}); train one with "
                          "jaxpar-train glide target_run_dir=TARGET")
-    model = nnx.eval_shape(lambda: GlideDraft(cfg.model, cfg.glide.layers, rngs=nnx.Rngs(0)))
+    vocab = None
+    if cfg.glide.draft_vocab is not None:
+        path = pathlib.Path(run_dir) / VOCAB_FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"no {VOCAB_FILE} in {run_dir} (a draft with glide.draft_vocab="
+                                    f"{cfg.glide.draft_vocab})")
+        vocab = DraftVocab(np.load(path), cfg.model.vocab_size)
+    model = nnx.eval_shape(lambda: GlideDraft(cfg.model, cfg.glide.layers, vocab=vocab, rngs=nnx.Rngs(0)))
     return restore_params(run_dir, model, cfg)

@@ -177,14 +177,21 @@ def draft_prefill(draft, target: Transformer, prompt: jax.Array, lengths: jax.Ar
 def draft_forward(draft, target: Transformer, tokens: jax.Array, cache: KVCache,
                   target_cache: KVCache) -> tuple[jax.Array, KVCache]:
     """The draft over ``tokens [B, T]`` continuing its cache: ``(logits [B, T, V], cache)``.
-    A GliDe draft's queries see the target's verified tokens (``target_cache.lengths``)."""
+    A GliDe draft's queries see the target's verified tokens (``target_cache.lengths``).
+
+    A draft over a restricted vocabulary (``GlideDraft.vocab``) gets -inf logits outside
+    it: it proposes only its tokens (as full-vocabulary ids), and its sampling
+    distribution ``q`` is zero elsewhere, which the speculative-sampling rule takes as it
+    is (``q(d) > 0`` for every proposal ``d``, and the residual ``max(0, p - q)`` is
+    ``p`` outside), so decoding stays lossless."""
     if not isinstance(draft, GlideDraft):
         return draft(tokens, cache=cache)
     k, v = _target_layers(draft, target_cache)
     T = tokens.shape[1]
     positions = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)
     mask = inference_cross_mask(target_cache.lengths, T, k.shape[2])
-    return draft(tokens, target, k, v, mask, positions=positions, cache=cache)
+    logits, cache = draft(tokens, target, k, v, mask, positions=positions, cache=cache)
+    return (logits if draft.vocab is None else draft.vocab.full_logits(logits)), cache
 
 
 def _choose(method: Method, logits: jax.Array, key: jax.Array) -> jax.Array:
