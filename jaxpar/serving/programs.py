@@ -100,7 +100,8 @@ def _draft_extend(draft, target, draft_pages: KVPages, target_pages: KVPages, to
     """The draft over ``tokens [B, T]`` continuing its cached ``lengths [B]``: ``(logits
     [B, T, V], draft pages)``. A GliDe draft's queries see the target's first
     ``verified [B]`` positions, the tokens it has verified (as
-    ``jaxpar.inference.speculative`` gives them the target cache's lengths)."""
+    ``jaxpar.inference.speculative.draft_forward`` gives them the target cache's
+    lengths); over a restricted vocabulary its logits are -inf outside it, as there."""
     if not isinstance(draft, GlideDraft):
         return _extend(draft, draft_pages, tokens, tables, lengths)
     B, T = tokens.shape
@@ -110,7 +111,9 @@ def _draft_extend(draft, target, draft_pages: KVPages, target_pages: KVPages, to
     view = functools.partial(DecodeView, tables=tables, lengths=lengths)
     x, draft_pages = _layers(draft.layers, target.embed_tokens(tokens, positions), positions, draft_pages, view,
                              _cross(draft, target_pages, tables, mask, flat=False))
-    return draft.logits(x, target), draft_pages
+    logits = draft.logits(x, target)
+    # a restricted vocabulary's proposals as full-vocabulary ids, q zero outside it
+    return (logits if draft.vocab is None else draft.vocab.full_logits(logits)), draft_pages
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=3)
