@@ -271,8 +271,14 @@ def test_concurrent_requests_tensor_parallel_and_speculative(served_otherwise):
     assert compiles == 0
     check_completions(served_otherwise, mixed, results)
     pages_all_free(served_otherwise)
-    engine = served_otherwise.engine
-    assert engine.mesh is not None or 0 < engine.accepted < engine.rounds
+    engine, metrics = served_otherwise.engine, served_otherwise.metrics()
+    if engine.draft is None:
+        assert "jaxpar_speculative_rounds_total" not in metrics
+    else:  # a random draft: some proposals accepted, most not
+        assert 0 < engine.accepted < engine.rounds
+        assert (metrics["jaxpar_speculative_rounds_total"], metrics["jaxpar_speculative_accepted_drafts_total"]) \
+            == (engine.rounds, engine.accepted)
+        assert metrics["jaxpar_speculative_accepted_per_round"] == pytest.approx(1 + engine.accepted / engine.rounds)
 
 
 def test_chat_completions_render_the_template(served):
@@ -388,10 +394,10 @@ def test_full_queue_429_and_disconnected_streams_free_their_pages(served):
 
 
 def test_command_line_refuses_what_is_not_supported_yet(hf_dir, capsys):
-    """GliDe drafts, a draft on a mesh and overrides other than mesh.tensor: one line,
+    """Bad CaPE bins, a draft on a mesh and overrides other than mesh.tensor: one line,
     exit 2, before loading."""
-    for argv, words in [([str(hf_dir), "--draft", str(hf_dir), "--method", "cape"],
-                         "--method cape: CaPE's token trees in the serving engine are not supported yet"),
+    for argv, words in [([str(hf_dir), "--draft", str(hf_dir), "--method", "cape", "--bins", "3"],
+                         "--bins: bins=[3] must be 11 positive integers"),
                         ([str(hf_dir), "--draft", str(hf_dir), "mesh.tensor=2"],
                          "--draft with mesh.tensor: speculative decoding on a mesh is not supported yet"),
                         ([str(hf_dir), "mesh.data=2"], "mesh.data=2: only mesh.tensor=K is supported"),
@@ -415,7 +421,7 @@ def test_command_line_serves_speculatively(hf_dir):
     got = engine.generate([text_of(prompt)], SamplingParams(max_tokens=8))[0].token_ids
     want = decode_alone(nnx.merge(engine.graphdef, engine.params), [prompt])[0][:8]
     assert got == want[:len(got)] and (len(got) == 8 or got[-1] in engine.eos_ids)
-    assert engine.method == "speculative" and engine.accepted == 2 * engine.rounds
+    assert engine.method.name == "speculative" and engine.accepted == 2 * engine.rounds
 
 
 @pytest.mark.slow

@@ -263,7 +263,7 @@ def test_glide_rounds_read_the_models_pages_as_the_dense_decoder_does(model):
         np.testing.assert_allclose(paged, np.asarray(cached[:, 0, :P]), rtol=1e-5, atol=1e-6)
 
     served = engine(model, draft=draft, gamma=3)
-    assert served.method == "glide"
+    assert served.method.name == "glide"
     outputs = served.generate(prompts, params)
     # each sequence of a ragged batch is decoded as alone (jaxpar.inference's own tests)
     dense = speculative_generate(model, prompts, draft=draft, method="glide", gamma=3, max_new_tokens=24)
@@ -286,8 +286,36 @@ def test_glide_rounds_read_the_models_pages_as_the_dense_decoder_does(model):
     together = served.generate(prompts, [crowd[0], params[1], sampled])
     assert together[2].token_ids == by_itself and len(set(by_itself)) > 1
     assert together[1].token_ids == outputs[1].token_ids and served.accepted > 0
-    for kw, message in [(dict(draft=draft, method="cape"), "method 'cape' is not supported by the serving engine"),
-                        (dict(method="glide"), "method='glide' needs a draft model"),
+    for kw, message in [(dict(method="glide"), "method='glide' needs a draft model"),
                         (dict(draft=model, method="glide"), "method 'glide' needs a GliDe draft")]:
         with pytest.raises(ValueError, match=message):
             engine(model, **kw)
+
+
+@pytest.mark.slow
+def test_cape_trees_over_pages_accept_as_the_dense_decoder_does(model):
+    """CaPE in the engine (a random GliDe draft: unsure, so its trees are wide): greedy
+    requests batched together get their tokens alone, with the rounds and accepted
+    drafts of ``speculative_generate(method="cape")`` (the tree walk, and the accepted
+    path's entries moved into place in the pages: a wrong move changes the next
+    rounds); a seeded sampling request (verifying the chain) gets the same tokens alone
+    and beside greedy ones; pages all back."""
+    draft = GlideDraft(CFG, 1, rngs=nnx.Rngs(7))
+    prompts, _ = requests(10, 3)
+    greedy = SamplingParams(max_tokens=24)
+    served = engine(model, draft=draft, method="cape", gamma=3)
+    assert served.lookahead == served.method.tree.size - 1
+    outputs = served.generate(prompts, greedy)
+    dense = speculative_generate(model, prompts, draft=draft, method="cape", gamma=3, max_new_tokens=24)
+    plain = list(generate(model, prompts, max_new_tokens=24))
+    for b, out in enumerate(outputs):
+        assert out.token_ids == [int(t) for t in dense.tokens[b]] == [int(t[b]) for t in plain]
+    rounds = int(dense.rounds.sum())
+    assert (served.rounds, served.accepted) == (rounds, round(dense.accepted_per_step * rounds) - rounds)
+    assert served.accepted > 0 and served.pool.free == served.pool.total
+
+    sampled = SamplingParams(max_tokens=10, temperature=0.8, seed=3)
+    by_itself = engine(model, draft=draft, method="cape", gamma=3).generate([prompts[2]], sampled)[0].token_ids
+    together = engine(model, draft=draft, method="cape", gamma=3).generate(prompts, [greedy, greedy, sampled])
+    assert together[2].token_ids == by_itself and len(set(by_itself)) > 1
+    assert [o.token_ids for o in together[:2]] == [o.token_ids for o in outputs[:2]]

@@ -17,11 +17,11 @@ the file carries.
 running batch (``Engine(draft=, method=, gamma=)``), lossless. DIR is a small model
 sharing PATH's tokenizer (``--method speculative``, its default) or a ``jaxpar-train
 glide`` run trained against PATH (``--method glide``, its default: the draft reads the
-model's own paged cache). ``mesh.tensor=K`` serves tensor-parallel over the first ``K``
-devices (``Engine(mesh=)``: weights and KV heads split by the training rules). Not
-supported yet, refused in one line: ``--method cape`` (CaPE's token trees over pages),
-a draft with ``mesh.tensor``, and every other override (``mesh.data`` replicas among
-them).
+model's own paged cache); ``--method cape`` widens either draft's proposals into CaPE's
+token trees for greedy requests (``--bins``). ``mesh.tensor=K`` serves tensor-parallel
+over the first ``K`` devices (``Engine(mesh=)``: weights and KV heads split by the
+training rules). Not supported yet, refused in one line: a draft with ``mesh.tensor``,
+and every other override (``mesh.data`` replicas among them).
 """
 
 from __future__ import annotations
@@ -31,11 +31,12 @@ import pathlib
 import socket
 import sys
 
+from jaxpar.inference.token_tree import DEFAULT_BINS, check_bins
 from jaxpar.train.command import CommandParser
 from jaxpar.models.gguf import gguf_metadata, is_gguf
 from jaxpar.train.runs import check_run_dir, context_length, eos_ids, is_hf, load_model, load_tokenizer
 
-METHODS = ("speculative", "glide", "cape")
+METHODS = ("speculative", "glide", "cape")  # jaxpar.inference.speculative's but ar
 
 
 def _parser() -> CommandParser:
@@ -70,7 +71,9 @@ def _parser() -> CommandParser:
                         help="speculative decoding's draft model (a run, Hugging Face directory or .gguf file)")
     parser.add_argument("--method", choices=METHODS,
                         help="speculative decoding method (default: glide for a GliDe draft run, else "
-                             "speculative; cape not supported yet)")
+                             "speculative; cape: token trees for greedy requests)")
+    parser.add_argument("--bins", type=int, nargs="+", default=list(DEFAULT_BINS), metavar="K",
+                        help="cape: 11 tree widths by draft confidence decile (default: %(default)s)")
     parser.add_argument("--gamma", type=int, default=4, help="tokens the draft proposes per round (%(default)s)")
     return parser
 
@@ -79,9 +82,10 @@ def check_args(args, parser: CommandParser) -> None:
     """``parser.error`` (one line, exit 2) for what is not supported yet or a bad value."""
     if args.method is not None and args.draft is None:
         parser.error(f"--method {args.method} needs --draft DRAFT_DIR")
-    if args.method == "cape":
-        parser.error("--method cape: CaPE's token trees in the serving engine are not supported yet "
-                     "(--method speculative and glide are)")
+    try:
+        check_bins(args.bins)
+    except ValueError as e:
+        parser.error(f"--bins: {e}")
     for override in args.overrides:
         key, _, value = override.partition("=")
         if key != "mesh.tensor":
@@ -178,7 +182,7 @@ def build(args):
     engine = Engine(model, tokenizer=tokenizer, eos_ids=eos_ids(args.run_dir, tokenizer),
                     max_batch=args.max_batch, max_context=_context(args, context_length(args.run_dir, model)),
                     page_size=args.page_size, kv_memory=args.kv_memory, prefill_chunk=args.prefill_chunk,
-                    draft=draft, method=args.method, gamma=args.gamma, mesh=_mesh(tensor_parallel(args)), batching=args.batching)
+                    draft=draft, method=args.method, gamma=args.gamma, bins=args.bins, mesh=_mesh(tensor_parallel(args)), batching=args.batching)
     engine.warm_up()
     async_engine = AsyncEngine(engine, max_queue=args.max_queue)
     template, special_tokens = chat_template(args.run_dir)

@@ -78,6 +78,9 @@ class Metrics:
     pages_free: int = 0
     pages_total: int = 0
     generated_tokens: int = 0
+    # speculative decoding (an engine with a draft): rounds run per sequence, drafts accepted
+    speculative_rounds: int | None = None
+    accepted_drafts: int = 0
     time_to_first_token: Histogram = dataclasses.field(default_factory=lambda: Histogram(TTFT_BUCKETS))
     time_per_output_token: Histogram = dataclasses.field(default_factory=lambda: Histogram(TPOT_BUCKETS))
 
@@ -324,3 +327,5 @@ class AsyncEngine:
                 metrics = self._metrics
                 metrics.running, metrics.waiting = engine.running, engine.waiting
                 metrics.pages_free, metrics.pages_total = engine.pool.free, engine.pool.total
+                if engine.draft is not None:
+                    metrics.speculative_rounds, metrics.accepted_drafts = engine.rounds, engine.accepted

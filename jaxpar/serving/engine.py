@@ -42,7 +42,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar.inference import speculative
+from jaxpar.inference import speculative, token_tree
 from jaxpar.kernels import KernelOptions
 from jaxpar.models.glide import GlideDraft
 from jaxpar.models.transformer import ACT_BTKH, sharding_rules
@@ -137,9 +137,11 @@ class Engine:
         (lossless: exact match when greedy, the speculative-sampling rule otherwise). The
         draft's own pages mirror the model's (the same page tables). ``method``
         ``"speculative"`` (Leviathan et al.; the default for a ``Transformer`` draft over
-        the model's vocabulary) or ``"glide"`` (the default for a ``GlideDraft`` trained
+        the model's vocabulary), ``"glide"`` (the default for a ``GlideDraft`` trained
         against ``model``: its layers cross-attend to the model's pages of the tokens
-        verified so far). Not yet with ``mesh``, nor ``"cape"``.
+        verified so far) or ``"cape"`` (either draft; its chain widened into a token
+        tree of ``bins`` widths by its confidence, verified in one pass, for greedy
+        requests; sampling requests verify the chain). Not yet with ``mesh``.
       mesh, rules: serve on ``mesh`` (``mesh.tensor=k`` splits the weights and the
         pages' kv heads over ``k`` devices, ``jaxpar.models.transformer.sharding_rules``
         as training does: kv heads replicated where ``k`` outnumbers them); ``model``'s
@@ -152,29 +154,29 @@ class Engine:
     def __init__(self, model, *, tokenizer=None, eos_ids: Sequence[int] = (), max_batch: int = 8,
                  max_context: int | None = None, page_size: int = 16, kv_pages: int | None = None,
                  kv_memory: int | None = None, prefill_chunk: int = 256, batching: str = "continuous",
-                 draft=None, method: str | None = None, gamma: int = 4, mesh=None, rules=None,
+                 draft=None, method: str | None = None, gamma: int = 4,
+                 bins: Sequence[int] = token_tree.DEFAULT_BINS, mesh=None, rules=None,
                  kernels: KernelOptions = KernelOptions()):
         if batching not in ("continuous", "static"):
             raise ValueError(f"batching={batching!r} must be 'continuous' or 'static'")
         if draft is not None and mesh is not None:
             raise ValueError("a draft model on a mesh is not supported yet: serve speculatively on one device")
+        self.method = None  # the speculative round's static settings (temperature and top_p: the rows')
         if draft is not None:
-            method = method or ("glide" if isinstance(draft, GlideDraft) else "speculative")
-            if method == "cape":
-                raise ValueError("method 'cape' is not supported by the serving engine yet (speculative and "
-                                 "glide are)")
-            speculative.check(speculative.Method(method, gamma), model, draft)
+            name = method or ("glide" if isinstance(draft, GlideDraft) else "speculative")
+            self.method = speculative.Method(name, gamma, token_tree.check_bins(bins))
+            speculative.check(self.method, model, draft)
         elif method is not None:
             raise ValueError(f"method={method!r} needs a draft model")
-        self.method = method
         self.batching = batching
         cfg = model.cfg
         self.tokenizer, self.eos_ids = tokenizer, frozenset(int(i) for i in eos_ids)
         self.vocab_size = cfg.vocab_size
         self.max_batch, self.page_size = max_batch, page_size
         self.max_context = max_context or cfg.max_position
-        # a speculative round writes up to gamma positions past what a request keeps
-        self.lookahead = gamma if draft is not None else 0
+        # a speculative round writes positions past what a request keeps: up to gamma (a
+        # chain), or the tree's nodes but the root (cape)
+        self.lookahead = self.method.tokens_verified - 1 if draft is not None else 0
         self.max_pages = math.ceil((self.max_context + self.lookahead) / page_size)
         self.graphdef, self.params = nnx.split(model)
         self.mesh, self.execution, kv_sharding, split = mesh, Execution(kernels=kernels), None, 1
@@ -342,7 +344,7 @@ class Engine:
         """One speculative round (``programs.speculative_round``): ``(emitted, accepted)``."""
         self.compiled_programs.add(("speculative_round", len(rows), tables.shape[1], self.gamma))
         emitted, accepted, self.kv, self.draft_kv = programs.speculative_round(
-            self.graphdef, self.draft[0], self.execution, self.gamma, self.params, self.draft[1], self.kv,
+            self.graphdef, self.draft[0], self.execution, self.method, self.params, self.draft[1], self.kv,
             self.draft_kv, prev, last, tables, lengths, self._sampling(rows))
         return np.asarray(emitted), np.asarray(accepted)
 

@@ -118,13 +118,15 @@ class DecodeView:
     ``k``, ``v`` ``[L, P, page_size, K, H]``, every layer's, read and written at
     ``layer``; ``tables`` int32 ``[B, max_pages]``; ``lengths`` int32 ``[B]``: tokens
     already cached per slot, so the new tokens sit at positions ``lengths[b] + 0..T-1``
-    and attend causally."""
+    and attend causally, or with ``tree_mask`` (bool ``[B, T, T]``, CaPE's token tree:
+    new token ``t`` sees new token ``j`` iff ``tree_mask[b, t, j]``) as it says."""
 
     k: jax.Array
     v: jax.Array
     layer: jax.Array
     tables: jax.Array
     lengths: jax.Array
+    tree_mask: jax.Array | None = None
 
     def attend(self, q, k, v):
         """``q [B, T, N, H]``, the new ``k``, ``v [B, T, K, H]`` -> (``[B, T, N, H]``,
@@ -133,11 +135,26 @@ class DecodeView:
         positions = self.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)
         tables = jnp.broadcast_to(self.tables[:, None], (B, T, self.tables.shape[1]))
         pages = _store(self, tables, positions, k, v)
-        out = kernel_ops.paged_decode_attention(q, *pages, self.layer, self.tables, self.lengths + T)
+        out = None
+        if self.tree_mask is None:  # (a tree's mask is not handed to the paged kernel yet)
+            out = kernel_ops.paged_decode_attention(q, *pages, self.layer, self.tables, self.lengths + T)
         if out is None:  # not the Pallas attention: XLA gathers the pages
             keys, values = _read(self, pages)
-            out = dot_product_attention(q, keys, values, causal=True, q_start=self.lengths)
+            out = dot_product_attention(q, keys, values, causal=True, q_start=self.lengths,
+                                        tree_mask=self.tree_mask)
         return out, pages
+
+
+def move(pages: jax.Array, tables: jax.Array, sources: jax.Array, targets: jax.Array) -> jax.Array:
+    """Every layer's ``pages [L, P, S_p, K, H]`` with the entries at positions ``sources
+    [B, n]`` of the sequences whose page tables are ``tables [B, max_pages]`` copied to
+    their positions ``targets [B, n]`` (all read before any is written)."""
+    size = pages.shape[2]
+    at = lambda positions: (jnp.take_along_axis(tables, positions // size, axis=1), positions % size)  # noqa: E731
+    page, slot = at(sources)
+    moved = pages[:, page, slot]  # [L, B, n, K, H]
+    page, slot = at(targets)
+    return pages.at[:, page, slot].set(moved)
 
 
 @jax.tree_util.register_dataclass

@@ -24,10 +24,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.inference.sampling import probabilities, sample
-from jaxpar.inference.speculative import accept_greedy, accept_sampled
+from jaxpar.inference import token_tree
+from jaxpar.inference.speculative import Method, accept_greedy, accept_sampled
 from jaxpar.placement.execution import use_execution
 from jaxpar.models.glide import GlideDraft
-from jaxpar.serving.pages import DecodeView, KVPages, PrefillView, gather, packed_mask, side_by_side
+from jaxpar.serving.pages import DecodeView, KVPages, PrefillView, gather, move, packed_mask, side_by_side
 
 
 def _layers(layers, x, positions, pages: KVPages, view, cross=None):
@@ -73,12 +74,14 @@ def _sample(logits, keys, temperature, top_p):
     return jax.lax.cond(jnp.any(temperature > 0), sampled, lambda: greedy)
 
 
-def _extend(model, pages: KVPages, tokens, tables, lengths):
+def _extend(model, pages: KVPages, tokens, tables, lengths, depths=None, tree_mask=None):
     """``model`` over ``tokens [B, T]`` continuing each slot's cached ``lengths [B]``
-    tokens (``tables [B, max_pages]``): ``(logits [B, T, V], pages)``."""
-    positions = lengths[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
-    x, pages = _features(model, tokens, positions, pages,
-                         functools.partial(DecodeView, tables=tables, lengths=lengths))
+    tokens (``tables [B, max_pages]``): ``(logits [B, T, V], pages)``. The new tokens
+    are written at positions ``lengths + 0..T-1``; a token tree's (``tree_mask [B, T,
+    T]``) sit at ``lengths + depths [T]`` for their rotary positions."""
+    offsets = jnp.arange(tokens.shape[1], dtype=jnp.int32) if depths is None else jnp.asarray(depths)
+    view = functools.partial(DecodeView, tables=tables, lengths=lengths, tree_mask=tree_mask)
+    x, pages = _features(model, tokens, lengths[:, None] + offsets, pages, view)
     return model.logits(x), pages
 
 
@@ -130,25 +133,78 @@ def decode(graphdef, execution, params, pages: KVPages, tokens, tables, lengths,
         return _sample(logits[:, 0], _keys(seeds, counts), temperature, top_p), pages
 
 
+def _verify_chain(target, target_pages, last, drafts, draft_logits, tables, lengths, temperature, top_p, key):
+    """The model over ``[last, d_1..d_gamma]``, each row accepting its prefix: ``(accepted
+    [B], next [B], target pages)``."""
+    target_logits, target_pages = _extend(target, target_pages, jnp.concatenate([last[:, None], drafts], 1),
+                                          tables, lengths)
+    accepted, nxt = _accept(drafts, draft_logits, target_logits, temperature, top_p, key,
+                            accept_greedy(drafts, target_logits))
+    return accepted, nxt, target_pages
+
+
+def _accept(drafts, draft_logits, target_logits, temperature, top_p, key, greedy):
+    """``greedy`` (``(accepted, next)`` ``[B]`` each) where a row is greedy, the
+    speculative-sampling rule over the chain's logits (``target_logits [B, gamma + 1,
+    V]``) where it samples."""
+    def sampled():
+        t, p = temperature[:, None, None], top_p[:, None, None]  # per row, over [B, depth, V]
+        draft_probs, target_probs = probabilities(draft_logits, t, p), probabilities(target_logits, t, p)
+        one = lambda d, q, p, k: jax.tree.map(lambda x: x[0], accept_sampled(d[None], q[None], p[None], k))  # noqa: E731
+        drawn = jax.vmap(one)(drafts, draft_probs, target_probs, key)
+        return tuple(jnp.where(temperature > 0, s, g) for s, g in zip(drawn, greedy))
+
+    return jax.lax.cond(jnp.any(temperature > 0), sampled, lambda: greedy)
+
+
+def _verify_tree(method: Method, target, target_pages, last, drafts, draft_logits, tables, lengths, temperature,
+                 top_p, key):
+    """CaPE (``jaxpar.inference.speculative.verify_tree``, over pages): the draft's chain
+    widened by its confidence into ``method.tree``, verified in one pass of the model
+    with the tree's mask, its nodes written at positions ``lengths + node``; greedy rows
+    walk the tree, sampling rows take the chain (its nodes see what the chain alone
+    would) by the speculative-sampling rule; the accepted path's entries are then moved
+    to ``lengths + depth``. ``(path tokens [B, gamma], accepted [B], next [B], target
+    pages)``."""
+    layout = method.tree
+    B = drafts.shape[0]
+    confidence = jax.nn.softmax(draft_logits.astype(jnp.float32), axis=-1).max(-1)  # [B, gamma]
+    top = jax.lax.top_k(draft_logits, layout.width)[1].at[:, :, 0].set(drafts)
+    tokens = layout.tokens(last, top)
+    tree_mask = jnp.broadcast_to(jnp.asarray(layout.mask), (B, layout.size, layout.size))
+    logits, target_pages = _extend(target, target_pages, tokens, tables, lengths, layout.depths, tree_mask)
+    valid = layout.valid(token_tree.widths(confidence, method.bins))
+    path, accepted, nxt = token_tree.verify_greedy(layout, tokens, valid, jnp.argmax(logits, -1).astype(jnp.int32))
+    chain = jnp.asarray([0] + [layout.node(i, 0) for i in range(1, method.gamma + 1)], jnp.int32)
+    accepted, nxt = _accept(drafts, draft_logits, logits[:, chain], temperature, top_p, key, (accepted, nxt))
+    path = jnp.where((temperature > 0)[:, None], chain[None, :], path)
+    sources, targets = lengths[:, None] + path[:, 1:], lengths[:, None] + jnp.arange(1, method.gamma + 1)
+    target_pages = KVPages(*(move(pages, tables, sources, targets) for pages in (target_pages.k, target_pages.v)))
+    return jnp.take_along_axis(tokens, path[:, 1:], axis=1), accepted, nxt, target_pages
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(6, 7))
-def speculative_round(target_graph, draft_graph, execution, gamma: int, target_params, draft_params,
+def speculative_round(target_graph, draft_graph, execution, method: Method, target_params, draft_params,
                       target_pages: KVPages, draft_pages: KVPages, prev, last, tables, lengths, sampling):
-    """One round of speculative decoding for every batch slot (Leviathan et al.): the
-    draft proposes ``gamma`` tokens, the target verifies them in one pass, each slot
+    """One round of speculative decoding for every batch slot (``method``: its name and
+    ``gamma``; ``bins`` for ``cape``; the temperature and top_p are the rows'): the
+    draft proposes ``gamma`` tokens, the model verifies them in one pass, each slot
     accepts its own prefix (``jaxpar.inference.speculative``'s rules: exact match when
-    greedy, the speculative-sampling rule otherwise, so the output follows the target's
-    distribution).
+    greedy, the speculative-sampling rule otherwise, so the output follows the model's
+    distribution; ``cape``: a token tree where the draft is unsure, for its greedy
+    rows).
 
     ``last``, ``lengths`` ``[B]``: each slot's last token and its position (the tokens
     cached before it); ``prev`` ``[B]``: the token before ``last``, fed again with it
-    to the draft, whose cache runs one token behind (a fully accepted round leaves its
-    last proposal unwritten there). Both models' pages share the page tables. Keys:
-    the row's ``fold_in(key(seed), count)``, folded again with the draft step (0 ..
-    gamma - 1) and with ``gamma`` for the acceptance.
+    to the draft, whose cache runs one token behind (a fully accepted round, or a tree's
+    accepted sibling, leaves its last token unwritten there). Both models' pages share
+    the page tables. Keys: the row's ``fold_in(key(seed), count)``, folded again with
+    the draft step (0 .. gamma - 1) and with ``gamma`` for the acceptance.
 
     Returns ``(emitted [B, gamma + 1], accepted [B], target pages, draft pages)``: a
     slot emits ``emitted[b, :accepted[b] + 1]``.
     """
+    gamma = method.gamma
     seeds, counts, temperature, top_p = sampling
     keys = _keys(seeds, counts)
     key_at = lambda i: jax.vmap(lambda k: jax.random.fold_in(k, i))(keys)  # noqa: E731
@@ -167,18 +223,11 @@ def speculative_round(target_graph, draft_graph, execution, gamma: int, target_p
             proposals.append(choose(logits[:, 0], i))
             proposal_logits.append(logits[:, 0])
         drafts, draft_logits = jnp.stack(proposals, 1), jnp.stack(proposal_logits, 1)
-        target_logits, target_pages = _extend(target, target_pages, jnp.concatenate([last[:, None], drafts], 1),
-                                              tables, lengths)
-    greedy = accept_greedy(drafts, target_logits)
-
-    def sampled():
-        t, p = temperature[:, None, None], top_p[:, None, None]  # per row, over [B, depth, V]
-        draft_probs, target_probs = probabilities(draft_logits, t, p), probabilities(target_logits, t, p)
-        one = lambda d, q, p, k: jax.tree.map(lambda x: x[0], accept_sampled(d[None], q[None], p[None], k))  # noqa: E731
-        drawn = jax.vmap(one)(drafts, draft_probs, target_probs, key_at(gamma))
-        return tuple(jnp.where(temperature > 0, s, g) for s, g in zip(drawn, greedy))
-
-    accepted, nxt = jax.lax.cond(jnp.any(temperature > 0), sampled, lambda: greedy)
+        args = (target, target_pages, last, drafts, draft_logits, tables, lengths, temperature, top_p, key_at(gamma))
+        if method.name == "cape":
+            drafts, accepted, nxt, target_pages = _verify_tree(method, *args)
+        else:
+            accepted, nxt, target_pages = _verify_chain(*args)
     slot = jnp.arange(gamma + 1)[None, :]
     padded = jnp.concatenate([drafts, jnp.zeros_like(drafts[:, :1])], 1)
     emitted = jnp.where(slot < accepted[:, None], padded, nxt[:, None])

@@ -300,7 +300,15 @@ def metrics_text(async_engine: AsyncEngine) -> str:
         ("jaxpar_kv_pages_free", "gauge", "KV cache pages free.", m.pages_free),
         ("jaxpar_kv_pages_total", "gauge", "KV cache pages (the null page left out).", m.pages_total),
         ("jaxpar_generated_tokens_total", "counter", "Tokens generated.", m.generated_tokens),
-    ]:
+    ] + ([] if m.speculative_rounds is None else [
+        ("jaxpar_speculative_rounds_total", "counter", "Speculative rounds, one per running sequence per "
+         "step.", m.speculative_rounds),
+        ("jaxpar_speculative_accepted_drafts_total", "counter", "Draft tokens the model accepted.",
+         m.accepted_drafts),
+        ("jaxpar_speculative_accepted_per_round", "gauge", "Mean tokens a round gives a sequence, the "
+         "model's own included (Spec-Bench's accepted tokens per step).",
+         (m.speculative_rounds + m.accepted_drafts) / max(m.speculative_rounds, 1)),
+    ]):
         lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {value}"]
     lines += _histogram("jaxpar_time_to_first_token_seconds", "Time from a request's arrival to its "
                         "first token.", m.time_to_first_token)
