@@ -120,7 +120,7 @@ class KernelOptions:
     def __post_init__(self):
         for op, allowed in IMPLS.items():
             if getattr(self, op) not in allowed:
-                raise ValueError(f"{op}.impl={getattr(self, op)!r} must be one of {list(allowed)}")
+                raise ValueError(f"execution.{op}={getattr(self, op)!r} must be one of {list(allowed)}")
         for op in IMPLS:  # only explicit choices look at the device: "auto" starts no backend
             if getattr(self, op) in ("pallas", "cudnn"):
                 choose(op, getattr(self, op), *device())

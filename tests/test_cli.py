@@ -5,6 +5,7 @@ import argparse
 import importlib
 import json
 import pathlib
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -19,6 +20,7 @@ from test_runs import SMALL, write_run
 from jaxpar.models import Transformer, to_hf
 from jaxpar.train.command import CommandParser
 from jaxpar.train.config import load_config, to_dict
+from jaxpar.train.data import EOS
 from jaxpar.train.runs import context_length, load_model, load_run
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -194,3 +196,30 @@ def test_generate_fits_the_prompt_and_new_tokens_in_the_context(runs, capsys):
     code, end, err = generate(capsys, hf, "--prompt", words(*range(7, 15)), "--max-new-tokens", "8", "--json")
     assert code == 0 and err == ""
     assert json.loads(out)["tokens"] == json.loads(end)["tokens"] and len(json.loads(end)["tokens"]) == 8
+
+
+def test_generate_stops_at_a_runs_end_of_text_token(runs, tmp_path, capsys):
+    """A jaxpar run ends a sequence at its tokenizer's end-of-text token (appended to
+    every document it trained on), as an HF model stops at its eos_token_id
+    (test_hf.py): the same run with one word renamed to it stops at that word's first
+    place, which the tokens keep and the text leaves out."""
+    prompt = [5, 17, 42, 9]
+    code, out, err = generate(capsys, runs[0], "--prompt", words(*prompt), "--max-new-tokens", "12", "--json")
+    assert code == 0, err
+    free = json.loads(out)["tokens"]
+    # Where each new word first comes, before the last place (0 is the unknown word).
+    firsts = {t: free.index(t) for t in free if t not in prompt and t != 0 and free.index(t) < 11}
+    assert len(free) == 12 and firsts, free
+    end = max(firsts, key=firsts.get)
+    stop = firsts[end]
+
+    run = tmp_path / "run"
+    shutil.copytree(runs[0], run)
+    vocab = tokenizers.Tokenizer(tokenizers.models.WordLevel(
+        {(EOS if i == end else f"w{i}"): i for i in range(300)}, "w0"))
+    vocab.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    vocab.save(str(run / "tokenizer.json"))
+    code, out, err = generate(capsys, run, "--prompt", words(*prompt), "--max-new-tokens", "12", "--json")
+    assert code == 0, err
+    assert json.loads(out)["tokens"] == free[: stop + 1]
+    assert json.loads(out)["text"] == words(*free[:stop])

@@ -61,6 +61,12 @@ def test_explicit_kernels_on_an_older_gpu_are_one_line_errors():
         choose("attention", "cudnn", "cpu", None)
 
 
+def test_an_unknown_choice_names_its_config_key():
+    """The key a user sets (jaxpar-train's ``execution.norm``), not a renamed one."""
+    with pytest.raises(ValueError, match=r"^execution.norm='fused' must be one of \['auto', 'xla', 'pallas'\]$"):
+        KernelOptions(norm="fused")
+
+
 @pytest.fixture
 def simulated(monkeypatch, caplog):
     """``simulated(capability)`` makes dispatch see a CUDA GPU of that capability; the

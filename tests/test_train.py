@@ -204,6 +204,29 @@ def test_the_second_signal_acts_as_without_the_stop_request():
         assert {s: signal.getsignal(s) for s in before} == before
 
 
+def test_a_second_ctrl_c_ends_jaxpar_train_at_once():
+    """jaxpar-train's handlers as its main() nests them around the loop's: the first
+    Ctrl-C asks for a stop, the second exits at once with one line and status 130
+    (not orbax's traceback of the save it broke, nor a wait for its threads). In a
+    subprocess, where signals are sent at known points rather than raced against a
+    run's save."""
+    from conftest import run_python
+
+    result = run_python("""
+        import os, signal, time
+        from jaxpar.train.cli import _ctrl_c_exits_at_once
+        from jaxpar.train.stopping import stop_on_signals
+        with _ctrl_c_exits_at_once(), stop_on_signals() as stop:
+            os.kill(os.getpid(), signal.SIGINT)
+            assert stop.agreed() == signal.SIGINT
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(60)
+        print("not stopped")
+    """, devices=1, timeout=60)
+    assert result.returncode == 130 and result.stdout == "", result.stderr
+    assert result.stderr.splitlines() == ["jaxpar-train: interrupted"]
+
+
 def test_a_finished_run_says_there_is_nothing_to_do(cache, reference):
     """steps= at or below the run dir's step: one line, exit 0, the run dir untouched."""
     run = reference[0]
