@@ -145,7 +145,8 @@ def serving(hf_dir, *extra, engine=None):
         async_engine = AsyncEngine(engine)
         app = create_app(async_engine, NAME, engine.tokenizer)
     server, thread, url = start(app)
-    model = nnx.merge(engine.graphdef, engine.params)
+    first = getattr(engine, "engines", [engine])[0]  # of Replicas, the first
+    model = nnx.merge(first.graphdef, first.params)
     served = Served(url, async_engine, engine, model, engine.eos_ids)
     served.know(PROMPTS)
     yield served
@@ -210,7 +211,9 @@ def requests_at_once(served, cases, *extra):
 def pages_all_free(served) -> None:
     metrics = served.metrics()
     assert metrics["jaxpar_kv_pages_free"] == metrics["jaxpar_kv_pages_total"] == served.engine.pool.total
-    assert not served.engine._by_id  # finished requests are not kept
+    for engine in getattr(served.engine, "engines", [served.engine]):  # Replicas' too
+        assert not engine._by_id  # finished requests are not kept
+    assert not getattr(served.engine, "_where", None)
 
 
 def test_concurrent_requests_get_their_tokens_alone(served):
@@ -249,23 +252,24 @@ def test_concurrent_requests_get_their_tokens_alone(served):
     pages_all_free(served)
 
 
-@pytest.fixture(scope="module", params=["mesh.tensor=2", "glide"])
+@pytest.fixture(scope="module", params=["mesh.tensor=2 mesh.data=2", "glide"])
 def served_otherwise(request, hf_dir):
-    """The module's server with ``mesh.tensor=2``, or with a GliDe draft (random: few of
-    its proposals accepted, which is what tests the rounds)."""
+    """The module's server on 2 replicas of ``mesh.tensor=2`` each, or with a GliDe draft
+    (random: few of its proposals accepted, which is what tests the rounds)."""
     if request.param == "glide":
         tokenizer = load_tokenizer(hf_dir)
         engine = Engine(load_model(hf_dir), tokenizer=tokenizer, eos_ids=eos_ids(hf_dir, tokenizer), max_batch=4,
                         page_size=32, prefill_chunk=64, draft=GlideDraft(CFG, 1, rngs=nnx.Rngs(3)), gamma=3)
         yield from serving(hf_dir, engine=engine)
     else:
-        yield from serving(hf_dir, request.param)
+        yield from serving(hf_dir, *request.param.split())
 
 
 @pytest.mark.slow
 def test_concurrent_requests_tensor_parallel_and_speculative(served_otherwise):
-    """The 48 requests again (other lengths) on a server with ``mesh.tensor=2`` and on one
-    with a GliDe draft: each its tokens decoded alone, no compiles, every page free."""
+    """The 48 requests again (other lengths) on a server of two tensor-parallel replicas
+    and on one with a GliDe draft: each its tokens decoded alone, no compiles, every page
+    free."""
     mixed = cases(1)
     results, compiles = requests_at_once(served_otherwise, mixed)
     assert compiles == 0
@@ -274,6 +278,7 @@ def test_concurrent_requests_tensor_parallel_and_speculative(served_otherwise):
     engine, metrics = served_otherwise.engine, served_otherwise.metrics()
     if engine.draft is None:
         assert "jaxpar_speculative_rounds_total" not in metrics
+        assert [e.mesh.shape for e in engine.engines] == [{"tensor": 2}] * 2
     else:  # a random draft: some proposals accepted, most not
         assert 0 < engine.accepted < engine.rounds
         assert (metrics["jaxpar_speculative_rounds_total"], metrics["jaxpar_speculative_accepted_drafts_total"]) \
@@ -394,13 +399,12 @@ def test_full_queue_429_and_disconnected_streams_free_their_pages(served):
 
 
 def test_command_line_refuses_what_is_not_supported_yet(hf_dir, capsys):
-    """Bad CaPE bins, a draft on a mesh and overrides other than mesh.tensor: one line,
-    exit 2, before loading."""
+    """Bad CaPE bins and mesh sizes, overrides other than mesh.tensor and mesh.data: one
+    line, exit 2, before loading."""
     for argv, words in [([str(hf_dir), "--draft", str(hf_dir), "--method", "cape", "--bins", "3"],
                          "--bins: bins=[3] must be 11 positive integers"),
-                        ([str(hf_dir), "--draft", str(hf_dir), "mesh.tensor=2"],
-                         "--draft with mesh.tensor: speculative decoding on a mesh is not supported yet"),
-                        ([str(hf_dir), "mesh.data=2"], "mesh.data=2: only mesh.tensor=K is supported"),
+                        ([str(hf_dir), "mesh.seq=2"], "mesh.seq=2: only mesh.tensor=K and mesh.data=R are supported"),
+                        ([str(hf_dir), "mesh.data=0"], "mesh.data=0: mesh.data must be a positive integer"),
                         ([str(hf_dir), "mesh.tensor=x"], "mesh.tensor=x: mesh.tensor must be a positive integer"),
                         ([str(hf_dir), "--method", "speculative"], "--method speculative needs --draft"),
                         ([str(hf_dir), "--max-batch", "0"], "--max-batch 0 must be at least 1")]:

@@ -18,10 +18,13 @@ running batch (``Engine(draft=, method=, gamma=)``), lossless. DIR is a small mo
 sharing PATH's tokenizer (``--method speculative``, its default) or a ``jaxpar-train
 glide`` run trained against PATH (``--method glide``, its default: the draft reads the
 model's own paged cache); ``--method cape`` widens either draft's proposals into CaPE's
-token trees for greedy requests (``--bins``). ``mesh.tensor=K`` serves tensor-parallel
-over the first ``K`` devices (``Engine(mesh=)``: weights and KV heads split by the
-training rules). Not supported yet, refused in one line: a draft with ``mesh.tensor``,
-and every other override (``mesh.data`` replicas among them).
+token trees for greedy requests (``--bins``).
+
+``mesh.tensor=K`` serves tensor-parallel over ``K`` devices (``Engine(mesh=)``: weights,
+a draft's too, and KV heads split by the training rules); ``mesh.data=R`` serves ``R``
+replicas, each on ``K`` devices of its own with its own pages and batch slots
+(``jaxpar.serving.replicas``: each request goes to the least busy one; ``--max-batch``
+and ``--kv-memory`` are per replica). Other overrides are refused in one line.
 """
 
 from __future__ import annotations
@@ -88,12 +91,10 @@ def check_args(args, parser: CommandParser) -> None:
         parser.error(f"--bins: {e}")
     for override in args.overrides:
         key, _, value = override.partition("=")
-        if key != "mesh.tensor":
-            parser.error(f"{override}: only mesh.tensor=K is supported by jaxpar-serve yet")
+        if key not in ("mesh.tensor", "mesh.data"):
+            parser.error(f"{override}: only mesh.tensor=K and mesh.data=R are supported by jaxpar-serve")
         if not value.isdigit() or int(value) < 1:
-            parser.error(f"{override}: mesh.tensor must be a positive integer")
-    if tensor_parallel(args) > 1 and args.draft is not None:
-        parser.error("--draft with mesh.tensor: speculative decoding on a mesh is not supported yet")
+            parser.error(f"{override}: {key} must be a positive integer")
     if args.gamma < 1:
         parser.error(f"--gamma {args.gamma} must be at least 1")
     for flag, value, least in [("--max-batch", args.max_batch, 1), ("--max-queue", args.max_queue, 0),
@@ -115,22 +116,24 @@ def _context(args, model_context: int) -> int:
     return args.max_context
 
 
-def tensor_parallel(args) -> int:
-    """``K`` of a ``mesh.tensor=K`` override (1 without one)."""
-    values = [int(o.partition("=")[2]) for o in args.overrides if o.startswith("mesh.tensor=")]
+def mesh_size(args, axis: str) -> int:
+    """The size a ``mesh.AXIS=N`` override gives (the last one), else 1."""
+    values = [int(o.partition("=")[2]) for o in args.overrides if o.startswith(f"mesh.{axis}=")]
     return values[-1] if values else 1
 
 
-def _mesh(k: int):
-    """A mesh of the first ``k`` devices on one ``tensor`` axis (Auto), or None for 1."""
-    if k == 1:
-        return None
+def meshes(data: int, tensor: int) -> list:
+    """Each of ``data`` replicas' mesh: ``tensor`` devices of its own on one ``tensor``
+    axis (Auto), in device order; ``[None]`` for one replica on one device."""
+    if data == tensor == 1:
+        return [None]
     import jax
 
-    if k > len(jax.devices()):
-        raise ValueError(f"mesh.tensor={k} is more than the {len(jax.devices())} devices here")
-    return jax.make_mesh((k,), ("tensor",), devices=jax.devices()[:k],
-                         axis_types=(jax.sharding.AxisType.Auto,))
+    devices = jax.devices()
+    if data * tensor > len(devices):
+        raise ValueError(f"mesh.data={data} x mesh.tensor={tensor} is more than the {len(devices)} devices here")
+    return [jax.make_mesh((tensor,), ("tensor",), devices=devices[r * tensor:(r + 1) * tensor],
+                          axis_types=(jax.sharding.AxisType.Auto,)) for r in range(data)]
 
 
 def chat_template(run_dir: pathlib.Path) -> tuple[str | None, dict[str, str]]:
@@ -168,6 +171,7 @@ def build(args):
     warmed up (every program compiled)."""
     from jaxpar.serving import Engine
     from jaxpar.serving.async_engine import AsyncEngine
+    from jaxpar.serving.replicas import Replicas
     from jaxpar.serving.server import create_app
 
     tokenizer = load_tokenizer(args.run_dir)
@@ -179,10 +183,13 @@ def build(args):
         check_run_dir(args.draft)
         check_same_tokenizer(args.run_dir, args.draft)
         draft = load_draft(args.draft)
-    engine = Engine(model, tokenizer=tokenizer, eos_ids=eos_ids(args.run_dir, tokenizer),
-                    max_batch=args.max_batch, max_context=_context(args, context_length(args.run_dir, model)),
-                    page_size=args.page_size, kv_memory=args.kv_memory, prefill_chunk=args.prefill_chunk,
-                    draft=draft, method=args.method, gamma=args.gamma, bins=args.bins, mesh=_mesh(tensor_parallel(args)), batching=args.batching)
+    replicas = [Engine(model, tokenizer=tokenizer, eos_ids=eos_ids(args.run_dir, tokenizer),
+                       max_batch=args.max_batch, max_context=_context(args, context_length(args.run_dir, model)),
+                       page_size=args.page_size, kv_memory=args.kv_memory, prefill_chunk=args.prefill_chunk,
+                       draft=draft, method=args.method, gamma=args.gamma, bins=args.bins, mesh=mesh,
+                       batching=args.batching)
+                for mesh in meshes(mesh_size(args, "data"), mesh_size(args, "tensor"))]
+    engine = replicas[0] if len(replicas) == 1 else Replicas(replicas)
     engine.warm_up()
     async_engine = AsyncEngine(engine, max_queue=args.max_queue)
     template, special_tokens = chat_template(args.run_dir)

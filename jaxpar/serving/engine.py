@@ -141,7 +141,8 @@ class Engine:
         against ``model``: its layers cross-attend to the model's pages of the tokens
         verified so far) or ``"cape"`` (either draft; its chain widened into a token
         tree of ``bins`` widths by its confidence, verified in one pass, for greedy
-        requests; sampling requests verify the chain). Not yet with ``mesh``.
+        requests; sampling requests verify the chain). On a ``mesh`` the draft is split as
+        the model is (its kv heads must split alike: a GliDe draft's always do).
       mesh, rules: serve on ``mesh`` (``mesh.tensor=k`` splits the weights and the
         pages' kv heads over ``k`` devices, ``jaxpar.models.transformer.sharding_rules``
         as training does: kv heads replicated where ``k`` outnumbers them); ``model``'s
@@ -159,8 +160,6 @@ class Engine:
                  kernels: KernelOptions = KernelOptions()):
         if batching not in ("continuous", "static"):
             raise ValueError(f"batching={batching!r} must be 'continuous' or 'static'")
-        if draft is not None and mesh is not None:
-            raise ValueError("a draft model on a mesh is not supported yet: serve speculatively on one device")
         self.method = None  # the speculative round's static settings (temperature and top_p: the rows')
         if draft is not None:
             name = method or ("glide" if isinstance(draft, GlideDraft) else "speculative")
@@ -181,8 +180,14 @@ class Engine:
         self.graphdef, self.params = nnx.split(model)
         self.mesh, self.execution, kv_sharding, split = mesh, Execution(kernels=kernels), None, 1
         if mesh is not None:
-            rules = sharding_rules(cfg, mesh, rules)
+            given, rules = rules, sharding_rules(cfg, mesh, rules)
             self.execution = Execution(rules_lib.for_mesh(mesh, rules), kernels=kernels)
+            if draft is not None:  # one Execution traces both models: their rules must agree
+                draft_cfg = draft.cfg  # a GliDe draft's: the model's widths
+                theirs = rules_lib.for_mesh(mesh, sharding_rules(draft_cfg, mesh, given))
+                if theirs != self.execution.rules:
+                    raise ValueError(f"the draft's kv heads ({draft_cfg.kv_heads}) do not split over the mesh as "
+                                     f"the model's ({cfg.kv_heads}) do: serve this draft on one device")
             self.params = jax.device_put(self.params, model_shardings(self.params, mesh, rules))
             heads = rules_lib.logical_to_spec(ACT_BTKH[2:3], self.execution.rules)[0]
             kv_sharding = NamedSharding(mesh, PartitionSpec(None, None, None, heads, None))
@@ -205,6 +210,10 @@ class Engine:
         if draft is not None:
             self.draft = nnx.split(draft)
             self.draft_kv = init_pages(d.layers, kv_pages, page_size, d.kv_heads, d.head_dim, d.compute_dtype)
+            if mesh is not None:  # split as the model is
+                self.draft = (self.draft[0], jax.device_put(self.draft[1], model_shardings(self.draft[1], mesh,
+                                                                                           rules)))
+                self.draft_kv = jax.device_put(self.draft_kv, kv_sharding)
         self.rounds = self.accepted = 0  # speculative rounds run per sequence, drafts accepted
         self.pool = PagePool(kv_pages)
         self.buckets = tuple(sorted({min(2 ** n, prefill_chunk) for n in range(4, max(5, math.ceil(
@@ -279,10 +288,14 @@ class Engine:
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         ids = [self.add_request(p, s) for p, s in zip(prompts, params, strict=True)]
-        outputs = [self._by_id[i].output for i in ids]
+        outputs = [self.output(i) for i in ids]
         while self.has_unfinished():
             self.step()
         return outputs
+
+    def output(self, request_id: str) -> RequestOutput:
+        """An unfinished request's output, which grows as it runs (KeyError otherwise)."""
+        return self._by_id[request_id].output
 
     def warm_up(self) -> None:
         """Compiles every program the engine runs (decode or the speculative round,
@@ -333,19 +346,24 @@ class Engine:
         written), and the speculative rounds' lookahead."""
         return math.ceil((prompt + max_tokens - 1 + self.lookahead) / self.page_size)
 
+    def _on_mesh(self):
+        """The engine's mesh in force (programs trace and run on it), if it has one."""
+        return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
+
     def _run(self, program, *args):
         """``program`` (``programs.decode`` / ``prefill``) on the engine's model and pages
         (which it updates), on the engine's mesh; returns the sampled tokens."""
-        with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):
+        with self._on_mesh():
             tokens, self.kv = program(self.graphdef, self.execution, self.params, self.kv, *args)
         return tokens
 
     def _round(self, prev, last, tables, lengths, rows):
         """One speculative round (``programs.speculative_round``): ``(emitted, accepted)``."""
         self.compiled_programs.add(("speculative_round", len(rows), tables.shape[1], self.gamma))
-        emitted, accepted, self.kv, self.draft_kv = programs.speculative_round(
-            self.graphdef, self.draft[0], self.execution, self.method, self.params, self.draft[1], self.kv,
-            self.draft_kv, prev, last, tables, lengths, self._sampling(rows))
+        with self._on_mesh():
+            emitted, accepted, self.kv, self.draft_kv = programs.speculative_round(
+                self.graphdef, self.draft[0], self.execution, self.method, self.params, self.draft[1], self.kv,
+                self.draft_kv, prev, last, tables, lengths, self._sampling(rows))
         return np.asarray(emitted), np.asarray(accepted)
 
     def _width(self, positions: int) -> int:
@@ -366,9 +384,10 @@ class Engine:
         self.compiled_programs.add(("prefill", len(tokens), len(rows), tables.shape[1]))
         sampled = self._run(programs.prefill, tokens, positions, index, tables, last, self._sampling(rows))
         if self.draft is not None:
-            self.draft_kv = programs.draft_prefill(self.draft[0], self.graphdef, self.execution, self.draft[1],
-                                                   self.params, self.draft_kv, self.kv, tokens, positions, index,
-                                                   tables)
+            with self._on_mesh():
+                self.draft_kv = programs.draft_prefill(self.draft[0], self.graphdef, self.execution, self.draft[1],
+                                                       self.params, self.draft_kv, self.kv, tokens, positions,
+                                                       index, tables)
         return sampled
 
     def _decode_program(self, tokens, tables, lengths, rows):
