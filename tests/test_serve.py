@@ -7,7 +7,6 @@ request and exits 0."""
 
 import asyncio
 import json
-import os
 import re
 import signal
 import socket
