@@ -1,24 +1,38 @@
-"""Speculative decoding: mean accepted tokens per step and wall time, per method and batch.
+"""Speculative decoding, Spec-Bench style: mean accepted tokens per round and wall time,
+per method, kind of text and batch.
 
-    python bench/speculative.py --target runs/small --draft runs/small-draft \
-        --glide runs/small-glide --batch 1 8 --json $OUT/speculative.json
+    python bench/speculative.py --target PATH [--draft DIR] [--glide DIR] [--batch 1 8]
+        [--kinds code chat prose] [--prompts 4] [--max-new-tokens 64] [--json P] [--png P]
 
-``--target`` is a jaxpar run (or an HF directory with ``--prompts-from`` a jaxpar run for
-its data config); ``--draft`` a small independent model with the same tokenizer;
-``--glide`` a ``jaxpar-train glide`` run trained against the target. Prompts are the
-first ``--prompt-tokens`` tokens of the first ``--prompts`` files of the validation split
-of the target's corpus; every method generates ``--max-new-tokens`` greedily
-(``eos`` does not stop it, so every method does the same work).
+``--target`` is a jaxpar run, a Hugging Face directory or a ``.gguf`` file (SmolLM2's);
+``--draft`` a small independent model with the same tokenizer (method ``speculative``);
+``--glide`` a ``jaxpar-train glide`` run trained against the target (methods ``glide``
+and ``cape``). Prompts, ``--prompts`` of each kind, tokenized by the target's tokenizer:
 
-Per method (``ar``, ``speculative`` with the draft, ``glide``, ``cape`` with the GliDe
-draft) and batch size:
+* ``code``: the first ``--prompt-tokens`` tokens of the held-out (validation) files of
+  the target's corpus (a jaxpar run's data config; else the default corpus, the
+  interpreter's standard library);
+* ``chat``: questions written here, rendered through the target's chat template (a
+  Hugging Face directory's or GGUF file's; else ``User: ...\nAssistant:``), each its
+  own length;
+* ``prose``: paragraphs of the interpreter's own ``LICENSE.txt`` (the history of the
+  software and the license texts: English prose), their first ``--prompt-tokens``.
 
-* ``accepted/step``: tokens a round gave a sequence, the target's own (correction or
-  bonus) token included, as Spec-Bench counts it; hardware independent.
-* ``tokens/s`` and ``speedup`` over ``ar`` at the same batch: the whole generation,
-  prefill included, one jitted loop (``speculative_generate``), compiled first, the
-  median of ``--repeats`` runs. Meaningful on a GPU; on a CPU printed but not claimed.
-* ``lossless``: every method's tokens equal ``ar``'s (greedy), checked on every run.
+Every method generates ``--max-new-tokens`` greedily (the end token does not stop it,
+so every method does the same work). Per method and batch size:
+
+* ``accepted/round``: tokens a round gave a sequence, the target's own (correction or
+  bonus) token included, as Spec-Bench counts it, per kind and over all; hardware
+  independent;
+* ``tokens/s`` and ``speedup`` over ``ar`` at the same batch, timed in this process:
+  the whole generation, prefill included, one jitted loop (``speculative_generate``),
+  compiled first, the median of ``--repeats`` runs;
+* ``lossless``: every method's tokens equal ``ar``'s (the script exits non-zero
+  otherwise);
+* the draft's training cost: its run's steps and the sum of their ``step_time_s``.
+
+``--png``: speedup against accepted tokens per round, one point per method and batch,
+with the break-even line (speedup 1).
 """
 
 from __future__ import annotations
@@ -28,6 +42,7 @@ import json
 import pathlib
 import statistics
 import sys
+import sysconfig
 import time
 
 import jax
@@ -38,33 +53,73 @@ from jaxpar.train import data as data_lib
 from jaxpar.train.runs import load_glide_draft, load_model, load_tokenizer, read_config
 
 
-def prompts(run_dir: pathlib.Path, count: int, length: int) -> list[np.ndarray]:
-    """The first ``length`` tokens of the first ``count`` validation files (of at least
-    that many tokens) of ``run_dir``'s corpus, tokenized by its tokenizer."""
-    cfg = read_config(run_dir)
-    tokenizer = load_tokenizer(run_dir)
+KINDS = ("code", "chat", "prose")
+CHAT = [
+    "How do I reverse a list in Python?",
+    "Write a function that checks whether a string is a palindrome.",
+    "What is the difference between a process and a thread?",
+    "Explain what a hash table is to a beginner.",
+    "Give me three tips for writing readable code.",
+    "What does the `with` statement do in Python?",
+    "Summarise the rules of chess in a few sentences.",
+    "Why is the sky blue?",
+]
+
+
+def _corpus_config(target: pathlib.Path):
+    """The data config of the target's corpus: a jaxpar run's, else the default one."""
+    from jaxpar.models.gguf import is_gguf
+    from jaxpar.train.config import DataConfig
+    from jaxpar.train.runs import is_hf
+
+    return DataConfig() if is_hf(target) or is_gguf(target) else read_config(target).data
+
+
+def _first_tokens(texts, tokenizer, count: int, length: int, kind: str) -> list[np.ndarray]:
+    """The first ``length`` tokens of the first ``count`` of ``texts`` that have as many."""
     out = []
-    for doc in data_lib.split_documents(cfg.data, "validation"):
-        ids = tokenizer.encode(doc.text).ids
+    for text in texts:
+        ids = tokenizer.encode(text).ids
         if len(ids) >= length:
             out.append(np.asarray(ids[:length], np.int32))
         if len(out) == count:
             return out
-    raise SystemExit(f"only {len(out)} validation files have {length} tokens; lower --prompt-tokens")
+    raise SystemExit(f"only {len(out)} {kind} texts have {length} tokens; lower --prompt-tokens")
 
 
-def validation_loss(run_dir: pathlib.Path) -> float | None:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return None
-    losses = [json.loads(l).get("val_loss") for l in path.read_text().splitlines()]
-    losses = [l for l in losses if l is not None]
-    return losses[-1] if losses else None
+def prompts(target: pathlib.Path, kind: str, count: int, length: int) -> list[np.ndarray]:
+    """``count`` prompts of ``kind`` (the module docstring), in the target's tokens."""
+    tokenizer = load_tokenizer(target)
+    if kind == "code":
+        texts = (d.text for d in data_lib.split_documents(_corpus_config(target), "validation"))
+        return _first_tokens(texts, tokenizer, count, length, kind)
+    if kind == "prose":
+        license_text = pathlib.Path(sysconfig.get_paths()["stdlib"], "LICENSE.txt").read_text()
+        paragraphs = [" ".join(p.split()) for p in license_text.split("\n\n")]
+        return _first_tokens(paragraphs, tokenizer, count, length, kind)
+    from jaxpar.serving.server import _ChatTemplate
+    from jaxpar.train.serve import chat_template
+
+    template, special = chat_template(target)
+    render = (_ChatTemplate(template, special).render if template else
+              lambda messages: f"User: {messages[0]['content']}\nAssistant:")
+    return [np.asarray(tokenizer.encode(render([{"role": "user", "content": q}])).ids, np.int32)
+            for q in CHAT[:count]]
+
+
+def training_cost(run_dir: pathlib.Path | None) -> str:
+    """``"N steps, S s"`` of a draft run's ``metrics.jsonl`` (its steps' ``step_time_s``)."""
+    path = run_dir and run_dir / "metrics.jsonl"
+    if not path or not path.exists():
+        return "unknown"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    return f"{len(rows)} steps, {sum(r.get('step_time_s', 0.0) for r in rows):.0f} s"
 
 
 def run(target, rows, batch, method, draft, args):
-    """``(tokens per row, accepted/step, seconds)`` over ``rows`` in batches of ``batch``."""
-    tokens, emitted, rounds, seconds = [], 0.0, 0, []
+    """``(tokens per row, emitted per row, rounds per row, seconds)`` over ``rows`` in
+    batches of ``batch``."""
+    tokens, emitted, rounds, seconds = [], [], [], []
     kwargs = dict(draft=draft, method=method, gamma=args.gamma, max_new_tokens=args.max_new_tokens)
     for start in range(0, len(rows), batch):
         chunk = rows[start:start + batch]
@@ -76,9 +131,33 @@ def run(target, rows, batch, method, draft, args):
             times.append(time.perf_counter() - began)
         seconds.append(statistics.median(times))
         tokens += out.tokens
-        emitted += out.accepted_per_step * out.rounds.sum()
-        rounds += int(out.rounds.sum())
-    return tokens, emitted / rounds, sum(seconds)
+        rounds += out.rounds.tolist()
+        # per row: accepted_per_step is the batch's emitted / rounds; rows share it in
+        # proportion to their rounds (the batch's total is exact)
+        emitted += (out.rounds * out.accepted_per_step).tolist()
+    return tokens, np.asarray(emitted), np.asarray(rounds), sum(seconds)
+
+
+def plot(results, path: pathlib.Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in results:
+        if r["method"] == "ar":
+            continue
+        marker = {"speculative": "o", "glide": "s", "cape": "^"}[r["method"]]
+        ax.scatter(r["accepted_per_step"], r["speedup"], marker=marker, s=60,
+                   label=f"{r['method']}, batch {r['batch']}")
+    ax.axhline(1.0, color="gray", linestyle="--", label="break-even (ar)")
+    ax.set_xlabel("accepted tokens per round (the target's own included)")
+    ax.set_ylabel("wall-time speedup over ar")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def main() -> None:
@@ -86,52 +165,62 @@ def main() -> None:
     parser.add_argument("--target", type=pathlib.Path, required=True)
     parser.add_argument("--draft", type=pathlib.Path, help="independent draft run (method speculative)")
     parser.add_argument("--glide", type=pathlib.Path, help="GliDe draft run (methods glide, cape)")
-    parser.add_argument("--prompts-from", type=pathlib.Path, help="run whose corpus gives the prompts "
-                        "(default: the target)")
-    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
+    parser.add_argument("--prompts", type=int, default=4, help="prompts of each kind")
     parser.add_argument("--prompt-tokens", type=int, default=64)
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--gamma", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=pathlib.Path)
+    parser.add_argument("--png", type=pathlib.Path)
     args = parser.parse_args()
 
     target = load_model(args.target)
-    rows = prompts(args.prompts_from or args.target, args.prompts, args.prompt_tokens)
-    methods = [("ar", None)]
+    kinds = [(kind, p) for kind in args.kinds
+             for p in prompts(args.target, kind, args.prompts, args.prompt_tokens)]
+    rows = [p for _, p in kinds]
+    methods = [("ar", None, None)]
     if args.draft:
-        methods.append(("speculative", load_model(args.draft)))
+        methods.append(("speculative", load_model(args.draft), args.draft))
     if args.glide:
         glide = load_glide_draft(args.glide)
-        methods += [("glide", glide), ("cape", glide)]
+        methods += [("glide", glide, args.glide), ("cape", glide, args.glide)]
     device = jax.devices()[0].device_kind
-    print(f"target {args.target} (validation loss {validation_loss(args.target)}), {len(rows)} prompts "
-          f"of {args.prompt_tokens} tokens, {args.max_new_tokens} new, gamma {args.gamma}, on {device}",
-          file=sys.stderr)
+    print(f"target {args.target}, {len(rows)} prompts ({', '.join(args.kinds)}), {args.max_new_tokens} new "
+          f"tokens, gamma {args.gamma}, on {device}", file=sys.stderr)
     results = []
     for batch in args.batch:
         reference, ar_seconds = None, None
-        for name, draft in methods:
-            tokens, accepted, seconds = run(target, rows, batch, name, draft, args)
+        for name, draft, run_dir in methods:
+            tokens, emitted, rounds, seconds = run(target, rows, batch, name, draft, args)
             if name == "ar":
                 reference, ar_seconds = tokens, seconds
-            lossless = all(np.array_equal(a, b) for a, b in zip(tokens, reference))
-            generated = sum(len(t) for t in tokens)
-            results.append({"method": name, "batch": batch, "accepted_per_step": accepted,
-                            "tokens_per_s": generated / seconds, "speedup": ar_seconds / seconds,
-                            "lossless": lossless, "seconds": seconds})
+            per_kind = {kind: float(emitted[[k == kind for k, _ in kinds]].sum()
+                                    / max(rounds[[k == kind for k, _ in kinds]].sum(), 1))
+                        for kind in args.kinds} if name != "ar" else {kind: 1.0 for kind in args.kinds}
+            results.append({"method": name, "batch": batch,
+                            "accepted_per_step": float(emitted.sum() / rounds.sum()) if name != "ar" else 1.0,
+                            "by_kind": per_kind, "tokens_per_s": sum(len(t) for t in tokens) / seconds,
+                            "speedup": ar_seconds / seconds, "seconds": seconds,
+                            "lossless": all(np.array_equal(a, b) for a, b in zip(tokens, reference)),
+                            "draft_training": training_cost(run_dir) if run_dir else ""})
             print(json.dumps(results[-1]), file=sys.stderr)
-    print(f"\n| method | batch | accepted/step | tokens/s ({device}) | speedup over ar | lossless |")
-    print("|---|---|---|---|---|---|")
+    kinds_header = " | ".join(args.kinds)
+    print(f"\n| method | batch | accepted/round ({kinds_header}) | all | tokens/s ({device}) | speedup over ar "
+          f"| lossless | draft training |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['method']} | {r['batch']} | {r['accepted_per_step']:.2f} | {r['tokens_per_s']:.1f} | "
-              f"{r['speedup']:.2f}x | {'yes' if r['lossless'] else 'NO'} |")
+        by_kind = " / ".join(f"{r['by_kind'][k]:.2f}" for k in args.kinds)
+        print(f"| {r['method']} | {r['batch']} | {by_kind} | {r['accepted_per_step']:.2f} | {r['tokens_per_s']:.1f} "
+              f"| {r['speedup']:.2f}x | {'yes' if r['lossless'] else 'NO'} | {r['draft_training']} |")
+    meta = {"target": str(args.target), "device": device, "gamma": args.gamma, "kinds": args.kinds,
+            "max_new_tokens": args.max_new_tokens, "prompts": len(rows), "prompt_tokens": args.prompt_tokens}
     if args.json:
-        meta = {"target": str(args.target), "validation_loss": validation_loss(args.target),
-                "device": device, "gamma": args.gamma, "max_new_tokens": args.max_new_tokens,
-                "prompts": len(rows), "prompt_tokens": args.prompt_tokens}
         args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    if args.png:
+        plot(results, args.png, f"{args.target.name}: {len(rows)} prompts, {args.max_new_tokens} new tokens, "
+                                f"gamma {args.gamma}, {device}")
     if not all(r["lossless"] for r in results):
         sys.exit("a method's tokens differ from ar's: not lossless")
 

@@ -376,18 +376,23 @@ def test_generate_with_trained_drafts_gives_the_targets_tokens(target_run, glide
 
 
 @pytest.mark.slow
-def test_speculative_benchmark(target_run, glide_run, vanilla_run, capsys, monkeypatch):
-    """bench/speculative.py as a newcomer runs it (in this process, small): its table,
-    every method lossless."""
+def test_speculative_benchmark(target_run, glide_run, vanilla_run, capsys, monkeypatch, tmp_path):
+    """bench/speculative.py as a newcomer runs it (in this process, small): code, chat and
+    prose prompts, its table with each draft's training cost, every method lossless, the
+    picture and the JSON."""
     script = pathlib.Path(__file__).resolve().parents[1] / "bench" / "speculative.py"
     monkeypatch.setattr(sys, "argv", [str(script), "--target", str(target_run), "--draft", str(vanilla_run),
                                       "--glide", str(glide_run), "--prompts", "2", "--prompt-tokens", "8",
-                                      "--max-new-tokens", "12", "--batch", "2", "--repeats", "1"])
+                                      "--max-new-tokens", "12", "--batch", "3", "--repeats", "1",
+                                      "--json", str(tmp_path / "s.json"), "--png", str(tmp_path / "s.png")])
     runpy.run_path(str(script), run_name="__main__")
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
-    assert rows[0].startswith("| method | batch | accepted/step |")
+    assert rows[0].startswith("| method | batch | accepted/round (code | chat | prose) | all |")
     assert [r.split("|")[1].strip() for r in rows[1:]] == ["ar", "speculative", "glide", "cape"]
-    assert all(r.rstrip().endswith("| yes |") for r in rows[1:])
+    assert all("| yes |" in r for r in rows[1:]) and "6 steps" in rows[3]  # the GliDe run's 6 steps
+    results = json.loads((tmp_path / "s.json").read_text())["results"]
+    assert {r["method"]: set(r["by_kind"]) for r in results}["glide"] == {"code", "chat", "prose"}
+    assert (tmp_path / "s.png").stat().st_size > 0
 
 
 # The teacher cache ----------------------------------------------------------------------

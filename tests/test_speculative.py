@@ -85,6 +85,27 @@ def test_generate_streams_the_ar_rounds(models, rng):
     assert len(set(streamed.ravel().tolist())) > 3
 
 
+def test_streamed_rounds_are_the_loops_and_compile_once(models, rng):
+    """``speculative_stream`` (what jaxpar-generate prints from) runs the loop's round:
+    the same tokens and accepted tokens per round as ``speculative_generate``, and a
+    second stream of the same shapes compiles nothing (issue 20: one compiled round)."""
+    from jaxpar.inference.decoding import speculative_stream
+    from test_serving import compiles_during
+
+    target, draft = models["target"], models["close"]
+    options = dict(draft=draft, method="speculative", gamma=3, max_new_tokens=12)
+    looped = speculative_generate(target, rng.integers(0, CFG.vocab_size, (2, 5)), **options)
+    list(speculative_stream(target, rng.integers(0, CFG.vocab_size, (2, 5)), **options))  # warm-up
+    prompt = rng.integers(0, CFG.vocab_size, (2, 5))
+    steps = []
+    assert compiles_during(lambda: steps.extend(speculative_stream(target, prompt, **options))) == 0
+    looped = speculative_generate(target, prompt, **options)
+    streamed = [np.concatenate([new[b] for new, _ in steps]) for b in range(2)]
+    assert [t.tolist() for t in streamed] == [t.tolist() for t in looped.tokens]
+    per_round = (steps[-1][1] * looped.rounds).sum() / looped.rounds.sum()  # per sequence -> over the batch
+    np.testing.assert_allclose(per_round, looped.accepted_per_step, rtol=1e-6)
+
+
 @pytest.mark.slow
 def test_cape_accepts_siblings_and_beats_the_chain(models, rng):
     """With a weak draft, CaPE's siblings catch target tokens the greedy chain misses."""

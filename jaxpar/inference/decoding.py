@@ -111,6 +111,8 @@ def _setup(target, prompt, draft, method, gamma, bins, temperature, top_p, max_n
 
 
 def _tokens(state, eos_ids: tuple[int, ...], max_new_tokens) -> list[np.ndarray]:
+    """Each sequence's tokens so far, cut after its first end token; ``state`` on the
+    device or (its ``out`` and ``count``) fetched."""
     out, count = np.asarray(state.out), np.asarray(state.count)
     rows = []
     for b in range(out.shape[0]):
@@ -174,7 +176,9 @@ def speculative_stream(target: Transformer, prompt, *, draft=None, method: str =
     list (per sequence) of the int32 tokens it just produced (empty once done), and
     ``accepted [B]`` the tokens per round so far (mean, bonus token included). The
     round is compiled (and run once, discarded) before the first yield, so time taken
-    between yields is decoding alone."""
+    between yields is decoding alone: one round's program and one transfer of what the
+    host reads (the tokens, counts and flags, fetched together), as the one-jit loop of
+    ``speculative_generate`` runs the same program without the transfers."""
     method, tokens, lengths, graph, params = _setup(target, prompt, draft, method, gamma, bins,
                                                     temperature, top_p, max_new_tokens)
     eos_ids = _eos(eos_ids)
@@ -183,11 +187,12 @@ def speculative_stream(target: Transformer, prompt, *, draft=None, method: str =
     jax.block_until_ready(round_(graph, params, state))  # compile before the first yield
     shown = np.zeros(tokens.shape[0], int)
     while True:
-        rows = _tokens(state, eos_ids, max_new_tokens)
+        host = jax.device_get(dataclasses.replace(state, target_cache=None, draft_cache=None, key=None))
+        rows = _tokens(host, eos_ids, max_new_tokens)
         new = [row[s:] for row, s in zip(rows, shown)]
         shown = np.asarray([len(r) for r in rows])
-        rounds = np.maximum(np.asarray(state.rounds), 1)
-        yield new, np.asarray(state.emitted) / rounds if method.name != "ar" else np.ones(len(rows))
-        if bool(np.asarray(state.done).all()):
+        rounds = np.maximum(host.rounds, 1)
+        yield new, host.emitted / rounds if method.name != "ar" else np.ones(len(rows))
+        if bool(host.done.all()):
             return
         state = round_(graph, params, state)
