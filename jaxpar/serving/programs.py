@@ -1,5 +1,7 @@
-"""The engine's two compiled programs: a decode step over every batch slot and a packed
-prefill, each a model forward over the paged KV cache, with sampling.
+"""The engine's compiled programs, each a forward over the paged KV cache: a decode step
+over every batch slot and a packed prefill (with sampling), and with a draft a
+speculative round (``speculative``, ``glide`` or ``cape``) in place of the decode step
+and the draft's own prefill.
 
 Shapes are bucketed by the engine (``jaxpar.serving.engine``): the batch slots and the
 page pool are fixed, the pages a program reads per sequence (the page tables' width)
