@@ -7,6 +7,7 @@ against another OpenAI-compatible server on the same load.
         [--seed 0] [--json PATH] [--png PATH]
     python bench/serve.py http --model PATH [--rates ...] [--requests ...] [...]
         [--against-url URL --against-model NAME --against-label LABEL]
+        [--draft DIR [--method M]] [mesh.tensor=K mesh.data=R]
 
 ``engine``: the engine in this process, its loop driven by the wall clock (requests are
 added when their arrival time has passed, then one ``Engine.step``); every request
@@ -181,7 +182,9 @@ def start_server(path: str, mode: str, args) -> tuple:
     command = [sys.executable, "-m", "jaxpar.train.serve", path, "--port", "0", "--batching", mode,
                "--max-batch", str(args.max_batch), "--page-size", str(args.page_size),
                "--prefill-chunk", str(args.prefill_chunk), "--model-name", "bench", "--max-queue", "100000",
-               "--max-context", str(args.prompt_tokens[1] + args.max_tokens[1] + 16)]
+               "--max-context", str(args.prompt_tokens[1] + args.max_tokens[1] + 16), *args.overrides]
+    if args.draft:
+        command += ["--draft", args.draft] + (["--method", args.method] if args.method else [])
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     lines = []
     while not (match := re.search(r" on (http://\S+/v1) ", lines[-1] if lines else "")):
@@ -248,6 +251,9 @@ def main(argv=None) -> None:
             p.add_argument("--against-model", help="the model name that server expects")
             p.add_argument("--against-label", default="other server")
             p.add_argument("--only-against", action="store_true", help="measure the other server alone")
+            p.add_argument("--draft", help="jaxpar-serve --draft DIR: serve speculatively")
+            p.add_argument("--method", help="jaxpar-serve --method (with --draft)")
+            p.add_argument("overrides", nargs="*", help="jaxpar-serve's mesh.tensor=K / mesh.data=R")
     args = parser.parse_args(argv)
 
     if args.command == "http":
