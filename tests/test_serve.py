@@ -127,7 +127,7 @@ def start(app) -> tuple[uvicorn.Server, threading.Thread, str]:
 @pytest.fixture(scope="module")
 def served(hf_dir):
     """jaxpar-serve's own build (flags as on its command line: 4 batch slots, pages of 32
-    tokens, prefill rows of up to 64: one page bucket, 3 row buckets) under uvicorn in
+    tokens, prefill rows of up to 32: one page bucket, 2 row buckets) under uvicorn in
     this process."""
     yield from serving(hf_dir)
 
@@ -136,7 +136,7 @@ def serving(hf_dir, *extra, engine=None):
     """A server of ``hf_dir`` built by ``serve.build`` from its flags (and ``extra``), or
     of ``engine``; the Served while it runs."""
     args = serve._parser().parse_args([str(hf_dir), "--max-batch", "4", "--page-size", "32",
-                                       "--prefill-chunk", "64", "--model-name", NAME, *extra])
+                                       "--prefill-chunk", "32", "--model-name", NAME, *extra])
     if engine is None:
         async_engine, app, engine = serve.build(args)
     else:
@@ -258,7 +258,7 @@ def served_otherwise(request, hf_dir):
     if request.param == "glide":
         tokenizer = load_tokenizer(hf_dir)
         engine = Engine(load_model(hf_dir), tokenizer=tokenizer, eos_ids=eos_ids(hf_dir, tokenizer), max_batch=4,
-                        page_size=32, prefill_chunk=64, draft=GlideDraft(CFG, 1, rngs=nnx.Rngs(3)), gamma=3)
+                        page_size=32, prefill_chunk=32, draft=GlideDraft(CFG, 1, rngs=nnx.Rngs(3)), gamma=3)
         yield from serving(hf_dir, engine=engine)
     else:
         yield from serving(hf_dir, *request.param.split())

@@ -175,16 +175,15 @@ def test_decode_view_reads_the_pages_in_place_under_pallas_attention(rng):
 
 
 @pytest.mark.slow  # end to end, as the engine's other tests (the view's test above is fast)
-@pytest.mark.parametrize("speculative", [False, True])
-def test_pallas_attention_serves_the_tokens_of_xla(model, speculative):
+def test_pallas_attention_serves_the_tokens_of_xla(model):
     """The engine with ``attention="pallas"`` (the paged kernel, interpret mode) gives the
-    greedy tokens of the XLA gather path: decoding one token per slot, or speculative
-    rounds (the model its own draft, gamma 2: two and three new tokens per slot)."""
+    greedy tokens of the XLA gather path in speculative rounds (the model its own draft,
+    gamma 2: two and three new tokens per slot); one token per slot: the tensor-parallel
+    test."""
     prompts, _ = requests(9, 3)
     params = [SamplingParams(max_tokens=4)] * 3
     want = [o.token_ids for o in engine(model).generate(prompts, params)]
-    draft = {"draft": model, "gamma": 2} if speculative else {}
-    got = engine(model, kernels=KernelOptions(attention="pallas"), **draft).generate(prompts, params)
+    got = engine(model, kernels=KernelOptions(attention="pallas"), draft=model, gamma=2).generate(prompts, params)
     assert [o.token_ids for o in got] == want
 
 
@@ -195,18 +194,19 @@ def test_tensor_parallel_serving_gives_one_devices_tokens(model, tensor):
     which are then replicated (as training does) rather than failing: the tokens of one
     device, the pages split by kv head (tensor=2) or replicated (tensor=4). The same
     with Pallas attention (interpret mode): each device's paged kernel on its batch rows
-    and kv head (tensor=2), or the gathered pages (tensor=4: the kv heads whole)."""
+    and kv head (tensor=2)."""
     import jaxpar
 
-    prompts, params = requests(6, 6)
+    prompts, params = requests(6, 4)
     reference = engine(model).generate(prompts, params)
     mesh = jaxpar.make_mesh(data=8 // tensor, tensor=tensor, axis_types="auto")
     served = engine(model, mesh=mesh)
     assert served.kv.k.sharding.spec[3] == ("tensor" if tensor == 2 else None)
     outputs = served.generate(prompts, params)
     assert [o.token_ids for o in outputs] == [r.token_ids for r in reference]
-    outputs = engine(model, mesh=mesh, kernels=KernelOptions(attention="pallas")).generate(prompts, params)
-    assert [o.token_ids for o in outputs] == [r.token_ids for r in reference]
+    if tensor == 2:  # (tensor=4: the kv heads whole on every device, the gather path as above)
+        outputs = engine(model, mesh=mesh, kernels=KernelOptions(attention="pallas")).generate(prompts, params)
+        assert [o.token_ids for o in outputs] == [r.token_ids for r in reference]
 
 
 @pytest.mark.slow
@@ -240,20 +240,16 @@ def test_speculative_rounds_are_lossless_per_sequence(model):
     """A draft in the engine: every decode step is one round for the running batch, each
     sequence accepting its own prefix. Greedy: the tokens without a draft, with the model
     itself as its draft (every proposal accepted: the draft's cache must catch up on the
-    last one) and with an unrelated small draft (few accepted); pages all back. Seeded
-    sampling: a request's tokens alone equal those beside 3 others; after warm_up a
-    mix compiles nothing."""
+    last one; rejections: the GliDe and CaPE tests); pages all back. Seeded sampling with
+    an unrelated small draft: a request's tokens alone equal those beside 3 others; after
+    warm_up a mix compiles nothing."""
     small = Transformer(ModelConfig(vocab_size=CFG.vocab_size, dim=16, layers=1, heads=2, kv_heads=1,
                                     head_dim=8, mlp_dim=32), rngs=nnx.Rngs(1))
     prompts, params = requests(8, 6)
-    reference = [o.token_ids for o in engine(model).generate(prompts, params)]
-    for draft, per_round in ((model, 3.0), (small, None)):
-        served = engine(model, draft=draft, gamma=3)
-        assert [o.token_ids for o in served.generate(prompts, params)] == reference
-        assert served.pool.free == served.pool.total
-        if per_round:
-            assert served.accepted == per_round * served.rounds
-    assert 0 <= served.accepted < served.rounds  # the small draft's proposals mostly rejected
+    reference = [o.token_ids for o in engine(model).generate(prompts[:4], params[:4])]
+    served = engine(model, draft=model, gamma=3)
+    assert [o.token_ids for o in served.generate(prompts[:4], params[:4])] == reference
+    assert served.pool.free == served.pool.total and served.accepted == 3 * served.rounds
 
     sampled = SamplingParams(max_tokens=10, temperature=0.8, seed=3)
     by_itself = engine(model, draft=small, gamma=3).generate([prompts[2]], sampled)[0].token_ids
