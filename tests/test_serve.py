@@ -30,6 +30,7 @@ from jaxpar.models import ModelConfig, Transformer, to_hf
 from jaxpar.models.glide import GlideDraft
 from jaxpar.serving import Engine, SamplingParams
 from jaxpar.serving.async_engine import AsyncEngine
+from jaxpar.serving.replicas import Replicas
 from jaxpar.serving.server import create_app
 from jaxpar.train import serve
 from jaxpar.train.runs import eos_ids, load_model, load_tokenizer
@@ -251,38 +252,29 @@ def test_concurrent_requests_get_their_tokens_alone(served):
     pages_all_free(served)
 
 
-@pytest.fixture(scope="module", params=["mesh.tensor=2 mesh.data=2", "glide"])
-def served_otherwise(request, hf_dir):
-    """The module's server on 2 replicas of ``mesh.tensor=2`` each, or with a GliDe draft
-    (random: few of its proposals accepted, which is what tests the rounds)."""
-    if request.param == "glide":
-        tokenizer = load_tokenizer(hf_dir)
-        engine = Engine(load_model(hf_dir), tokenizer=tokenizer, eos_ids=eos_ids(hf_dir, tokenizer), max_batch=4,
-                        page_size=32, prefill_chunk=32, draft=GlideDraft(CFG, 1, rngs=nnx.Rngs(3)), gamma=3)
-        yield from serving(hf_dir, engine=engine)
-    else:
-        yield from serving(hf_dir, *request.param.split())
-
-
 @pytest.mark.slow
-def test_concurrent_requests_tensor_parallel_and_speculative(served_otherwise):
-    """The 48 requests again (other lengths) on a server of two tensor-parallel replicas
-    and on one with a GliDe draft: each its tokens decoded alone, no compiles, every page
-    free."""
-    mixed = cases(1)
-    results, compiles = requests_at_once(served_otherwise, mixed)
-    assert compiles == 0
-    check_completions(served_otherwise, mixed, results)
-    pages_all_free(served_otherwise)
-    engine, metrics = served_otherwise.engine, served_otherwise.metrics()
-    if engine.draft is None:
-        assert "jaxpar_speculative_rounds_total" not in metrics
-        assert [e.mesh.shape for e in engine.engines] == [{"tensor": 2}] * 2
-    else:  # a random draft: some proposals accepted, most not
-        assert 0 < engine.accepted < engine.rounds
-        assert (metrics["jaxpar_speculative_rounds_total"], metrics["jaxpar_speculative_accepted_drafts_total"]) \
-            == (engine.rounds, engine.accepted)
-        assert metrics["jaxpar_speculative_accepted_per_round"] == pytest.approx(1 + engine.accepted / engine.rounds)
+def test_concurrent_requests_on_tensor_parallel_replicas_with_a_glide_draft(hf_dir):
+    """The 48 requests again (other lengths) on a server of two replicas (mesh.data=2),
+    each tensor-parallel (mesh.tensor=2: model and draft split) with a GliDe draft
+    (random: some of its proposals accepted, most not, which is what tests the rounds):
+    each request its tokens decoded alone, no compiles, every page free; /metrics
+    counts the rounds."""
+    tokenizer = load_tokenizer(hf_dir)
+    replicas = Replicas([Engine(load_model(hf_dir), tokenizer=tokenizer, eos_ids=eos_ids(hf_dir, tokenizer),
+                                max_batch=4, page_size=32, prefill_chunk=32, mesh=mesh, gamma=3,
+                                draft=GlideDraft(CFG, 1, rngs=nnx.Rngs(3))) for mesh in serve.meshes(2, 2)])
+    for served in serving(hf_dir, engine=replicas):
+        mixed = cases(1)
+        results, compiles = requests_at_once(served, mixed)
+        assert compiles == 0
+        check_completions(served, mixed, results)
+        pages_all_free(served)
+        metrics = served.metrics()
+    assert [e.mesh.shape for e in replicas.engines] == [{"tensor": 2}] * 2
+    assert all(0 < e.accepted < e.rounds for e in replicas.engines)  # both replicas served
+    assert (metrics["jaxpar_speculative_rounds_total"], metrics["jaxpar_speculative_accepted_drafts_total"]) \
+        == (replicas.rounds, replicas.accepted)
+    assert metrics["jaxpar_speculative_accepted_per_round"] == pytest.approx(1 + replicas.accepted / replicas.rounds)
 
 
 def test_chat_completions_render_the_template(served):
