@@ -406,17 +406,18 @@ def test_command_line_refuses_what_is_not_supported_yet(hf_dir, capsys):
 
 
 @pytest.mark.slow
-def test_command_line_serves_speculatively(hf_dir):
-    """``--draft`` (the model as its own draft: every proposal accepted) builds an engine
-    that gives the tokens decoded alone. (``mesh.tensor=2`` through the command line:
-    ``served_otherwise``.)"""
-    prompt = [5, 9, 2, 7]
+def test_command_line_serves_speculatively_on_replicas(hf_dir):
+    """``--draft`` (the model as its own draft: every proposal accepted) and
+    ``mesh.data=2`` build two replicas that give the tokens decoded alone."""
+    prompts = [[5, 9, 2, 7], [8, 3]]
     engine = serve.build(serve._parser().parse_args([str(hf_dir), "--prefill-chunk", "16", "--max-context", "64",
-                                                     "--draft", str(hf_dir), "--gamma", "2"]))[2]
-    got = engine.generate([text_of(prompt)], SamplingParams(max_tokens=8))[0].token_ids
-    want = decode_alone(nnx.merge(engine.graphdef, engine.params), [prompt])[0][:8]
-    assert got == want[:len(got)] and (len(got) == 8 or got[-1] in engine.eos_ids)
-    assert engine.method.name == "speculative" and engine.accepted == 2 * engine.rounds
+                                                     "--draft", str(hf_dir), "--gamma", "2", "mesh.data=2"]))[2]
+    got = [o.token_ids for o in engine.generate([text_of(p) for p in prompts], SamplingParams(max_tokens=8))]
+    first = engine.engines[0]
+    want = decode_alone(nnx.merge(first.graphdef, first.params), prompts)
+    for tokens, reference in zip(got, want):
+        assert tokens == reference[:len(tokens)] and (len(tokens) == 8 or tokens[-1] in first.eos_ids)
+    assert all(e.method.name == "speculative" and e.accepted == 2 * e.rounds > 0 for e in engine.engines)
 
 
 @pytest.mark.slow

@@ -270,7 +270,7 @@ def load_tokenizer(cfg: DataConfig, vocab_size: int, cache_dir: str | os.PathLik
     tokenizer = _train_tokenizer([d.text for d in docs], vocab_size)
     log.info("trained a %d-token BPE on %d documents in %.1f s",
              tokenizer.get_vocab_size(), len(docs), time.perf_counter() - start)
-    _write_atomic(path, lambda f: f.write(tokenizer.to_str().encode("utf-8")))
+    write_atomic(path, lambda f: f.write(tokenizer.to_str().encode("utf-8")))
     return tokenizer
 
 
@@ -425,11 +425,11 @@ def packed_rows(
     rows = pack(tokenize(tokenizer, [d.text for d in docs]), seq_len, eos_id(tokenizer))
     log.info("tokenized and packed %d %s documents into %d rows in %.1f s",
              len(docs), split, len(rows), time.perf_counter() - start)
-    _write_atomic(path, lambda f: np.savez(f, **dataclasses.asdict(rows)))
+    write_atomic(path, lambda f: np.savez(f, **dataclasses.asdict(rows)))
     return rows
 
 
-def _write_atomic(path: pathlib.Path, write) -> None:
+def write_atomic(path: pathlib.Path, write) -> None:
     """Calls ``write(binary_file)`` on a temporary file beside ``path``, then renames it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     # Not tempfile.mkstemp: its files are 0600 whatever the umask.

@@ -51,10 +51,8 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
 import pathlib
 import time
-import uuid
 from collections.abc import Callable
 
 import jax
@@ -63,7 +61,7 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.train.config import ConfigError
-from jaxpar.train.data import PackedRows, batch_of_rows
+from jaxpar.train.data import PackedRows, batch_of_rows, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -223,21 +221,8 @@ def _file(split: str, shard: int, name: str) -> str:
     return f"{split}-{shard:05d}.{name}.npy"
 
 
-def _write_atomic(path: pathlib.Path, write: Callable) -> None:
-    """``write(file)`` to a temporary name beside ``path``, then ``os.replace``: a reader
-    sees the whole file or none."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
-    try:
-        with open(tmp, "xb") as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def _write_manifest(directory: pathlib.Path, manifest: dict) -> None:
-    _write_atomic(directory / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
+    write_atomic(directory / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
 
 
 def _shard_ok(directory: pathlib.Path, split: str, shard: int, count: int, spec_: Spec) -> bool:
@@ -348,7 +333,7 @@ def _build(directory: pathlib.Path, missing, rows: dict[str, PackedRows], comput
             array = arrays[name]
             if array.dtype.kind == "V" or array.dtype.name == "bfloat16":  # .npy has no bfloat16
                 array = array.view(np.uint16)
-            _write_atomic(directory / _file(split, index, name), lambda f, a=array: np.save(f, a))
+            write_atomic(directory / _file(split, index, name), lambda f, a=array: np.save(f, a))
         done += hi - lo
         log.info("teacher cache %s: %d/%d rows in %.0f s", directory, done, total, time.perf_counter() - began)
     manifest["topk_mass"] = float(np.mean(masses))  # the target's probability its top-k holds

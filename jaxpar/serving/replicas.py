@@ -107,13 +107,5 @@ class Replicas:
     def output(self, request_id: str) -> RequestOutput:
         return self._where[request_id].output(request_id)
 
-    def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] = SamplingParams()
-                 ) -> list[RequestOutput]:
-        """Runs ``prompts`` to completion (``Engine.generate``), spread over the replicas."""
-        if isinstance(params, SamplingParams):
-            params = [params] * len(prompts)
-        ids = [self.add_request(p, s) for p, s in zip(prompts, params, strict=True)]
-        outputs = [self.output(i) for i in ids]
-        while self.has_unfinished():
-            self.step()
-        return outputs
+    # Engine.generate needs only add_request, output, has_unfinished and step
+    generate = Engine.generate
