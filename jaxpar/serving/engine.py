@@ -23,8 +23,8 @@ it.
 Compiled programs: per page bucket (the pages of a sequence a program reads: x4 from 16
 pages up to the context's, so attention reads what the batch's longest sequence needs),
 one decode program (with a draft: one speculative round) and one prefill program per
-row bucket (powers of two from 16 up to ``prefill_chunk``); ``Engine.compiled_programs``
-lists the shapes, ``warm_up`` compiles them all.
+row bucket (powers of two from 16 up to ``prefill_chunk``; with a draft, the draft's
+prefill too); ``Engine.compiled_programs`` lists them, ``warm_up`` compiles them all.
 """
 
 from __future__ import annotations
@@ -384,6 +384,7 @@ class Engine:
         self.compiled_programs.add(("prefill", len(tokens), len(rows), tables.shape[1]))
         sampled = self._run(programs.prefill, tokens, positions, index, tables, last, self._sampling(rows))
         if self.draft is not None:
+            self.compiled_programs.add(("draft_prefill", len(tokens), len(rows), tables.shape[1]))
             with self._on_mesh():
                 self.draft_kv = programs.draft_prefill(self.draft[0], self.graphdef, self.execution, self.draft[1],
                                                        self.params, self.draft_kv, self.kv, tokens, positions,
