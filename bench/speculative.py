@@ -132,9 +132,7 @@ def run(target, rows, batch, method, draft, args):
         seconds.append(statistics.median(times))
         tokens += out.tokens
         rounds += out.rounds.tolist()
-        # per row: accepted_per_step is the batch's emitted / rounds; rows share it in
-        # proportion to their rounds (the batch's total is exact)
-        emitted += (out.rounds * out.accepted_per_step).tolist()
+        emitted += out.emitted.tolist()
     return tokens, np.asarray(emitted), np.asarray(rounds), sum(seconds)
 
 

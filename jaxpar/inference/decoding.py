@@ -67,11 +67,14 @@ class Generation:
     accepted_per_step: mean tokens a round gave a sequence, the target's own (correction
       or bonus) token included, as Spec-Bench counts it (1.0 for ``ar``).
     rounds: int ``[B]``, the rounds (target forward passes) each sequence took.
+    emitted: int ``[B]``, the tokens those rounds gave each sequence (past
+      ``max_new_tokens`` too: ``emitted / rounds`` is its accepted tokens per round).
     """
 
     tokens: list[np.ndarray]
     accepted_per_step: float
     rounds: np.ndarray
+    emitted: np.ndarray
 
 
 def _prompts(prompt) -> tuple[jax.Array, jax.Array]:
@@ -164,7 +167,7 @@ def speculative_generate(
     state = loop(graph, params, tokens, lengths, jax.random.key(seed))
     rounds, emitted = np.asarray(state.rounds), np.asarray(state.emitted)
     accepted = float(emitted.sum() / max(rounds.sum(), 1)) if method.name != "ar" else 1.0
-    return Generation(_tokens(state, eos_ids, max_new_tokens), accepted, rounds)
+    return Generation(_tokens(state, eos_ids, max_new_tokens), accepted, rounds, emitted)
 
 
 def speculative_stream(target: Transformer, prompt, *, draft=None, method: str = "speculative",
