@@ -248,15 +248,32 @@ def test_speculative_rounds_are_lossless_per_sequence(model):
     assert outputs[1].token_ids == by_itself and len(by_itself) == 10
 
 
+def rounds_as_the_dense_decoders(served: Engine, model, draft, method: str, prompts) -> list:
+    """Runs ``prompts`` greedily for 24 tokens through ``served`` (a speculative engine)
+    and checks each sequence's tokens against plain greedy decoding and
+    ``speculative_generate(method=...)`` (a ragged batch: each sequence decoded as
+    alone, jaxpar.inference's own tests), and the engine's rounds and accepted drafts
+    against the dense decoder's; every page back after. Returns the outputs."""
+    outputs = served.generate(prompts, SamplingParams(max_tokens=24))
+    dense = speculative_generate(model, prompts, draft=draft, method=method, gamma=3, max_new_tokens=24)
+    plain = list(generate(model, prompts, max_new_tokens=24))
+    for b, out in enumerate(outputs):
+        assert out.token_ids == [int(t) for t in dense.tokens[b]] == [int(t[b]) for t in plain]
+    rounds = int(dense.rounds.sum())  # accepted drafts: every round's tokens but the target's own
+    assert (served.rounds, served.accepted) == (rounds, int(dense.emitted.sum()) - rounds)
+    assert served.pool.free == served.pool.total
+    return outputs
+
+
 @pytest.mark.slow
 def test_glide_rounds_read_the_models_pages_as_the_dense_decoder_does(model):
     """A GliDe draft in the engine (its layers cross-attending to the model's pages): its
     pages after a chunked prefill are its dense cache's; each sequence's greedy tokens
     are the model's alone, and the rounds and accepted drafts over 3 requests batched
-    together are those of ``speculative_generate(method="glide")``
-    run on each alone with the dense cache (which a cross-attention reading a wrong or
-    stale page changes); seeded sampling gives the same tokens alone and in a crowd.
-    A CaPE draft and a method without a draft: one line."""
+    together are those of ``speculative_generate(method="glide")`` with the dense cache
+    (which a cross-attention reading a wrong or stale page changes); seeded sampling
+    gives the same tokens alone and in a crowd. A method without a draft, or glide
+    without a GliDe draft: one line."""
     draft = GlideDraft(CFG, 2, rngs=nnx.Rngs(5))  # 2 layers: the second's pages depend on cross-attention
     prompts, _ = requests(9, 3)
     params = [SamplingParams(max_tokens=24)] * 3
@@ -274,16 +291,8 @@ def test_glide_rounds_read_the_models_pages_as_the_dense_decoder_does(model):
 
     served = engine(model, draft=draft, gamma=3)
     assert served.method.name == "glide"
-    outputs = served.generate(prompts, params)
-    # each sequence of a ragged batch is decoded as alone (jaxpar.inference's own tests)
-    dense = speculative_generate(model, prompts, draft=draft, method="glide", gamma=3, max_new_tokens=24)
-    plain = list(generate(model, prompts, max_new_tokens=24))
-    for b, out in enumerate(outputs):
-        assert out.token_ids == [int(t) for t in dense.tokens[b]] == [int(t[b]) for t in plain]
-    rounds = int(dense.rounds.sum())
-    accepted = round(dense.accepted_per_step * rounds) - rounds  # drafts: the target's own token out
-    assert (served.rounds, served.accepted) == (rounds, accepted) and served.accepted > served.rounds // 2
-    assert served.pool.free == served.pool.total
+    outputs = rounds_as_the_dense_decoders(served, model, draft, "glide", prompts)
+    assert served.accepted > served.rounds // 2
 
     # over a restricted vocabulary (glide.draft_vocab: its logits -inf elsewhere): a seeded
     # request samples the same alone and in a crowd, a greedy one gets its tokens alone
@@ -315,14 +324,8 @@ def test_cape_trees_over_pages_accept_as_the_dense_decoder_does(model):
     greedy = SamplingParams(max_tokens=24)
     served = engine(model, draft=draft, method="cape", gamma=3)
     assert served.lookahead == served.method.tree.size - 1
-    outputs = served.generate(prompts, greedy)
-    dense = speculative_generate(model, prompts, draft=draft, method="cape", gamma=3, max_new_tokens=24)
-    plain = list(generate(model, prompts, max_new_tokens=24))
-    for b, out in enumerate(outputs):
-        assert out.token_ids == [int(t) for t in dense.tokens[b]] == [int(t[b]) for t in plain]
-    rounds = int(dense.rounds.sum())
-    assert (served.rounds, served.accepted) == (rounds, round(dense.accepted_per_step * rounds) - rounds)
-    assert served.accepted > 0 and served.pool.free == served.pool.total
+    outputs = rounds_as_the_dense_decoders(served, model, draft, "cape", prompts)
+    assert served.accepted > 0
 
     sampled = SamplingParams(max_tokens=10, temperature=0.8, seed=3)
     by_itself = engine(model, draft=draft, method="cape", gamma=3).generate([prompts[2]], sampled)[0].token_ids
