@@ -239,6 +239,34 @@ class GlideDraft(nnx.Module):
         self.layers = stacked(rngs)
         self.final_norm = Norm(cfg, rngs=rngs)
 
+    def start_from_target(self, target) -> None:
+        """Sets the draft's layers, in place, to the target layers they read (draft layer
+        ``i`` to target layer ``target_layers()[i]``): its self-attention, MLP and their
+        norms as that layer's, its cross-attention's query and output projections (and
+        norm) as that layer's attention's, whose keys/values it reads, and its final norm
+        as the target's. ``jaxpar-train glide`` starts here (``glide.init: target``):
+        the cross-attention then begins as the query of the very layer whose keys it
+        reads, and on SmolLM2 the validation loss after 200 steps is 0.7 lower than from
+        a random start (BENCHMARKS.md).
+
+        ``target``: the ``Transformer`` of this draft's ``cfg`` (anything with its
+        ``layers`` and ``final_norm``)."""
+        if target.cfg.layers != self.cfg.layers or target.cfg.dim != self.cfg.dim:
+            raise ValueError(f"the draft is for a target of {self.cfg.layers} x {self.cfg.dim}, "
+                             f"not {target.cfg.layers} x {target.cfg.dim}")
+        read = jnp.asarray(list(self.target_layers()))
+        mine, theirs = self.layers, target.layers
+        pairs = [(mine.attn_norm, theirs.attn_norm), (mine.mlp_norm, theirs.mlp_norm),
+                 (mine.cross_norm, theirs.attn_norm), (mine.attn, theirs.attn),
+                 (mine.mlp, theirs.mlp), (mine.cross, theirs.attn)]
+        for dst, src in pairs:  # the cross-attention takes the attention's q, o (and biases)
+            for name, var in vars(dst).items():
+                if isinstance(var, nnx.Param):
+                    var[...] = getattr(src, name)[...][read].astype(var.dtype)
+        for name, var in vars(self.final_norm).items():
+            if isinstance(var, nnx.Param):
+                var[...] = getattr(target.final_norm, name)[...]
+
     def target_layers(self) -> range:
         """The target layers whose keys/values the draft layers read, in order."""
         return range(self.cfg.layers - self.num_layers, self.cfg.layers)

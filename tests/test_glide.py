@@ -175,6 +175,24 @@ def test_draft_parameters_are_stacked_and_annotated():
         nnx.eval_shape(lambda: GlideDraft(CFG, 3, rngs=nnx.Rngs(0)))
 
 
+@pytest.mark.parametrize("cfg", [CFG, GPT2_STYLE], ids=["llama", "gpt2"])
+def test_a_draft_starts_from_the_target_layers_it_reads(rng, cfg):
+    """start_from_target: draft layer i is target layer target_layers()[i] (its
+    cross-attention that layer's attention's q, o and norm), the final norm the target's."""
+    target, draft = models(dataclasses.replace(cfg, layers=3), 2, rng)
+    draft.start_from_target(target)
+    mine, theirs = nnx.to_flat_state(nnx.state(draft)), dict(nnx.to_flat_state(nnx.state(target)))
+    source = {"cross_norm": "attn_norm", "cross": "attn"}
+    for path, var in mine:
+        if path[0] == "layers":
+            their = theirs[("layers", source.get(path[1], path[1]), *path[2:])].get_value()
+            np.testing.assert_array_equal(var.get_value(), their[1:], err_msg=str(path))
+        else:
+            np.testing.assert_array_equal(var.get_value(), theirs[path].get_value(), err_msg=str(path))
+    with pytest.raises(ValueError, match="the draft is for a target of 3 x 32, not 2 x 32"):
+        draft.start_from_target(models(cfg, 1, rng)[0])
+
+
 @pytest.mark.slow
 def test_the_target_is_an_argument_of_the_step_not_a_constant(rng):
     """The train step and the teacher take the target's state as an argument: its
@@ -223,9 +241,17 @@ def glide_run(target_run):
     run = target_run.parent / "draft"
     # The CLI's main in this process (its 8 devices): a subprocess would compile afresh.
     code = main(["glide", f"target_run_dir={target_run}", f"run_dir={run}", f"cache_dir={target_run.parent / 'cache'}",
-                 *DATA, "steps=6", "eval.every=3", "checkpoint.every=3", "glide.kl_weight=0.5", "--no-progress"])
+                 *DATA, "steps=6", "eval.every=3", "checkpoint.every=3", "glide.kl_weight=0.5", "glide.init=random",
+                 "--no-progress"])
     assert code == 0
     return run
+
+
+def correlation_with_the_last_layer(draft, target) -> float:
+    """The least correlation of a one-layer draft's MLP and cross-attention query weights
+    with the target's last layer's MLP and attention query."""
+    pairs = ((draft.layers.mlp.down, target.layers.mlp.down), (draft.layers.cross.q, target.layers.attn.q))
+    return min(np.corrcoef(np.ravel(mine[...]), np.ravel(theirs[...][-1]))[0, 1] for mine, theirs in pairs)
 
 
 @pytest.mark.slow
@@ -244,6 +270,7 @@ def test_glide_training_end_to_end(target_run, glide_run):
     target_cfg = yaml.safe_load((target_run / "config.yaml").read_text())
     assert saved["task"] == "glide" and saved["target_run_dir"] == str(target_run)
     assert saved["model"] == target_cfg["model"] and saved["glide"]["kl_weight"] == 0.5
+    assert saved["glide"]["init"] == "random"
     assert saved["data"]["tokenizer"] == str(target_run / "tokenizer.json")
     assert (run / "tokenizer.json").read_text() == (target_run / "tokenizer.json").read_text()
 
@@ -253,6 +280,11 @@ def test_glide_training_end_to_end(target_run, glide_run):
     k, v = (x[draft.target_layers().start:] for x in target_cache(target, tokens))
     logits = draft(tokens, target, k, v, cross_block_mask(jnp.arange(12)[None], None, 5), positions=jnp.arange(12)[None])
     assert logits.shape == (1, 12, target.cfg.vocab_size) and np.isfinite(np.asarray(logits)).all()
+    assert abs(correlation_with_the_last_layer(draft, target)) < 0.5  # glide.init=random
+    step3 = load_glide_draft(run, step=3)  # an earlier checkpoint (bench/glide_curve.py)
+    assert not np.array_equal(step3.layers.mlp.down[...], draft.layers.mlp.down[...])
+    with pytest.raises(ValueError, match=r"no checkpoint of step 4 in .* \(steps there: \[3, 6\]\)"):
+        load_glide_draft(run, step=4)
     with pytest.raises(ValueError, match="is not a GliDe draft run"):
         load_glide_draft(target_run)
 
@@ -596,7 +628,7 @@ def test_drafts_from_the_teacher_cache_equal_drafts_from_the_live_target(target_
     cache of another corpus is refused in one line (exit 2); a draft_vocab run reuses
     the cache and keeps the training split's most frequent tokens, which its loaded
     draft predicts over (decoding with such drafts: test_speculative)."""
-    from jaxpar.train.runs import load_glide_draft
+    from jaxpar.train.runs import load_glide_draft, load_model
 
     common = ["glide", f"target_run_dir={target_run}", f"cache_dir={target_run.parent / 'cache'}", *DATA,
               *CACHED_RUN]
@@ -641,6 +673,8 @@ def test_drafts_from_the_teacher_cache_equal_drafts_from_the_live_target(target_
 
     run("vocab", f"glide.teacher_cache={cache}", "glide.draft_vocab=100")
     draft = load_glide_draft(tmp_path / "vocab")
+    # It started as the target's last layer (glide.init: target, the default): 3 steps later still alike.
+    assert correlation_with_the_last_layer(draft, load_model(target_run)) > 0.9
     stored = np.load(tmp_path / "vocab" / glide.VOCAB_FILE)
     assert len(draft.vocab) == 100 and np.array_equal(draft.vocab.ids, stored)
     data_cfg = load_config("tiny", SMALL + ["data.max_files=40", f"data.tokenizer={target_run / 'tokenizer.json'}"]).data

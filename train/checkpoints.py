@@ -120,12 +120,24 @@ class Checkpoints:
         found = self._restore_newest(args, move_aside=True)
         return None if found is None else (found[0], found[1]["state"], found[1]["meta"])
 
-    def restore_params(self, abstract_params) -> tuple[int, object] | None:
-        """``(step, params)`` of the newest readable checkpoint, or None if none: its
-        ``params`` subtree alone (orbax's partial restore), the optimizer state (twice the
-        parameters' bytes under AdamW) never read. ``abstract_params`` gives shapes, dtypes
-        and shardings. Reads only: an unreadable checkpoint is skipped where it lies."""
+    def restore_params(self, abstract_params, step: int | None = None) -> tuple[int, object] | None:
+        """``(step, params)`` of the newest readable checkpoint (or of ``step``'s), or None
+        if none: its ``params`` subtree alone (orbax's partial restore), the optimizer
+        state (twice the parameters' bytes under AdamW) never read. ``abstract_params``
+        gives shapes, dtypes and shardings. Reads only: an unreadable checkpoint is
+        skipped where it lies.
+
+        Raises:
+          ValueError: no checkpoint of ``step`` (naming the steps there are)."""
         args = ocp.args.Composite(state=_restore_args({"params": abstract_params}, partial=True))
+        if step is not None:
+            if step not in self.steps():
+                raise ValueError(f"no checkpoint of step {step} in {self.directory} (steps there: "
+                                 f"{self.steps()})")
+            with _holding_orbax_logs(self._held_logs):
+                restored = self.manager.restore(step, args=args)
+            self._release_logs([])
+            return step, restored["state"]["params"]
         found = self._restore_newest(args, move_aside=False)
         return None if found is None else (found[0], found[1]["state"]["params"])
 

@@ -195,6 +195,10 @@ class GlideConfig:
     ``config.yaml``)."""
 
     layers: int = 1  # L_d, the draft's decoder layers; they read the target's last L_d
+    # Where the draft's layers start: "target", the target layers they read
+    # (GlideDraft.start_from_target; cross-attention from that layer's attention), or
+    # "random" (the model's init_std).
+    init: Literal["target", "random"] = "target"
     # Tokens per block of the training cross mask, gamma + 1: a draft token sees the
     # target's keys/values of the blocks before its own (jaxpar.models.glide.cross_block_mask).
     block_size: int = 5

@@ -323,11 +323,14 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
             glide.save_vocabulary(vocab, run_dir)
         if restored is None:
             @nnx.jit
-            def create():
-                return jaxpar.shard_model(build_model(cfg, vocab), mesh, rules)
+            def create(frozen):  # the target's state an argument, not constants of the program
+                model = build_model(cfg, vocab)
+                if target is not None and cfg.glide.init == "target":
+                    model.start_from_target(nnx.merge(nnx.graphdef(target), *frozen))
+                return jaxpar.shard_model(model, mesh, rules)
 
             with jax.set_mesh(mesh):  # where JAX traces Explicit axes' shardings (axis_types)
-                params, opt_state = step_fn.init(create())
+                params, opt_state = step_fn.init(create(frozen))
         else:
             _, state, meta = restored  # saved in model order (step_fn.in_model_order)
             state = step_fn.in_storage_order(state)

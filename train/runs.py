@@ -99,14 +99,16 @@ def eos_ids(run_dir: pathlib.Path, tokenizer: tokenizers.Tokenizer) -> tuple[int
     return () if eos is None else (eos,)
 
 
-def restore_params(run_dir: pathlib.Path, model: nnx.Module, cfg: Config) -> nnx.Module:
+def restore_params(run_dir: pathlib.Path, model: nnx.Module, cfg: Config, step: int | None = None
+                   ) -> nnx.Module:
     """Fills ``model`` (abstract, ``nnx.eval_shape``) with the parameters of the latest
-    readable checkpoint in ``run_dir``, on one device; the optimizer state stays on disk."""
+    readable checkpoint in ``run_dir`` (or of ``step``'s), on one device; the optimizer
+    state stays on disk."""
     device = SingleDeviceSharding(jax.devices()[0])
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
                             nnx.state(model))
     with Checkpoints(run_dir, keep=cfg.checkpoint.keep) as checkpoints:
-        restored = checkpoints.restore_params(abstract)
+        restored = checkpoints.restore_params(abstract, step)
     if restored is None:
         raise FileNotFoundError(f"no checkpoint in {pathlib.Path(run_dir) / 'checkpoints'}")
     nnx.update(model, restored[1])
@@ -143,9 +145,9 @@ def context_length(run_dir: pathlib.Path, model: Transformer) -> int:
     return min(seq_len, model.cfg.max_position) if model.cfg.position == "learned" else seq_len
 
 
-def load_glide_draft(run_dir: pathlib.Path) -> GlideDraft:
+def load_glide_draft(run_dir: pathlib.Path, step: int | None = None) -> GlideDraft:
     """The GliDe draft of the latest readable checkpoint in a ``jaxpar-train glide`` run
-    dir, on one device. Its ``cfg`` is the target's model config it was trained for (the
+    dir (or of ``step``'s), on one device. Its ``cfg`` is the target's model config it was trained for (the
     run's ``model``); the target itself is ``load_model(read_config(run_dir).target_run_dir)``.
 
     A draft trained with ``glide.draft_vocab=N`` predicts over the ``N`` tokens its run
@@ -167,4 +169,4 @@ def load_glide_draft(run_dir: pathlib.Path) -> GlideDraft:
                                     f"{cfg.glide.draft_vocab})")
         vocab = DraftVocab(np.load(path), cfg.model.vocab_size)
     model = nnx.eval_shape(lambda: GlideDraft(cfg.model, cfg.glide.layers, vocab=vocab, rngs=nnx.Rngs(0)))
-    return restore_params(run_dir, model, cfg)
+    return restore_params(run_dir, model, cfg, step)
