@@ -428,6 +428,20 @@ def test_speculative_benchmark(target_run, glide_run, vanilla_run, capsys, monke
     assert {r["method"]: set(r["by_kind"]) for r in results}["glide"] == {"code", "chat", "prose"}
     assert not png or (tmp_path / "s.png").read_bytes().startswith(b"\x89PNG")
 
+    # bench/glide_curve.py: the draft's acceptance at each checkpoint (the same 3 prompts, one batch).
+    curve = runpy.run_path(str(script.with_name("glide_curve.py")), run_name="glide_curve")
+    png = ["--png", str(tmp_path / "c.png")] if png else []
+    curve["main"](["--target", str(target_run), "--runs", f"draft={glide_run}", "--prompts", "1",
+                   "--prompt-tokens", "8", "--max-new-tokens", "12", "--json", str(tmp_path / "c.json"), *png])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| draft |")]
+    assert [r.split("|")[2].strip() for r in rows] == ["3", "6"] and all(r.endswith("| yes |") for r in rows)
+    points = json.loads((tmp_path / "c.json").read_text())["curves"]["draft"]
+    val_losses = {r["step"]: r["val_loss"] for r in map(json.loads, (glide_run / "metrics.jsonl").read_text().splitlines())
+                  if "val_loss" in r}
+    assert [p["val_loss"] for p in points] == [val_losses[3], val_losses[6]]
+    assert all(1 <= p["accepted_per_round"] <= 5 for p in points)
+    assert not png or (tmp_path / "c.png").read_bytes().startswith(b"\x89PNG")
+
 
 # The teacher cache ----------------------------------------------------------------------
 
