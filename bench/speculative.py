@@ -31,6 +31,12 @@ so every method does the same work). Per method and batch size:
   otherwise);
 * the draft's training cost: its run's steps and the sum of their ``step_time_s``.
 
+``--draft-vocab N [N ...]``: also decode with the GliDe draft restricted to the ``N``
+most frequent tokens of its training split (FR-Spec's restriction at decoding, of a
+draft trained over any vocabulary; one ``glide`` row per ``N``, named ``glide@N``): how
+acceptance and round time move with the head's size. A draft trained with
+``glide.draft_vocab`` is measured as it is in the plain ``glide`` row.
+
 ``--png``: speedup against accepted tokens per round, one point per method and batch,
 with the break-even line (speedup 1).
 """
@@ -116,6 +122,21 @@ def training_cost(run_dir: pathlib.Path | None) -> str:
     return f"{len(rows)} steps, {sum(r.get('step_time_s', 0.0) for r in rows):.0f} s"
 
 
+def restricted(draft, run_dir: pathlib.Path, n: int):
+    """A copy of GliDe ``draft`` that predicts over the ``n`` most frequent tokens of its
+    run's training split (``jaxpar.train.glide.draft_vocabulary``)."""
+    from flax import nnx
+
+    from jaxpar.models.glide import DraftVocab
+    from jaxpar.train.glide import most_frequent
+    from jaxpar.train.loop import load_data
+
+    V = draft.cfg.vocab_size
+    copy = nnx.clone(draft)
+    copy.vocab = DraftVocab(most_frequent(load_data(read_config(run_dir))[1], n, V), V)
+    return copy
+
+
 def run(target, rows, batch, method, draft, args):
     """``(tokens per row, emitted per row, rounds per row, seconds)`` over ``rows`` in
     batches of ``batch``."""
@@ -146,7 +167,7 @@ def plot(results, path: pathlib.Path, title: str) -> None:
     for r in results:
         if r["method"] == "ar":
             continue
-        marker = {"speculative": "o", "glide": "s", "cape": "^"}[r["method"]]
+        marker = {"speculative": "o", "glide": "s", "cape": "^"}[r["method"].partition("@")[0]]
         ax.scatter(r["accepted_per_step"], r["speedup"], marker=marker, s=60,
                    label=f"{r['method']}, batch {r['batch']}")
     ax.axhline(1.0, color="gray", linestyle="--", label="break-even (ar)")
@@ -169,6 +190,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--gamma", type=int, default=4)
+    parser.add_argument("--draft-vocab", type=int, nargs="+", default=[],
+                        help="also glide with the draft restricted to its N most frequent tokens")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=pathlib.Path)
     parser.add_argument("--png", type=pathlib.Path)
@@ -184,6 +207,7 @@ def main() -> None:
     if args.glide:
         glide = load_glide_draft(args.glide)
         methods += [("glide", glide, args.glide), ("cape", glide, args.glide)]
+        methods += [(f"glide@{n}", restricted(glide, args.glide, n), args.glide) for n in args.draft_vocab]
     device = jax.devices()[0].device_kind
     print(f"target {args.target}, {len(rows)} prompts ({', '.join(args.kinds)}), {args.max_new_tokens} new "
           f"tokens, gamma {args.gamma}, on {device}", file=sys.stderr)
@@ -191,7 +215,7 @@ def main() -> None:
     for batch in args.batch:
         reference, ar_seconds = None, None
         for name, draft, run_dir in methods:
-            tokens, emitted, rounds, seconds = run(target, rows, batch, name, draft, args)
+            tokens, emitted, rounds, seconds = run(target, rows, batch, name.partition("@")[0], draft, args)
             if name == "ar":
                 reference, ar_seconds = tokens, seconds
             per_kind = {kind: float(emitted[[k == kind for k, _ in kinds]].sum()

@@ -411,18 +411,19 @@ def test_generate_with_trained_drafts_gives_the_targets_tokens(target_run, glide
 @pytest.mark.slow
 def test_speculative_benchmark(target_run, glide_run, vanilla_run, capsys, monkeypatch, tmp_path):
     """bench/speculative.py as a newcomer runs it (in this process, small): code, chat and
-    prose prompts, its table with each draft's training cost, every method lossless, the
-    picture and the JSON."""
+    prose prompts, its table with each draft's training cost, every method lossless (the
+    GliDe draft restricted at decoding to 100 tokens too), the picture and the JSON; then
+    bench/glide_curve.py."""
     script = pathlib.Path(__file__).resolve().parents[1] / "bench" / "speculative.py"
     png = ["--png", str(tmp_path / "s.png")] if importlib.util.find_spec("matplotlib") else []  # the bench extra
     monkeypatch.setattr(sys, "argv", [str(script), "--target", str(target_run), "--draft", str(vanilla_run),
                                       "--glide", str(glide_run), "--prompts", "1", "--prompt-tokens", "8",
                                       "--max-new-tokens", "12", "--batch", "3", "--repeats", "1",
-                                      "--json", str(tmp_path / "s.json"), *png])
+                                      "--draft-vocab", "100", "--json", str(tmp_path / "s.json"), *png])
     runpy.run_path(str(script), run_name="__main__")
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     assert rows[0].startswith("| method | batch | accepted/round (code | chat | prose) | all |")
-    assert [r.split("|")[1].strip() for r in rows[1:]] == ["ar", "speculative", "glide", "cape"]
+    assert [r.split("|")[1].strip() for r in rows[1:]] == ["ar", "speculative", "glide", "cape", "glide@100"]
     assert all("| yes |" in r for r in rows[1:]) and "6 steps" in rows[3]  # the GliDe run's 6 steps
     results = json.loads((tmp_path / "s.json").read_text())["results"]
     assert {r["method"]: set(r["by_kind"]) for r in results}["glide"] == {"code", "chat", "prose"}

@@ -145,9 +145,14 @@ def draft_vocabulary(cfg: Config, rows: PackedRows, run_dir: pathlib.Path) -> Dr
             raise ValueError(f"{stored} holds a draft vocabulary of {len(ids)} tokens, not "
                              f"glide.draft_vocab={n}; use another run_dir")
         return DraftVocab(ids, cfg.model.vocab_size)
-    counts = np.bincount(rows.tokens.ravel(), minlength=cfg.model.vocab_size)
+    return DraftVocab(most_frequent(rows, n, cfg.model.vocab_size), cfg.model.vocab_size)
+
+
+def most_frequent(rows: PackedRows, n: int, vocab_size: int) -> np.ndarray:
+    """The ``n`` most frequent token ids of ``rows`` (ties to the lower id), ascending."""
+    counts = np.bincount(rows.tokens.ravel(), minlength=vocab_size)
     order = np.lexsort((np.arange(len(counts)), -counts))  # by count, then id
-    return DraftVocab(np.sort(order[:n]), cfg.model.vocab_size)
+    return np.sort(order[:n])
 
 
 def save_vocabulary(vocab: DraftVocab | None, run_dir: pathlib.Path) -> None:
