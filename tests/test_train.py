@@ -328,12 +328,19 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, cache):
          "offload.device_budget=1KiB is below what any plan needs: the smallest (params=device optimizer=host) needs"),
     ],
 )
-def test_bad_input_is_one_line_and_writes_nothing(tmp_path, cache, override, code, message):
+def test_bad_input_is_one_line_and_writes_nothing(tmp_path, cache, capfd, override, code, message):
+    """jaxpar-train's main in this process (its 8 devices; capfd reads file descriptor 2,
+    XLA's own lines included): a subprocess per case spent its time importing. A fresh
+    process's stderr is one line too: test_empty_data_directory and
+    test_a_finished_run_says_there_is_nothing_to_do."""
+    from jaxpar.train.cli import main
+
     run = tmp_path / "run"
-    out = cli("tiny", *SMALL, f"run_dir={run}", f"cache_dir={cache}", *override.split())
-    assert out.returncode == code
-    lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0], out.stderr
+    capfd.readouterr()
+    assert main(["tiny", *SMALL, f"run_dir={run}", f"cache_dir={cache}", *override.split()]) == code
+    err = capfd.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], err
     assert not run.exists()
 
 
