@@ -34,13 +34,8 @@ os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 # file's time (110 s -> 59 s for test_parallel.py on 2 cores). The tests check what the
 # programs compute, always against another program compiled alike, never how fast they
 # run. Subprocesses (CLI runs, benchmark smokes, the notebook's kernel) inherit it.
-# XLA:CPU's MLIR fusion emitters compile each fusion through a pipeline of MLIR passes
-# before LLVM; the elemental emitters they replace go to LLVM directly: off, the
-# programs compute the same and compile in about 60% of the time (18.7 s -> 11.6 s for
-# two of test_pipeline.py's parallel training tests).
 os.environ["XLA_FLAGS"] = " ".join(
-    (os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0",
-     "--xla_cpu_use_fusion_emitters=false")).strip()
+    (os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0")).strip()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
