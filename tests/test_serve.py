@@ -259,8 +259,8 @@ def test_concurrent_requests_on_tensor_parallel_replicas_with_a_glide_draft(hf_d
     (random: some of its proposals accepted, most not, which is what tests the rounds):
     each request its tokens decoded alone, no compiles, every page free; /metrics
     counts the rounds. Prefill rows of 16 tokens, one bucket (the served fixture's two
-    are tested above): each bucket is a warm-up compile per replica, the test's most
-    time."""
+    are tested above): each bucket costs a warm-up compile per replica, most of this
+    test's time."""
     tokenizer = load_tokenizer(hf_dir)
     replicas = Replicas([Engine(load_model(hf_dir), tokenizer=tokenizer, eos_ids=eos_ids(hf_dir, tokenizer),
                                 max_batch=4, page_size=32, prefill_chunk=16, mesh=mesh, gamma=3,
