@@ -344,13 +344,16 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, cache, capfd, overri
     assert not run.exists()
 
 
-def test_run_dir_of_another_model_is_refused_untouched(tmp_path, cache):
+def test_run_dir_of_another_model_is_refused_untouched(tmp_path, cache, capfd):
+    """(jaxpar-train's main in this process, as test_bad_input_is_one_line_and_writes_nothing.)"""
+    from jaxpar.train.cli import main
+
     run = tmp_path / "run"
     train(config(run, cache, "steps=2", "eval.every=0"), progress=False)
     before = {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()}
-    out = cli("tiny", *SMALL, f"run_dir={run}", f"cache_dir={cache}", "model.layers=3")
-    assert out.returncode == 1
-    assert "holds a checkpoint of a different model (model.layers: 2 there, 3 here)" in out.stderr
+    capfd.readouterr()
+    assert main(["tiny", *SMALL, f"run_dir={run}", f"cache_dir={cache}", "model.layers=3"]) == 1
+    assert "holds a checkpoint of a different model (model.layers: 2 there, 3 here)" in capfd.readouterr().err
     assert {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()} == before
 
 
