@@ -258,10 +258,12 @@ def test_concurrent_requests_on_tensor_parallel_replicas_with_a_glide_draft(hf_d
     each tensor-parallel (mesh.tensor=2: model and draft split) with a GliDe draft
     (random: some of its proposals accepted, most not, which is what tests the rounds):
     each request its tokens decoded alone, no compiles, every page free; /metrics
-    counts the rounds."""
+    counts the rounds. Prefill rows of 16 tokens, one bucket (the served fixture's two
+    are tested above): each bucket costs a warm-up compile per replica, most of this
+    test's time."""
     tokenizer = load_tokenizer(hf_dir)
     replicas = Replicas([Engine(load_model(hf_dir), tokenizer=tokenizer, eos_ids=eos_ids(hf_dir, tokenizer),
-                                max_batch=4, page_size=32, prefill_chunk=32, mesh=mesh, gamma=3,
+                                max_batch=4, page_size=32, prefill_chunk=16, mesh=mesh, gamma=3,
                                 draft=GlideDraft(CFG, 1, rngs=nnx.Rngs(3))) for mesh in serve.meshes(2, 2)])
     for served in serving(hf_dir, engine=replicas):
         mixed = cases(1)

@@ -328,22 +328,32 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, cache):
          "offload.device_budget=1KiB is below what any plan needs: the smallest (params=device optimizer=host) needs"),
     ],
 )
-def test_bad_input_is_one_line_and_writes_nothing(tmp_path, cache, override, code, message):
+def test_bad_input_is_one_line_and_writes_nothing(tmp_path, cache, capfd, override, code, message):
+    """jaxpar-train's main in this process (its 8 devices; capfd reads file descriptor 2,
+    XLA's own lines included): a subprocess per case spent its time importing. A fresh
+    process's stderr is one line too: test_empty_data_directory and
+    test_a_finished_run_says_there_is_nothing_to_do."""
+    from jaxpar.train.cli import main
+
     run = tmp_path / "run"
-    out = cli("tiny", *SMALL, f"run_dir={run}", f"cache_dir={cache}", *override.split())
-    assert out.returncode == code
-    lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0], out.stderr
+    capfd.readouterr()
+    assert main(["tiny", *SMALL, f"run_dir={run}", f"cache_dir={cache}", *override.split()]) == code
+    err = capfd.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], err
     assert not run.exists()
 
 
-def test_run_dir_of_another_model_is_refused_untouched(tmp_path, cache):
+def test_run_dir_of_another_model_is_refused_untouched(tmp_path, cache, capfd):
+    """(jaxpar-train's main in this process, as test_bad_input_is_one_line_and_writes_nothing.)"""
+    from jaxpar.train.cli import main
+
     run = tmp_path / "run"
     train(config(run, cache, "steps=2", "eval.every=0"), progress=False)
     before = {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()}
-    out = cli("tiny", *SMALL, f"run_dir={run}", f"cache_dir={cache}", "model.layers=3")
-    assert out.returncode == 1
-    assert "holds a checkpoint of a different model (model.layers: 2 there, 3 here)" in out.stderr
+    capfd.readouterr()
+    assert main(["tiny", *SMALL, f"run_dir={run}", f"cache_dir={cache}", "model.layers=3"]) == 1
+    assert "holds a checkpoint of a different model (model.layers: 2 there, 3 here)" in capfd.readouterr().err
     assert {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()} == before
 
 
