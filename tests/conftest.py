@@ -45,9 +45,8 @@ os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 EXACT = "JAXPAR_TESTS_EXACT"
 FAST_COMPILE = ("--xla_backend_optimization_level=0",
                 *(() if os.environ.get(EXACT) else ("--xla_cpu_use_fusion_emitters=false",)))
-_inherited = [f for f in os.environ.get("XLA_FLAGS", "").split()
-              if f.split("=")[0] not in {g.split("=")[0] for g in FAST_COMPILE}
-              and not f.startswith("--xla_cpu_use_fusion_emitters")]
+_OURS = ("--xla_backend_optimization_level", "--xla_cpu_use_fusion_emitters")  # a parent run's, replaced
+_inherited = [f for f in os.environ.get("XLA_FLAGS", "").split() if f.split("=")[0] not in _OURS]
 os.environ["XLA_FLAGS"] = " ".join((*_inherited, *FAST_COMPILE))
 collect_ignore = [] if os.environ.get(EXACT) else ["exact"]
 
