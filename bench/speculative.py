@@ -124,7 +124,8 @@ def training_cost(run_dir: pathlib.Path | None) -> str:
 
 def restricted(draft, run_dir: pathlib.Path, n: int):
     """A copy of GliDe ``draft`` that predicts over the ``n`` most frequent tokens of its
-    run's training split (``jaxpar.train.glide.draft_vocabulary``)."""
+    run's training split (``jaxpar.train.glide.most_frequent``, as ``glide.draft_vocab``
+    counts them)."""
     from flax import nnx
 
     from jaxpar.models.glide import DraftVocab

@@ -134,9 +134,11 @@ class Checkpoints:
             if step not in self.steps():
                 raise ValueError(f"no checkpoint of step {step} in {self.directory} (steps there: "
                                  f"{self.steps()})")
-            with _holding_orbax_logs(self._held_logs):
-                restored = self.manager.restore(step, args=args)
-            self._release_logs([])
+            try:
+                with _holding_orbax_logs(self._held_logs):
+                    restored = self.manager.restore(step, args=args)
+            finally:
+                self._release_logs([])
             return step, restored["state"]["params"]
         found = self._restore_newest(args, move_aside=False)
         return None if found is None else (found[0], found[1]["state"]["params"])
