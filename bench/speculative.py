@@ -2,7 +2,8 @@
 per method, kind of text and batch.
 
     python bench/speculative.py --target PATH [--draft DIR] [--glide DIR] [--batch 1 8]
-        [--kinds code chat prose] [--prompts 4] [--max-new-tokens 64] [--json P] [--png P]
+        [--kinds code chat prose] [--prompts 4] [--max-new-tokens 64] [--gamma 4 [5 ...]]
+        [--bins K x 11] [--json P] [--png P]
 
 ``--target`` is a jaxpar run, a Hugging Face directory or a ``.gguf`` file (SmolLM2's);
 ``--draft`` a small independent model with the same tokenizer (method ``speculative``);
@@ -27,6 +28,8 @@ so every method does the same work). Per method and batch size:
 * ``tokens/s`` and ``speedup`` over ``ar`` at the same batch, timed in this process:
   the whole generation, prefill included, one jitted loop (``speculative_generate``),
   compiled first, the median of ``--repeats`` runs;
+* ``round, in ar steps``: a round's time over one ``ar`` step's (accepted/round over
+  the speedup): what the draft and the verification of ``gamma + 1`` tokens cost;
 * ``lossless``: every method's tokens equal ``ar``'s (the script exits non-zero
   otherwise);
 * the draft's training cost: its run's steps and the sum of their ``step_time_s``.
@@ -54,7 +57,7 @@ import time
 import jax
 import numpy as np
 
-from jaxpar.inference.decoding import speculative_generate
+from jaxpar.inference.decoding import DEFAULT_BINS, speculative_generate
 from jaxpar.train import data as data_lib
 from jaxpar.train.runs import load_glide_draft, load_model, load_tokenizer, read_config
 
@@ -103,14 +106,22 @@ def prompts(target: pathlib.Path, kind: str, count: int, length: int) -> list[np
         license_text = pathlib.Path(sysconfig.get_paths()["stdlib"], "LICENSE.txt").read_text()
         paragraphs = [" ".join(p.split()) for p in license_text.split("\n\n")]
         return _first_tokens(paragraphs, tokenizer, count, length, kind)
+    render = chat_renderer(target)
+    return [np.asarray(tokenizer.encode(render(q)).ids, np.int32) for q in CHAT[:count]]
+
+
+def chat_renderer(target: pathlib.Path):
+    """``question -> text``: one user turn through the target's chat template (a
+    Hugging Face directory's or GGUF file's; else ``User: ...\nAssistant:``), ready for
+    the assistant's answer."""
     from jaxpar.serving.server import _ChatTemplate
     from jaxpar.train.serve import chat_template
 
     template, special = chat_template(target)
-    render = (_ChatTemplate(template, special).render if template else
-              lambda messages: f"User: {messages[0]['content']}\nAssistant:")
-    return [np.asarray(tokenizer.encode(render([{"role": "user", "content": q}])).ids, np.int32)
-            for q in CHAT[:count]]
+    if not template:
+        return lambda question: f"User: {question}\nAssistant:"
+    render = _ChatTemplate(template, special).render
+    return lambda question: render([{"role": "user", "content": question}])
 
 
 def training_cost(run_dir: pathlib.Path | None) -> str:
@@ -122,10 +133,10 @@ def training_cost(run_dir: pathlib.Path | None) -> str:
     return f"{len(rows)} steps, {sum(r.get('step_time_s', 0.0) for r in rows):.0f} s"
 
 
-def restricted(draft, run_dir: pathlib.Path, n: int):
+def restricted(draft, run_dir: pathlib.Path, n: int, target):
     """A copy of GliDe ``draft`` that predicts over the ``n`` most frequent tokens of its
-    run's training split (``jaxpar.train.glide.most_frequent``, as ``glide.draft_vocab``
-    counts them)."""
+    run's training rows (``jaxpar.train.glide.most_frequent``, as ``glide.draft_vocab``
+    counts them; a ``glide.self_distill`` run's are ``target``'s continuations)."""
     from flax import nnx
 
     from jaxpar.models.glide import DraftVocab
@@ -134,15 +145,15 @@ def restricted(draft, run_dir: pathlib.Path, n: int):
 
     V = draft.cfg.vocab_size
     copy = nnx.clone(draft)
-    copy.vocab = DraftVocab(most_frequent(load_data(read_config(run_dir))[1], n, V), V)
+    copy.vocab = DraftVocab(most_frequent(load_data(read_config(run_dir), target)[1], n, V), V)
     return copy
 
 
-def run(target, rows, batch, method, draft, args):
+def run(target, rows, batch, method, draft, gamma, args):
     """``(tokens per row, emitted per row, rounds per row, seconds)`` over ``rows`` in
     batches of ``batch``."""
     tokens, emitted, rounds, seconds = [], [], [], []
-    kwargs = dict(draft=draft, method=method, gamma=args.gamma, max_new_tokens=args.max_new_tokens)
+    kwargs = dict(draft=draft, method=method, gamma=gamma, bins=args.bins, max_new_tokens=args.max_new_tokens)
     for start in range(0, len(rows), batch):
         chunk = rows[start:start + batch]
         speculative_generate(target, chunk, **kwargs)  # compile (cached for the next chunks)
@@ -165,12 +176,13 @@ def plot(results, path: pathlib.Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
+    gammas = len({r["gamma"] for r in results if r["method"] != "ar"})
     for r in results:
         if r["method"] == "ar":
             continue
         marker = {"speculative": "o", "glide": "s", "cape": "^"}[r["method"].partition("@")[0]]
         ax.scatter(r["accepted_per_step"], r["speedup"], marker=marker, s=60,
-                   label=f"{r['method']}, batch {r['batch']}")
+                   label=f"{r['method']}, batch {r['batch']}" + (f", gamma {r['gamma']}" if gammas > 1 else ""))
     ax.axhline(1.0, color="gray", linestyle="--", label="break-even (ar)")
     ax.set_xlabel("accepted tokens per round (the target's own included)")
     ax.set_ylabel("wall-time speedup over ar")
@@ -190,7 +202,11 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--gamma", type=int, default=4)
+    parser.add_argument("--gamma", type=int, nargs="+", default=[4],
+                        help="draft tokens per round; several: every drafted method at each")
+    parser.add_argument("--bins", type=int, nargs="+", default=list(DEFAULT_BINS), metavar="K",
+                        help="CaPE's widths by draft confidence decile (11 ints; its tree has "
+                             "1 + gamma x max(bins) nodes)")
     parser.add_argument("--draft-vocab", type=int, nargs="+", default=[],
                         help="also glide with the draft restricted to its N most frequent tokens")
     parser.add_argument("--repeats", type=int, default=3)
@@ -202,48 +218,53 @@ def main() -> None:
     kinds = [(kind, p) for kind in args.kinds
              for p in prompts(args.target, kind, args.prompts, args.prompt_tokens)]
     rows = [p for _, p in kinds]
-    methods = [("ar", None, None)]
+    drafted = []
     if args.draft:
-        methods.append(("speculative", load_model(args.draft), args.draft))
+        drafted.append(("speculative", load_model(args.draft), args.draft))
     if args.glide:
         glide = load_glide_draft(args.glide)
-        methods += [("glide", glide, args.glide), ("cape", glide, args.glide)]
-        methods += [(f"glide@{n}", restricted(glide, args.glide, n), args.glide) for n in args.draft_vocab]
+        drafted += [("glide", glide, args.glide), ("cape", glide, args.glide)]
+        drafted += [(f"glide@{n}", restricted(glide, args.glide, n, target), args.glide) for n in args.draft_vocab]
+    methods = [("ar", None, None, 1)] + [(*m, gamma) for gamma in args.gamma for m in drafted]
     device = jax.devices()[0].device_kind
     print(f"target {args.target}, {len(rows)} prompts ({', '.join(args.kinds)}), {args.max_new_tokens} new "
-          f"tokens, gamma {args.gamma}, on {device}", file=sys.stderr)
+          f"tokens, gamma {' '.join(map(str, args.gamma))}, on {device}", file=sys.stderr)
     results = []
     for batch in args.batch:
         reference, ar_seconds = None, None
-        for name, draft, run_dir in methods:
-            tokens, emitted, rounds, seconds = run(target, rows, batch, name.partition("@")[0], draft, args)
+        for name, draft, run_dir, gamma in methods:
+            tokens, emitted, rounds, seconds = run(target, rows, batch, name.partition("@")[0], draft, gamma, args)
             if name == "ar":
                 reference, ar_seconds = tokens, seconds
             per_kind = {kind: float(emitted[[k == kind for k, _ in kinds]].sum()
                                     / max(rounds[[k == kind for k, _ in kinds]].sum(), 1))
                         for kind in args.kinds} if name != "ar" else {kind: 1.0 for kind in args.kinds}
-            results.append({"method": name, "batch": batch,
-                            "accepted_per_step": float(emitted.sum() / rounds.sum()) if name != "ar" else 1.0,
-                            "by_kind": per_kind, "tokens_per_s": sum(len(t) for t in tokens) / seconds,
+            accepted = float(emitted.sum() / rounds.sum()) if name != "ar" else 1.0
+            results.append({"method": name, "gamma": gamma if name != "ar" else None, "batch": batch,
+                            "accepted_per_step": accepted, "by_kind": per_kind,
+                            "tokens_per_s": sum(len(t) for t in tokens) / seconds,
                             "speedup": ar_seconds / seconds, "seconds": seconds,
+                            # a round's time in ar steps: tokens per round over the speedup
+                            "round_in_ar_steps": accepted * seconds / ar_seconds,
                             "lossless": all(np.array_equal(a, b) for a, b in zip(tokens, reference)),
                             "draft_training": training_cost(run_dir) if run_dir else ""})
             print(json.dumps(results[-1]), file=sys.stderr)
     kinds_header = " | ".join(args.kinds)
     print(f"\n| method | batch | accepted/round ({kinds_header}) | all | tokens/s ({device}) | speedup over ar "
-          f"| lossless | draft training |")
-    print("|---|---|---|---|---|---|---|---|")
+          f"| gamma | round, in ar steps | lossless | draft training |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         by_kind = " / ".join(f"{r['by_kind'][k]:.2f}" for k in args.kinds)
         print(f"| {r['method']} | {r['batch']} | {by_kind} | {r['accepted_per_step']:.2f} | {r['tokens_per_s']:.1f} "
-              f"| {r['speedup']:.2f}x | {'yes' if r['lossless'] else 'NO'} | {r['draft_training']} |")
-    meta = {"target": str(args.target), "device": device, "gamma": args.gamma, "kinds": args.kinds,
+              f"| {r['speedup']:.2f}x | {r['gamma'] or ''} | {r['round_in_ar_steps']:.2f} "
+              f"| {'yes' if r['lossless'] else 'NO'} | {r['draft_training']} |")
+    meta = {"target": str(args.target), "device": device, "gamma": args.gamma, "bins": args.bins, "kinds": args.kinds,
             "max_new_tokens": args.max_new_tokens, "prompts": len(rows), "prompt_tokens": args.prompt_tokens}
     if args.json:
         args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     if args.png:
         plot(results, args.png, f"{args.target.name}: {len(rows)} prompts, {args.max_new_tokens} new tokens, "
-                                f"gamma {args.gamma}, {device}")
+                                f"gamma {' '.join(map(str, args.gamma))}, {device}")
     if not all(r["lossless"] for r in results):
         sys.exit("a method's tokens differ from ar's: not lossless")
 

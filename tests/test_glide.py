@@ -302,10 +302,12 @@ def test_glide_without_a_target_is_one_line_and_writes_nothing(tmp_path, capsys)
     ("model.layers=3", "model.* of a glide run is its target's"),
     ("dry_run=true", "dry_run=true is not supported with task=glide"),
     ("glide.draft_vocab=512", "glide.draft_vocab=512 must be below the target's vocabulary of 512 tokens"),
+    ("glide.self_distill=true glide.prompt_tokens=128",
+     "glide.prompt_tokens=128 must be below seq_len=128: a self-distilled row is a prompt and the target's"),
 ])
 def test_glide_settings_the_target_refuses(target_run, override, message):
     with pytest.raises(ValueError, match=re.escape(message)):
-        glide.prepare(load_config("glide", [f"target_run_dir={target_run}", override]))
+        glide.prepare(load_config("glide", [f"target_run_dir={target_run}", *override.split()]))
 
 
 @pytest.mark.parametrize("override,message", [
@@ -314,6 +316,8 @@ def test_glide_settings_the_target_refuses(target_run, override, message):
     ("glide.kl_weight=-1", "glide.kl_weight=-1.0 must not be negative"),
     ("glide.teacher_topk=0", "glide.teacher_topk=0 must be at least 1"),
     ("glide.draft_vocab=0", "glide.draft_vocab=0 must be at least 1"),
+    ("glide.prompt_tokens=0", "glide.prompt_tokens=0 must be at least 1"),
+    ("glide.generate_batch=0", "glide.generate_batch=0 must be at least 1"),
     ("glide.distill=full glide.teacher_cache=/c", "glide.distill='full' reads the live target's whole distribution"),
 ])
 def test_glide_config(override, message):
@@ -427,6 +431,9 @@ def test_speculative_benchmark(target_run, glide_run, vanilla_run, capsys, monke
     assert all("| yes |" in r for r in rows[1:]) and "6 steps" in rows[3]  # the GliDe run's 6 steps
     results = json.loads((tmp_path / "s.json").read_text())["results"]
     assert {r["method"]: set(r["by_kind"]) for r in results}["glide"] == {"code", "chat", "prose"}
+    assert [r["gamma"] for r in results] == [None, 4, 4, 4, 4]
+    for r in results:  # a round's time in ar steps: accepted tokens a round over the speedup
+        assert math.isclose(r["round_in_ar_steps"], r["accepted_per_step"] / r["speedup"])
     assert not png or (tmp_path / "s.png").read_bytes().startswith(b"\x89PNG")
 
     # bench/glide_curve.py: the draft's acceptance at each checkpoint (the same 3 prompts, one batch).
@@ -697,3 +704,51 @@ def test_drafts_from_the_teacher_cache_equal_drafts_from_the_live_target(target_
     rows = data.packed_rows(data_cfg, data.load_tokenizer(data_cfg, 512, cache_dir), 64, "train", cache_dir)
     counts = np.bincount(rows.tokens.ravel(), minlength=512)
     assert counts[stored].min() >= np.delete(counts, stored).max()  # the most frequent tokens
+
+
+@pytest.mark.slow
+def test_a_self_distilled_draft_trains_on_the_targets_continuations(target_run, tmp_path, monkeypatch, capsys):
+    """jaxpar-train glide with glide.self_distill: the rows are the target's greedy
+    continuations of each training document's first glide.prompt_tokens tokens (those
+    rows: test_self_distill), its teacher cache holds them, its draft vocabulary is
+    counted on them, and a second run reads both caches, never decoding or running the
+    target."""
+    from jaxpar.train import self_distill
+    from jaxpar.train.loop import load_data
+    from jaxpar.train.runs import load_glide_draft, load_model
+
+    cache_dir = target_run.parent / "cache"
+    common = ["glide", f"target_run_dir={target_run}", f"cache_dir={cache_dir}", *DATA, "data.max_files=120", *CACHED_RUN,
+              "glide.self_distill=true", "glide.prompt_tokens=16", "glide.generate_batch=8",
+              f"glide.teacher_cache={tmp_path / 'teacher'}", "glide.draft_vocab=100"]
+
+    def run(name):
+        assert main([*common, f"run_dir={tmp_path / name}"]) == 0, capsys.readouterr().err
+        return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+
+    first = run("first")
+    assert [r["step"] for r in first] == [1, 2, 3] and all(math.isfinite(r["loss"]) for r in first)
+    manifest = json.loads((tmp_path / "teacher" / "manifest.json").read_text())
+    assert manifest["identity"]["layout"]["rows"] == {"train": 16, "validation": 8}
+
+    cfg = glide.prepare(load_config("glide", [o for o in common[1:] if "=" in o] + [f"run_dir={tmp_path / 'first'}"]))[0]
+    target = load_model(target_run)
+    _, train_rows, val_rows = load_data(cfg, target)
+    assert train_rows.tokens.shape == (16, 65) and val_rows.tokens.shape == (8, 65)
+    corpus_rows = data.packed_rows(cfg.data, data.load_tokenizer(cfg.data, 512, cache_dir), 64, "train", cache_dir)
+    assert not any(np.array_equal(row, corpus_rows.tokens[0]) for row in train_rows.tokens)
+    prompt = self_distill.prompts(cfg, data.load_tokenizer(cfg.data, 512, cache_dir), "train", 16)[0]
+    assert np.array_equal(train_rows.tokens[0, :16], prompt)  # the first document's first tokens, then the target's
+    stored = np.load(tmp_path / "first" / glide.VOCAB_FILE)
+    counts = np.bincount(train_rows.tokens.ravel(), minlength=512)
+    assert counts[stored].min() >= np.delete(counts, stored).max()
+    assert len(load_glide_draft(tmp_path / "first").vocab) == 100
+
+    def target_runs(*args, **kwargs):
+        raise AssertionError("the target ran")
+
+    monkeypatch.setattr(self_distill, "speculative_generate", target_runs)
+    monkeypatch.setattr(glide, "teacher", target_runs)
+    again = run("again")
+    for a, b in zip(first, again):
+        assert a["loss"] == b["loss"] and a.get("val_loss") == b.get("val_loss")

@@ -222,6 +222,13 @@ class GlideConfig:
     # The draft predicts over the draft_vocab most frequent tokens of the training split
     # (its head: those rows of the target's); None: the whole vocabulary.
     draft_vocab: int | None = None
+    # Train on the target's own greedy continuations instead of the corpus' text
+    # (jaxpar.train.self_distill): each document of a split is one prompt, its first
+    # prompt_tokens tokens, continued by the target to seq_len + 1 tokens (generated in
+    # batches of generate_batch prompts, once, and cached in cache_dir).
+    self_distill: bool = False
+    prompt_tokens: int = 64
+    generate_batch: int = 64
 
     def __post_init__(self):
         if self.teacher_cache is not None:  # "~/cache" as a user types it
@@ -232,7 +239,7 @@ class GlideConfig:
             raise ValueError(f"glide.block_size={self.block_size!r} must be at least 2 (gamma + 1)")
         if self.kl_weight is not None and not self.kl_weight >= 0:  # NaN too
             raise ValueError(f"glide.kl_weight={self.kl_weight!r} must not be negative")
-        for key in ("teacher_topk", "train_rows", "draft_vocab"):
+        for key in ("teacher_topk", "train_rows", "draft_vocab", "prompt_tokens", "generate_batch"):
             value = getattr(self, key)
             if value is not None and value < 1:
                 raise ValueError(f"glide.{key}={value!r} must be at least 1")

@@ -102,6 +102,9 @@ def prepare(cfg: Config) -> tuple[Config, Transformer]:
     if cfg.glide.draft_vocab is not None and cfg.glide.draft_vocab >= V:
         raise ValueError(f"glide.draft_vocab={cfg.glide.draft_vocab} must be below the target's "
                          f"vocabulary of {V} tokens (leave it unset for all)")
+    if cfg.glide.self_distill and cfg.glide.prompt_tokens >= cfg.seq_len:
+        raise ValueError(f"glide.prompt_tokens={cfg.glide.prompt_tokens} must be below seq_len={cfg.seq_len}: "
+                         "a self-distilled row is a prompt and the target's continuation of it")
     data = dataclasses.replace(cfg.data, tokenizer=str(tokenizer))
     return dataclasses.replace(cfg, model=target.cfg, data=data, glide=resolve(cfg.glide, V)), target
 

@@ -51,7 +51,7 @@ from jaxpar.models.transformer import sharding_rules
 from jaxpar.parallel.pipeline_schedule import Schedule
 from jaxpar.parallel.zigzag import to_zigzag
 from jaxpar.train import data as data_lib
-from jaxpar.train import glide, tensorboard
+from jaxpar.train import glide, self_distill, tensorboard
 from jaxpar.train import offload as offload_lib
 from jaxpar.train.checkpoints import CheckpointError, Checkpoints
 from jaxpar.train.config import Config, MeshConfig, OptimizerConfig, to_dict
@@ -232,12 +232,17 @@ def build_model(cfg: Config, vocab=None) -> nnx.Module:
     return Transformer(cfg.model, rngs=nnx.Rngs(cfg.seed))
 
 
-def load_data(cfg: Config) -> tuple:
+def load_data(cfg: Config, target: Transformer | None = None, *, progress: bool = False) -> tuple:
     """``(tokenizer, train rows, validation rows)`` of the run, from ``cache_dir`` when
-    an earlier run made them."""
+    an earlier run made them. With ``glide.self_distill``, the rows are ``target``'s
+    own continuations of the splits' prompts (``jaxpar.train.self_distill``)."""
     cache_dir = pathlib.Path(cfg.cache_dir).expanduser() if cfg.cache_dir else data_lib.default_cache_dir()
     tokenizer = data_lib.load_tokenizer(cfg.data, cfg.model.vocab_size, cache_dir)
     data_lib.check_vocab(tokenizer, cfg.model.vocab_size)
+    if cfg.task == "glide" and cfg.glide.self_distill:
+        if target is None:
+            raise ValueError("glide.self_distill rows are the target's continuations: load_data needs the target")
+        return tokenizer, *self_distill.load_rows(cfg, target, tokenizer, cache_dir, progress=progress)
     train_rows = data_lib.packed_rows(cfg.data, tokenizer, cfg.seq_len, "train", cache_dir)
     val_rows = data_lib.packed_rows(cfg.data, tokenizer, cfg.seq_len, "validation", cache_dir)
     return tokenizer, train_rows, val_rows
@@ -254,7 +259,7 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
     run_dir = pathlib.Path(cfg.run_dir)
     if cfg.task == "glide":
         cfg, target = glide.prepare(cfg)  # model.* and data.tokenizer become the target's
-        data = load_data(cfg)  # the draft's vocabulary is counted on its training split
+        data = load_data(cfg, target, progress=progress)  # the draft's vocabulary is counted on its training split
         vocab = glide.draft_vocabulary(cfg, data[1], run_dir)
     mesh = build_mesh(cfg.mesh)
     model_cfg = cfg.model
