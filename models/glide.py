@@ -290,6 +290,7 @@ class GlideDraft(nnx.Module):
         positions: jax.Array,
         segment_ids: jax.Array | None = None,
         cache: KVCache | None = None,
+        head: jax.Array | None = None,
     ):
         """Args:
           tokens: int ``[B, T]``.
@@ -304,6 +305,8 @@ class GlideDraft(nnx.Module):
           segment_ids: int ``[B, T]`` document ids of packed training rows (the
             self-attention's), or None; not with a cache.
           cache: the draft's own ``KVCache`` (``self.init_cache``) or None.
+          head: ``self.head(target)``, when the caller computed it once for many calls
+            (a decoding loop's draft steps); None: computed here.
 
         Returns:
           logits ``[B, T, V]`` in the compute dtype (``[B, T, N]`` over a ``vocab`` of
@@ -326,7 +329,7 @@ class GlideDraft(nnx.Module):
                 return nnx.merge(graphdef, state)(x, positions, segment_ids, k, v, cross_mask), None
 
             x = jax.lax.scan(_remat(layer, self.cfg), x, (layer_state, target_k, target_v))[0]
-            return self.logits(x, target)
+            return self.logits(x, target, head)
         lengths = jnp.broadcast_to(cache.lengths, (B,))
 
         def cached_layer(x, xs):
@@ -334,11 +337,19 @@ class GlideDraft(nnx.Module):
             return nnx.merge(graphdef, state)(x, positions, None, tk, tv, cross_mask, (k, v, lengths))
 
         x, (k, v) = jax.lax.scan(cached_layer, x, (layer_state, target_k, target_v, cache.k, cache.v))
-        return self.logits(x, target), KVCache(k, v, lengths + T)
+        return self.logits(x, target, head), KVCache(k, v, lengths + T)
 
-    def logits(self, x: jax.Array, target) -> jax.Array:
-        """The draft's final norm and the target's LM head: ``[B, T, D]`` -> ``[B, T, V]``
-        (``[B, T, N]``: its columns of ``vocab``)."""
-        ids = None if self.vocab is None else jnp.asarray(self.vocab.ids)
-        logits = dense(self.final_norm(x), target.head_weight(ids), ("embed", "vocab"))
+    def head(self, target) -> jax.Array:
+        """The draft's LM head, ``[D, V]`` (``[D, N]`` over a ``vocab`` of ``N`` tokens):
+        the target's, or its columns of ``vocab`` (gathered: a decoding loop computes it
+        once, not at every draft step, where the gather of a tied embedding's 8,192 rows
+        would cost as much again as the product)."""
+        return target.head_weight(None if self.vocab is None else jnp.asarray(self.vocab.ids))
+
+    def logits(self, x: jax.Array, target, head: jax.Array | None = None) -> jax.Array:
+        """The draft's final norm and the target's LM head (``head``, else
+        ``self.head(target)``): ``[B, T, D]`` -> ``[B, T, V]`` (``[B, T, N]``: its
+        columns of ``vocab``)."""
+        head = self.head(target) if head is None else head
+        logits = dense(self.final_norm(x), head, ("embed", "vocab"))
         return constrain(logits, ACT_BTV)

@@ -175,9 +175,10 @@ def draft_prefill(draft, target: Transformer, prompt: jax.Array, lengths: jax.Ar
 
 
 def draft_forward(draft, target: Transformer, tokens: jax.Array, cache: KVCache,
-                  target_cache: KVCache) -> tuple[jax.Array, KVCache]:
+                  target_cache: KVCache, head: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
     """The draft over ``tokens [B, T]`` continuing its cache: ``(logits [B, T, V], cache)``.
-    A GliDe draft's queries see the target's verified tokens (``target_cache.lengths``).
+    A GliDe draft's queries see the target's verified tokens (``target_cache.lengths``);
+    ``head``: its ``GlideDraft.head(target)`` computed once for many steps, or None.
 
     A draft over a restricted vocabulary (``GlideDraft.vocab``) gets -inf logits outside
     it: it proposes only its tokens (as full-vocabulary ids), and its sampling
@@ -190,7 +191,7 @@ def draft_forward(draft, target: Transformer, tokens: jax.Array, cache: KVCache,
     T = tokens.shape[1]
     positions = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)
     mask = inference_cross_mask(target_cache.lengths, T, k.shape[2])
-    logits, cache = draft(tokens, target, k, v, mask, positions=positions, cache=cache)
+    logits, cache = draft(tokens, target, k, v, mask, positions=positions, cache=cache, head=head)
     return (logits if draft.vocab is None else draft.vocab.full_logits(logits)), cache
 
 
@@ -332,10 +333,11 @@ def verify_tree(method: Method, target: Transformer, state: State, drafts, draft
     return token_tree.compact(cache, n, path), path_tokens, accepted, nxt
 
 
-def make_round(method: Method, target: Transformer, draft,
-               eos_ids: tuple[int, ...]) -> Callable[[State], State]:
+def make_round(method: Method, target: Transformer, draft, eos_ids: tuple[int, ...],
+               draft_head: jax.Array | None = None) -> Callable[[State], State]:
     """One decoding round ``State -> State`` for ``method`` (traced inside ``jit``); a
-    sequence is done after emitting any of ``eos_ids``."""
+    sequence is done after emitting any of ``eos_ids``. ``draft_head``: a GliDe draft's
+    ``head(target)``, computed once by the caller for every round (None: once a round)."""
 
     def round_(state: State) -> State:
         key, draft_key, accept_key = jax.random.split(state.key, 3)
@@ -345,8 +347,12 @@ def make_round(method: Method, target: Transformer, draft,
             no_drafts = jnp.zeros((token.shape[0], 0), jnp.int32)
             return _finish(method, state, cache, no_drafts, jnp.zeros_like(token), token, None, key, eos_ids)
 
+        head = draft_head
+        if head is None and isinstance(draft, GlideDraft):
+            head = draft.head(target)  # once a round, not once a draft step
+
         def step(tokens, cache):
-            return draft_forward(draft, target, tokens, cache, state.target_cache)
+            return draft_forward(draft, target, tokens, cache, state.target_cache, head)
 
         drafts, draft_logits, dcache = propose(method, step, state, state.draft_cache, draft_key)
         if method.name == "cape":
@@ -401,7 +407,8 @@ def compiled(method: Method, max_new_tokens: int, eos_ids: tuple[int, ...]):
     def do_loop(graph, params, prompt, lengths, key):
         target, draft = nnx.merge(graph, params)
         state = prefill(method, target, draft, prompt, lengths, max_new_tokens, key, eos_ids)
-        body = make_round(method, target, draft, eos_ids)
+        head = draft.head(target) if isinstance(draft, GlideDraft) and method.name != "ar" else None
+        body = make_round(method, target, draft, eos_ids, head)  # the draft's head: once a loop
         return jax.lax.while_loop(lambda s: ~s.done.all(), body, state)
 
     keyed = lambda f: jit(f, static_argnums=0)  # noqa: E731 (the Execution is in the key too)

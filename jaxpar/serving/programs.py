@@ -101,12 +101,14 @@ def _cross(draft: GlideDraft, target_pages: KVPages, tables, mask, flat: bool):
     return lambda i: (read(target_pages.k, i), read(target_pages.v, i), mask)
 
 
-def _draft_extend(draft, target, draft_pages: KVPages, target_pages: KVPages, tokens, tables, lengths, verified):
+def _draft_extend(draft, target, draft_pages: KVPages, target_pages: KVPages, tokens, tables, lengths, verified,
+                  head=None):
     """The draft over ``tokens [B, T]`` continuing its cached ``lengths [B]``: ``(logits
     [B, T, V], draft pages)``. A GliDe draft's queries see the target's first
     ``verified [B]`` positions, the tokens it has verified (as
     ``jaxpar.inference.speculative.draft_forward`` gives them the target cache's
-    lengths); over a restricted vocabulary its logits are -inf outside it, as there."""
+    lengths); over a restricted vocabulary its logits are -inf outside it, as there.
+    ``head``: a GliDe draft's ``head(target)``, computed once for a round's steps."""
     if not isinstance(draft, GlideDraft):
         return _extend(draft, draft_pages, tokens, tables, lengths)
     B, T = tokens.shape
@@ -116,7 +118,7 @@ def _draft_extend(draft, target, draft_pages: KVPages, target_pages: KVPages, to
     view = functools.partial(DecodeView, tables=tables, lengths=lengths)
     x, draft_pages = _layers(draft.layers, target.embed_tokens(tokens, positions), positions, draft_pages, view,
                              _cross(draft, target_pages, tables, mask, flat=False))
-    logits = draft.logits(x, target)
+    logits = draft.logits(x, target, head)
     # a restricted vocabulary's proposals as full-vocabulary ids, q zero outside it
     return (logits if draft.vocab is None else draft.vocab.full_logits(logits)), draft_pages
 
@@ -215,8 +217,10 @@ def speculative_round(target_graph, draft_graph, execution, method: Method, targ
     with use_execution(execution):
         target, draft = nnx.merge(target_graph, target_params), nnx.merge(draft_graph, draft_params)
 
+        head = draft.head(target) if isinstance(draft, GlideDraft) else None  # once a round
+
         def step(tokens, pages, at):
-            return _draft_extend(draft, target, pages, target_pages, tokens, tables, at, lengths)
+            return _draft_extend(draft, target, pages, target_pages, tokens, tables, at, lengths, head)
 
         logits, draft_pages = step(jnp.stack([prev, last], 1), draft_pages, lengths - 1)
         proposals, proposal_logits = [choose(logits[:, -1], 0)], [logits[:, -1]]
