@@ -417,7 +417,7 @@ def test_speculative_benchmark(target_run, glide_run, vanilla_run, capsys, monke
     """bench/speculative.py as a newcomer runs it (in this process, small): code, chat and
     prose prompts, its table with each draft's training cost, every method lossless (the
     GliDe draft restricted at decoding to 100 tokens too), the picture and the JSON; then
-    bench/glide_curve.py."""
+    bench/glide_curve.py and bench/round_cost.py."""
     script = pathlib.Path(__file__).resolve().parents[1] / "bench" / "speculative.py"
     png = ["--png", str(tmp_path / "s.png")] if importlib.util.find_spec("matplotlib") else []  # the bench extra
     monkeypatch.setattr(sys, "argv", [str(script), "--target", str(target_run), "--draft", str(vanilla_run),
@@ -449,6 +449,18 @@ def test_speculative_benchmark(target_run, glide_run, vanilla_run, capsys, monke
     assert [p["val_loss"] for p in points] == [val_losses[3], val_losses[6]]
     assert all(1 <= p["accepted_per_round"] <= 5 for p in points)
     assert not png or (tmp_path / "c.png").read_bytes().startswith(b"\x89PNG")
+
+    # bench/round_cost.py: what a round's passes cost, and the round they predict.
+    costs = runpy.run_path(str(script.with_name("round_cost.py")), run_name="round_cost")
+    costs["main"](["--target", str(target_run), "--glide", str(glide_run), "--context", "8", "--tokens", "1", "3",
+                   "--gamma", "2", "--repeats", "2", "--json", str(tmp_path / "r.json")])
+    rows = [line.split("|")[1].strip() for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert [r for r in rows if "over" in r] == ["target over 1 token", "target over 3 tokens", "draft over 1 token",
+                                                "draft over 2 tokens"]
+    measured = json.loads((tmp_path / "r.json").read_text())
+    seconds, predicted = measured["seconds"], measured["predicted_round_in_ar_steps"]["2"]
+    assert math.isclose(predicted, (seconds["target"]["3"] + seconds["draft"]["2"] + seconds["draft"]["1"])
+                        / seconds["target"]["1"])
 
 
 # The teacher cache ----------------------------------------------------------------------
