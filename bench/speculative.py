@@ -41,7 +41,9 @@ acceptance and round time move with the head's size. A draft trained with
 ``glide.draft_vocab`` is measured as it is in the plain ``glide`` row.
 
 ``--png``: speedup against accepted tokens per round, one point per method and batch,
-with the break-even line (speedup 1).
+with the break-even line (speedup 1) and, per gamma, the line of its GliDe rounds' cost
+(speedup = accepted / round, in ar steps): how many more tokens a round a draft must
+accept for a given speedup.
 """
 
 from __future__ import annotations
@@ -184,6 +186,17 @@ def plot(results, path: pathlib.Path, title: str) -> None:
         ax.scatter(r["accepted_per_step"], r["speedup"], marker=marker, s=60,
                    label=f"{r['method']}, batch {r['batch']}" + (f", gamma {r['gamma']}" if gammas > 1 else ""))
     ax.axhline(1.0, color="gray", linestyle="--", label="break-even (ar)")
+    # Where a round's cost puts a draft: speedup = accepted / (round, in ar steps), one
+    # line per gamma through its glide rounds' mean cost at the smallest batch.
+    smallest = min(r["batch"] for r in results)
+    xs = np.linspace(1.0, max(r["accepted_per_step"] for r in results) + 0.5, 2)
+    for gamma in sorted({r["gamma"] for r in results if r["gamma"]}):
+        rounds = [r["round_in_ar_steps"] for r in results
+                  if r["gamma"] == gamma and r["batch"] == smallest and r["method"] == "glide"]
+        if rounds:
+            cost = float(np.mean(rounds))
+            ax.plot(xs, xs / cost, linestyle=":", linewidth=1,
+                    label=f"a round of {cost:.2f} ar steps (glide, gamma {gamma}, batch {smallest})")
     ax.set_xlabel("accepted tokens per round (the target's own included)")
     ax.set_ylabel("wall-time speedup over ar")
     ax.set_title(title, fontsize=9)
