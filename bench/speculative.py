@@ -27,7 +27,8 @@ so every method does the same work). Per method and batch size:
   independent;
 * ``tokens/s`` and ``speedup`` over ``ar`` at the same batch, timed in this process:
   the whole generation, prefill included, one jitted loop (``speculative_generate``),
-  compiled first, the median of ``--repeats`` runs;
+  compiled first, the median of ``--repeats`` runs, interleaved: per batch of prompts
+  each repeat runs every method in turn, so a drifting machine slows all alike;
 * ``round, in ar steps``: a round's time over one ``ar`` step's (accepted/round over
   the speedup): what the draft and the verification of ``gamma + 1`` tokens cost;
 * ``lossless``: every method's tokens equal ``ar``'s (the script exits non-zero
@@ -151,24 +152,35 @@ def restricted(draft, run_dir: pathlib.Path, n: int, target):
     return copy
 
 
-def run(target, rows, batch, method, draft, gamma, args):
-    """``(tokens per row, emitted per row, rounds per row, seconds)`` over ``rows`` in
-    batches of ``batch``."""
-    tokens, emitted, rounds, seconds = [], [], [], []
-    kwargs = dict(draft=draft, method=method, gamma=gamma, bins=args.bins, max_new_tokens=args.max_new_tokens)
+def run(target, rows, batch, methods, args):
+    """Per method of ``methods`` (``(name, draft, run_dir, gamma)``): ``(tokens per row,
+    emitted per row, rounds per row, seconds)`` over ``rows`` in batches of ``batch``.
+
+    Timed interleaved: per batch of rows, every method is compiled first, then each
+    repeat times every method in turn and a method's time is its median, so a machine
+    whose speed drifts (a shared VM's does, by 20% between hours) slows every method
+    alike and the speedups stay comparable."""
+    results = [([], [], [], []) for _ in methods]
+    calls = [dict(draft=draft, method=name.partition("@")[0], gamma=gamma, bins=args.bins,
+                  max_new_tokens=args.max_new_tokens) for name, draft, _, gamma in methods]
     for start in range(0, len(rows), batch):
         chunk = rows[start:start + batch]
-        speculative_generate(target, chunk, **kwargs)  # compile (cached for the next chunks)
-        times = []
+        for kwargs in calls:
+            speculative_generate(target, chunk, **kwargs)  # compile (cached for the next chunks)
+        times = [[] for _ in methods]
         for _ in range(args.repeats):
-            began = time.perf_counter()
-            out = speculative_generate(target, chunk, **kwargs)
-            times.append(time.perf_counter() - began)
-        seconds.append(statistics.median(times))
-        tokens += out.tokens
-        rounds += out.rounds.tolist()
-        emitted += out.emitted.tolist()
-    return tokens, np.asarray(emitted), np.asarray(rounds), sum(seconds)
+            for i, kwargs in enumerate(calls):
+                began = time.perf_counter()
+                out = speculative_generate(target, chunk, **kwargs)
+                times[i].append(time.perf_counter() - began)
+                if len(times[i]) == args.repeats:
+                    tokens, emitted, rounds, seconds = results[i]
+                    tokens += out.tokens
+                    rounds += out.rounds.tolist()
+                    emitted += out.emitted.tolist()
+                    seconds.append(statistics.median(times[i]))
+    return [(tokens, np.asarray(emitted), np.asarray(rounds), sum(seconds))
+            for tokens, emitted, rounds, seconds in results]
 
 
 def plot(results, path: pathlib.Path, title: str) -> None:
@@ -177,30 +189,36 @@ def plot(results, path: pathlib.Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    gammas = len({r["gamma"] for r in results if r["method"] != "ar"})
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    # A colour per gamma (its points and its round-cost line), a marker per method, hollow
+    # markers above the smallest batch.
+    gamma_list = sorted({r["gamma"] for r in results if r["gamma"]})
+    colour = {g: f"C{i}" for i, g in enumerate(gamma_list)}
+    smallest = min(r["batch"] for r in results)
     for r in results:
         if r["method"] == "ar":
             continue
         marker = {"speculative": "o", "glide": "s", "cape": "^"}[r["method"].partition("@")[0]]
-        ax.scatter(r["accepted_per_step"], r["speedup"], marker=marker, s=60,
-                   label=f"{r['method']}, batch {r['batch']}" + (f", gamma {r['gamma']}" if gammas > 1 else ""))
+        c = colour[r["gamma"]]
+        ax.scatter(r["accepted_per_step"], r["speedup"], marker=marker, s=60, edgecolors=c,
+                   facecolors=c if r["batch"] == smallest else "none",
+                   label=f"{r['method']}, batch {r['batch']}" + (f", gamma {r['gamma']}" if len(gamma_list) > 1 else ""))
     ax.axhline(1.0, color="gray", linestyle="--", label="break-even (ar)")
     # Where a round's cost puts a draft: speedup = accepted / (round, in ar steps), one
     # line per gamma through its glide rounds' mean cost at the smallest batch.
-    smallest = min(r["batch"] for r in results)
     xs = np.linspace(1.0, max(r["accepted_per_step"] for r in results) + 0.5, 2)
-    for gamma in sorted({r["gamma"] for r in results if r["gamma"]}):
+    for gamma in gamma_list:
         rounds = [r["round_in_ar_steps"] for r in results
                   if r["gamma"] == gamma and r["batch"] == smallest and r["method"] == "glide"]
         if rounds:
             cost = float(np.mean(rounds))
-            ax.plot(xs, xs / cost, linestyle=":", linewidth=1,
+            ax.plot(xs, xs / cost, linestyle=":", linewidth=1, color=colour[gamma],
                     label=f"a round of {cost:.2f} ar steps (glide, gamma {gamma}, batch {smallest})")
     ax.set_xlabel("accepted tokens per round (the target's own included)")
     ax.set_ylabel("wall-time speedup over ar")
     ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -226,6 +244,8 @@ def main() -> None:
     parser.add_argument("--json", type=pathlib.Path)
     parser.add_argument("--png", type=pathlib.Path)
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
 
     target = load_model(args.target)
     kinds = [(kind, p) for kind in args.kinds
@@ -244,11 +264,9 @@ def main() -> None:
           f"tokens, gamma {' '.join(map(str, args.gamma))}, on {device}", file=sys.stderr)
     results = []
     for batch in args.batch:
-        reference, ar_seconds = None, None
-        for name, draft, run_dir, gamma in methods:
-            tokens, emitted, rounds, seconds = run(target, rows, batch, name.partition("@")[0], draft, gamma, args)
-            if name == "ar":
-                reference, ar_seconds = tokens, seconds
+        measured = run(target, rows, batch, methods, args)
+        reference, _, _, ar_seconds = measured[0]  # methods[0] is ar
+        for (name, draft, run_dir, gamma), (tokens, emitted, rounds, seconds) in zip(methods, measured):
             per_kind = {kind: float(emitted[[k == kind for k, _ in kinds]].sum()
                                     / max(rounds[[k == kind for k, _ in kinds]].sum(), 1))
                         for kind in args.kinds} if name != "ar" else {kind: 1.0 for kind in args.kinds}
@@ -262,7 +280,7 @@ def main() -> None:
                             "lossless": all(np.array_equal(a, b) for a, b in zip(tokens, reference)),
                             "draft_training": training_cost(run_dir) if run_dir else ""})
             print(json.dumps(results[-1]), file=sys.stderr)
-    kinds_header = " | ".join(args.kinds)
+    kinds_header = " / ".join(args.kinds)
     print(f"\n| method | batch | accepted/round ({kinds_header}) | all | tokens/s ({device}) | speedup over ar "
           f"| gamma | round, in ar steps | lossless | draft training |")
     print("|---|---|---|---|---|---|---|---|---|---|")

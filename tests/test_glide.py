@@ -426,7 +426,8 @@ def test_speculative_benchmark(target_run, glide_run, vanilla_run, capsys, monke
                                       "--draft-vocab", "100", "--json", str(tmp_path / "s.json"), *png])
     runpy.run_path(str(script), run_name="__main__")
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
-    assert rows[0].startswith("| method | batch | accepted/round (code | chat | prose) | all |")
+    assert rows[0].startswith("| method | batch | accepted/round (code / chat / prose) | all |")
+    assert {r.count("|") for r in rows} == {rows[0].count("|")}  # a markdown table: every row as wide as its header
     assert [r.split("|")[1].strip() for r in rows[1:]] == ["ar", "speculative", "glide", "cape", "glide@100"]
     assert all("| yes |" in r for r in rows[1:]) and "6 steps" in rows[3]  # the GliDe run's 6 steps
     results = json.loads((tmp_path / "s.json").read_text())["results"]
