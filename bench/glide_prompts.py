@@ -68,15 +68,22 @@ def _module_name(name: str) -> str:
     return name.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
 
 
-def questions(docs) -> list[str]:
-    """Every question the templates make of the training modules and the reference topics."""
+def parsed(docs) -> list[tuple[str, ast.Module]]:
+    """``(module name, syntax tree)`` of each document that parses as Python."""
     out = []
     for doc in docs:
         try:
-            tree = ast.parse(doc.text)
+            out.append((_module_name(doc.name), ast.parse(doc.text)))
         except (SyntaxError, ValueError):
             continue
-        module = _module_name(doc.name)
+    return out
+
+
+def questions(modules) -> list[str]:
+    """Every question the templates make of the training modules (``parsed``) and the
+    reference topics."""
+    out = []
+    for module, tree in modules:
         if module.startswith(("test.", "idlelib.idle_test")) or "._" in module or module.startswith("_"):
             continue
         summary = _summary(ast.get_docstring(tree))
@@ -94,16 +101,12 @@ def questions(docs) -> list[str]:
     return out
 
 
-def paragraphs(docs, min_words: int = 40) -> list[str]:
+def paragraphs(modules, min_words: int = 40) -> list[str]:
     """English paragraphs of the language reference and of the docstrings of the
-    modules, classes and functions, on one line each, of at least ``min_words`` words
-    and mostly letters."""
+    modules (``parsed``), classes and functions, on one line each, of at least
+    ``min_words`` words and mostly letters."""
     texts = list(topics.topics.values())
-    for doc in docs:
-        try:
-            tree = ast.parse(doc.text)
-        except (SyntaxError, ValueError):
-            continue
+    for _, tree in modules:
         texts += [ast.get_docstring(node) or "" for node in ast.walk(tree)
                   if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef))]
     out = []
@@ -135,7 +138,8 @@ def main() -> None:
     render = chat_renderer(args.target)
     # Shuffled once, then the first N: a larger N keeps the smaller one's prompts (and a
     # self-distilled run reuses their rows).
-    asked, prose = questions(docs), paragraphs(docs)
+    modules = parsed(docs)
+    asked, prose = questions(modules), paragraphs(modules)
     random.Random(args.seed).shuffle(asked)
     random.Random(args.seed).shuffle(prose)
     chat = [render(q) for q in asked[:args.chat]]

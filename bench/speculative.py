@@ -167,18 +167,17 @@ def run(target, rows, batch, methods, args):
         chunk = rows[start:start + batch]
         for kwargs in calls:
             speculative_generate(target, chunk, **kwargs)  # compile (cached for the next chunks)
-        times = [[] for _ in methods]
+        times, outs = [[] for _ in methods], [None] * len(methods)
         for _ in range(args.repeats):
             for i, kwargs in enumerate(calls):
                 began = time.perf_counter()
-                out = speculative_generate(target, chunk, **kwargs)
+                outs[i] = speculative_generate(target, chunk, **kwargs)
                 times[i].append(time.perf_counter() - began)
-                if len(times[i]) == args.repeats:
-                    tokens, emitted, rounds, seconds = results[i]
-                    tokens += out.tokens
-                    rounds += out.rounds.tolist()
-                    emitted += out.emitted.tolist()
-                    seconds.append(statistics.median(times[i]))
+        for (tokens, emitted, rounds, seconds), out, t in zip(results, outs, times):
+            tokens += out.tokens
+            rounds += out.rounds.tolist()
+            emitted += out.emitted.tolist()
+            seconds.append(statistics.median(t))
     return [(tokens, np.asarray(emitted), np.asarray(rounds), sum(seconds))
             for tokens, emitted, rounds, seconds in results]
 

@@ -43,6 +43,7 @@ from jaxpar.inference.decoding import speculative_generate
 from jaxpar.train import data as data_lib
 from jaxpar.train.config import Config, ConfigError
 from jaxpar.train.data import PackedRows, write_atomic
+from jaxpar.train.teacher_cache import params_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -188,8 +189,6 @@ def load_rows(cfg: Config, target, tokenizer: tokenizers.Tokenizer, cache_dir: s
     row per training prompt (``glide.train_rows`` of them, or every document's), and per
     validation prompt the evaluation reads (``eval.batches x batch_size``; none without
     evaluation)."""
-    from jaxpar.train.teacher_cache import params_fingerprint
-
     fingerprint = params_fingerprint(target)
     train_prompts = prompts(cfg, tokenizer, "train", cfg.glide.train_rows)
     val_count = cfg.eval.batches * cfg.batch_size if cfg.eval.every else 0
