@@ -443,7 +443,8 @@ class Transformer(nnx.Module):
 
     def logits(self, x: jax.Array) -> jax.Array:
         """The final norm and vocabulary projection: ``[B, T, D]`` -> ``[B, T, V]``."""
-        logits = dense(self.final_norm(x), self.head_weight(), ("embed", "vocab"))
+        with jax.named_scope("lm_head"):
+            logits = dense(self.final_norm(x), self.head_weight(), ("embed", "vocab"))
         return constrain(logits, ACT_BTV)
 
     def head_weight(self, ids: jax.Array | None = None) -> jax.Array:

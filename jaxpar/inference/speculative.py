@@ -341,26 +341,32 @@ def make_round(method: Method, target: Transformer, draft, eos_ids: tuple[int, .
 
     def round_(state: State) -> State:
         key, draft_key, accept_key = jax.random.split(state.key, 3)
+        # The named scopes (draft, verify, finish) label a round's parts in profiles.
         if method.name == "ar":
-            logits, cache = target(state.last[:, None], cache=state.target_cache)
-            token = _choose(method, logits[:, 0], accept_key)
+            with jax.named_scope("verify"):
+                logits, cache = target(state.last[:, None], cache=state.target_cache)
+                token = _choose(method, logits[:, 0], accept_key)
             no_drafts = jnp.zeros((token.shape[0], 0), jnp.int32)
-            return _finish(method, state, cache, no_drafts, jnp.zeros_like(token), token, None, key, eos_ids)
+            with jax.named_scope("finish"):
+                return _finish(method, state, cache, no_drafts, jnp.zeros_like(token), token, None, key, eos_ids)
 
-        head = draft_head
-        if head is None and isinstance(draft, GlideDraft):
-            head = draft.head(target)  # once a round, not once a draft step
+        with jax.named_scope("draft"):
+            head = draft_head
+            if head is None and isinstance(draft, GlideDraft):
+                head = draft.head(target)  # once a round, not once a draft step
 
-        def step(tokens, cache):
-            return draft_forward(draft, target, tokens, cache, state.target_cache, head)
+            def step(tokens, cache):
+                return draft_forward(draft, target, tokens, cache, state.target_cache, head)
 
-        drafts, draft_logits, dcache = propose(method, step, state, state.draft_cache, draft_key)
-        if method.name == "cape":
-            cache, path_tokens, accepted, nxt = verify_tree(method, target, state, drafts, draft_logits)
-        else:
-            cache, accepted, nxt = verify_chain(method, target, state, drafts, draft_logits, accept_key)
-            path_tokens = drafts
-        return _finish(method, state, cache, path_tokens, accepted, nxt, dcache, key, eos_ids)
+            drafts, draft_logits, dcache = propose(method, step, state, state.draft_cache, draft_key)
+        with jax.named_scope("verify"):
+            if method.name == "cape":
+                cache, path_tokens, accepted, nxt = verify_tree(method, target, state, drafts, draft_logits)
+            else:
+                cache, accepted, nxt = verify_chain(method, target, state, drafts, draft_logits, accept_key)
+                path_tokens = drafts
+        with jax.named_scope("finish"):
+            return _finish(method, state, cache, path_tokens, accepted, nxt, dcache, key, eos_ids)
 
     return round_
 
