@@ -471,8 +471,7 @@ def test_speculative_benchmark(target_run, glide_run, vanilla_run, capsys, monke
     assert rows[1:] == ["ar", "glide, gamma 2", "cape, gamma 2"]
     split = {name: r["ms"] for name, r in json.loads((tmp_path / "p.json").read_text()).items()}
     assert split["ar"]["draft"] == 0 and split["glide, gamma 2"]["draft"] > 0
-    assert all(ms["target head"] > 0 and ms["target layers: matmuls"] > 0 and ms["finish"] > 0
-               for ms in split.values())
+    assert all(ms["target head"] > 0 and ms["target layers: matmuls"] > 0 for ms in split.values())
 
 
 # The teacher cache ----------------------------------------------------------------------
