@@ -3,7 +3,8 @@
 
 * ``draft``: the draft's steps (``propose``), its head included;
 * ``target layers: slices``: the layer scan slicing each layer's weights (and cache)
-  out of the stacked arrays, copies on XLA:CPU that cost the same whatever the tokens;
+  out of the stacked arrays: on XLA:CPU a copy, where a step reads its weights from
+  memory, the same whatever the tokens;
 * ``target layers: matmuls``: the layers' projections and attention products;
 * ``target layers: other``: the rest of the layers (softmax, norms, RoPE, cache writes,
   the scan's own control);
