@@ -1,7 +1,7 @@
 """Prompts of three kinds for a self-distilled GliDe draft (``glide.self_distill``), as
 JSON lines a ``jaxpar-train glide`` run reads with ``data.path=DIR``:
 
-    python bench/glide_prompts.py --target PATH --out DIR [--chat 2000] [--prose 2000]
+    python bench/glide_prompts.py --target PATH --out DIR [--chat 2000] [--prose 2000] [--code-windows 1]
 
 Each line is one prompt (``{"text": ...}``); the run continues each with the target.
 Nothing here is one of ``bench/speculative.py``'s prompts, which it draws from the
@@ -10,7 +10,9 @@ interpreter's ``LICENSE.txt``:
 
 * ``code.jsonl``: the start of every *training*-split file of the standard library (the
   default corpus), as ``bench/speculative.py``'s code prompts are the start of its
-  held-out files;
+  held-out files; with ``--code-windows N``, also up to ``N - 1`` later windows of each
+  (from a line start, every ``--code-chars`` characters) when the start ones are not
+  enough;
 * ``chat.jsonl``: questions about the standard library's training modules, functions
   and the language reference's topics (a few fixed phrasings each), rendered through
   the target's chat template as ``bench/speculative.py`` renders its chat prompts;
@@ -121,6 +123,17 @@ def paragraphs(modules, min_words: int = 40) -> list[str]:
     return out
 
 
+def code_window(text: str, k: int, chars: int, min_chars: int = 500) -> str | None:
+    """A file's ``k``-th window of ``chars`` characters: its start for ``k = 0``, else from
+    the first line that starts after ``k * chars`` characters; None when the file has no
+    ``min_chars`` left there (the start is always kept)."""
+    if k == 0:
+        return text[:chars]
+    start = text.find("\n", k * chars) + 1
+    window = text[start:start + chars] if start > 0 else ""
+    return window if len(window) >= min_chars else None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", type=pathlib.Path, required=True,
@@ -129,6 +142,8 @@ def main() -> None:
     parser.add_argument("--chat", type=int, default=2000, help="chat prompts (at most)")
     parser.add_argument("--prose", type=int, default=2000, help="prose prompts (at most)")
     parser.add_argument("--code-chars", type=int, default=2000, help="characters kept of each file's start")
+    parser.add_argument("--code-windows", type=int, default=1,
+                        help="code prompts per file: its start, then windows from later lines")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
@@ -144,7 +159,8 @@ def main() -> None:
     random.Random(args.seed).shuffle(prose)
     chat = [render(q) for q in asked[:args.chat]]
     prose = prose[:args.prose]
-    code = [d.text[:args.code_chars] for d in docs]
+    code = [window for k in range(args.code_windows) for d in docs
+            if (window := code_window(d.text, k, args.code_chars)) is not None]
     args.out.mkdir(parents=True, exist_ok=True)
     for name, texts in (("code", code), ("chat", chat), ("prose", prose)):
         with open(args.out / f"{name}.jsonl", "w") as f:

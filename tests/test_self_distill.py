@@ -110,3 +110,21 @@ def test_first_tokens_of_a_text_of_long_tokens():
     text = "a" * 40_000
     assert np.array_equal(self_distill.first_tokens(tokenizer, text, 5), tokenizer.encode(text).ids[:5])
     assert len(self_distill.first_tokens(tokenizer, "aa", 5)) == len(tokenizer.encode("aa").ids) < 5
+
+
+def test_glide_prompts_code_windows_start_at_line_starts():
+    """bench/glide_prompts.py's later code windows: from the first line after every
+    ``chars`` characters, and none where too little text is left; the start always."""
+    import pathlib
+    import runpy
+
+    script = pathlib.Path(__file__).resolve().parents[1] / "bench" / "glide_prompts.py"
+    window = runpy.run_path(str(script), run_name="glide_prompts")["code_window"]
+    text = "".join(f"line {i:03d} of the file\n" for i in range(100))  # 21 characters a line
+    assert window(text, 0, 300) == text[:300]
+    second = window(text, 1, 300, min_chars=100)
+    assert second.startswith("line 015 ") and len(second) == 300  # line 14 starts at 294, line 15 at 315
+    assert window(text, 6, 300, min_chars=100).startswith("line 086 ")  # from 1,806 of 2,100: 294 left
+    assert window(text, 6, 300, min_chars=295) is None
+    assert window(text, 7, 300) is None  # no line starts after 2,100
+    assert window("short", 0, 300) == "short"
