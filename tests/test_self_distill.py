@@ -3,7 +3,9 @@ continuations of each document's first tokens. The run through jaxpar-train glid
 test_glide.py (test_a_self_distilled_draft_trains_on_the_targets_continuations)."""
 
 import json
+import pathlib
 import re
+import runpy
 
 import numpy as np
 import pytest
@@ -115,9 +117,6 @@ def test_first_tokens_of_a_text_of_long_tokens():
 def test_glide_prompts_code_windows_start_at_line_starts():
     """bench/glide_prompts.py's later code windows: from the first line after every
     ``chars`` characters, and none where too little text is left; the start always."""
-    import pathlib
-    import runpy
-
     script = pathlib.Path(__file__).resolve().parents[1] / "bench" / "glide_prompts.py"
     window = runpy.run_path(str(script), run_name="glide_prompts")["code_window"]
     text = "".join(f"line {i:03d} of the file\n" for i in range(100))  # 21 characters a line
