@@ -41,9 +41,12 @@ import sys
 import tempfile
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
-from jaxpar.inference import decoding
+from jaxpar.inference.speculative import Method, check, compiled
+from jaxpar.inference.token_tree import DEFAULT_BINS
 from jaxpar.train.runs import load_glide_draft, load_model
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
@@ -103,24 +106,25 @@ def part(opcode: str, stack: str) -> str | None:
 
 
 class Profiled:
-    """One method's generation, compiled and warm, ready to trace."""
+    """One method's decoding loop over one prompt, compiled once (its program both runs
+    and gives the name stacks) and run once, ready to trace."""
 
     def __init__(self, target, draft, row, method: str, gamma: int, bins, max_new_tokens: int):
-        self.run = dict(draft=None if method == "ar" else draft, method=method, gamma=gamma, bins=bins,
-                        max_new_tokens=max_new_tokens)
-        self.target, self.row = target, row
-        out = decoding.speculative_generate(target, [row], **self.run)  # compile, warm
-        self.rounds, self.accepted = int(out.rounds.sum()), float(out.emitted.sum() / out.rounds.sum())
-        m, tokens, lengths, graph, params = decoding._setup(target, [row], self.run["draft"], method, gamma,
-                                                            bins, 0.0, 1.0, max_new_tokens)
-        loop = decoding._compiled(m, max_new_tokens, ())[2]
-        self.stacks = name_stacks(loop.lower(graph, params, tokens, lengths, jax.random.key(0)).compile().as_text())
+        settings = Method(method, gamma, tuple(bins))
+        check(settings, target, draft if method != "ar" else None)
+        graph, self.params = nnx.split((target, draft if method != "ar" else None))
+        self.args = (jnp.asarray(row, jnp.int32)[None], jnp.asarray([len(row)], jnp.int32), jax.random.key(0))
+        loop = compiled(settings, max_new_tokens, ())[2]
+        self.program = loop.lower(graph, self.params, *self.args).compile()
+        self.stacks = name_stacks(self.program.as_text())
+        state = jax.block_until_ready(self.program(self.params, *self.args))
+        self.rounds, self.accepted = int(state.rounds.sum()), float(state.emitted.sum() / state.rounds.sum())
 
     def trace(self) -> dict[str, float]:
-        """Milliseconds a round per part, from one traced generation."""
+        """Milliseconds a round per part, from one traced run."""
         with tempfile.TemporaryDirectory() as directory:
             with jax.profiler.trace(directory):
-                decoding.speculative_generate(self.target, [self.row], **self.run)
+                jax.block_until_ready(self.program(self.params, *self.args))
             trace = next(pathlib.Path(directory).rglob("*.trace.json.gz"))
             events = json.load(gzip.open(trace))["traceEvents"]
         micros = collections.Counter()
@@ -178,7 +182,7 @@ def main(argv=None) -> None:
     parser.add_argument("--target", type=pathlib.Path, required=True)
     parser.add_argument("--glide", type=pathlib.Path, required=True, help="a GliDe draft run for the target")
     parser.add_argument("--gamma", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--bins", type=int, nargs=11, default=list(decoding.DEFAULT_BINS), metavar="K")
+    parser.add_argument("--bins", type=int, nargs=11, default=list(DEFAULT_BINS), metavar="K")
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5, help="traces of each method, interleaved")
