@@ -117,13 +117,13 @@ def chat_renderer(target: pathlib.Path):
     """``question -> text``: one user turn through the target's chat template (a
     Hugging Face directory's or GGUF file's; else ``User: ...\nAssistant:``), ready for
     the assistant's answer."""
-    from jaxpar.serving.server import _ChatTemplate
+    from jaxpar.serving.chat_template import ChatTemplate
     from jaxpar.train.serve import chat_template
 
     template, special = chat_template(target)
     if not template:
         return lambda question: f"User: {question}\nAssistant:"
-    render = _ChatTemplate(template, special).render
+    render = ChatTemplate(template, special).render
     return lambda question: render([{"role": "user", "content": question}])
 
 

@@ -283,7 +283,8 @@ def test_chat_completions_render_the_template(served):
     """/v1/chat/completions renders the directory's template (bos_token, the messages,
     the generation prompt) and completes it as /v1/completions completes the rendered
     text; streamed, the deltas join to the message. A server without a template says so
-    in a 400."""
+    in a 400, and so does one whose template refuses the messages (its
+    ``raise_exception``)."""
     messages = [{"role": "user", "content": "t5 t6"}, {"role": "assistant", "content": "t7"},
                 {"role": "user", "content": [{"type": "text", "text": "t8"}]}]
 
@@ -298,13 +299,19 @@ def test_chat_completions_render_the_template(served):
         no_template = create_app(served.async_engine, NAME, served.engine.tokenizer)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(no_template), base_url="http://x") as raw:
             refused = await raw.post("/v1/chat/completions", json={"model": NAME, "messages": messages})
-        return chat, plain, deltas, refused
+        strict = create_app(served.async_engine, NAME, served.engine.tokenizer,
+                            chat_template="{{ raise_exception('only one turn, got ' ~ messages|length) }}")
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(strict), base_url="http://x") as raw:
+            rejected = await raw.post("/v1/chat/completions", json={"model": NAME, "messages": messages})
+        return chat, plain, deltas, refused, rejected
 
-    chat, plain, deltas, refused = asyncio.run(run())
+    chat, plain, deltas, refused, rejected = asyncio.run(run())
     assert chat.choices[0].message.content == plain.choices[0].text and chat.choices[0].message.role == "assistant"
     assert chat.usage.prompt_tokens == plain.usage.prompt_tokens == 6
     assert deltas[0].role == "assistant" and "".join(d.content or "" for d in deltas) == plain.choices[0].text
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "no_chat_template"
+    assert rejected.status_code == 400 and rejected.json()["error"]["message"] \
+        == "the chat template refused the messages: only one turn, got 3"
 
 
 BAD = [  # (body, status, param, words in the message)

@@ -6,7 +6,9 @@
 cache and the views the model's attention reads it through, ``programs.py`` the
 compiled decode and prefill programs. ``async_engine.py`` runs an engine on a thread of
 its own for asyncio callers (``AsyncEngine``), ``server.py`` is the OpenAI-compatible
-FastAPI app ``jaxpar-serve`` runs (imported on its own: it needs fastapi).
+FastAPI app ``jaxpar-serve`` runs (imported on its own: it needs fastapi), and
+``chat_template.py`` renders Hugging Face chat templates for it and for anyone else,
+without the web stack.
 """
 
 from jaxpar.serving.engine import Engine, RequestOutput, SamplingParams

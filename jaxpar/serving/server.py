@@ -39,6 +39,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException
 
 from jaxpar.serving.async_engine import AsyncEngine, EngineClosed, Histogram, QueueFull, RequestStream
+from jaxpar.serving.chat_template import ChatTemplate, TemplateRefused
 from jaxpar.serving.engine import RequestOutput, SamplingParams
 
 _TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
@@ -164,29 +165,6 @@ def _completion_prompts(body: dict, tokenizer) -> list[list[int]]:
                 raise APIError(400, "the prompt encodes to no tokens", "prompt")
         ids.append(list(p))
     return ids
-
-
-class _ChatTemplate:
-    """A Hugging Face chat template rendered as ``transformers`` renders it (a sandboxed
-    jinja2 environment, ``trim_blocks``/``lstrip_blocks``, ``raise_exception``,
-    ``strftime_now``, a ``tojson`` that keeps non-ASCII text)."""
-
-    def __init__(self, source: str, special_tokens: Mapping[str, str]):
-        from jinja2.ext import loopcontrols
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(message):
-            raise APIError(400, f"the chat template refused the messages: {message}", "messages")
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-        env.filters["tojson"] = lambda x, indent=None, separators=None, sort_keys=False: json.dumps(
-            x, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
-        env.globals.update(raise_exception=raise_exception,
-                           strftime_now=lambda fmt: time.strftime(fmt))
-        self.template, self.special_tokens = env.from_string(source), dict(special_tokens)
-
-    def render(self, messages: list) -> str:
-        return self.template.render(messages=messages, add_generation_prompt=True, **self.special_tokens)
 
 
 def _chat_messages(body: dict) -> list[dict]:
@@ -334,7 +312,7 @@ def create_app(async_engine: AsyncEngine, model_name: str, tokenizer, *, chat_te
     """
     context = async_engine.engine.max_context
     created = int(time.time())
-    template: list[_ChatTemplate | None] = [None]
+    template: list[ChatTemplate | None] = [None]
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -457,7 +435,7 @@ def create_app(async_engine: AsyncEngine, model_name: str, tokenizer, *, chat_te
                            "messages", "no_chat_template")
         if template[0] is None:
             try:
-                template[0] = _ChatTemplate(chat_template, special_tokens or {})
+                template[0] = ChatTemplate(chat_template, special_tokens or {})
             except ImportError:
                 raise APIError(400, "chat templates need jinja2, which is not installed "
                                     "(pip install jinja2)", "messages") from None
@@ -466,6 +444,8 @@ def create_app(async_engine: AsyncEngine, model_name: str, tokenizer, *, chat_te
             text = template[0].render(_chat_messages(body))
         except APIError:
             raise
+        except TemplateRefused as e:
+            raise APIError(400, f"the chat template refused the messages: {e}", "messages") from None
         except Exception as e:  # noqa: BLE001 - a template error is about these messages
             raise APIError(400, f"the chat template failed on these messages: {e}", "messages") from None
         prompt = tokenizer.encode(text, add_special_tokens=False).ids  # the template wrote them
