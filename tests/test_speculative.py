@@ -106,6 +106,22 @@ def test_streamed_rounds_are_the_loops_and_compile_once(models, rng):
     np.testing.assert_allclose(per_round, looped.accepted_per_step, rtol=1e-6)
 
 
+def test_prompts_of_nearby_lengths_share_one_program(models, rng):
+    """Prompt widths round up to ``PROMPT_BUCKET``: a prompt of another length in the
+    same bucket compiles nothing and gives the tokens it gives alone (the padding is
+    masked), which are the target's greedy ones."""
+    from jaxpar.inference.decoding import PROMPT_BUCKET
+    from test_serving import compiles_during
+
+    target, draft = models["target"], models["glide"]
+    options = dict(draft=draft, method="glide", gamma=3, max_new_tokens=8)
+    speculative_generate(target, [rng.integers(0, CFG.vocab_size, 5)], **options)  # warm-up
+    prompt = rng.integers(0, CFG.vocab_size, (1, PROMPT_BUCKET - 2))
+    outs = []
+    assert compiles_during(lambda: outs.append(speculative_generate(target, prompt, **options))) == 0
+    np.testing.assert_array_equal(outs[0].tokens[0], greedy(target, prompt, 8)[0])
+
+
 @pytest.mark.slow
 def test_cape_accepts_siblings_and_beats_the_chain(models, rng):
     """With a weak draft, CaPE's siblings catch target tokens the greedy chain misses."""
