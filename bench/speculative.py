@@ -165,8 +165,11 @@ def run(target, rows, batch, methods, args):
                   max_new_tokens=args.max_new_tokens) for name, draft, _, gamma in methods]
     for start in range(0, len(rows), batch):
         chunk = rows[start:start + batch]
+        began = time.perf_counter()
         for kwargs in calls:
             speculative_generate(target, chunk, **kwargs)  # compile (cached for the next chunks)
+        print(f"batch {batch}, prompts {start + 1}-{start + len(chunk)} of {len(rows)}: {len(calls)} methods "
+              f"compiled and run once in {time.perf_counter() - began:.1f} s", file=sys.stderr, flush=True)
         times, outs = [[] for _ in methods], [None] * len(methods)
         for _ in range(args.repeats):
             for i, kwargs in enumerate(calls):
