@@ -1,14 +1,16 @@
 """Speculative decoding, Spec-Bench style: mean accepted tokens per round and wall time,
 per method, kind of text and batch.
 
-    python bench/speculative.py --target PATH [--draft DIR] [--glide DIR] [--batch 1 8]
+    python bench/speculative.py --target PATH [--draft DIR] [--glide DIR [DIR ...]] [--batch 1 8]
         [--kinds code chat prose] [--prompts 4] [--max-new-tokens 64] [--gamma 4 [5 ...]]
         [--bins K x 11] [--json P] [--png P]
 
 ``--target`` is a jaxpar run, a Hugging Face directory or a ``.gguf`` file (SmolLM2's);
 ``--draft`` a small independent model with the same tokenizer (method ``speculative``);
 ``--glide`` a ``jaxpar-train glide`` run trained against the target (methods ``glide``
-and ``cape``). Prompts, ``--prompts`` of each kind, tokenized by the target's tokenizer:
+and ``cape``), or several, timed in the same interleaved loop (rows ``glide:NAME`` and
+``cape:NAME``, NAME the run dir's name): drafts compared on one drifting machine.
+Prompts, ``--prompts`` of each kind, tokenized by the target's tokenizer:
 
 * ``code``: the first ``--prompt-tokens`` tokens of the held-out (validation) files of
   the target's corpus (a jaxpar run's data config; else the default corpus, the
@@ -152,6 +154,12 @@ def restricted(draft, run_dir: pathlib.Path, n: int, target):
     return copy
 
 
+def method_of(row: str) -> str:
+    """The decoding method of a row's name: ``glide@8192`` and ``cape:RUN`` are ``glide``
+    and ``cape``."""
+    return row.partition("@")[0].partition(":")[0]
+
+
 def run(target, rows, batch, methods, args):
     """Per method of ``methods`` (``(name, draft, run_dir, gamma)``): ``(tokens per row,
     emitted per row, rounds per row, seconds)`` over ``rows`` in batches of ``batch``.
@@ -161,7 +169,7 @@ def run(target, rows, batch, methods, args):
     whose speed drifts (a shared VM's does, by 20% between hours) slows every method
     alike and the speedups stay comparable."""
     results = [([], [], [], []) for _ in methods]
-    calls = [dict(draft=draft, method=name.partition("@")[0], gamma=gamma, bins=args.bins,
+    calls = [dict(draft=draft, method=method_of(name), gamma=gamma, bins=args.bins,
                   max_new_tokens=args.max_new_tokens) for name, draft, _, gamma in methods]
     for start in range(0, len(rows), batch):
         chunk = rows[start:start + batch]
@@ -200,7 +208,7 @@ def plot(results, path: pathlib.Path, title: str) -> None:
     for r in results:
         if r["method"] == "ar":
             continue
-        marker = {"speculative": "o", "glide": "s", "cape": "^"}[r["method"].partition("@")[0]]
+        marker = {"speculative": "o", "glide": "s", "cape": "^"}[method_of(r["method"])]
         c = colour[r["gamma"]]
         ax.scatter(r["accepted_per_step"], r["speedup"], marker=marker, s=60, edgecolors=c,
                    facecolors=c if r["batch"] == smallest else "none",
@@ -211,7 +219,8 @@ def plot(results, path: pathlib.Path, title: str) -> None:
     xs = np.linspace(1.0, max(r["accepted_per_step"] for r in results) + 0.5, 2)
     for gamma in gamma_list:
         rounds = [r["round_in_ar_steps"] for r in results
-                  if r["gamma"] == gamma and r["batch"] == smallest and r["method"] == "glide"]
+                  if r["gamma"] == gamma and r["batch"] == smallest and method_of(r["method"]) == "glide"
+                  and "@" not in r["method"]]
         if rounds:
             cost = float(np.mean(rounds))
             ax.plot(xs, xs / cost, linestyle=":", linewidth=1, color=colour[gamma],
@@ -229,7 +238,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", type=pathlib.Path, required=True)
     parser.add_argument("--draft", type=pathlib.Path, help="independent draft run (method speculative)")
-    parser.add_argument("--glide", type=pathlib.Path, help="GliDe draft run (methods glide, cape)")
+    parser.add_argument("--glide", type=pathlib.Path, nargs="+", default=[],
+                        help="GliDe draft run(s) (methods glide, cape)")
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
     parser.add_argument("--prompts", type=int, default=4, help="prompts of each kind")
     parser.add_argument("--prompt-tokens", type=int, default=64)
@@ -256,10 +266,13 @@ def main() -> None:
     drafted = []
     if args.draft:
         drafted.append(("speculative", load_model(args.draft), args.draft))
-    if args.glide:
-        glide = load_glide_draft(args.glide)
-        drafted += [("glide", glide, args.glide), ("cape", glide, args.glide)]
-        drafted += [(f"glide@{n}", restricted(glide, args.glide, n, target), args.glide) for n in args.draft_vocab]
+    names = [run.name for run in args.glide]
+    if len(set(names)) < len(names):
+        parser.error(f"--glide runs need distinct directory names (their rows' names), got {names}")
+    for run_dir in args.glide:
+        glide, name = load_glide_draft(run_dir), f":{run_dir.name}" if len(args.glide) > 1 else ""
+        drafted += [(f"glide{name}", glide, run_dir), (f"cape{name}", glide, run_dir)]
+        drafted += [(f"glide{name}@{n}", restricted(glide, run_dir, n, target), run_dir) for n in args.draft_vocab]
     methods = [("ar", None, None, 1)] + [(*m, gamma) for gamma in args.gamma for m in drafted]
     device = jax.devices()[0].device_kind
     print(f"target {args.target}, {len(rows)} prompts ({', '.join(args.kinds)}), {args.max_new_tokens} new "
@@ -291,8 +304,9 @@ def main() -> None:
         print(f"| {r['method']} | {r['batch']} | {by_kind} | {r['accepted_per_step']:.2f} | {r['tokens_per_s']:.1f} "
               f"| {r['speedup']:.2f}x | {r['gamma'] or ''} | {r['round_in_ar_steps']:.2f} "
               f"| {'yes' if r['lossless'] else 'NO'} | {r['draft_training']} |")
-    meta = {"target": str(args.target), "device": device, "gamma": args.gamma, "bins": args.bins, "kinds": args.kinds,
-            "max_new_tokens": args.max_new_tokens, "prompts": len(rows), "prompt_tokens": args.prompt_tokens}
+    meta = {"target": str(args.target), "glide": [str(d) for d in args.glide], "device": device,
+            "gamma": args.gamma, "bins": args.bins, "kinds": args.kinds, "max_new_tokens": args.max_new_tokens,
+            "prompts": len(rows), "prompt_tokens": args.prompt_tokens}
     if args.json:
         args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     if args.png:

@@ -416,23 +416,31 @@ def test_generate_with_trained_drafts_gives_the_targets_tokens(target_run, glide
 def test_speculative_benchmark(target_run, glide_run, vanilla_run, capsys, monkeypatch, tmp_path):
     """bench/speculative.py as a newcomer runs it (in this process, small): code, chat and
     prose prompts, its table with each draft's training cost, every method lossless (the
-    GliDe draft restricted at decoding to 100 tokens too), the picture and the JSON; then
-    bench/glide_curve.py and bench/round_cost.py."""
+    GliDe draft restricted at decoding to 100 tokens too), the picture and the JSON, with
+    two GliDe runs in one loop rows of each run's name; then bench/glide_curve.py and
+    bench/round_cost.py."""
     script = pathlib.Path(__file__).resolve().parents[1] / "bench" / "speculative.py"
     png = ["--png", str(tmp_path / "s.png")] if importlib.util.find_spec("matplotlib") else []  # the bench extra
+    again = tmp_path / "again"  # a second GliDe run: the same one by another name
+    again.symlink_to(glide_run, target_is_directory=True)
     monkeypatch.setattr(sys, "argv", [str(script), "--target", str(target_run), "--draft", str(vanilla_run),
-                                      "--glide", str(glide_run), "--prompts", "1", "--prompt-tokens", "8",
+                                      "--glide", str(glide_run), str(again), "--prompts", "1", "--prompt-tokens", "8",
                                       "--max-new-tokens", "12", "--batch", "3", "--repeats", "1",
                                       "--draft-vocab", "100", "--json", str(tmp_path / "s.json"), *png])
     runpy.run_path(str(script), run_name="__main__")
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     assert rows[0].startswith("| method | batch | accepted/round (code / chat / prose) | all |")
     assert {r.count("|") for r in rows} == {rows[0].count("|")}  # a markdown table: every row as wide as its header
-    assert [r.split("|")[1].strip() for r in rows[1:]] == ["ar", "speculative", "glide", "cape", "glide@100"]
+    name = glide_run.name
+    assert [r.split("|")[1].strip() for r in rows[1:]] == [
+        "ar", "speculative", f"glide:{name}", f"cape:{name}", f"glide:{name}@100", "glide:again", "cape:again",
+        "glide:again@100"]
     assert all("| yes |" in r for r in rows[1:]) and "6 steps" in rows[3]  # the GliDe run's 6 steps
     results = json.loads((tmp_path / "s.json").read_text())["results"]
-    assert {r["method"]: set(r["by_kind"]) for r in results}["glide"] == {"code", "chat", "prose"}
-    assert [r["gamma"] for r in results] == [None, 4, 4, 4, 4]
+    by_name = {r["method"]: r for r in results}
+    assert set(by_name[f"glide:{name}"]["by_kind"]) == {"code", "chat", "prose"}
+    assert by_name[f"cape:{name}"]["accepted_per_step"] == by_name["cape:again"]["accepted_per_step"]
+    assert [r["gamma"] for r in results] == [None] + [4] * 7
     for r in results:  # a round's time in ar steps: accepted tokens a round over the speedup
         assert math.isclose(r["round_in_ar_steps"], r["accepted_per_step"] / r["speedup"])
     assert not png or (tmp_path / "s.png").read_bytes().startswith(b"\x89PNG")
