@@ -1,6 +1,6 @@
 """The package's layers hold: import-linter's contracts in pyproject.toml (kernels <-
-placement/profiler <- parallel <- ops <- models <- inference <- serving <- train, and no web
-stack below jaxpar-serve's app) checked over the source laid out as it installs."""
+placement/profiler <- parallel <- ops <- models <- inference <- serving <- train) checked over the
+source laid out as it installs; and no web stack below jaxpar-serve's app."""
 
 import pathlib
 import shutil
@@ -40,3 +40,15 @@ def test_every_package_is_listed_for_installation(tmp_path):
              for p in (tmp_path / "src").rglob("__init__.py")}
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     assert found == listed
+
+
+def test_decoding_and_the_chat_template_import_no_web_stack():
+    """fastapi, starlette and uvicorn are jaxpar-serve's app's alone: the engine, decoding
+    and the chat template (bench/speculative.py's chat prompts) import with them blocked,
+    as on a GPU image that lacks them."""
+    code = ("import sys\n"
+            "for name in ('fastapi', 'starlette', 'uvicorn'):\n"
+            "    sys.modules[name] = None  # importing it raises ImportError\n"
+            "import jaxpar.inference.decoding, jaxpar.serving.chat_template, jaxpar.serving.engine\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
