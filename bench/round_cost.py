@@ -48,7 +48,8 @@ def _target_pass(graph, params, tokens, cache):
 @functools.partial(jax.jit, static_argnums=0)
 def _draft_step(graph, params, tokens, draft_cache, cache, head):
     target, draft = nnx.merge(graph, params)
-    logits, draft_cache = draft_forward(draft, target, tokens, draft_cache, cache, head)
+    features = jnp.zeros((*tokens.shape, target.cfg.dim), target.cfg.compute_dtype)  # read by a features draft
+    logits, draft_cache = draft_forward(draft, target, tokens, draft_cache, cache, head, features)
     return jnp.argmax(logits, -1), draft_cache
 
 

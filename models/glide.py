@@ -16,6 +16,15 @@ Parameter layout (stacked layers lead with L_d):
   layers.mlp.*                 as the Transformer's MLP
   layers.*_norm, final_norm    [L_d, D] / [D]
 
+With ``features`` (EAGLE's input, Li et al., 2024) the draft's input at position ``t`` is
+not the token embedding alone but ``e_t @ fuse[0] + f @ fuse[1]``, with ``f`` the
+target's *feature* (its final-normed last hidden state, what its LM head multiplies) at
+the last position the target has verified before ``t``'s round: ``t - 1`` when the
+target has run there, else the round's last verified position (``feature_sources``).
+The one parameter it adds:
+  fuse                         [2, D, D]  (embedding / feature, embed, embed)
+``start_from_target`` sets it to ``[I, 0]``: the draft begins as the one without.
+
 A draft may predict over a restricted vocabulary (``DraftVocab``: the ``N`` most frequent
 tokens of its training corpus, as FR-Spec and EAGLE-3 do): its head is then those ``N``
 columns of the target's, its logits ``[..., N]``, and ``DraftVocab.full_logits`` puts
@@ -82,6 +91,29 @@ def cross_block_mask(positions: jax.Array, segment_ids: jax.Array | None, block_
     if segment_ids is not None:
         visible = visible & (segment_ids[:, :, None] == segment_ids[:, None, :])
     return visible
+
+
+def feature_sources(positions: jax.Array, block_size: int) -> tuple[jax.Array, jax.Array]:
+    """Where each training position's target feature comes from, as the training cross
+    mask has it: ``(source [B, T] int32 row index, has [B, T] bool)``.
+
+    A query in a document's first block reads the feature at ``t - 1`` (the target has
+    run over the whole prompt); one in a later block, starting at position ``s``, the
+    feature at ``s - 1``, the last position whose keys it sees (at inference, the last
+    token the target verified before the round). ``has`` is False at a document's
+    first token, which has no feature before it (zeros).
+
+    Args:
+      positions: int ``[B, T]`` position of each token in its document (packed rows
+        restart it at each document; a document's tokens are consecutive in the row).
+      block_size: tokens per block, ``gamma + 1``.
+    """
+    positions = jnp.asarray(positions, jnp.int32)
+    first_block = positions < block_size
+    source_position = jnp.where(first_block, positions - 1, positions - positions % block_size - 1)
+    index = jnp.arange(positions.shape[1], dtype=jnp.int32)[None, :]
+    has = source_position >= 0
+    return jnp.where(has, index - (positions - source_position), 0), has
 
 
 def inference_cross_mask(target_lengths: jax.Array, T: int, S: int) -> jax.Array:
@@ -183,6 +215,13 @@ class CrossAttention(nnx.Module):
         return constrain(y, ACT_BTD)
 
 
+def _embedding_only(key, shape, dtype):
+    """The fuse ``[I, 0]`` (an initializer, ``shape`` ``[2, D, D]``): the input is the
+    token's embedding alone, the draft without features."""
+    D = shape[-1]
+    return jnp.stack([jnp.eye(D, dtype=dtype), jnp.zeros((D, D), dtype)])
+
+
 class GlideLayer(nnx.Module):
     """Pre-norm block: self-attention, cross-attention into the target, MLP."""
 
@@ -218,10 +257,11 @@ class GlideDraft(nnx.Module):
     """
 
     def __init__(self, cfg: ModelConfig, layers: int = 1, *, vocab: DraftVocab | None = None,
-                 rngs: nnx.Rngs):
+                 features: bool = False, rngs: nnx.Rngs):
         """``cfg``: the TARGET's ``ModelConfig`` (the draft layers take its widths, norm,
         MLP, position and bias settings); ``layers``: ``L_d``, at most ``cfg.layers``;
-        ``vocab``: the tokens it predicts over (None: all ``cfg.vocab_size``)."""
+        ``vocab``: the tokens it predicts over (None: all ``cfg.vocab_size``);
+        ``features``: whether it reads the target's features (EAGLE's input)."""
         if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= cfg.layers:
             raise ValueError(f"GliDe draft layers={layers!r} must be between 1 and the target's "
                              f"model.layers={cfg.layers}")
@@ -230,6 +270,9 @@ class GlideDraft(nnx.Module):
         self.cfg = cfg
         self.num_layers = layers
         self.vocab = vocab
+        self.features = features
+        if features:
+            self.fuse = _param(rngs, cfg, (2, cfg.dim, cfg.dim), (None, "embed", None), _embedding_only)
 
         @nnx.split_rngs(splits=layers)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
@@ -266,6 +309,8 @@ class GlideDraft(nnx.Module):
         for name, var in vars(self.final_norm).items():
             if isinstance(var, nnx.Param):
                 var[...] = getattr(target.final_norm, name)[...]
+        if self.features:
+            self.fuse[...] = _embedding_only(None, self.fuse.shape, self.fuse.dtype)
 
     def target_layers(self) -> range:
         """The target layers whose keys/values the draft layers read, in order."""
@@ -291,6 +336,7 @@ class GlideDraft(nnx.Module):
         segment_ids: jax.Array | None = None,
         cache: KVCache | None = None,
         head: jax.Array | None = None,
+        features: jax.Array | None = None,
     ):
         """Args:
           tokens: int ``[B, T]``.
@@ -307,6 +353,8 @@ class GlideDraft(nnx.Module):
           cache: the draft's own ``KVCache`` (``self.init_cache``) or None.
           head: ``self.head(target)``, when the caller computed it once for many calls
             (a decoding loop's draft steps); None: computed here.
+          features: ``[B, T, D]`` the target's feature each token reads (a draft with
+            ``features``, and only there): zeros where there is none.
 
         Returns:
           logits ``[B, T, V]`` in the compute dtype (``[B, T, N]`` over a ``vocab`` of
@@ -321,7 +369,15 @@ class GlideDraft(nnx.Module):
             raise ValueError(f"cross_mask {cross_mask.shape} must be [B, T, S] = {(B, T, S)}")
         if cache is not None and segment_ids is not None:
             raise ValueError("segment_ids (packed training rows) do not go with a cache")
+        if (features is not None) != self.features:
+            raise ValueError("this GliDe draft reads the target's features: pass features [B, T, D]"
+                             if self.features else "this GliDe draft reads no target features")
         x = target.embed_tokens(tokens, positions)
+        if self.features:
+            if features.shape != x.shape:
+                raise ValueError(f"features {features.shape} must be [B, T, D] = {x.shape}")
+            both = jnp.concatenate([x, features.astype(x.dtype)], axis=-1)  # [B, T, 2D]
+            x = constrain(both @ self.fuse[...].astype(x.dtype).reshape(2 * x.shape[-1], -1), ACT_BTD)
         graphdef, layer_state = nnx.split(self.layers)
         if cache is None:
             def layer(x, xs):

@@ -380,6 +380,7 @@ class Transformer(nnx.Module):
         segment_ids: jax.Array | None = None,
         cache: KVCache | None = None,
         tree_mask: jax.Array | None = None,
+        with_features: bool = False,
     ):
         """Args:
           tokens: int ``[B, T]``.
@@ -392,13 +393,17 @@ class Transformer(nnx.Module):
           tree_mask: bool ``[B, T, T]`` with a cache: ``tree_mask[b, t, j]`` lets new
             token ``t`` see new token ``j`` (a token tree verified in one pass; give
             each token its depth through ``positions``). Default causal.
+          with_features: also return the final-normed last hidden state ``[B, T, D]``
+            (what the LM head multiplies; a GliDe draft's ``features`` input).
 
         Returns:
           logits ``[B, T, V]`` in the compute dtype; with a cache, ``(logits, cache)``
-          with every length advanced by ``T``.
+          with every length advanced by ``T``; ``with_features``: the features last
+          (``(logits, features)``, ``(logits, cache, features)``).
         """
         if cache is None:
-            return self.logits(self.features(tokens, positions=positions, segment_ids=segment_ids))
+            x = self.features(tokens, positions=positions, segment_ids=segment_ids)
+            return (self.logits(x), self.final_norm(x)) if with_features else self.logits(x)
         B, T = tokens.shape
         lengths = jnp.broadcast_to(cache.lengths, (B,))
         if positions is None:
@@ -411,7 +416,8 @@ class Transformer(nnx.Module):
             return nnx.merge(graphdef, state)(x, positions, segment_ids, (k, v, lengths), tree_mask)
 
         x, (k, v) = jax.lax.scan(layer, x, (layer_state, cache.k, cache.v))
-        return self.logits(x), KVCache(k, v, lengths + T)
+        cache = KVCache(k, v, lengths + T)
+        return (self.logits(x), cache, self.final_norm(x)) if with_features else (self.logits(x), cache)
 
     def features(self, tokens: jax.Array, *, positions: jax.Array | None = None,
                  segment_ids: jax.Array | None = None) -> jax.Array:

@@ -21,7 +21,7 @@ from flax import nnx
 import jaxpar
 from conftest import random_init, rel_err
 from jaxpar.models import GlideDraft, ModelConfig, Transformer
-from jaxpar.models.glide import CrossAttention, DraftVocab, cross_block_mask, inference_cross_mask
+from jaxpar.models.glide import CrossAttention, DraftVocab, cross_block_mask, feature_sources, inference_cross_mask
 from jaxpar.models.transformer import init_cache
 from jaxpar.train import data, glide, teacher_cache
 from jaxpar.train.config import ConfigError, load_config
@@ -35,9 +35,9 @@ GPT2_STYLE = dataclasses.replace(CFG, norm="layer", mlp="gelu", position="learne
                                  tie_embeddings=True, attention_bias=True, mlp_bias=True)
 
 
-def models(cfg, layers, rng):
+def models(cfg, layers, rng, features=False):
     target = random_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), rng)
-    return target, random_init(lambda: GlideDraft(cfg, layers, rngs=nnx.Rngs(0)), rng)
+    return target, random_init(lambda: GlideDraft(cfg, layers, features=features, rngs=nnx.Rngs(0)), rng)
 
 
 @nnx.jit
@@ -49,18 +49,19 @@ def target_cache(target, tokens):
 
 
 @nnx.jit
-def forward(draft, target, tokens, k, v, mask, positions, cache=None):
+def forward(draft, target, tokens, k, v, mask, positions, cache=None, features=None):
     """The draft's call, jitted: one program per shape rather than one per operation."""
-    return draft(tokens, target, k, v, mask, positions=positions, cache=cache)
+    return draft(tokens, target, k, v, mask, positions=positions, cache=cache, features=features)
 
 
 # The model ------------------------------------------------------------------------------
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cfg,layers", [(CFG, 1), (GPT2_STYLE, 2)], ids=["llama-1", "gpt2-2"])
-def test_cached_draft_steps_equal_the_uncached_forward(rng, cfg, layers):
-    target, draft = models(cfg, layers, rng)
+@pytest.mark.parametrize("cfg,layers,features", [(CFG, 1, False), (GPT2_STYLE, 2, False), (CFG, 1, True)],
+                         ids=["llama-1", "gpt2-2", "llama-1-features"])
+def test_cached_draft_steps_equal_the_uncached_forward(rng, cfg, layers, features):
+    target, draft = models(cfg, layers, rng, features)
     B, S, T = 2, 9, 8
     k, v = target_cache(target, jnp.asarray(rng.integers(0, cfg.vocab_size, (B, S))))
     k, v = k[draft.target_layers().start:], v[draft.target_layers().start:]
@@ -68,19 +69,42 @@ def test_cached_draft_steps_equal_the_uncached_forward(rng, cfg, layers):
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, T)))
     positions = jnp.asarray([[5 + t for t in range(T)], [7 + t for t in range(T)]], jnp.int32)
     target_lengths = jnp.asarray([5, 7])  # each sequence has verified a different prefix
+    feats = jnp.asarray(rng.standard_normal((B, T, cfg.dim)), jnp.float32) if features else None
+    at = lambda lo, hi: None if feats is None else feats[:, lo:hi]  # noqa: E731
 
-    full = forward(draft, target, tokens, k, v, inference_cross_mask(target_lengths, T, S), positions)
+    full = forward(draft, target, tokens, k, v, inference_cross_mask(target_lengths, T, S), positions,
+                   features=feats)
     cache = draft.init_cache(B, 12)
     logits, cache = forward(draft, target, tokens[:, :5], k, v, inference_cross_mask(target_lengths, 5, S),
-                            positions[:, :5], cache)
+                            positions[:, :5], cache, at(0, 5))
     stepped = [logits]
     for t in range(5, T):
         logits, cache = forward(draft, target, tokens[:, t : t + 1], k, v,
-                                inference_cross_mask(target_lengths, 1, S), positions[:, t : t + 1], cache)
+                                inference_cross_mask(target_lengths, 1, S), positions[:, t : t + 1], cache,
+                                at(t, t + 1))
         stepped.append(logits)
     np.testing.assert_array_equal(cache.lengths, [T, T])
     assert full.shape == (B, T, cfg.vocab_size) and np.std(np.asarray(full)) > 0.1
     assert rel_err(jnp.concatenate(stepped, axis=1), full) < 1e-5
+    if features:  # they are read: other features, other logits; [I, 0] (start_from_target) ignores them
+        other = forward(draft, target, tokens, k, v, inference_cross_mask(target_lengths, T, S), positions,
+                        features=feats + 1)
+        assert rel_err(other, full) > 1e-2
+        draft.start_from_target(target)
+        plain = forward(draft, target, tokens, k, v, inference_cross_mask(target_lengths, T, S), positions,
+                        features=feats)
+        assert rel_err(forward(draft, target, tokens, k, v, inference_cross_mask(target_lengths, T, S), positions,
+                               features=feats + 1), plain) == 0
+
+
+def test_feature_sources_of_two_packed_documents():
+    """A query reads the target's feature at ``t - 1`` in its document's first block, at
+    the position before its block's start in later ones; a document's first token none."""
+    positions = jnp.asarray([[0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3]])  # two documents, block size 3
+    source, has = feature_sources(positions, 3)
+    assert has.tolist() == [[False, True, True, True, True, True, True, False, True, True, True]]
+    # first document: block 0 is t - 1; block [3, 4, 5] reads 2; block [6] reads 5; then the second's
+    assert source[0, 1:7].tolist() == [0, 1, 2, 2, 2, 5] and source[0, 8:].tolist() == [7, 8, 9]
 
 
 def cross_attention_reference(layer, cfg, x, positions, k, v, mask):
@@ -510,7 +534,7 @@ class Teaching:
         if self.calls == self.interrupt_at:
             raise KeyboardInterrupt
         out = self.teach(batch)
-        return {name: np.asarray(out[key]) for name, key in teacher_cache.BATCH_KEYS.items()}
+        return {name: np.asarray(out[key]) for name, key in teacher_cache.BATCH_KEYS.items() if key in out}
 
     def spec(self, rows, target=None, tokenizer="tokenizer", topk=8):
         target = target or self.target
@@ -547,7 +571,7 @@ def test_an_interrupted_teacher_cache_is_completed_not_used(rng, tmp_path, monke
     index = np.array([R - 1, 0, 5, 2])
     cached = cache.rows("train", index)
     live = teaching.teach(data.batch_of_rows(rows["train"], index))
-    assert set(cached) == set(teacher_cache.BATCH_KEYS.values())
+    assert set(cached) == {teacher_cache.BATCH_KEYS[name] for name in teacher_cache.ARRAYS}
     for key, array in cached.items():
         np.testing.assert_array_equal(array, np.asarray(live[key]), err_msg=key)
     assert cached["target_k"].shape == (4, 10, 1, CFG.kv_heads, CFG.head_dim)
@@ -735,6 +759,23 @@ def test_drafts_from_the_teacher_cache_equal_drafts_from_the_live_target(target_
     rows = data.packed_rows(data_cfg, data.load_tokenizer(data_cfg, 512, cache_dir), 64, "train", cache_dir)
     counts = np.bincount(rows.tokens.ravel(), minlength=512)
     assert counts[stored].min() >= np.delete(counts, stored).max()  # the most frequent tokens
+
+    # glide.features: the cache holds the target's features too, and the losses are the live run's.
+    monkeypatch.undo()  # the target runs again
+    live_features = run("live-features", "glide.features=true")
+    # The draft starts as the one without (fuse [I, 0]); after a step the features count.
+    assert live_features[0]["loss"] == live[0]["loss"] and live_features[-1]["loss"] != live[-1]["loss"]
+    capsys.readouterr()
+    code = main([*common, f"run_dir={tmp_path / 'refused-features'}", f"glide.teacher_cache={cache}",
+                 "glide.features=true"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, lines
+    assert "was built for other arrays (glide.features: False there, True here)" in lines[0]
+    built = run("built-features", f"glide.teacher_cache={tmp_path / 'teacher-features'}", "glide.features=true")
+    for a, b in zip(live_features, built):
+        for key in ("loss", "val_loss"):
+            if key in a:
+                assert abs(a[key] - b[key]) <= 1e-5 * abs(a[key]), (key, a, b)
 
 
 @pytest.mark.slow

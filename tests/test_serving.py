@@ -306,7 +306,9 @@ def test_glide_rounds_read_the_models_pages_as_the_dense_decoder_does(model):
     assert together[2].token_ids == by_itself and len(set(by_itself)) > 1
     assert together[1].token_ids == outputs[1].token_ids and served.accepted > 0
     for kw, message in [(dict(method="glide"), "method='glide' needs a draft model"),
-                        (dict(draft=model, method="glide"), "method 'glide' needs a GliDe draft")]:
+                        (dict(draft=model, method="glide"), "method 'glide' needs a GliDe draft"),
+                        (dict(draft=GlideDraft(CFG, 1, features=True, rngs=nnx.Rngs(5))),
+                         "does not yet run a GliDe draft that reads the target's features")]:
         with pytest.raises(ValueError, match=message):
             engine(model, **kw)
 

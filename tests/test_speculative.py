@@ -44,7 +44,8 @@ def models():
             "small": random_init(lambda: Transformer(dataclasses.replace(CFG, layers=1), rngs=nnx.Rngs(0)), rng),
             "glide": random_init(lambda: GlideDraft(CFG, rngs=nnx.Rngs(0)), rng),
             "glide_vocab": random_init(lambda: GlideDraft(CFG, vocab=restricted(CFG.vocab_size, 24, rng),
-                                                          rngs=nnx.Rngs(0)), rng)}
+                                                          rngs=nnx.Rngs(0)), rng),
+            "glide_features": random_init(lambda: GlideDraft(CFG, features=True, rngs=nnx.Rngs(0)), rng)}
 
 
 def restricted(vocab_size: int, n: int, rng) -> DraftVocab:
@@ -56,11 +57,12 @@ def restricted(vocab_size: int, n: int, rng) -> DraftVocab:
 @pytest.mark.parametrize("method,draft,batch", [
     ("ar", None, 4), ("speculative", "close", 1), ("speculative", "close", 4), ("cape", "close", 1),
     ("cape", "close", 4), ("glide", "glide", 4), ("cape", "glide", 4), ("glide", "glide_vocab", 4),
-    ("cape", "glide_vocab", 4)])
+    ("cape", "glide_vocab", 4), ("glide", "glide_features", 4), ("cape", "glide_features", 4)])
 def test_greedy_methods_return_greedy_decoding(models, rng, method, draft, batch):
     """Batch 1 and 4 where drafts are accepted often (the near copy); GliDe drafts at
     batch 1 after training: test_glide's jaxpar-generate test. ``glide_vocab``: a GliDe
-    draft over 24 of the 64 tokens (glide.draft_vocab), whose proposals are only those."""
+    draft over 24 of the 64 tokens (glide.draft_vocab), whose proposals are only those;
+    ``glide_features``: one that reads the target's features (glide.features)."""
     target = models["target"]
     prompt = rng.integers(0, CFG.vocab_size, (batch, 6))
     reference = greedy(target, prompt, 24)
@@ -123,6 +125,65 @@ def test_prompts_of_nearby_lengths_share_one_program(models, rng):
     for _ in range(8):
         sequence = np.concatenate([sequence, np.asarray(target(jnp.asarray(sequence)))[:, -1:].argmax(-1)], axis=1)
     np.testing.assert_array_equal(outs[0].tokens[0], sequence[0, prompt.shape[1]:])
+
+
+@pytest.mark.parametrize("method", ["glide", "cape"])
+def test_the_state_carries_the_targets_features_of_the_last_two_tokens(models, rng, method):
+    """A draft reading the target's features (glide.features): after the prefill and
+    after every round, each sequence's state holds the target's features at positions
+    ``n - 2`` and ``n - 1`` of its sequence so far, as a pass over that whole sequence
+    without a cache computes them (after rounds that accepted 0, some and all of their
+    proposals: the draft is a random one, so most reject)."""
+    from jaxpar.inference import speculative
+
+    target, draft = models["target"], models["glide_features"]
+    method_ = speculative.Method(method, gamma=2, bins=(2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2))
+    prefill, round_, _ = speculative.compiled(method_, 12, ())
+    graph, params = nnx.split((target, draft))
+    prompt = rng.integers(0, CFG.vocab_size, (3, 7)).astype(np.int32)
+    lengths = np.array([7, 4, 2], np.int32)  # ragged: the padding is not read
+    state = prefill(graph, params, prompt, lengths, jax.random.key(0))
+    accepted = set()
+    for round_index in range(6):
+        n = np.asarray(state.target_cache.lengths)
+        for b in range(3):
+            sequence = np.concatenate([prompt[b, :lengths[b]], np.asarray(state.out[b, :int(state.count[b]) - 1])])
+            assert len(sequence) == n[b]
+            _, features = target(jnp.asarray(sequence[None]), with_features=True)
+            want = np.stack([np.asarray(features[0, i]) if i >= 0 else np.zeros(CFG.dim) for i in (n[b] - 2, n[b] - 1)])
+            assert rel_err(np.asarray(state.features[b]), want) < 1e-5, (round_index, b)
+        before = np.asarray(state.emitted)
+        state = round_(graph, params, state)
+        accepted |= set((np.asarray(state.emitted) - before - 1).tolist())
+    assert 0 in accepted and len(accepted) > 1
+
+
+def test_a_features_draft_proposes_from_the_last_verified_tokens_feature(rng):
+    """An oracle draft that only passes the target's feature through (fuse ``[0, I]``,
+    its layers' outputs zero, unit norm scales in both): its logits at a position are
+    the target's own at the feature's position, so reading the feature of ``n - 1``
+    (which the target's greedy token there, ``last``, came from) it proposes ``last``
+    at every depth, in every round."""
+    from jaxpar.inference import speculative
+
+    target = random_init(lambda: Transformer(CFG, rngs=nnx.Rngs(0)), rng)
+    draft = random_init(lambda: GlideDraft(CFG, features=True, rngs=nnx.Rngs(0)), rng)
+    target.final_norm.scale[...] = jnp.ones(CFG.dim)
+    draft.final_norm.scale[...] = jnp.ones(CFG.dim)
+    for weight in (draft.layers.attn.o, draft.layers.cross.o, draft.layers.mlp.down):
+        weight[...] = jnp.zeros_like(weight[...])
+    draft.fuse[...] = jnp.stack([jnp.zeros((CFG.dim, CFG.dim)), jnp.eye(CFG.dim)])
+    method = speculative.Method("glide", gamma=3)
+    prefill, round_, _ = speculative.compiled(method, 16, ())
+    graph, params = nnx.split((target, draft))
+    state = prefill(graph, params, rng.integers(0, CFG.vocab_size, (2, 6)).astype(np.int32),
+                    np.array([6, 3], np.int32), jax.random.key(0))
+    for _ in range(3):
+        step = lambda tokens, cache, features: speculative.draft_forward(  # noqa: E731
+            draft, target, tokens, cache, state.target_cache, None, features)
+        drafts, _, _ = speculative.propose(method, step, state, state.draft_cache, jax.random.key(1))
+        np.testing.assert_array_equal(drafts, np.repeat(np.asarray(state.last)[:, None], 3, axis=1))
+        state = round_(graph, params, state)
 
 
 @pytest.mark.slow

@@ -226,6 +226,10 @@ class GlideConfig:
     # (jaxpar.train.self_distill): each document of a split is one prompt, its first
     # prompt_tokens tokens, continued by the target to seq_len + 1 tokens (generated in
     # batches of generate_batch prompts, once, and cached in cache_dir).
+    # Feed the draft the target's features (its final-normed last hidden state at the
+    # last position it verified: EAGLE's input, jaxpar.models.glide.feature_sources)
+    # beside each token's embedding. The teacher cache then holds them too.
+    features: bool = False
     self_distill: bool = False
     prompt_tokens: int = 64
     generate_batch: int = 64

@@ -46,7 +46,7 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.models import ModelConfig, Transformer
-from jaxpar.models.glide import DraftVocab, GlideDraft, cross_block_mask
+from jaxpar.models.glide import DraftVocab, GlideDraft, cross_block_mask, feature_sources
 from jaxpar.models.transformer import init_cache
 from jaxpar.train import teacher_cache
 from jaxpar.train.config import Config
@@ -178,8 +178,10 @@ def teacher(target: Transformer, cfg: Config, sharding=None, *, outputs: str | N
     them as it splits the tokens), and per ``outputs`` (default ``distill_outputs(cfg)``)
     its float32 log-probabilities: ``"full"``: ``target_logprobs [B, T, V]``;
     ``"topk"``: the ``k = min(glide.teacher_topk, V)`` largest, ``target_topk_logprobs
-    [B, T, k]``, and their ids, int32 ``target_topk_ids [B, T, k]``. ``sharding``: the
-    step's batch sharding, for the outputs (None without a mesh)."""
+    [B, T, k]``, and their ids, int32 ``target_topk_ids [B, T, k]``; with
+    ``glide.features``, its features ``target_features [B, T, D]`` (final-normed last
+    hidden states). ``sharding``: the step's batch sharding, for the outputs (None
+    without a mesh)."""
     graphdef = nnx.graphdef(target)
     start = target.cfg.layers - cfg.glide.layers
     outputs = distill_outputs(dataclasses.replace(cfg, model=target.cfg)) if outputs is None else outputs
@@ -188,10 +190,13 @@ def teacher(target: Transformer, cfg: Config, sharding=None, *, outputs: str | N
     def forward(state, batch: Batch) -> Batch:
         model = nnx.merge(graphdef, state)
         B, T = batch["inputs"].shape
-        logits, cache = model(batch["inputs"], positions=batch["positions"],
-                              segment_ids=batch["segment_ids"], cache=init_cache(model.cfg, B, T))
+        logits, cache, features = model(batch["inputs"], positions=batch["positions"],
+                                        segment_ids=batch["segment_ids"], cache=init_cache(model.cfg, B, T),
+                                        with_features=True)
         layers = lambda x: jnp.moveaxis(x[start:], 0, 2)  # [L, B, T, K, H] -> [B, T, L_d, K, H]
         out = dict(batch, target_k=layers(cache.k), target_v=layers(cache.v))
+        if cfg.glide.features:
+            out["target_features"] = features
         if outputs is not None:
             logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
             if outputs == "full":
@@ -216,7 +221,8 @@ class Teacher:
         self.to_global, self.cache, self.state = to_global, cache, target_state
         self.live = teacher(target, cfg, sharding) if cache is None else None
         needed = distill_outputs(dataclasses.replace(cfg, model=target.cfg))
-        self.names = ("k", "v") + (("topk_logprobs", "topk_ids") if needed == "topk" else ())
+        self.names = (("k", "v") + (("topk_logprobs", "topk_ids") if needed == "topk" else ())
+                      + (("features",) if cfg.glide.features else ()))
 
     def __call__(self, split: str, rows: np.ndarray, local: dict) -> Batch:
         if self.cache is None:
@@ -240,14 +246,14 @@ def make_teacher(cfg: Config, target: Transformer, target_state, rows: dict[str,
     data = dataclasses.asdict(dataclasses.replace(cfg.data, tokenizer=None))  # the tokenizer: by content
     layers = range(target.cfg.layers - cfg.glide.layers, target.cfg.layers)
     spec = teacher_cache.spec(target, teacher_cache.params_fingerprint(target), tokenizer_json, data,
-                              rows, layers, cfg.glide.teacher_topk)
+                              rows, layers, cfg.glide.teacher_topk, cfg.glide.features)
     live = []  # made on first use: a complete cache never traces the target
 
     def compute(batch):
         if not live:
             live.append(teacher(target, cfg, sharding, outputs="topk"))
         out = live[0](target_state, to_global(batch))
-        return {name: np.asarray(out[key]) for name, key in teacher_cache.BATCH_KEYS.items()}
+        return {name: np.asarray(out[teacher_cache.BATCH_KEYS[name]]) for name in spec.arrays}
 
     cache = teacher_cache.open_cache(cfg.glide.teacher_cache, spec, rows, compute, cfg.batch_size)
     return Teacher(cfg, target, target_state, to_global, sharding, cache)
@@ -303,14 +309,20 @@ def loss_fn(draft: GlideDraft, batch: Batch, target_state, *, target_graphdef, b
 
     ``batch``: the loader's keys plus ``teacher``'s (or a teacher cache's); the draft's
     queries see the target's keys/values through ``cross_block_mask`` (``block_size`` =
-    gamma + 1). ``target_state``: the target's ``nnx.State``, for its embedding and LM head.
+    gamma + 1), and a draft with ``features`` reads ``target_features`` at
+    ``feature_sources``. ``target_state``: the target's ``nnx.State``, for its embedding and LM head.
     """
     target = nnx.merge(target_graphdef, target_state)
     positions, segment_ids, mask = batch["positions"], batch.get("segment_ids"), batch.get("mask")
     k = jnp.moveaxis(batch["target_k"], 2, 0)  # [B, T, L_d, K, H] -> [L_d, B, T, K, H]
     v = jnp.moveaxis(batch["target_v"], 2, 0)
+    features = None
+    if draft.features:  # each position reads the feature of the last position the target ran
+        source, has = feature_sources(positions, block_size)
+        features = jnp.take_along_axis(batch["target_features"], source[..., None], axis=1)
+        features = jnp.where(has[..., None], features, 0)
     logits = draft(batch["inputs"], target, k, v, cross_block_mask(positions, segment_ids, block_size),
-                   positions=positions, segment_ids=segment_ids)
+                   positions=positions, segment_ids=segment_ids, features=features)
     targets, counted = batch["targets"], mask
     if draft.vocab is not None:  # a target token outside the draft's vocabulary: not its to predict
         targets, inside = draft.vocab.index(targets)

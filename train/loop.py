@@ -228,7 +228,8 @@ def build_model(cfg: Config, vocab=None) -> nnx.Module:
     draft for the target's model config (``cfg.model``) over ``vocab`` (a
     ``jaxpar.models.glide.DraftVocab``, or None: the whole vocabulary)."""
     if cfg.task == "glide":
-        return GlideDraft(cfg.model, cfg.glide.layers, vocab=vocab, rngs=nnx.Rngs(cfg.seed))
+        return GlideDraft(cfg.model, cfg.glide.layers, vocab=vocab, features=cfg.glide.features,
+                          rngs=nnx.Rngs(cfg.seed))
     return Transformer(cfg.model, rngs=nnx.Rngs(cfg.seed))
 
 

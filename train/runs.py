@@ -168,5 +168,6 @@ def load_glide_draft(run_dir: pathlib.Path, step: int | None = None) -> GlideDra
             raise FileNotFoundError(f"no {VOCAB_FILE} in {run_dir} (a draft with glide.draft_vocab="
                                     f"{cfg.glide.draft_vocab})")
         vocab = DraftVocab(np.load(path), cfg.model.vocab_size)
-    model = nnx.eval_shape(lambda: GlideDraft(cfg.model, cfg.glide.layers, vocab=vocab, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: GlideDraft(cfg.model, cfg.glide.layers, vocab=vocab,
+                                                   features=cfg.glide.features, rngs=nnx.Rngs(0)))
     return restore_params(run_dir, model, cfg, step)

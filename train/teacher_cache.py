@@ -13,7 +13,9 @@ reads, the cache holds, for every position ``t < seq_len``:
                  most the vocabulary) largest next-token log-probabilities, normalised
                  over the whole vocabulary (what distillation renormalises);
   topk_ids       ``[T, k]``: their token ids, uint16 when the vocabulary has at most
-                 65,536 tokens, else int32.
+                 65,536 tokens, else int32;
+  features       ``[T, D]`` in the compute dtype, with ``glide.features`` only: the
+                 target's final-normed last hidden state (a draft's EAGLE input).
 
 Disk size per token: ``2 * L_d * K * H * itemsize + k * (4 + id_bytes)`` bytes. For
 SmolLM2-135M (K=3, H=64, float32 from Hugging Face, 49,152 tokens), one draft layer and
@@ -67,10 +69,10 @@ log = logging.getLogger(__name__)
 
 FORMAT = 1
 MANIFEST = "manifest.json"
-ARRAYS = ("k", "v", "topk_logprobs", "topk_ids")
+ARRAYS = ("k", "v", "topk_logprobs", "topk_ids")  # every cache's; "features" with glide.features
 # The batch keys the cached arrays become (what jaxpar.train.glide.loss_fn reads).
 BATCH_KEYS = {"k": "target_k", "v": "target_v", "topk_logprobs": "target_topk_logprobs",
-              "topk_ids": "target_topk_ids"}
+              "topk_ids": "target_topk_ids", "features": "target_features"}
 # Shards hold about this many bytes: big enough that a cache has few files, small enough
 # that an interrupted build loses little.
 SHARD_BYTES = 64 << 20
@@ -117,16 +119,22 @@ class Spec:
     rows: dict[str, int]  # split -> rows cached
 
     @property
+    def arrays(self) -> tuple[str, ...]:
+        """The arrays cached per row: ``ARRAYS``, and ``features`` with them."""
+        return tuple(self.shapes)
+
+    @property
     def bytes_per_token(self) -> int:
         T = self.shapes["k"][0]
-        return sum(np.dtype(self.dtypes[n]).itemsize * int(np.prod(self.shapes[n])) for n in ARRAYS) // T
+        return sum(np.dtype(self.dtypes[n]).itemsize * int(np.prod(self.shapes[n])) for n in self.arrays) // T
 
 
 def spec(target, target_fingerprint: str, tokenizer_json: str, data_config: dict,
-         rows: dict[str, PackedRows], layers: range, topk: int) -> Spec:
+         rows: dict[str, PackedRows], layers: range, topk: int, features: bool = False) -> Spec:
     """The ``Spec`` of a cache of ``rows`` (split -> the packed rows cached, in cache
     order) for ``target`` (a ``Transformer``; ``target_fingerprint`` its
-    ``params_fingerprint``), reading target ``layers`` and the top ``topk`` tokens."""
+    ``params_fingerprint``), reading target ``layers`` and the top ``topk`` tokens, and
+    with ``features`` the target's features too."""
     cfg = target.cfg
     T = next(iter(rows.values())).seq_len
     k = min(topk, cfg.vocab_size)
@@ -145,6 +153,10 @@ def spec(target, target_fingerprint: str, tokenizer_json: str, data_config: dict
         "dtypes": dtypes,
     }
     shapes = {"k": kv, "v": kv, "topk_logprobs": (T, k), "topk_ids": (T, k)}
+    if features:
+        shapes["features"] = (T, cfg.dim)
+        dtypes["features"] = cfg.compute_dtype.name
+        identity["arrays"] = list(shapes)  # absent: ARRAYS (the caches made before features)
     return Spec(identity, shapes, dtypes, {split: len(r) for split, r in rows.items()})
 
 
@@ -179,6 +191,9 @@ def _difference(found: dict, wanted: dict) -> str | None:
         if data.get("rows_sha256", {}).get(split) != digest:
             named = first(data.get("config", {}), wanted["data"]["config"], "data.")
             return f"another corpus (its {split} rows differ" + (f"; {named})" if named else ")")
+    arrays = found.get("arrays", list(ARRAYS)), wanted.get("arrays", list(ARRAYS))
+    if arrays[0] != arrays[1]:
+        return f"other arrays (glide.features: {'features' in arrays[0]} there, {'features' in arrays[1]} here)"
     for key, name in (("layers", "target layers read, glide.layers"), ("topk", "glide.teacher_topk"),
                       ("dtypes", "dtypes")):
         if found.get(key) != wanted[key]:
@@ -227,7 +242,7 @@ def _write_manifest(directory: pathlib.Path, manifest: dict) -> None:
 
 def _shard_ok(directory: pathlib.Path, split: str, shard: int, count: int, spec_: Spec) -> bool:
     """Whether all of shard ``shard``'s files are there, whole, of ``count`` rows."""
-    for name in ARRAYS:
+    for name in spec_.arrays:
         try:
             array = np.load(directory / _file(split, shard, name), mmap_mode="r")
         except (OSError, ValueError):
@@ -282,7 +297,7 @@ def open_cache(directory, spec_: Spec, rows: dict[str, PackedRows], compute: Cal
         shard_rows = max(1, SHARD_BYTES // per_row // batch_size) * batch_size
         manifest = {"identity": spec_.identity, "shard_rows": shard_rows,
                     "bytes_per_token": spec_.bytes_per_token, "complete": False,
-                    "shards": {split: [{"rows": [lo, hi], "files": [_file(split, i, a) for a in ARRAYS]}
+                    "shards": {split: [{"rows": [lo, hi], "files": [_file(split, i, a) for a in spec_.arrays]}
                                        for i, (lo, hi) in enumerate(_shards(n, shard_rows))]
                                for split, n in spec_.rows.items()}}
         directory.mkdir(parents=True, exist_ok=True)
@@ -302,7 +317,7 @@ def open_cache(directory, spec_: Spec, rows: dict[str, PackedRows], compute: Cal
             log.info("teacher cache %s: computing %d shard(s)", directory, len(missing))
         manifest["complete"] = False
         _write_manifest(directory, manifest)
-        _build(directory, missing, rows, compute, batch_size, manifest)
+        _build(directory, missing, rows, compute, batch_size, manifest, spec_.arrays)
     if not manifest["complete"]:
         manifest["complete"] = True
         _write_manifest(directory, manifest)
@@ -310,7 +325,7 @@ def open_cache(directory, spec_: Spec, rows: dict[str, PackedRows], compute: Cal
 
 
 def _build(directory: pathlib.Path, missing, rows: dict[str, PackedRows], compute: Callable,
-           batch_size: int, manifest: dict) -> None:
+           batch_size: int, manifest: dict, names: tuple[str, ...] = ARRAYS) -> None:
     """Computes and writes the ``missing`` shards ``(split, index, lo, hi)``, in batches
     of ``batch_size`` rows (the last padded with the shard's first rows)."""
     for stale in directory.glob(".*.tmp"):  # the temporary files of an interrupted build
@@ -319,17 +334,17 @@ def _build(directory: pathlib.Path, missing, rows: dict[str, PackedRows], comput
     total = sum(hi - lo for _, _, lo, hi in missing)
     masses = []
     for split, index, lo, hi in missing:
-        parts: dict[str, list[np.ndarray]] = {name: [] for name in ARRAYS}
+        parts: dict[str, list[np.ndarray]] = {name: [] for name in names}
         for start in range(lo, hi, batch_size):
             wanted = np.arange(start, min(start + batch_size, hi))
             padded = np.concatenate([wanted, np.full(batch_size - len(wanted), lo)])
             out = compute(batch_of_rows(rows[split], padded))
-            for name in ARRAYS:
+            for name in names:
                 parts[name].append(np.asarray(out[name])[: len(wanted)])
-        arrays = {name: np.concatenate(parts[name]) for name in ARRAYS}
+        arrays = {name: np.concatenate(parts[name]) for name in names}
         arrays["topk_ids"] = arrays["topk_ids"].astype(manifest["identity"]["dtypes"]["topk_ids"])
         masses.append(np.exp(arrays["topk_logprobs"]).sum(-1).mean())
-        for name in ARRAYS:
+        for name in names:
             array = arrays[name]
             if array.dtype.kind == "V" or array.dtype.name == "bfloat16":  # .npy has no bfloat16
                 array = array.view(np.uint16)

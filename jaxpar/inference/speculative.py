@@ -25,6 +25,12 @@ prefix is never recomputed. The draft's cache runs one token behind: each round 
 it at length ``n - 1`` and feeds ``[prev, last]`` (``prev`` at slot ``n - 1``), which
 rewrites a slot whose token the draft may not have seen yet (its last proposal, or a
 tree's accepted sibling) and costs nothing when it had.
+
+A GliDe draft with ``features`` (EAGLE's input) also reads the target's features: the
+state carries those at positions ``n - 2`` and ``n - 1`` (what the target's last pass
+computed there), ``prev`` reads the first, ``last`` and the round's proposals the second
+(the last position the target has verified), as ``jaxpar.models.glide.feature_sources``
+trains it.
 """
 
 from __future__ import annotations
@@ -87,6 +93,8 @@ class State:
     done: bool ``[B]``; a done sequence's lengths and counts no longer move.
     rounds, emitted: int32 ``[B]``, rounds run and tokens emitted while not done.
     key: the PRNG key of sampling.
+    features: ``[B, 2, D]`` the target's features at positions ``n - 2`` and ``n - 1``
+      (zeros before the first token), for a draft that reads them; else None.
     """
 
     target_cache: KVCache
@@ -99,6 +107,7 @@ class State:
     rounds: jax.Array
     emitted: jax.Array
     key: jax.Array
+    features: jax.Array | None = None
 
 
 def check(method: Method, target: Transformer, draft) -> None:
@@ -153,6 +162,17 @@ def _target_layers(draft: GlideDraft, cache: KVCache) -> tuple[jax.Array, jax.Ar
     return cache.k[layers.start:layers.stop], cache.v[layers.start:layers.stop]
 
 
+def reads_features(draft) -> bool:
+    """Whether ``draft`` is a GliDe draft that reads the target's features."""
+    return isinstance(draft, GlideDraft) and draft.features
+
+
+def _features_at(features: jax.Array, index: jax.Array) -> jax.Array:
+    """``features [B, T, D]`` at ``index [B, k]`` -> ``[B, k, D]``, zeros where ``index < 0``."""
+    picked = jnp.take_along_axis(features, jnp.maximum(index, 0)[..., None], axis=1)
+    return jnp.where((index >= 0)[..., None], picked, 0).astype(features.dtype)
+
+
 def draft_cache(draft, batch: int, max_length: int) -> KVCache:
     if isinstance(draft, GlideDraft):
         return draft.init_cache(batch, max_length)
@@ -160,10 +180,11 @@ def draft_cache(draft, batch: int, max_length: int) -> KVCache:
 
 
 def draft_prefill(draft, target: Transformer, prompt: jax.Array, lengths: jax.Array,
-                  cache: KVCache, target_cache: KVCache) -> KVCache:
+                  cache: KVCache, target_cache: KVCache, features: jax.Array | None = None) -> KVCache:
     """Runs the draft over the prompt ``[B, P]`` (the target's cache already holds it; a
     GliDe query at ``t`` sees the target's keys ``<= t``, the first, causal block of its
-    training mask)."""
+    training mask, and reads the target's feature at ``t - 1`` of ``features [B, P, D]``,
+    which a draft that reads features needs)."""
     if not isinstance(draft, GlideDraft):
         return draft(prompt, cache=cache)[1]
     B, P = prompt.shape
@@ -171,14 +192,19 @@ def draft_prefill(draft, target: Transformer, prompt: jax.Array, lengths: jax.Ar
     positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
     keys = jnp.arange(k.shape[2])
     mask = (keys[None, None, :] <= positions[:, :, None]) & (keys[None, None, :] < lengths[:, None, None])
-    return draft(prompt, target, k, v, mask, positions=positions, cache=cache)[1]
+    if draft.features:
+        features = _features_at(features, positions - 1)
+    return draft(prompt, target, k, v, mask, positions=positions, cache=cache, features=features)[1]
 
 
 def draft_forward(draft, target: Transformer, tokens: jax.Array, cache: KVCache,
-                  target_cache: KVCache, head: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+                  target_cache: KVCache, head: jax.Array | None = None,
+                  features: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
     """The draft over ``tokens [B, T]`` continuing its cache: ``(logits [B, T, V], cache)``.
     A GliDe draft's queries see the target's verified tokens (``target_cache.lengths``);
-    ``head``: its ``GlideDraft.head(target)`` computed once for many steps, or None.
+    ``head``: its ``GlideDraft.head(target)`` computed once for many steps, or None;
+    ``features``: ``[B, T, D]``, the target's feature each token reads (a draft that
+    reads them; ignored by one that does not).
 
     A draft over a restricted vocabulary (``GlideDraft.vocab``) gets -inf logits outside
     it: it proposes only its tokens (as full-vocabulary ids), and its sampling
@@ -191,7 +217,8 @@ def draft_forward(draft, target: Transformer, tokens: jax.Array, cache: KVCache,
     T = tokens.shape[1]
     positions = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)
     mask = inference_cross_mask(target_cache.lengths, T, k.shape[2])
-    logits, cache = draft(tokens, target, k, v, mask, positions=positions, cache=cache, head=head)
+    logits, cache = draft(tokens, target, k, v, mask, positions=positions, cache=cache, head=head,
+                          features=features if draft.features else None)
     return (logits if draft.vocab is None else draft.vocab.full_logits(logits)), cache
 
 
@@ -203,17 +230,21 @@ def _choose(method: Method, logits: jax.Array, key: jax.Array) -> jax.Array:
 
 def propose(method: Method, step: Callable, state: State, cache: KVCache, key: jax.Array):
     """The draft's chain of ``gamma`` tokens: ``(tokens [B, gamma], logits [B, gamma, V],
-    cache)``, token ``i`` drawn from ``logits[:, i]`` (greedy or sampled)."""
+    cache)``, token ``i`` drawn from ``logits[:, i]`` (greedy or sampled). ``step(tokens,
+    cache, features)``: the draft's forward, given ``state.features`` for ``[prev,
+    last]`` and the last of them for each proposal (None without features)."""
     lengths = state.target_cache.lengths
     cache = dataclasses.replace(cache, lengths=lengths - 1)
-    logits, cache = step(jnp.stack([state.prev, state.last], axis=1), cache)
+    features = state.features
+    latest = None if features is None else features[:, 1:]  # the last verified position's
+    logits, cache = step(jnp.stack([state.prev, state.last], axis=1), cache, features)
     key, sub = jax.random.split(key)
     first = logits[:, -1]
     token = _choose(method, first, sub)
 
     def body(carry, _):
         cache, token, key = carry
-        logits, cache = step(token[:, None], cache)
+        logits, cache = step(token[:, None], cache, latest)
         key, sub = jax.random.split(key)
         nxt = _choose(method, logits[:, 0], sub)
         return (cache, nxt, key), (logits[:, 0], nxt)
@@ -273,9 +304,11 @@ def is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
 
 
 def _finish(method: Method, state: State, target_cache: KVCache, path_tokens, accepted, nxt,
-            draft_cache, key, eos_ids: tuple[int, ...]) -> State:
+            draft_cache, key, eos_ids: tuple[int, ...], features: jax.Array | None = None) -> State:
     """Emits ``path_tokens[:, :accepted]`` and ``nxt`` for the sequences not done, sets
-    the caches' lengths to keep exactly the accepted tokens, updates the counters."""
+    the caches' lengths to keep exactly the accepted tokens, updates the counters;
+    ``features``: the target's ``[B, T, D]`` over the round's accepted path (its root
+    ``last`` first), for a draft that reads them."""
     B, R = path_tokens.shape[0], method.tokens_per_round
     n = state.target_cache.lengths
     live = ~state.done
@@ -300,24 +333,39 @@ def _finish(method: Method, state: State, target_cache: KVCache, path_tokens, ac
         rounds=state.rounds + live,
         emitted=state.emitted + jnp.where(live, accepted + 1, 0),
         key=key,
+        features=None if features is None else jnp.where(live[:, None, None], _next_features(state, features, accepted),
+                                                         state.features),
     )
 
 
+def _next_features(state: State, path_features: jax.Array, accepted: jax.Array) -> jax.Array:
+    """The target's features at the new ``n - 2`` and ``n - 1`` (``[B, 2, D]``): the
+    path's at ``accepted - 1`` and ``accepted``, the first the old ``n - 1``'s when
+    nothing was accepted (``path_features [B, T, D]``: the path's, root first)."""
+    at = _features_at(path_features, jnp.stack([accepted - 1, accepted], axis=1))
+    before = jnp.where((accepted > 0)[:, None], at[:, 0], state.features[:, 1])
+    return jnp.stack([before, at[:, 1]], axis=1)
+
+
 def verify_chain(method: Method, target: Transformer, state: State, drafts, draft_logits, key):
-    """The target over ``[last, d_1..d_gamma]`` in one pass; ``(cache, accepted, next)``
-    by exact match (greedy) or the speculative-sampling rule."""
+    """The target over ``[last, d_1..d_gamma]`` in one pass; ``(cache, accepted, next,
+    features)`` by exact match (greedy) or the speculative-sampling rule, ``features``
+    the target's over the chain ``[B, gamma + 1, D]`` when the state carries them (else
+    None)."""
     chain = jnp.concatenate([state.last[:, None], drafts], axis=1)
-    logits, cache = target(chain, cache=state.target_cache)
+    logits, cache, *features = target(chain, cache=state.target_cache, with_features=state.features is not None)
+    features = features[0] if features else None
     if method.greedy:
-        return (cache, *accept_greedy(drafts, logits))
+        return (cache, *accept_greedy(drafts, logits), features)
     probs = lambda l: probabilities(l, method.temperature, method.top_p)
-    return (cache, *accept_sampled(drafts, probs(draft_logits), probs(logits), key))
+    return (cache, *accept_sampled(drafts, probs(draft_logits), probs(logits), key), features)
 
 
 def verify_tree(method: Method, target: Transformer, state: State, drafts, draft_logits):
     """CaPE: the draft's chain widened by its confidence into ``method.tree``, verified
     in one target pass with the tree mask, the accepted path's cache entries compacted;
-    ``(cache, path_tokens [B, gamma], accepted, next)``."""
+    ``(cache, path_tokens [B, gamma], accepted, next, features)``, ``features`` the
+    target's along the path ``[B, gamma + 1, D]`` when the state carries them."""
     layout, n = method.tree, state.target_cache.lengths
     confidence = jax.nn.softmax(draft_logits.astype(jnp.float32), axis=-1).max(-1)  # [B, gamma]
     top = jax.lax.top_k(draft_logits, layout.width)[1].at[:, :, 0].set(drafts)
@@ -326,11 +374,13 @@ def verify_tree(method: Method, target: Transformer, state: State, drafts, draft
     B = tokens.shape[0]
     positions = n[:, None] + jnp.asarray(layout.depths)[None, :]
     tree_mask = jnp.broadcast_to(jnp.asarray(layout.mask), (B, layout.size, layout.size))
-    logits, cache = target(tokens, positions=positions, cache=state.target_cache, tree_mask=tree_mask)
+    logits, cache, *features = target(tokens, positions=positions, cache=state.target_cache, tree_mask=tree_mask,
+                                      with_features=state.features is not None)
     target_next = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     path, accepted, nxt = token_tree.verify_greedy(layout, tokens, valid, target_next)
     path_tokens = jnp.take_along_axis(tokens, path[:, 1:], axis=1)
-    return token_tree.compact(cache, n, path), path_tokens, accepted, nxt
+    features = jnp.take_along_axis(features[0], path[..., None], axis=1) if features else None
+    return token_tree.compact(cache, n, path), path_tokens, accepted, nxt, features
 
 
 def make_round(method: Method, target: Transformer, draft, eos_ids: tuple[int, ...],
@@ -355,18 +405,18 @@ def make_round(method: Method, target: Transformer, draft, eos_ids: tuple[int, .
             if head is None and isinstance(draft, GlideDraft):
                 head = draft.head(target)  # once a round, not once a draft step
 
-            def step(tokens, cache):
-                return draft_forward(draft, target, tokens, cache, state.target_cache, head)
+            def step(tokens, cache, features):
+                return draft_forward(draft, target, tokens, cache, state.target_cache, head, features)
 
             drafts, draft_logits, dcache = propose(method, step, state, state.draft_cache, draft_key)
         with jax.named_scope("verify"):
             if method.name == "cape":
-                cache, path_tokens, accepted, nxt = verify_tree(method, target, state, drafts, draft_logits)
+                cache, path_tokens, accepted, nxt, features = verify_tree(method, target, state, drafts, draft_logits)
             else:
-                cache, accepted, nxt = verify_chain(method, target, state, drafts, draft_logits, accept_key)
+                cache, accepted, nxt, features = verify_chain(method, target, state, drafts, draft_logits, accept_key)
                 path_tokens = drafts
         with jax.named_scope("finish"):
-            return _finish(method, state, cache, path_tokens, accepted, nxt, dcache, key, eos_ids)
+            return _finish(method, state, cache, path_tokens, accepted, nxt, dcache, key, eos_ids, features)
 
     return round_
 
@@ -377,20 +427,24 @@ def prefill(method: Method, target: Transformer, draft, prompt: jax.Array, lengt
     ``lengths[b]`` tokens; the rest is padding), and the target's first token."""
     B, P = prompt.shape
     max_length = P + max_new_tokens + method.tokens_verified
-    logits, cache = target(prompt, cache=init_cache(target.cfg, B, max_length))
+    with_features = method.name != "ar" and reads_features(draft)
+    logits, cache, *features = target(prompt, cache=init_cache(target.cfg, B, max_length), with_features=with_features)
+    features = features[0] if features else None
     cache = dataclasses.replace(cache, lengths=lengths)
     key, sub = jax.random.split(key)
     last_logits = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
     first = _choose(method, last_logits, sub)
     dcache = None
     if method.name != "ar":
-        dcache = draft_prefill(draft, target, prompt, lengths, draft_cache(draft, B, max_length), cache)
+        dcache = draft_prefill(draft, target, prompt, lengths, draft_cache(draft, B, max_length), cache, features)
     out = jnp.zeros((B, max_new_tokens + method.tokens_per_round), jnp.int32).at[:, 0].set(first)
     count = jnp.ones((B,), jnp.int32)
     done = (count >= max_new_tokens) | is_eos(first, eos_ids)
     zeros = jnp.zeros((B,), jnp.int32)
     prev = jnp.take_along_axis(prompt, (lengths - 1)[:, None], axis=1)[:, 0].astype(jnp.int32)
-    return State(cache, dcache, prev, first, out, count, done, zeros, zeros, key)
+    if features is not None:  # the target's at n - 2 and n - 1
+        features = _features_at(features, lengths[:, None] + jnp.arange(-2, 0, dtype=jnp.int32))
+    return State(cache, dcache, prev, first, out, count, done, zeros, zeros, key, features)
 
 
 def compiled(method: Method, max_new_tokens: int, eos_ids: tuple[int, ...]):

@@ -165,6 +165,10 @@ class Engine:
             name = method or ("glide" if isinstance(draft, GlideDraft) else "speculative")
             self.method = speculative.Method(name, gamma, token_tree.check_bins(bins))
             speculative.check(self.method, model, draft)
+            if speculative.reads_features(draft):
+                raise ValueError("jaxpar-serve does not yet run a GliDe draft that reads the target's features "
+                                 "(glide.features=true); decode it with jaxpar-generate or "
+                                 "jaxpar.inference.decoding")
         elif method is not None:
             raise ValueError(f"method={method!r} needs a draft model")
         self.batching = batching
