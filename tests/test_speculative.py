@@ -241,7 +241,8 @@ def _exact_marginals(target: Transformer, prompt: np.ndarray, steps: int, temper
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method,draft", [("speculative", "small"), ("glide", "glide"), ("glide", "glide_vocab")])
+@pytest.mark.parametrize("method,draft", [("speculative", "small"), ("glide", "glide"), ("glide", "glide_vocab"),
+                                         ("glide", "glide_features")])
 def test_sampling_follows_the_target_distribution(method, draft, rng):
     """Chi-square goodness of fit at significance 0.001, per generated position, for the
     tokens the round's acceptance rule produced (positions 2 and 3: the first comes
@@ -252,7 +253,8 @@ def test_sampling_follows_the_target_distribution(method, draft, rng):
     target = random_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), rng, std=0.5)
     drafts = {"small": lambda: Transformer(dataclasses.replace(cfg, layers=1), rngs=nnx.Rngs(0)),
               "glide": lambda: GlideDraft(cfg, rngs=nnx.Rngs(0)),
-              "glide_vocab": lambda: GlideDraft(cfg, vocab=DraftVocab([0, 2, 3, 6], 8), rngs=nnx.Rngs(0))}
+              "glide_vocab": lambda: GlideDraft(cfg, vocab=DraftVocab([0, 2, 3, 6], 8), rngs=nnx.Rngs(0)),
+              "glide_features": lambda: GlideDraft(cfg, features=True, rngs=nnx.Rngs(0))}
     draft = random_init(drafts[draft], rng, std=0.5)
     prompt = rng.integers(0, 8, 5)
     temperature, top_p, n = 1.0, 0.95, 6000
