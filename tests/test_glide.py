@@ -199,20 +199,28 @@ def test_draft_parameters_are_stacked_and_annotated():
         nnx.eval_shape(lambda: GlideDraft(CFG, 3, rngs=nnx.Rngs(0)))
 
 
-@pytest.mark.parametrize("cfg", [CFG, GPT2_STYLE], ids=["llama", "gpt2"])
-def test_a_draft_starts_from_the_target_layers_it_reads(rng, cfg):
+@pytest.mark.parametrize("cfg,features", [(CFG, False), (GPT2_STYLE, False), (CFG, True)],
+                         ids=["llama", "gpt2", "llama-features"])
+def test_a_draft_starts_from_the_target_layers_it_reads(rng, cfg, features):
     """start_from_target: draft layer i is target layer target_layers()[i] (its
-    cross-attention that layer's attention's q, o and norm), the final norm the target's."""
-    target, draft = models(dataclasses.replace(cfg, layers=3), 2, rng)
+    cross-attention that layer's attention's q, o and norm), the final norm the target's;
+    with features, the fuse [I, 0] and the features' norm at the embeddings' scale."""
+    target, draft = models(dataclasses.replace(cfg, layers=3), 2, rng, features)
     draft.start_from_target(target)
     mine, theirs = nnx.to_flat_state(nnx.state(draft)), dict(nnx.to_flat_state(nnx.state(target)))
     source = {"cross_norm": "attn_norm", "cross": "attn"}
+    embed = np.asarray(target.embed[...], np.float64)
+    own = {("fuse",): np.stack([np.eye(cfg.dim), np.zeros((cfg.dim, cfg.dim))]),
+           ("feature_norm", "scale"): np.full(cfg.dim, np.sqrt(np.mean(embed ** 2)))}
     for path, var in mine:
-        if path[0] == "layers":
+        if path in own:
+            np.testing.assert_allclose(var.get_value(), own.pop(path), rtol=1e-6, err_msg=str(path))
+        elif path[0] == "layers":
             their = theirs[("layers", source.get(path[1], path[1]), *path[2:])].get_value()
             np.testing.assert_array_equal(var.get_value(), their[1:], err_msg=str(path))
         else:
             np.testing.assert_array_equal(var.get_value(), theirs[path].get_value(), err_msg=str(path))
+    assert len(own) == (0 if features else 2), own  # with features, both were checked
     with pytest.raises(ValueError, match="the draft is for a target of 3 x 32, not 2 x 32"):
         draft.start_from_target(models(cfg, 1, rng)[0])
 
