@@ -1,7 +1,7 @@
 """Speculative decoding, Spec-Bench style: mean accepted tokens per round and wall time,
 per method, kind of text and batch.
 
-    python bench/speculative.py --target PATH [--draft DIR] [--glide DIR [DIR ...]] [--batch 1 8]
+    python bench/speculative.py --target PATH [--draft DIR] [--glide DIR [DIR ...]] [--lookup] [--batch 1 8]
         [--kinds code chat prose] [--prompts 4] [--max-new-tokens 64] [--gamma 4 [5 ...]]
         [--bins K x 11] [--json P] [--png P]
 
@@ -36,6 +36,10 @@ so every method does the same work). Per method and batch size:
 * ``lossless``: every method's tokens equal ``ar``'s (the script exits non-zero
   otherwise);
 * the draft's training cost: its run's steps and the sum of their ``step_time_s``.
+
+``--lookup``: also each drafted method but ``cape`` with prompt lookup beside its draft
+(``speculative_generate(..., lookup=True)``: a second chain copied from the sequence,
+verified in the same pass), rows ``glide+lookup`` (``glide+lookup:NAME``).
 
 ``--draft-vocab N [N ...]``: also decode with the GliDe draft restricted to the ``N``
 most frequent tokens of its training split (FR-Spec's restriction at decoding, of a
@@ -155,9 +159,14 @@ def restricted(draft, run_dir: pathlib.Path, n: int, target):
 
 
 def method_of(row: str) -> str:
-    """The decoding method of a row's name: ``glide@8192`` and ``cape:RUN`` are ``glide``
-    and ``cape``."""
-    return row.partition("@")[0].partition(":")[0]
+    """The decoding method of a row's name: ``glide@8192``, ``glide+lookup`` and
+    ``cape:RUN`` are ``glide``, ``glide`` and ``cape``."""
+    return row.partition("@")[0].partition(":")[0].partition("+")[0]
+
+
+def with_lookup(row: str) -> bool:
+    """Whether a row's name is a method with prompt lookup (``glide+lookup:RUN``)."""
+    return "+lookup" in row
 
 
 def run(target, rows, batch, methods, args):
@@ -169,7 +178,7 @@ def run(target, rows, batch, methods, args):
     whose speed drifts (a shared VM's does, by 20% between hours) slows every method
     alike and the speedups stay comparable."""
     results = [([], [], [], []) for _ in methods]
-    calls = [dict(draft=draft, method=method_of(name), gamma=gamma, bins=args.bins,
+    calls = [dict(draft=draft, method=method_of(name), gamma=gamma, bins=args.bins, lookup=with_lookup(name),
                   max_new_tokens=args.max_new_tokens) for name, draft, _, gamma in methods]
     for start in range(0, len(rows), batch):
         chunk = rows[start:start + batch]
@@ -220,7 +229,7 @@ def plot(results, path: pathlib.Path, title: str) -> None:
     for gamma in gamma_list:
         rounds = [r["round_in_ar_steps"] for r in results
                   if r["gamma"] == gamma and r["batch"] == smallest and method_of(r["method"]) == "glide"
-                  and "@" not in r["method"]]
+                  and "@" not in r["method"] and not with_lookup(r["method"])]
         if rounds:
             cost = float(np.mean(rounds))
             ax.plot(xs, xs / cost, linestyle=":", linewidth=1, color=colour[gamma],
@@ -252,6 +261,7 @@ def main() -> None:
                              "1 + gamma x max(bins) nodes)")
     parser.add_argument("--draft-vocab", type=int, nargs="+", default=[],
                         help="also glide with the draft restricted to its N most frequent tokens")
+    parser.add_argument("--lookup", action="store_true", help="also speculative and glide with prompt lookup")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=pathlib.Path)
     parser.add_argument("--png", type=pathlib.Path)
@@ -273,6 +283,10 @@ def main() -> None:
         glide, name = load_glide_draft(run_dir), f":{run_dir.name}" if len(args.glide) > 1 else ""
         drafted += [(f"glide{name}", glide, run_dir), (f"cape{name}", glide, run_dir)]
         drafted += [(f"glide{name}@{n}", restricted(glide, run_dir, n, target), run_dir) for n in args.draft_vocab]
+    if args.lookup:
+        drafted += [(f"{method}+lookup{name[len(method):]}", draft, run_dir)
+                    for method in ("speculative", "glide") for name, draft, run_dir in list(drafted)
+                    if method_of(name) == method and "@" not in name]
     methods = [("ar", None, None, 1)] + [(*m, gamma) for gamma in args.gamma for m in drafted]
     device = jax.devices()[0].device_kind
     print(f"target {args.target}, {len(rows)} prompts ({', '.join(args.kinds)}), {args.max_new_tokens} new "

@@ -354,6 +354,71 @@ def test_tree_pass_equals_each_branch_run_alone(models, rng):
         assert rel_err(logits[:, node], alone) < 1e-5
 
 
+# ------------------------------------------------------------- prompt lookup
+
+
+def test_lookup_copies_what_followed_the_latest_earlier_occurrence():
+    from jaxpar.inference.speculative import lookup_chain
+
+    history = jnp.array([[5, 1, 2, 5, 3, 4, 5, 0, 0],    # last=5 at 6: latest earlier 5 at 3 -> 3, 4, 5
+                         [5, 1, 2, 5, 3, 4, 5, 0, 0],    # last=4 at 5 (n=5): never before -> nothing
+                         [7, 7, 9, 9, 9, 9, 9, 9, 9],    # last=7 at 1: 7 at 0 -> 7 (at n), then unknown
+                         [1, 2, 3, 1, 2, 3, 1, 8, 8]])   # last=1 at 6: 1 at 3 -> 2, 3, 1
+    tokens, valid = lookup_chain(history, jnp.array([6, 5, 1, 6]), 3)
+    assert valid.tolist() == [[True] * 3, [False] * 3, [True, False, False], [True] * 3]
+    assert tokens[0].tolist() == [3, 4, 5] and tokens[2, 0] == 7 and tokens[3].tolist() == [2, 3, 1]
+
+
+def test_two_chains_keep_the_longer_and_its_cache(models, rng):
+    """The draft's chain and a copied one in one pass: each sequence keeps the chain
+    with more of the target's greedy tokens (the draft's on a tie), emits the target's
+    token after it, and its cache entries are those of a plain pass over that chain."""
+    from jaxpar.inference import speculative
+
+    target, gamma = models["target"], 3
+    prompt = rng.integers(0, CFG.vocab_size, (3, 6)).astype(np.int32)
+    ref = greedy(target, prompt, gamma + 2)  # ref[:, 0] is `last` after the prefill
+    method = speculative.Method("glide", gamma=gamma, lookup=True)
+    prefill, _, _ = speculative.compiled(method, 8, ())
+    graph, params = nnx.split((target, models["glide"]))
+    state = prefill(graph, params, prompt, np.full(3, 6, np.int32), jax.random.key(0))
+    wrong = (ref + 1) % CFG.vocab_size
+    right = ref[:, 1:gamma + 1]
+    drafts = np.stack([wrong[0, 1:4], right[1], [right[2, 0], wrong[2, 2], right[2, 2]]])
+    copied = np.stack([right[0], [right[1, 0], wrong[1, 2], right[1, 2]], [right[2, 0], right[2, 1], wrong[2, 3]]])
+    cache, path_tokens, accepted, nxt, _ = speculative.verify_two_chains(
+        target, state, jnp.asarray(drafts), jnp.asarray(copied), jnp.ones((3, gamma), bool))
+    assert accepted.tolist() == [3, 3, 2]  # the copy, the draft (the copy has 1), the copy (the draft has 1)
+    np.testing.assert_array_equal(path_tokens, np.stack([copied[0], drafts[1], copied[2]]))
+    np.testing.assert_array_equal(nxt, ref[np.arange(3), np.asarray(accepted) + 1])
+    # no valid copied token: the draft's chain, whatever the copied tokens say
+    assert speculative.verify_two_chains(target, state, jnp.asarray(wrong[:, 1:4]), jnp.asarray(right),
+                                         jnp.zeros((3, gamma), bool))[2].tolist() == [0, 0, 0]
+    for b in range(3):
+        a = int(accepted[b])
+        chain = jnp.asarray(np.concatenate([[ref[b, 0]], np.asarray(path_tokens[b, :a])])[None])
+        alone = init_cache(CFG, 1, 16)
+        _, alone = target(jnp.asarray(prompt[b:b + 1]), cache=alone)
+        _, alone = target(chain, cache=alone)
+        assert rel_err(cache.k[:, b, 6:7 + a], alone.k[:, 0, 6:7 + a]) < 1e-5
+        assert rel_err(cache.v[:, b, 6:7 + a], alone.v[:, 0, 6:7 + a]) < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method,draft", [("glide", "glide"), ("glide", "glide_features"), ("speculative", "close")])
+def test_lookup_rounds_return_greedy_decoding(models, rng, method, draft):
+    """With lookup, tokens equal plain greedy decoding, on prompts that repeat (so the
+    copied chains are proposed) as on random ones."""
+    target = models["target"]
+    motif = rng.integers(0, CFG.vocab_size, (2, 4))
+    prompt = np.concatenate([np.tile(motif, 3), rng.integers(0, CFG.vocab_size, (2, 12))])  # [4, 12]
+    reference = greedy(target, prompt, 24)
+    out = speculative_generate(target, prompt, draft=models[draft], method=method, gamma=3, max_new_tokens=24,
+                               lookup=True)
+    for b in range(len(prompt)):
+        np.testing.assert_array_equal(out.tokens[b], reference[b])
+
+
 # ---------------------------------------------------------------------- bad input
 
 
@@ -364,6 +429,8 @@ def test_tree_pass_equals_each_branch_run_alone(models, rng):
     (dict(method="speculative", draft=None), "needs a draft model"),
     (dict(method="cape", temperature=0.7), "'cape' is greedy"),
     (dict(method="glide", draft="small"), "needs a GliDe draft"),
+    (dict(method="cape", lookup=True), "lookup goes with a greedy 'speculative' or 'glide' round, not method 'cape'"),
+    (dict(method="glide", lookup=True, temperature=0.5), "not method 'glide' at temperature 0.5"),
 ])
 def test_bad_settings_are_one_clear_error(models, kwargs, message):
     draft = models.get(kwargs.pop("draft", "glide"))

@@ -77,6 +77,9 @@ def _parser() -> CommandParser:
     parser.add_argument("--gamma", type=int, default=4, help="draft tokens per step (tree depth for cape)")
     parser.add_argument("--bins", type=int, nargs="+", default=list(DEFAULT_BINS), metavar="K",
                         help="cape: 11 tree widths by draft confidence decile (default: %(default)s)")
+    parser.add_argument("--lookup", action="store_true",
+                        help="speculative or glide, greedy: also verify a chain copied from the text so far "
+                             "(prompt lookup), beside the draft's")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
 
@@ -89,7 +92,7 @@ def _run(target, prompt, eos, args, method, draft, tokenizer=None):
     for new, accepted_now in speculative_stream(
             target, prompt, draft=draft, method=method, gamma=args.gamma, bins=args.bins,
             max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-            seed=args.seed, eos_ids=eos):
+            seed=args.seed, eos_ids=eos, lookup=args.lookup):
         if started is None:
             started, first = time.perf_counter(), len(new[0])  # after the prefill's token
         ids += [int(i) for i in new[0]]

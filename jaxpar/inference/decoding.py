@@ -112,8 +112,8 @@ def _eos(eos_ids: Sequence[int]) -> tuple[int, ...]:
     return tuple(sorted({int(i) for i in eos_ids}))
 
 
-def _setup(target, prompt, draft, method, gamma, bins, temperature, top_p, max_new_tokens):
-    method = Method(method, gamma, tuple(bins), float(temperature), float(top_p))
+def _setup(target, prompt, draft, method, gamma, bins, temperature, top_p, max_new_tokens, lookup=False):
+    method = Method(method, gamma, tuple(bins), float(temperature), float(top_p), bool(lookup))
     speculative.check(method, target, draft)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be at least 1")
@@ -149,6 +149,7 @@ def speculative_generate(
     top_p: float = 1.0,
     seed: int = 0,
     eos_ids: Sequence[int] = (),
+    lookup: bool = False,
 ) -> Generation:
     """Generates with ``method`` (``jaxpar.inference.decoding.METHODS``), all rounds in one jitted
     loop, every sequence of the batch accepting its own number of tokens per round.
@@ -165,12 +166,15 @@ def speculative_generate(
       bins: CaPE's widths by draft confidence decile (11 ints).
       temperature, top_p: 0 is greedy; ``cape`` is greedy only.
       eos_ids: end-of-sequence tokens; a sequence stops after producing any of them.
+      lookup: with ``speculative`` or ``glide``, greedy: a second chain copied from the
+        sequence itself (prompt lookup) verified beside the draft's in the same pass
+        (``jaxpar.inference.speculative``).
 
     Raises:
       ValueError: a method, draft or setting that does not fit (one line).
     """
     method, tokens, lengths, graph, params = _setup(target, prompt, draft, method, gamma, bins,
-                                                    temperature, top_p, max_new_tokens)
+                                                    temperature, top_p, max_new_tokens, lookup)
     eos_ids = _eos(eos_ids)
     _, _, loop = _compiled(method, max_new_tokens, eos_ids)
     state = loop(graph, params, tokens, lengths, jax.random.key(seed))
@@ -182,7 +186,8 @@ def speculative_generate(
 def speculative_stream(target: Transformer, prompt, *, draft=None, method: str = "speculative",
                        gamma: int = 4, bins: Sequence[int] = DEFAULT_BINS, max_new_tokens: int,
                        temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
-                       eos_ids: Sequence[int] = ()) -> Iterator[tuple[list[np.ndarray], np.ndarray]]:
+                       eos_ids: Sequence[int] = (), lookup: bool = False
+                       ) -> Iterator[tuple[list[np.ndarray], np.ndarray]]:
     """``speculative_generate`` one jitted round at a time, for streaming: yields
     ``(new_tokens, accepted)`` after the prefill and after every round, ``new_tokens`` a
     list (per sequence) of the int32 tokens it just produced (empty once done), and
@@ -192,14 +197,15 @@ def speculative_stream(target: Transformer, prompt, *, draft=None, method: str =
     host reads (the tokens, counts and flags, fetched together), as the one-jit loop of
     ``speculative_generate`` runs the same program without the transfers."""
     method, tokens, lengths, graph, params = _setup(target, prompt, draft, method, gamma, bins,
-                                                    temperature, top_p, max_new_tokens)
+                                                    temperature, top_p, max_new_tokens, lookup)
     eos_ids = _eos(eos_ids)
     prefill, round_, _ = _compiled(method, max_new_tokens, eos_ids)
     state = prefill(graph, params, tokens, lengths, jax.random.key(seed))
     jax.block_until_ready(round_(graph, params, state))  # compile before the first yield
     shown = np.zeros(tokens.shape[0], int)
     while True:
-        host = jax.device_get(dataclasses.replace(state, target_cache=None, draft_cache=None, key=None))
+        host = jax.device_get(dataclasses.replace(state, target_cache=None, draft_cache=None, key=None,
+                                                  features=None, history=None))
         rows = _tokens(host, eos_ids, max_new_tokens)
         new = [row[s:] for row, s in zip(rows, shown)]
         shown = np.asarray([len(r) for r in rows])

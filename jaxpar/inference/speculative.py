@@ -17,6 +17,14 @@ One round, for every sequence of the batch at once (each with its own cache leng
 * ``cape``: the draft's greedy chain widened into a token tree by its confidence
   (``jaxpar.inference.token_tree``), verified in one target pass with a tree mask; the longest
   path the target agrees with is accepted and its cache entries compacted into place.
+* ``lookup`` (with ``speculative`` or ``glide``, greedy): beside the draft's chain, a
+  second chain copied from the sequence itself (prompt lookup, Saxena 2023: the ``gamma``
+  tokens that followed the latest earlier occurrence of ``last``), both verified in one
+  target pass as a two-branch tree; the longer accepted one is kept (the draft's on a
+  tie). It catches what a one-layer draft cannot: text that repeats what the context
+  already holds. When the copied chain wins, the draft's cache keeps its own proposals'
+  entries at the positions before ``prev`` (a draft's approximation; the target's cache
+  and the tokens are exact).
 
 Cache bookkeeping, with ``n`` a sequence's target cache length: the target cache holds
 the ``n`` tokens before ``last``; a round writes ``[last, ...]`` at slots ``n..`` and the
@@ -40,6 +48,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxpar.inference import token_tree
@@ -61,6 +70,7 @@ class Method:
     bins: tuple[int, ...] = token_tree.DEFAULT_BINS
     temperature: float = 0.0
     top_p: float = 1.0
+    lookup: bool = False
 
     @property
     def greedy(self) -> bool:
@@ -78,6 +88,8 @@ class Method:
     @property
     def tokens_verified(self) -> int:
         """The tokens a round's target pass writes into the cache."""
+        if self.lookup:
+            return 1 + 2 * self.gamma
         return {"ar": 1, "cape": self.tree.size}.get(self.name, self.gamma + 1)
 
 
@@ -95,6 +107,8 @@ class State:
     key: the PRNG key of sampling.
     features: ``[B, 2, D]`` the target's features at positions ``n - 2`` and ``n - 1``
       (zeros before the first token), for a draft that reads them; else None.
+    history: int32 ``[B, S]`` each sequence so far by position (``history[b, n] =
+      last``; later slots are stale), for ``lookup``; else None.
     """
 
     target_cache: KVCache
@@ -108,6 +122,7 @@ class State:
     emitted: jax.Array
     key: jax.Array
     features: jax.Array | None = None
+    history: jax.Array | None = None
 
 
 def check(method: Method, target: Transformer, draft) -> None:
@@ -135,6 +150,9 @@ def check(method: Method, target: Transformer, draft) -> None:
                          "runs with method 'glide' or 'cape'")
     if isinstance(draft, GlideDraft):
         check_glide_target(draft, target)
+    if method.lookup and (method.name not in ("speculative", "glide") or not method.greedy):
+        raise ValueError(f"lookup goes with a greedy 'speculative' or 'glide' round, not method "
+                         f"{method.name!r} at temperature {method.temperature}")
     if method.name == "cape" and not method.greedy:
         raise ValueError(f"method 'cape' is greedy (temperature 0), got temperature={method.temperature}; "
                          "for sampling use 'glide' or 'speculative', which are lossless")
@@ -335,6 +353,8 @@ def _finish(method: Method, state: State, target_cache: KVCache, path_tokens, ac
         key=key,
         features=None if features is None else jnp.where(live[:, None, None], _next_features(state, features, accepted),
                                                          state.features),
+        history=None if state.history is None else jnp.where(live[:, None], write_cache(state.history, emitted, n + 1),
+                                                             state.history),
     )
 
 
@@ -359,6 +379,72 @@ def verify_chain(method: Method, target: Transformer, state: State, drafts, draf
         return (cache, *accept_greedy(drafts, logits), features)
     probs = lambda l: probabilities(l, method.temperature, method.top_p)
     return (cache, *accept_sampled(drafts, probs(draft_logits), probs(logits), key), features)
+
+
+def lookup_chain(history: jax.Array, n: jax.Array, gamma: int) -> tuple[jax.Array, jax.Array]:
+    """Prompt lookup: the ``gamma`` tokens after the latest occurrence of ``last`` before
+    it, ``(tokens [B, gamma], valid [B, gamma])``; ``valid`` is False past position ``n``
+    (tokens not yet known) and everywhere when ``last`` has not occurred before.
+
+    Args:
+      history: int32 ``[B, S]``, each sequence by position, ``last`` at ``n``.
+      n: int32 ``[B]``, the position of ``last``.
+    """
+    S = history.shape[1]
+    index = jnp.arange(S, dtype=jnp.int32)[None, :]
+    last = jnp.take_along_axis(history, n[:, None], axis=1)
+    seen = jnp.max(jnp.where((history == last) & (index < n[:, None]), index, -1), axis=1)  # [B]
+    at = seen[:, None] + 1 + jnp.arange(gamma, dtype=jnp.int32)[None, :]
+    valid = (seen[:, None] >= 0) & (at <= n[:, None])
+    return jnp.take_along_axis(history, jnp.clip(at, 0, S - 1), axis=1), valid
+
+
+def two_chains_mask(gamma: int) -> np.ndarray:
+    """bool ``[1 + 2 gamma, 1 + 2 gamma]``: the root, then two chains of ``gamma`` nodes
+    (``1..gamma`` and ``gamma + 1..2 gamma``); a node sees the root, itself and the nodes
+    above it in its own chain."""
+    size = 1 + 2 * gamma
+    mask = np.eye(size, dtype=bool)
+    mask[:, 0] = True
+    for chain in range(2):
+        for i in range(gamma):
+            mask[1 + chain * gamma + i, 1 + chain * gamma: 1 + chain * gamma + i] = True
+    return mask
+
+
+def verify_two_chains(target: Transformer, state: State, drafts, copied, copied_valid):
+    """The draft's chain ``drafts [B, gamma]`` and the copied one ``copied [B, gamma]``
+    (its ``copied_valid``) in one target pass over ``[last, drafts, copied]`` with
+    ``two_chains_mask``; keeps the chain with more accepted tokens (the draft's on a tie)
+    and compacts its cache entries: ``(cache, path_tokens [B, gamma], accepted, next,
+    features)``, ``features`` the target's along the kept path when the state carries
+    them (else None)."""
+    B, gamma = drafts.shape
+    n = state.target_cache.lengths
+    tokens = jnp.concatenate([state.last[:, None], drafts, copied], axis=1)
+    depths = np.concatenate([[0], np.arange(1, gamma + 1), np.arange(1, gamma + 1)]).astype(np.int32)
+    positions = n[:, None] + jnp.asarray(depths)[None, :]
+    mask = jnp.broadcast_to(jnp.asarray(two_chains_mask(gamma)), (B, 1 + 2 * gamma, 1 + 2 * gamma))
+    logits, cache, *features = target(tokens, positions=positions, cache=state.target_cache, tree_mask=mask,
+                                      with_features=state.features is not None)
+    target_next = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, 1 + 2 gamma]
+
+    def accepted_along(nodes, valid):  # nodes: a chain's node indices [gamma]
+        parents = np.concatenate([[0], nodes[:-1]])
+        agree = valid & (tokens[:, nodes] == target_next[:, parents])
+        return jnp.cumprod(agree, axis=1).sum(axis=1).astype(jnp.int32)
+
+    draft_nodes, copied_nodes = np.arange(1, gamma + 1), np.arange(gamma + 1, 2 * gamma + 1)
+    from_draft = accepted_along(draft_nodes, jnp.ones_like(copied_valid))
+    from_copy = accepted_along(copied_nodes, copied_valid)
+    use_copy = from_copy > from_draft
+    accepted = jnp.maximum(from_draft, from_copy)
+    path = jnp.concatenate([jnp.zeros((B, 1), jnp.int32),
+                            jnp.where(use_copy[:, None], copied_nodes[None, :], draft_nodes[None, :])], axis=1)
+    nxt = jnp.take_along_axis(target_next, jnp.take_along_axis(path, accepted[:, None], axis=1), axis=1)[:, 0]
+    path_tokens = jnp.where(use_copy[:, None], copied, drafts)
+    features = jnp.take_along_axis(features[0], path[..., None], axis=1) if features else None
+    return token_tree.compact(cache, n, path), path_tokens, accepted, nxt, features
 
 
 def verify_tree(method: Method, target: Transformer, state: State, drafts, draft_logits):
@@ -412,6 +498,10 @@ def make_round(method: Method, target: Transformer, draft, eos_ids: tuple[int, .
         with jax.named_scope("verify"):
             if method.name == "cape":
                 cache, path_tokens, accepted, nxt, features = verify_tree(method, target, state, drafts, draft_logits)
+            elif method.lookup:
+                copied, copied_valid = lookup_chain(state.history, state.target_cache.lengths, method.gamma)
+                cache, path_tokens, accepted, nxt, features = verify_two_chains(target, state, drafts, copied,
+                                                                                copied_valid)
             else:
                 cache, accepted, nxt, features = verify_chain(method, target, state, drafts, draft_logits, accept_key)
                 path_tokens = drafts
@@ -444,7 +534,11 @@ def prefill(method: Method, target: Transformer, draft, prompt: jax.Array, lengt
     prev = jnp.take_along_axis(prompt, (lengths - 1)[:, None], axis=1)[:, 0].astype(jnp.int32)
     if features is not None:  # the target's at n - 2 and n - 1
         features = _features_at(features, lengths[:, None] + jnp.arange(-2, 0, dtype=jnp.int32))
-    return State(cache, dcache, prev, first, out, count, done, zeros, zeros, key, features)
+    history = None
+    if method.lookup:  # room for every round's writes past the last position kept
+        history = jnp.zeros((B, P + max_new_tokens + 2 * method.tokens_per_round), jnp.int32)
+        history = write_cache(history.at[:, :P].set(prompt.astype(jnp.int32)), first[:, None], lengths)
+    return State(cache, dcache, prev, first, out, count, done, zeros, zeros, key, features, history)
 
 
 def compiled(method: Method, max_new_tokens: int, eos_ids: tuple[int, ...]):
