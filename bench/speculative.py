@@ -1,7 +1,8 @@
 """Speculative decoding, Spec-Bench style: mean accepted tokens per round and wall time,
 per method, kind of text and batch.
 
-    python bench/speculative.py --target PATH [--draft DIR] [--glide DIR [DIR ...]] [--lookup] [--batch 1 8]
+    python bench/speculative.py --target PATH [--draft DIR] [--glide DIR [DIR ...]] [--lookup tree select]
+        [--batch 1 8]
         [--kinds code chat prose] [--prompts 4] [--max-new-tokens 64] [--gamma 4 [5 ...]]
         [--bins K x 11] [--json P] [--png P]
 
@@ -37,9 +38,10 @@ so every method does the same work). Per method and batch size:
   otherwise);
 * the draft's training cost: its run's steps and the sum of their ``step_time_s``.
 
-``--lookup``: also each drafted method but ``cape`` with prompt lookup beside its draft
-(``speculative_generate(..., lookup=True)``: a second chain copied from the sequence,
-verified in the same pass), rows ``glide+lookup`` (``glide+lookup:NAME``).
+``--lookup KIND [KIND ...]``: also each drafted method but ``cape`` with prompt lookup
+(``speculative_generate(..., lookup=KIND)``: a chain copied from the sequence, verified
+beside the draft's, ``tree``, or instead of it, ``select``), rows ``glide+lookup-KIND``
+(``glide+lookup-KIND:NAME``).
 
 ``--draft-vocab N [N ...]``: also decode with the GliDe draft restricted to the ``N``
 most frequent tokens of its training split (FR-Spec's restriction at decoding, of a
@@ -67,6 +69,7 @@ import jax
 import numpy as np
 
 from jaxpar.inference.decoding import DEFAULT_BINS, speculative_generate
+from jaxpar.inference.speculative import LOOKUPS
 from jaxpar.train import data as data_lib
 from jaxpar.train.runs import load_glide_draft, load_model, load_tokenizer, read_config
 
@@ -159,14 +162,14 @@ def restricted(draft, run_dir: pathlib.Path, n: int, target):
 
 
 def method_of(row: str) -> str:
-    """The decoding method of a row's name: ``glide@8192``, ``glide+lookup`` and
+    """The decoding method of a row's name: ``glide@8192``, ``glide+lookup-tree`` and
     ``cape:RUN`` are ``glide``, ``glide`` and ``cape``."""
     return row.partition("@")[0].partition(":")[0].partition("+")[0]
 
 
-def with_lookup(row: str) -> bool:
-    """Whether a row's name is a method with prompt lookup (``glide+lookup:RUN``)."""
-    return "+lookup" in row
+def lookup_of(row: str) -> str:
+    """A row's prompt lookup: ``glide+lookup-select:RUN``'s is ``select``; ``""``: none."""
+    return row.partition("+lookup-")[2].partition(":")[0].partition("@")[0]
 
 
 def run(target, rows, batch, methods, args):
@@ -178,7 +181,7 @@ def run(target, rows, batch, methods, args):
     whose speed drifts (a shared VM's does, by 20% between hours) slows every method
     alike and the speedups stay comparable."""
     results = [([], [], [], []) for _ in methods]
-    calls = [dict(draft=draft, method=method_of(name), gamma=gamma, bins=args.bins, lookup=with_lookup(name),
+    calls = [dict(draft=draft, method=method_of(name), gamma=gamma, bins=args.bins, lookup=lookup_of(name),
                   max_new_tokens=args.max_new_tokens) for name, draft, _, gamma in methods]
     for start in range(0, len(rows), batch):
         chunk = rows[start:start + batch]
@@ -209,19 +212,22 @@ def plot(results, path: pathlib.Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(9, 4.5))
-    # A colour per gamma (its points and its round-cost line), a marker per method, hollow
-    # markers above the smallest batch.
+    # A colour per gamma (its points and its round-cost line), a marker per method (and
+    # prompt lookup), hollow markers above the smallest batch, each point named.
     gamma_list = sorted({r["gamma"] for r in results if r["gamma"]})
     colour = {g: f"C{i}" for i, g in enumerate(gamma_list)}
     smallest = min(r["batch"] for r in results)
     for r in results:
         if r["method"] == "ar":
             continue
-        marker = {"speculative": "o", "glide": "s", "cape": "^"}[method_of(r["method"])]
+        marker = {"tree": "D", "select": "P"}.get(lookup_of(r["method"])) or {
+            "speculative": "o", "glide": "s", "cape": "^"}[method_of(r["method"])]
         c = colour[r["gamma"]]
         ax.scatter(r["accepted_per_step"], r["speedup"], marker=marker, s=60, edgecolors=c,
                    facecolors=c if r["batch"] == smallest else "none",
                    label=f"{r['method']}, batch {r['batch']}" + (f", gamma {r['gamma']}" if len(gamma_list) > 1 else ""))
+        ax.annotate(r["method"], (r["accepted_per_step"], r["speedup"]), xytext=(5, 3), textcoords="offset points",
+                    fontsize=6, color=c)
     ax.axhline(1.0, color="gray", linestyle="--", label="break-even (ar)")
     # Where a round's cost puts a draft: speedup = accepted / (round, in ar steps), one
     # line per gamma through its glide rounds' mean cost at the smallest batch.
@@ -229,7 +235,7 @@ def plot(results, path: pathlib.Path, title: str) -> None:
     for gamma in gamma_list:
         rounds = [r["round_in_ar_steps"] for r in results
                   if r["gamma"] == gamma and r["batch"] == smallest and method_of(r["method"]) == "glide"
-                  and "@" not in r["method"] and not with_lookup(r["method"])]
+                  and "@" not in r["method"] and not lookup_of(r["method"])]
         if rounds:
             cost = float(np.mean(rounds))
             ax.plot(xs, xs / cost, linestyle=":", linewidth=1, color=colour[gamma],
@@ -261,7 +267,8 @@ def main() -> None:
                              "1 + gamma x max(bins) nodes)")
     parser.add_argument("--draft-vocab", type=int, nargs="+", default=[],
                         help="also glide with the draft restricted to its N most frequent tokens")
-    parser.add_argument("--lookup", action="store_true", help="also speculative and glide with prompt lookup")
+    parser.add_argument("--lookup", nargs="+", choices=LOOKUPS, default=[],
+                        help="also speculative and glide with prompt lookup of these kinds")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=pathlib.Path)
     parser.add_argument("--png", type=pathlib.Path)
@@ -283,10 +290,10 @@ def main() -> None:
         glide, name = load_glide_draft(run_dir), f":{run_dir.name}" if len(args.glide) > 1 else ""
         drafted += [(f"glide{name}", glide, run_dir), (f"cape{name}", glide, run_dir)]
         drafted += [(f"glide{name}@{n}", restricted(glide, run_dir, n, target), run_dir) for n in args.draft_vocab]
-    if args.lookup:
-        drafted += [(f"{method}+lookup{name[len(method):]}", draft, run_dir)
-                    for method in ("speculative", "glide") for name, draft, run_dir in list(drafted)
-                    if method_of(name) == method and "@" not in name]
+    plain = [(name, draft, run_dir) for name, draft, run_dir in drafted
+             if method_of(name) in ("speculative", "glide") and "@" not in name]
+    drafted += [(f"{method_of(name)}+lookup-{kind}{name[len(method_of(name)):]}", draft, run_dir)
+                for kind in args.lookup for name, draft, run_dir in plain]
     methods = [("ar", None, None, 1)] + [(*m, gamma) for gamma in args.gamma for m in drafted]
     device = jax.devices()[0].device_kind
     print(f"target {args.target}, {len(rows)} prompts ({', '.join(args.kinds)}), {args.max_new_tokens} new "

@@ -402,7 +402,8 @@ def test_generate_with_trained_drafts_gives_the_targets_tokens(target_run, glide
     assert code == 0, err
     assert "accepted_per_step" not in ar and len(ar["tokens"]) > 0
     for draft, method, *lookup in [(vanilla, "speculative"), (glide_run, "glide"), (glide_run, "cape"),
-                                   (vanilla, "cape"), (glide_run, "glide", "--lookup")]:
+                                   (vanilla, "cape"), (glide_run, "glide", "--lookup", "tree"),
+                                   (vanilla, "speculative", "--lookup", "select")]:
         code, out, err = generate_cli(capsys, *common, "--draft", draft, "--method", method, "--gamma", "3", *lookup)
         assert code == 0, err
         assert out["tokens"] == ar["tokens"] and out["text"] == ar["text"]
@@ -439,7 +440,7 @@ def test_generate_with_trained_drafts_gives_the_targets_tokens(target_run, glide
         (["--draft", glide_run, "--method", "cape", "--bins", "4", "2"], "bins=[4, 2] must be 11 positive integers"),
         (["--draft", glide_run, "--method", "cape", "--temperature", "0.8"], "'cape' is greedy"),
         (["--draft", vanilla, "--method", "glide"], "needs a GliDe draft"),
-        (["--draft", glide_run, "--method", "cape", "--lookup"], "lookup goes with a greedy 'speculative' or 'glide'"),
+        (["--draft", glide_run, "--method", "cape", "--lookup", "tree"], "lookup goes with a greedy 'speculative' or 'glide'"),
     ]:
         code, _, err = generate_cli(capsys, *common, *args)
         lines = err.strip().splitlines()
@@ -460,7 +461,7 @@ def test_speculative_benchmark(target_run, glide_run, vanilla_run, capsys, monke
     monkeypatch.setattr(sys, "argv", [str(script), "--target", str(target_run), "--draft", str(vanilla_run),
                                       "--glide", str(glide_run), str(again), "--prompts", "1", "--prompt-tokens", "8",
                                       "--max-new-tokens", "12", "--batch", "3", "--repeats", "1",
-                                      "--draft-vocab", "100", "--lookup", "--json", str(tmp_path / "s.json"), *png])
+                                      "--draft-vocab", "100", "--lookup", "tree", "select", "--json", str(tmp_path / "s.json"), *png])
     runpy.run_path(str(script), run_name="__main__")
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     assert rows[0].startswith("| method | batch | accepted/round (code / chat / prose) | all |")
@@ -468,13 +469,14 @@ def test_speculative_benchmark(target_run, glide_run, vanilla_run, capsys, monke
     name = glide_run.name
     assert [r.split("|")[1].strip() for r in rows[1:]] == [
         "ar", "speculative", f"glide:{name}", f"cape:{name}", f"glide:{name}@100", "glide:again", "cape:again",
-        "glide:again@100", "speculative+lookup", f"glide+lookup:{name}", "glide+lookup:again"]
+        "glide:again@100", "speculative+lookup-tree", f"glide+lookup-tree:{name}", "glide+lookup-tree:again",
+        "speculative+lookup-select", f"glide+lookup-select:{name}", "glide+lookup-select:again"]
     assert all("| yes |" in r for r in rows[1:]) and "6 steps" in rows[3]  # the GliDe run's 6 steps
     results = json.loads((tmp_path / "s.json").read_text())["results"]
     by_name = {r["method"]: r for r in results}
     assert set(by_name[f"glide:{name}"]["by_kind"]) == {"code", "chat", "prose"}
     assert by_name[f"cape:{name}"]["accepted_per_step"] == by_name["cape:again"]["accepted_per_step"]
-    assert [r["gamma"] for r in results] == [None] + [4] * 10
+    assert [r["gamma"] for r in results] == [None] + [4] * 13
     for r in results:  # a round's time in ar steps: accepted tokens a round over the speedup
         assert math.isclose(r["round_in_ar_steps"], r["accepted_per_step"] / r["speedup"])
     assert not png or (tmp_path / "s.png").read_bytes().startswith(b"\x89PNG")

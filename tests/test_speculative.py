@@ -367,6 +367,11 @@ def test_lookup_copies_what_followed_the_latest_earlier_occurrence():
     tokens, valid = lookup_chain(history, jnp.array([6, 5, 1, 6]), 3)
     assert valid.tolist() == [[True] * 3, [False] * 3, [True, False, False], [True] * 3]
     assert tokens[0].tolist() == [3, 4, 5] and tokens[2, 0] == 7 and tokens[3].tolist() == [2, 3, 1]
+    # the last two tokens: [4, 5] and [3, 4] not before; [7, 7] not before 1 (no wrap to the
+    # end of the row); [3, 1] at 2..3 -> 2, 3, 1
+    tokens, valid = lookup_chain(history, jnp.array([6, 5, 1, 6]), 3, ngram=2)
+    assert valid.tolist() == [[False] * 3, [False] * 3, [False] * 3, [True] * 3]
+    assert tokens[3].tolist() == [2, 3, 1]
 
 
 def test_two_chains_keep_the_longer_and_its_cache(models, rng):
@@ -378,7 +383,7 @@ def test_two_chains_keep_the_longer_and_its_cache(models, rng):
     target, gamma = models["target"], 3
     prompt = rng.integers(0, CFG.vocab_size, (3, 6)).astype(np.int32)
     ref = greedy(target, prompt, gamma + 2)  # ref[:, 0] is `last` after the prefill
-    method = speculative.Method("glide", gamma=gamma, lookup=True)
+    method = speculative.Method("glide", gamma=gamma, lookup="tree")
     prefill, _, _ = speculative.compiled(method, 8, ())
     graph, params = nnx.split((target, models["glide"]))
     state = prefill(graph, params, prompt, np.full(3, 6, np.int32), jax.random.key(0))
@@ -405,8 +410,10 @@ def test_two_chains_keep_the_longer_and_its_cache(models, rng):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method,draft", [("glide", "glide"), ("glide", "glide_features"), ("speculative", "close")])
-def test_lookup_rounds_return_greedy_decoding(models, rng, method, draft):
+@pytest.mark.parametrize("method,draft,lookup", [("glide", "glide", "tree"), ("glide", "glide_features", "tree"),
+                                                ("speculative", "close", "tree"), ("glide", "glide", "select"),
+                                                ("speculative", "close", "select")])
+def test_lookup_rounds_return_greedy_decoding(models, rng, method, draft, lookup):
     """With lookup, tokens equal plain greedy decoding, on prompts that repeat (so the
     copied chains are proposed) as on random ones."""
     target = models["target"]
@@ -414,7 +421,7 @@ def test_lookup_rounds_return_greedy_decoding(models, rng, method, draft):
     prompt = np.concatenate([np.tile(motif, 3), rng.integers(0, CFG.vocab_size, (2, 12))])  # [4, 12]
     reference = greedy(target, prompt, 24)
     out = speculative_generate(target, prompt, draft=models[draft], method=method, gamma=3, max_new_tokens=24,
-                               lookup=True)
+                               lookup=lookup)
     for b in range(len(prompt)):
         np.testing.assert_array_equal(out.tokens[b], reference[b])
 
@@ -429,8 +436,9 @@ def test_lookup_rounds_return_greedy_decoding(models, rng, method, draft):
     (dict(method="speculative", draft=None), "needs a draft model"),
     (dict(method="cape", temperature=0.7), "'cape' is greedy"),
     (dict(method="glide", draft="small"), "needs a GliDe draft"),
-    (dict(method="cape", lookup=True), "lookup goes with a greedy 'speculative' or 'glide' round, not method 'cape'"),
-    (dict(method="glide", lookup=True, temperature=0.5), "not method 'glide' at temperature 0.5"),
+    (dict(method="cape", lookup="tree"), "lookup goes with a greedy 'speculative' or 'glide' round, not method 'cape'"),
+    (dict(method="glide", lookup="select", temperature=0.5), "not method 'glide' at temperature 0.5"),
+    (dict(method="glide", lookup="ngram"), "lookup='ngram' must be one of tree, select"),
 ])
 def test_bad_settings_are_one_clear_error(models, kwargs, message):
     draft = models.get(kwargs.pop("draft", "glide"))

@@ -35,6 +35,7 @@ import numpy as np
 
 from jaxpar.inference import speculative
 from jaxpar.inference.decoding import DEFAULT_BINS, METHODS, speculative_stream
+from jaxpar.inference.speculative import LOOKUPS
 from jaxpar.models import GlideDraft
 from jaxpar.models.gguf import is_gguf
 from jaxpar.inference.speculative import Method
@@ -77,9 +78,10 @@ def _parser() -> CommandParser:
     parser.add_argument("--gamma", type=int, default=4, help="draft tokens per step (tree depth for cape)")
     parser.add_argument("--bins", type=int, nargs="+", default=list(DEFAULT_BINS), metavar="K",
                         help="cape: 11 tree widths by draft confidence decile (default: %(default)s)")
-    parser.add_argument("--lookup", action="store_true",
-                        help="speculative or glide, greedy: also verify a chain copied from the text so far "
-                             "(prompt lookup), beside the draft's")
+    parser.add_argument("--lookup", choices=LOOKUPS, default="",
+                        help="speculative or glide, greedy: a chain copied from the text so far (prompt lookup), "
+                             "verified beside the draft's (tree) or instead of it where the last two tokens "
+                             "occurred before (select)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
 

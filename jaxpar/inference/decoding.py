@@ -112,8 +112,8 @@ def _eos(eos_ids: Sequence[int]) -> tuple[int, ...]:
     return tuple(sorted({int(i) for i in eos_ids}))
 
 
-def _setup(target, prompt, draft, method, gamma, bins, temperature, top_p, max_new_tokens, lookup=False):
-    method = Method(method, gamma, tuple(bins), float(temperature), float(top_p), bool(lookup))
+def _setup(target, prompt, draft, method, gamma, bins, temperature, top_p, max_new_tokens, lookup=""):
+    method = Method(method, gamma, tuple(bins), float(temperature), float(top_p), lookup or "")
     speculative.check(method, target, draft)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be at least 1")
@@ -149,7 +149,7 @@ def speculative_generate(
     top_p: float = 1.0,
     seed: int = 0,
     eos_ids: Sequence[int] = (),
-    lookup: bool = False,
+    lookup: str = "",
 ) -> Generation:
     """Generates with ``method`` (``jaxpar.inference.decoding.METHODS``), all rounds in one jitted
     loop, every sequence of the batch accepting its own number of tokens per round.
@@ -166,9 +166,10 @@ def speculative_generate(
       bins: CaPE's widths by draft confidence decile (11 ints).
       temperature, top_p: 0 is greedy; ``cape`` is greedy only.
       eos_ids: end-of-sequence tokens; a sequence stops after producing any of them.
-      lookup: with ``speculative`` or ``glide``, greedy: a second chain copied from the
-        sequence itself (prompt lookup) verified beside the draft's in the same pass
-        (``jaxpar.inference.speculative``).
+      lookup: with ``speculative`` or ``glide``, greedy: a chain copied from the sequence
+        itself (prompt lookup), ``"tree"`` verified beside the draft's in the same pass,
+        ``"select"`` instead of it where the last two tokens occurred before
+        (``jaxpar.inference.speculative``); ``""``: none.
 
     Raises:
       ValueError: a method, draft or setting that does not fit (one line).
@@ -186,7 +187,7 @@ def speculative_generate(
 def speculative_stream(target: Transformer, prompt, *, draft=None, method: str = "speculative",
                        gamma: int = 4, bins: Sequence[int] = DEFAULT_BINS, max_new_tokens: int,
                        temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
-                       eos_ids: Sequence[int] = (), lookup: bool = False
+                       eos_ids: Sequence[int] = (), lookup: str = ""
                        ) -> Iterator[tuple[list[np.ndarray], np.ndarray]]:
     """``speculative_generate`` one jitted round at a time, for streaming: yields
     ``(new_tokens, accepted)`` after the prefill and after every round, ``new_tokens`` a
