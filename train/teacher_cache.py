@@ -20,7 +20,8 @@ reads, the cache holds, for every position ``t < seq_len``:
 Disk size per token: ``2 * L_d * K * H * itemsize + k * (4 + id_bytes)`` bytes. For
 SmolLM2-135M (K=3, H=64, float32 from Hugging Face, 49,152 tokens), one draft layer and
 k=64: 1,536 + 384 = 1,920 bytes, 240 KiB per 128-token row; the ``tiny`` preset (K=2,
-H=32, float32, 4,096 tokens): 512 + 384 = 896 bytes. (``Manifest.bytes_per_token``.)
+H=32, float32, 4,096 tokens): 512 + 384 = 896 bytes. ``glide.features`` adds
+``D * itemsize``: 2,304 bytes for SmolLM2 (D=576). (``Spec.bytes_per_token``.)
 
 Rows are cached rather than batches, so any batch size, seed and epoch order reads the
 same cache. Layout of ``DIR``: ``manifest.json`` and per split (``train``,
