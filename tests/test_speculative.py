@@ -358,7 +358,7 @@ def test_tree_pass_equals_each_branch_run_alone(models, rng):
 
 
 def test_lookup_copies_what_followed_the_latest_earlier_occurrence():
-    from jaxpar.inference.speculative import lookup_chain
+    from jaxpar.inference.prompt_lookup import chain as lookup_chain
 
     history = jnp.array([[5, 1, 2, 5, 3, 4, 5, 0, 0],    # last=5 at 6: latest earlier 5 at 3 -> 3, 4, 5
                          [5, 1, 2, 5, 3, 4, 5, 0, 0],    # last=4 at 5 (n=5): never before -> nothing

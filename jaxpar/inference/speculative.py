@@ -18,9 +18,9 @@ One round, for every sequence of the batch at once (each with its own cache leng
   (``jaxpar.inference.token_tree``), verified in one target pass with a tree mask; the longest
   path the target agrees with is accepted and its cache entries compacted into place.
 * ``lookup`` (with ``speculative`` or ``glide``, greedy): a chain copied from the sequence
-  itself (prompt lookup, Saxena 2023: the ``gamma`` tokens that followed the latest
-  earlier occurrence of what ends it), which catches what a one-layer draft cannot: text
-  that repeats what the context already holds. ``"tree"``: the chain after ``last``'s
+  itself (``jaxpar.inference.prompt_lookup``, Saxena 2023: the ``gamma`` tokens that
+  followed the latest earlier occurrence of what ends it), which catches what a one-layer
+  draft cannot: text that repeats what the context already holds. ``"tree"``: the chain after ``last``'s
   latest occurrence and the draft's, verified in one target pass as a two-branch tree,
   the longer accepted one kept (the draft's on a tie): never fewer tokens than the
   draft alone, for a pass over ``1 + 2 gamma`` tokens. ``"select"``: the chain after
@@ -55,7 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpar.inference import token_tree
+from jaxpar.inference import prompt_lookup, token_tree
 from jaxpar.models.config import TARGET, ModelConfig
 from jaxpar.models.glide import GlideDraft, inference_cross_mask
 from jaxpar.models.transformer import KVCache, Transformer, init_cache, write_cache
@@ -388,54 +388,19 @@ def verify_chain(method: Method, target: Transformer, state: State, drafts, draf
     return (cache, *accept_sampled(drafts, probs(draft_logits), probs(logits), key), features)
 
 
-def lookup_chain(history: jax.Array, n: jax.Array, gamma: int, ngram: int = 1) -> tuple[jax.Array, jax.Array]:
-    """Prompt lookup: the ``gamma`` tokens after the latest earlier occurrence of the
-    sequence's last ``ngram`` tokens (those ending at ``last``), ``(tokens [B, gamma],
-    valid [B, gamma])``; ``valid`` is False past position ``n`` (tokens not yet known)
-    and everywhere when they have not occurred before.
-
-    Args:
-      history: int32 ``[B, S]``, each sequence by position, ``last`` at ``n``.
-      n: int32 ``[B]``, the position of ``last``.
-    """
-    S = history.shape[1]
-    index = jnp.arange(S, dtype=jnp.int32)[None, :]
-    match = index < n[:, None]
-    for back in range(ngram):  # history[j - back] == history[n - back]
-        here = jnp.take_along_axis(history, jnp.maximum(n - back, 0)[:, None], axis=1)
-        match = match & (index >= back) & (jnp.roll(history, back, axis=1) == here)
-    seen = jnp.max(jnp.where(match, index, -1), axis=1)  # [B]
-    at = seen[:, None] + 1 + jnp.arange(gamma, dtype=jnp.int32)[None, :]
-    valid = (seen[:, None] >= 0) & (at <= n[:, None])
-    return jnp.take_along_axis(history, jnp.clip(at, 0, S - 1), axis=1), valid
-
-
-def two_chains_mask(gamma: int) -> np.ndarray:
-    """bool ``[1 + 2 gamma, 1 + 2 gamma]``: the root, then two chains of ``gamma`` nodes
-    (``1..gamma`` and ``gamma + 1..2 gamma``); a node sees the root, itself and the nodes
-    above it in its own chain."""
-    size = 1 + 2 * gamma
-    mask = np.eye(size, dtype=bool)
-    mask[:, 0] = True
-    for chain in range(2):
-        for i in range(gamma):
-            mask[1 + chain * gamma + i, 1 + chain * gamma: 1 + chain * gamma + i] = True
-    return mask
-
-
 def verify_two_chains(target: Transformer, state: State, drafts, copied, copied_valid):
     """The draft's chain ``drafts [B, gamma]`` and the copied one ``copied [B, gamma]``
     (its ``copied_valid``) in one target pass over ``[last, drafts, copied]`` with
-    ``two_chains_mask``; keeps the chain with more accepted tokens (the draft's on a tie)
-    and compacts its cache entries: ``(cache, path_tokens [B, gamma], accepted, next,
-    features)``, ``features`` the target's along the kept path when the state carries
-    them (else None)."""
+    ``prompt_lookup.two_chains_mask``; keeps the chain with more accepted tokens (the
+    draft's on a tie) and compacts its cache entries: ``(cache, path_tokens [B, gamma],
+    accepted, next, features)``, ``features`` the target's along the kept path when the
+    state carries them (else None)."""
     B, gamma = drafts.shape
     n = state.target_cache.lengths
     tokens = jnp.concatenate([state.last[:, None], drafts, copied], axis=1)
     depths = np.concatenate([[0], np.arange(1, gamma + 1), np.arange(1, gamma + 1)]).astype(np.int32)
     positions = n[:, None] + jnp.asarray(depths)[None, :]
-    mask = jnp.broadcast_to(jnp.asarray(two_chains_mask(gamma)), (B, 1 + 2 * gamma, 1 + 2 * gamma))
+    mask = jnp.broadcast_to(jnp.asarray(prompt_lookup.two_chains_mask(gamma)), (B, 1 + 2 * gamma, 1 + 2 * gamma))
     logits, cache, *features = target(tokens, positions=positions, cache=state.target_cache, tree_mask=mask,
                                       with_features=state.features is not None)
     target_next = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, 1 + 2 gamma]
@@ -510,12 +475,12 @@ def make_round(method: Method, target: Transformer, draft, eos_ids: tuple[int, .
             if method.name == "cape":
                 cache, path_tokens, accepted, nxt, features = verify_tree(method, target, state, drafts, draft_logits)
             elif method.lookup == "tree":
-                copied, copied_valid = lookup_chain(state.history, state.target_cache.lengths, method.gamma)
+                copied, copied_valid = prompt_lookup.chain(state.history, state.target_cache.lengths, method.gamma)
                 cache, path_tokens, accepted, nxt, features = verify_two_chains(target, state, drafts, copied,
                                                                                 copied_valid)
             else:
                 if method.lookup == "select":  # the copied chain where [prev, last] occurred before
-                    copied, copied_valid = lookup_chain(state.history, state.target_cache.lengths, method.gamma, 2)
+                    copied, copied_valid = prompt_lookup.chain(state.history, state.target_cache.lengths, method.gamma, 2)
                     drafts = jnp.where(copied_valid[:, :1] & copied_valid, copied, drafts)
                 cache, accepted, nxt, features = verify_chain(method, target, state, drafts, draft_logits, accept_key)
                 path_tokens = drafts

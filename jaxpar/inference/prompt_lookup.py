@@ -1,0 +1,48 @@
+"""Prompt lookup (Saxena, 2023): draft tokens copied from the sequence itself, the tokens
+that followed the latest earlier occurrence of what ends it. A one-layer draft cannot
+copy what its context already holds; text (a small model's greedy continuations most of
+all) repeats it often. ``jaxpar.inference.speculative`` verifies such a chain beside the
+draft's (``two_chains_mask``: a two-branch tree) or instead of it (``Method.lookup``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def chain(history: jax.Array, n: jax.Array, gamma: int, ngram: int = 1) -> tuple[jax.Array, jax.Array]:
+    """The ``gamma`` tokens after the latest earlier occurrence of the
+    sequence's last ``ngram`` tokens (those ending at ``last``), ``(tokens [B, gamma],
+    valid [B, gamma])``; ``valid`` is False past position ``n`` (tokens not yet known)
+    and everywhere when they have not occurred before.
+
+    Args:
+      history: int32 ``[B, S]``, each sequence by position, ``last`` at ``n``.
+      n: int32 ``[B]``, the position of ``last``.
+    """
+    S = history.shape[1]
+    index = jnp.arange(S, dtype=jnp.int32)[None, :]
+    match = index < n[:, None]
+    for back in range(ngram):  # history[j - back] == history[n - back]
+        here = jnp.take_along_axis(history, jnp.maximum(n - back, 0)[:, None], axis=1)
+        match = match & (index >= back) & (jnp.roll(history, back, axis=1) == here)
+    seen = jnp.max(jnp.where(match, index, -1), axis=1)  # [B]
+    at = seen[:, None] + 1 + jnp.arange(gamma, dtype=jnp.int32)[None, :]
+    valid = (seen[:, None] >= 0) & (at <= n[:, None])
+    return jnp.take_along_axis(history, jnp.clip(at, 0, S - 1), axis=1), valid
+
+
+def two_chains_mask(gamma: int) -> np.ndarray:
+    """bool ``[1 + 2 gamma, 1 + 2 gamma]``: the root, then two chains of ``gamma`` nodes
+    (``1..gamma`` and ``gamma + 1..2 gamma``); a node sees the root, itself and the nodes
+    above it in its own chain."""
+    size = 1 + 2 * gamma
+    mask = np.eye(size, dtype=bool)
+    mask[:, 0] = True
+    for branch in range(2):
+        first = 1 + branch * gamma
+        for i in range(gamma):
+            mask[first + i, first: first + i] = True
+    return mask
