@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpar.inference.speculative import draft_forward
+from jaxpar.inference.speculative import draft_forward, reads_features
 from jaxpar.models.transformer import init_cache
 from jaxpar.train.runs import load_glide_draft, load_model
 
@@ -48,7 +48,9 @@ def _target_pass(graph, params, tokens, cache):
 @functools.partial(jax.jit, static_argnums=0)
 def _draft_step(graph, params, tokens, draft_cache, cache, head):
     target, draft = nnx.merge(graph, params)
-    features = jnp.zeros((*tokens.shape, target.cfg.dim), target.cfg.compute_dtype)  # read by a features draft
+    features = None  # a draft that reads the target's features is timed with zeros for them
+    if reads_features(draft):
+        features = jnp.zeros((*tokens.shape, target.cfg.dim), target.cfg.compute_dtype)
     logits, draft_cache = draft_forward(draft, target, tokens, draft_cache, cache, head, features)
     return jnp.argmax(logits, -1), draft_cache
 

@@ -326,7 +326,7 @@ def open_cache(directory, spec_: Spec, rows: dict[str, PackedRows], compute: Cal
 
 
 def _build(directory: pathlib.Path, missing, rows: dict[str, PackedRows], compute: Callable,
-           batch_size: int, manifest: dict, names: tuple[str, ...] = ARRAYS) -> None:
+           batch_size: int, manifest: dict, names: tuple[str, ...]) -> None:
     """Computes and writes the ``missing`` shards ``(split, index, lo, hi)``, in batches
     of ``batch_size`` rows (the last padded with the shard's first rows)."""
     for stale in directory.glob(".*.tmp"):  # the temporary files of an interrupted build

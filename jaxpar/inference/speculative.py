@@ -228,8 +228,8 @@ def draft_forward(draft, target: Transformer, tokens: jax.Array, cache: KVCache,
     """The draft over ``tokens [B, T]`` continuing its cache: ``(logits [B, T, V], cache)``.
     A GliDe draft's queries see the target's verified tokens (``target_cache.lengths``);
     ``head``: its ``GlideDraft.head(target)`` computed once for many steps, or None;
-    ``features``: ``[B, T, D]``, the target's feature each token reads (a draft that
-    reads them; ignored by one that does not).
+    ``features``: ``[B, T, D]``, the target's feature each token reads (a GliDe draft
+    that reads them, and only there).
 
     A draft over a restricted vocabulary (``GlideDraft.vocab``) gets -inf logits outside
     it: it proposes only its tokens (as full-vocabulary ids), and its sampling
@@ -243,7 +243,7 @@ def draft_forward(draft, target: Transformer, tokens: jax.Array, cache: KVCache,
     positions = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)
     mask = inference_cross_mask(target_cache.lengths, T, k.shape[2])
     logits, cache = draft(tokens, target, k, v, mask, positions=positions, cache=cache, head=head,
-                          features=features if draft.features else None)
+                          features=features)
     return (logits if draft.vocab is None else draft.vocab.full_logits(logits)), cache
 
 
@@ -374,14 +374,40 @@ def _next_features(state: State, path_features: jax.Array, accepted: jax.Array) 
     return jnp.stack([before, at[:, 1]], axis=1)
 
 
+def _target_pass(target: Transformer, tokens: jax.Array, cache: KVCache, with_features: bool, **kwargs):
+    """The target over ``tokens [B, T]`` continuing ``cache``: ``(logits, cache,
+    features)``, ``features [B, T, D]`` when ``with_features`` (for a draft that reads
+    them), else None."""
+    out = target(tokens, cache=cache, with_features=with_features, **kwargs)
+    return out if with_features else (*out, None)
+
+
+def _tree_pass(target: Transformer, state: State, tokens: jax.Array, depths: np.ndarray, mask: np.ndarray):
+    """The target over a token tree ``tokens [B, N]`` (root ``last``; node depths ``[N]``,
+    its mask ``[N, N]``) in one pass: ``(target_next [B, N], cache, features)``, the
+    target's greedy token after each node, and its features when the state carries them."""
+    B, N = tokens.shape
+    positions = state.target_cache.lengths[:, None] + jnp.asarray(depths)[None, :]
+    logits, cache, features = _target_pass(target, tokens, state.target_cache, state.features is not None,
+                                           positions=positions,
+                                           tree_mask=jnp.broadcast_to(jnp.asarray(mask), (B, N, N)))
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache, features
+
+
+def _keep_path(state: State, cache: KVCache, path: jax.Array, features: jax.Array | None):
+    """A tree pass's ``cache`` with the accepted ``path [B, gamma + 1]``'s entries moved
+    into place, and the tree's ``features`` along it (None stays None)."""
+    kept = None if features is None else jnp.take_along_axis(features, path[..., None], axis=1)
+    return token_tree.compact(cache, state.target_cache.lengths, path), kept
+
+
 def verify_chain(method: Method, target: Transformer, state: State, drafts, draft_logits, key):
     """The target over ``[last, d_1..d_gamma]`` in one pass; ``(cache, accepted, next,
     features)`` by exact match (greedy) or the speculative-sampling rule, ``features``
     the target's over the chain ``[B, gamma + 1, D]`` when the state carries them (else
     None)."""
     chain = jnp.concatenate([state.last[:, None], drafts], axis=1)
-    logits, cache, *features = target(chain, cache=state.target_cache, with_features=state.features is not None)
-    features = features[0] if features else None
+    logits, cache, features = _target_pass(target, chain, state.target_cache, state.features is not None)
     if method.greedy:
         return (cache, *accept_greedy(drafts, logits), features)
     probs = lambda l: probabilities(l, method.temperature, method.top_p)
@@ -396,14 +422,9 @@ def verify_two_chains(target: Transformer, state: State, drafts, copied, copied_
     accepted, next, features)``, ``features`` the target's along the kept path when the
     state carries them (else None)."""
     B, gamma = drafts.shape
-    n = state.target_cache.lengths
     tokens = jnp.concatenate([state.last[:, None], drafts, copied], axis=1)
     depths = np.concatenate([[0], np.arange(1, gamma + 1), np.arange(1, gamma + 1)]).astype(np.int32)
-    positions = n[:, None] + jnp.asarray(depths)[None, :]
-    mask = jnp.broadcast_to(jnp.asarray(prompt_lookup.two_chains_mask(gamma)), (B, 1 + 2 * gamma, 1 + 2 * gamma))
-    logits, cache, *features = target(tokens, positions=positions, cache=state.target_cache, tree_mask=mask,
-                                      with_features=state.features is not None)
-    target_next = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, 1 + 2 gamma]
+    target_next, cache, features = _tree_pass(target, state, tokens, depths, prompt_lookup.two_chains_mask(gamma))
 
     def accepted_along(nodes, valid):  # nodes: a chain's node indices [gamma]
         parents = np.concatenate([[0], nodes[:-1]])
@@ -418,9 +439,8 @@ def verify_two_chains(target: Transformer, state: State, drafts, copied, copied_
     path = jnp.concatenate([jnp.zeros((B, 1), jnp.int32),
                             jnp.where(use_copy[:, None], copied_nodes[None, :], draft_nodes[None, :])], axis=1)
     nxt = jnp.take_along_axis(target_next, jnp.take_along_axis(path, accepted[:, None], axis=1), axis=1)[:, 0]
-    path_tokens = jnp.where(use_copy[:, None], copied, drafts)
-    features = jnp.take_along_axis(features[0], path[..., None], axis=1) if features else None
-    return token_tree.compact(cache, n, path), path_tokens, accepted, nxt, features
+    cache, features = _keep_path(state, cache, path, features)
+    return cache, jnp.where(use_copy[:, None], copied, drafts), accepted, nxt, features
 
 
 def verify_tree(method: Method, target: Transformer, state: State, drafts, draft_logits):
@@ -428,21 +448,15 @@ def verify_tree(method: Method, target: Transformer, state: State, drafts, draft
     in one target pass with the tree mask, the accepted path's cache entries compacted;
     ``(cache, path_tokens [B, gamma], accepted, next, features)``, ``features`` the
     target's along the path ``[B, gamma + 1, D]`` when the state carries them."""
-    layout, n = method.tree, state.target_cache.lengths
+    layout = method.tree
     confidence = jax.nn.softmax(draft_logits.astype(jnp.float32), axis=-1).max(-1)  # [B, gamma]
     top = jax.lax.top_k(draft_logits, layout.width)[1].at[:, :, 0].set(drafts)
     tokens = layout.tokens(state.last, top)
     valid = layout.valid(token_tree.widths(confidence, method.bins))
-    B = tokens.shape[0]
-    positions = n[:, None] + jnp.asarray(layout.depths)[None, :]
-    tree_mask = jnp.broadcast_to(jnp.asarray(layout.mask), (B, layout.size, layout.size))
-    logits, cache, *features = target(tokens, positions=positions, cache=state.target_cache, tree_mask=tree_mask,
-                                      with_features=state.features is not None)
-    target_next = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    target_next, cache, features = _tree_pass(target, state, tokens, layout.depths, layout.mask)
     path, accepted, nxt = token_tree.verify_greedy(layout, tokens, valid, target_next)
-    path_tokens = jnp.take_along_axis(tokens, path[:, 1:], axis=1)
-    features = jnp.take_along_axis(features[0], path[..., None], axis=1) if features else None
-    return token_tree.compact(cache, n, path), path_tokens, accepted, nxt, features
+    cache, features = _keep_path(state, cache, path, features)
+    return cache, jnp.take_along_axis(tokens, path[:, 1:], axis=1), accepted, nxt, features
 
 
 def make_round(method: Method, target: Transformer, draft, eos_ids: tuple[int, ...],
@@ -497,8 +511,7 @@ def prefill(method: Method, target: Transformer, draft, prompt: jax.Array, lengt
     B, P = prompt.shape
     max_length = P + max_new_tokens + method.tokens_verified
     with_features = method.name != "ar" and reads_features(draft)
-    logits, cache, *features = target(prompt, cache=init_cache(target.cfg, B, max_length), with_features=with_features)
-    features = features[0] if features else None
+    logits, cache, features = _target_pass(target, prompt, init_cache(target.cfg, B, max_length), with_features)
     cache = dataclasses.replace(cache, lengths=lengths)
     key, sub = jax.random.split(key)
     last_logits = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
