@@ -41,7 +41,8 @@ so every method does the same work). Per method and batch size:
 ``--lookup KIND [KIND ...]``: also each drafted method but ``cape`` with prompt lookup
 (``speculative_generate(..., lookup=KIND)``: a chain copied from the sequence, verified
 beside the draft's, ``tree``, or instead of it, ``select``), rows ``glide+lookup-KIND``
-(``glide+lookup-KIND:NAME``).
+(``glide+lookup-KIND:NAME``); ``--lookup-tokens N``: ``select``'s copied chain is ``N``
+tokens long (default: the row's gamma).
 
 ``--draft-vocab N [N ...]``: also decode with the GliDe draft restricted to the ``N``
 most frequent tokens of its training split (FR-Spec's restriction at decoding, of a
@@ -182,6 +183,7 @@ def run(target, rows, batch, methods, args):
     alike and the speedups stay comparable."""
     results = [([], [], [], []) for _ in methods]
     calls = [dict(draft=draft, method=method_of(name), gamma=gamma, bins=args.bins, lookup=lookup_of(name),
+                  lookup_tokens=args.lookup_tokens if lookup_of(name) == "select" else 0,
                   max_new_tokens=args.max_new_tokens) for name, draft, _, gamma in methods]
     for start in range(0, len(rows), batch):
         chunk = rows[start:start + batch]
@@ -269,6 +271,8 @@ def main() -> None:
                         help="also glide with the draft restricted to its N most frequent tokens")
     parser.add_argument("--lookup", nargs="+", choices=LOOKUPS, default=[],
                         help="also speculative and glide with prompt lookup of these kinds")
+    parser.add_argument("--lookup-tokens", type=int, default=0,
+                        help="select: the copied chain's length (default: each row's gamma)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=pathlib.Path)
     parser.add_argument("--png", type=pathlib.Path)

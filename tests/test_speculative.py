@@ -365,8 +365,11 @@ def test_lookup_copies_what_followed_the_latest_earlier_occurrence():
                          [7, 7, 9, 9, 9, 9, 9, 9, 9],    # last=7 at 1: 7 at 0 -> 7 (at n), then unknown
                          [1, 2, 3, 1, 2, 3, 1, 8, 8]])   # last=1 at 6: 1 at 3 -> 2, 3, 1
     tokens, valid = lookup_chain(history, jnp.array([6, 5, 1, 6]), 3)
-    assert valid.tolist() == [[True] * 3, [False] * 3, [True, False, False], [True] * 3]
-    assert tokens[0].tolist() == [3, 4, 5] and tokens[2, 0] == 7 and tokens[3].tolist() == [2, 3, 1]
+    assert valid.tolist() == [[True] * 3, [False] * 3, [True] * 3, [True] * 3]
+    # row 2: 7 at 0 is followed by one known token (7, at n), which repeats: the period
+    assert tokens[0].tolist() == [3, 4, 5] and tokens[2].tolist() == [7, 7, 7] and tokens[3].tolist() == [2, 3, 1]
+    # a period of two: [.., 1, 2, 1, 2] continues 1, 2, 1
+    assert lookup_chain(jnp.array([[3, 1, 2, 1, 2, 0]]), jnp.array([4]), 3)[0].tolist() == [[1, 2, 1]]
     # the last two tokens: [4, 5] and [3, 4] not before; [7, 7] not before 1 (no wrap to the
     # end of the row); [3, 1] at 2..3 -> 2, 3, 1
     tokens, valid = lookup_chain(history, jnp.array([6, 5, 1, 6]), 3, ngram=2)
@@ -409,22 +412,81 @@ def test_two_chains_keep_the_longer_and_its_cache(models, rng):
         assert rel_err(cache.v[:, b, 6:7 + a], alone.v[:, 0, 6:7 + a]) < 1e-5
 
 
+@pytest.mark.parametrize("method,draft,lookup,skip", [("glide", "glide", "select", False), ("glide", "glide", "select", True),
+                                                     ("speculative", "close", "select", False), ("cape", "glide", "", False)])
+def test_the_drafts_first_step_rewrites_its_cache_from_the_verified_tokens(models, rng, method, draft, lookup, skip):
+    """Whatever the last round kept (a copied chain, a tree's sibling: tokens the draft
+    did not propose, or a round whose draft steps were skipped), a lookup's or CaPE's
+    first draft step (its window of ``gamma + 1`` tokens) leaves its cache, at every slot up to ``last``,
+    equal to the draft's cache over the sequence so far without rounds: here with the
+    slots a round may have left stale overwritten by noise first. With ``skip`` only that
+    step runs."""
+    from jaxpar.inference import speculative
+
+    target, draft, gamma = models["target"], models[draft], 3
+    method_ = speculative.Method(method, gamma=gamma, bins=(2,) * 11, lookup=lookup)
+    prefill, round_, _ = speculative.compiled(method_, 24, ())
+    graph, params = nnx.split((target, draft))
+    prompt = rng.integers(0, CFG.vocab_size, (2, 7)).astype(np.int32)
+    state = prefill(graph, params, prompt, np.array([7, 2], np.int32), jax.random.key(0))  # 2: the window from slot 0
+    for _ in range(3):
+        n = np.asarray(state.target_cache.lengths)
+        slots = np.arange(state.draft_cache.k.shape[2])
+        stale = jnp.asarray((slots[None, :] >= n[:, None] - gamma) & (slots[None, :] < n[:, None]))[None, :, :, None, None]
+        noise = lambda x: jnp.where(stale, jnp.asarray(rng.standard_normal(x.shape), x.dtype), x)  # noqa: E731
+        dcache = dataclasses.replace(state.draft_cache, k=noise(state.draft_cache.k), v=noise(state.draft_cache.v))
+        step = lambda tokens, cache, features: speculative.draft_forward(  # noqa: E731
+            draft, target, tokens, cache, state.target_cache, None, features)
+        drafts, _, cache = speculative.propose(method_, step, state, dcache, jax.random.key(1),
+                                               jnp.asarray(True) if skip else None)
+        for b in range(2):
+            sequence = state.history[b:b + 1, :n[b] + 1]
+            empty = speculative.draft_cache(draft, 1, dcache.k.shape[2])
+            want = speculative.draft_prefill(draft, target, sequence, jnp.asarray(n[b:b + 1]), empty,
+                                             jax.tree.map(lambda x: x[:, b:b + 1] if x.ndim == 5 else x[b:b + 1],
+                                                          state.target_cache))
+            assert rel_err(cache.k[:, b, :n[b] + 1], want.k[:, 0, :n[b] + 1]) < 1e-5
+            assert rel_err(cache.v[:, b, :n[b] + 1], want.v[:, 0, :n[b] + 1]) < 1e-5
+        if skip:  # the draft's steps after the first did not run
+            assert (np.asarray(drafts[:, 1:]) == 0).all()
+        state = round_(graph, params, state)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("method,draft,lookup", [("glide", "glide", "tree"), ("glide", "glide_features", "tree"),
-                                                ("speculative", "close", "tree"), ("glide", "glide", "select"),
-                                                ("speculative", "close", "select")])
-def test_lookup_rounds_return_greedy_decoding(models, rng, method, draft, lookup):
+@pytest.mark.parametrize("method,draft,lookup,batch", [
+    ("glide", "glide", "tree", 4), ("glide", "glide_features", "tree", 4), ("speculative", "close", "tree", 4),
+    ("glide", "glide", "select", 4), ("speculative", "close", "select", 4), ("glide", "glide", "select", 1),
+    ("glide", "glide_features", "select", 1)])
+def test_lookup_rounds_return_greedy_decoding(models, rng, method, draft, lookup, batch):
     """With lookup, tokens equal plain greedy decoding, on prompts that repeat (so the
-    copied chains are proposed) as on random ones."""
+    copied chains are proposed) as on random ones; at batch 1 on a repeating prompt
+    ``select``'s rounds take the whole copy and skip the draft's steps."""
     target = models["target"]
     motif = rng.integers(0, CFG.vocab_size, (2, 4))
-    prompt = np.concatenate([np.tile(motif, 3), rng.integers(0, CFG.vocab_size, (2, 12))])  # [4, 12]
+    prompt = np.concatenate([np.tile(motif, 3), rng.integers(0, CFG.vocab_size, (2, 12))])[:batch]  # [4, 12]
     reference = greedy(target, prompt, 24)
     out = speculative_generate(target, prompt, draft=models[draft], method=method, gamma=3, max_new_tokens=24,
                                lookup=lookup)
     for b in range(len(prompt)):
         np.testing.assert_array_equal(out.tokens[b], reference[b])
 
+
+
+@pytest.mark.parametrize("draft", ["glide", "glide_features"])
+def test_select_takes_the_whole_copy_where_the_text_cycles(models, rng, draft):
+    """A target with its attention's outputs zeroed: its greedy token a function of the
+    last one alone, so its text falls into a cycle that a copy predicts exactly. ``select``
+    with ``lookup_tokens`` past ``gamma`` then verifies the whole copy, and rounds emit more
+    than the draft's ``gamma + 1``; the tokens are greedy decoding's."""
+    target = perturbed(models["target"], 0.0, rng)
+    target.layers.attn.o[...] = jnp.zeros_like(target.layers.attn.o[...])
+    prompt = greedy(target, rng.integers(0, CFG.vocab_size, (1, 6)), 32)[:, -8:]  # in its cycle by now
+    reference = greedy(target, prompt, 48)
+    assert len(set(reference[0].tolist())) < 12  # it cycles
+    out = speculative_generate(target, prompt, draft=models[draft], method="glide", gamma=2, max_new_tokens=48,
+                               lookup="select", lookup_tokens=5)
+    np.testing.assert_array_equal(out.tokens[0], reference[0])
+    assert out.accepted_per_step > 3
 
 # ---------------------------------------------------------------------- bad input
 
@@ -439,6 +501,9 @@ def test_lookup_rounds_return_greedy_decoding(models, rng, method, draft, lookup
     (dict(method="cape", lookup="tree"), "lookup goes with a greedy 'speculative' or 'glide' round, not method 'cape'"),
     (dict(method="glide", lookup="select", temperature=0.5), "not method 'glide' at temperature 0.5"),
     (dict(method="glide", lookup="ngram"), "lookup='ngram' must be one of tree, select"),
+    (dict(method="glide", lookup="tree", lookup_tokens=5), "lookup_tokens=5 must be a positive length of the "
+                                                           "copied chain, with lookup 'select' .got lookup='tree'.$"),
+    (dict(method="glide", lookup="select", lookup_tokens=-1), "lookup_tokens=-1 must be a positive length"),
 ])
 def test_bad_settings_are_one_clear_error(models, kwargs, message):
     draft = models.get(kwargs.pop("draft", "glide"))

@@ -82,6 +82,9 @@ def _parser() -> CommandParser:
                         help="speculative or glide, greedy: a chain copied from the text so far (prompt lookup), "
                              "verified beside the draft's (tree) or instead of it where the last two tokens "
                              "occurred before (select)")
+    parser.add_argument("--lookup-tokens", type=int, default=0,
+                        help="--lookup select: the copied chain's length (default: --gamma); a round where the "
+                             "copy is taken verifies all of it")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
 
@@ -94,7 +97,7 @@ def _run(target, prompt, eos, args, method, draft, tokenizer=None):
     for new, accepted_now in speculative_stream(
             target, prompt, draft=draft, method=method, gamma=args.gamma, bins=args.bins,
             max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-            seed=args.seed, eos_ids=eos, lookup=args.lookup):
+            seed=args.seed, eos_ids=eos, lookup=args.lookup, lookup_tokens=args.lookup_tokens):
         if started is None:
             started, first = time.perf_counter(), len(new[0])  # after the prefill's token
         ids += [int(i) for i in new[0]]

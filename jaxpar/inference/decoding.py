@@ -112,8 +112,9 @@ def _eos(eos_ids: Sequence[int]) -> tuple[int, ...]:
     return tuple(sorted({int(i) for i in eos_ids}))
 
 
-def _setup(target, prompt, draft, method, gamma, bins, temperature, top_p, max_new_tokens, lookup=""):
-    method = Method(method, gamma, tuple(bins), float(temperature), float(top_p), lookup or "")
+def _setup(target, prompt, draft, method, gamma, bins, temperature, top_p, max_new_tokens, lookup="",
+           lookup_tokens=0):
+    method = Method(method, gamma, tuple(bins), float(temperature), float(top_p), lookup or "", int(lookup_tokens))
     speculative.check(method, target, draft)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be at least 1")
@@ -150,6 +151,7 @@ def speculative_generate(
     seed: int = 0,
     eos_ids: Sequence[int] = (),
     lookup: str = "",
+    lookup_tokens: int = 0,
 ) -> Generation:
     """Generates with ``method`` (``jaxpar.inference.decoding.METHODS``), all rounds in one jitted
     loop, every sequence of the batch accepting its own number of tokens per round.
@@ -170,12 +172,14 @@ def speculative_generate(
         itself (prompt lookup), ``"tree"`` verified beside the draft's in the same pass,
         ``"select"`` instead of it where the last two tokens occurred before
         (``jaxpar.inference.speculative``); ``""``: none.
+      lookup_tokens: with ``lookup="select"``, the copied chain's length (0: ``gamma``);
+        a round where every sequence has a copy verifies all of it.
 
     Raises:
       ValueError: a method, draft or setting that does not fit (one line).
     """
     method, tokens, lengths, graph, params = _setup(target, prompt, draft, method, gamma, bins,
-                                                    temperature, top_p, max_new_tokens, lookup)
+                                                    temperature, top_p, max_new_tokens, lookup, lookup_tokens)
     eos_ids = _eos(eos_ids)
     _, _, loop = _compiled(method, max_new_tokens, eos_ids)
     state = loop(graph, params, tokens, lengths, jax.random.key(seed))
@@ -187,7 +191,7 @@ def speculative_generate(
 def speculative_stream(target: Transformer, prompt, *, draft=None, method: str = "speculative",
                        gamma: int = 4, bins: Sequence[int] = DEFAULT_BINS, max_new_tokens: int,
                        temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
-                       eos_ids: Sequence[int] = (), lookup: str = ""
+                       eos_ids: Sequence[int] = (), lookup: str = "", lookup_tokens: int = 0
                        ) -> Iterator[tuple[list[np.ndarray], np.ndarray]]:
     """``speculative_generate`` one jitted round at a time, for streaming: yields
     ``(new_tokens, accepted)`` after the prefill and after every round, ``new_tokens`` a
@@ -198,7 +202,7 @@ def speculative_stream(target: Transformer, prompt, *, draft=None, method: str =
     host reads (the tokens, counts and flags, fetched together), as the one-jit loop of
     ``speculative_generate`` runs the same program without the transfers."""
     method, tokens, lengths, graph, params = _setup(target, prompt, draft, method, gamma, bins,
-                                                    temperature, top_p, max_new_tokens, lookup)
+                                                    temperature, top_p, max_new_tokens, lookup, lookup_tokens)
     eos_ids = _eos(eos_ids)
     prefill, round_, _ = _compiled(method, max_new_tokens, eos_ids)
     state = prefill(graph, params, tokens, lengths, jax.random.key(seed))

@@ -15,8 +15,9 @@ import numpy as np
 def chain(history: jax.Array, n: jax.Array, gamma: int, ngram: int = 1) -> tuple[jax.Array, jax.Array]:
     """The ``gamma`` tokens after the latest earlier occurrence of the
     sequence's last ``ngram`` tokens (those ending at ``last``), ``(tokens [B, gamma],
-    valid [B, gamma])``; ``valid`` is False past position ``n`` (tokens not yet known)
-    and everywhere when they have not occurred before.
+    valid [B, gamma])``; ``valid`` is False where they have not occurred before. An
+    occurrence ``p`` tokens back is followed by ``p`` known tokens; past them the chain
+    repeats those (the text's period: ``a b a b`` continues ``a b``, ``x x`` with ``x``).
 
     Args:
       history: int32 ``[B, S]``, each sequence by position, ``last`` at ``n``.
@@ -28,9 +29,10 @@ def chain(history: jax.Array, n: jax.Array, gamma: int, ngram: int = 1) -> tuple
     for back in range(ngram):  # history[j - back] == history[n - back]
         here = jnp.take_along_axis(history, jnp.maximum(n - back, 0)[:, None], axis=1)
         match = match & (index >= back) & (jnp.roll(history, back, axis=1) == here)
-    seen = jnp.max(jnp.where(match, index, -1), axis=1)  # [B]
-    at = seen[:, None] + 1 + jnp.arange(gamma, dtype=jnp.int32)[None, :]
-    valid = (seen[:, None] >= 0) & (at <= n[:, None])
+    seen = jnp.max(jnp.where(match, index, -1), axis=1)  # [B], < n
+    period = jnp.maximum(n - seen, 1)[:, None]
+    at = seen[:, None] + 1 + jnp.arange(gamma, dtype=jnp.int32)[None, :] % period  # <= n
+    valid = jnp.broadcast_to(seen[:, None] >= 0, at.shape)
     return jnp.take_along_axis(history, jnp.clip(at, 0, S - 1), axis=1), valid
 
 

@@ -24,30 +24,36 @@ One round, for every sequence of the batch at once (each with its own cache leng
   latest occurrence and the draft's, verified in one target pass as a two-branch tree,
   the longer accepted one kept (the draft's on a tie): never fewer tokens than the
   draft alone, for a pass over ``1 + 2 gamma`` tokens. ``"select"``: the chain after
-  the latest occurrence of ``[prev, last]`` *instead of* the draft's where there is one
-  (a pass over ``gamma + 1``, as without): on SmolLM2 a two-token match is right more
-  often than the draft. When a copied chain is kept, the draft's cache keeps its own
-  proposals' entries at the positions before ``prev`` (a draft's approximation; the
-  target's cache and the tokens are exact).
+  the latest occurrence of the last two tokens *instead of* the draft's where there is
+  one (a pass over ``gamma + 1``, as without): on SmolLM2 a two-token match is right
+  more often than the draft. A round where every sequence takes the copy skips the
+  draft's steps after its first (``lax.cond``), and verifies all of a copy longer than
+  ``gamma`` (``Method.lookup_tokens``).
 
 Cache bookkeeping, with ``n`` a sequence's target cache length: the target cache holds
 the ``n`` tokens before ``last``; a round writes ``[last, ...]`` at slots ``n..`` and the
 new length is ``n + accepted + 1``, so rollback is the length alone and the accepted
-prefix is never recomputed. The draft's cache runs one token behind: each round starts
-it at length ``n - 1`` and feeds ``[prev, last]`` (``prev`` at slot ``n - 1``), which
-rewrites a slot whose token the draft may not have seen yet (its last proposal, or a
-tree's accepted sibling) and costs nothing when it had.
+prefix is never recomputed. The draft's first step of a round is over a window of the
+sequence's last tokens (``State.history``, ending at ``last``; ``draft_window``): for a
+chain of the draft's own ``[n - 1, n]``, whose earlier accepted tokens its cache holds
+already; where a round can keep tokens the draft did not propose (CaPE's siblings, a
+copied chain, a round whose draft steps were skipped) the last ``tokens_per_round``: a
+round advances ``n`` by at most that, so every slot before ``last`` is rewritten from
+the verified token there.
 
 A GliDe draft with ``features`` (EAGLE's input) also reads the target's features: the
 state carries those at positions ``n - 2`` and ``n - 1`` (what the target's last pass
-computed there), ``prev`` reads the first, ``last`` and the round's proposals the second
-(the last position the target has verified), as ``jaxpar.models.glide.feature_sources``
-trains it.
+computed there), and its window is the last two tokens: ``n - 1`` reads the first,
+``last`` and the round's proposals the second (the last position the target has
+verified), as ``jaxpar.models.glide.feature_sources`` trains it. That window leaves the
+draft's own entries at earlier slots where a round kept tokens it did not propose (a
+draft's approximation; the tokens stay exact).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
@@ -57,7 +63,7 @@ from flax import nnx
 
 from jaxpar.inference import prompt_lookup, token_tree
 from jaxpar.models.config import TARGET, ModelConfig
-from jaxpar.models.glide import GlideDraft, inference_cross_mask
+from jaxpar.models.glide import GlideDraft
 from jaxpar.models.transformer import KVCache, Transformer, init_cache, write_cache
 from jaxpar.inference.sampling import draw, probabilities
 from jaxpar.placement.execution import jit
@@ -76,6 +82,7 @@ class Method:
     temperature: float = 0.0
     top_p: float = 1.0
     lookup: str = ""  # "", or one of LOOKUPS
+    lookup_tokens: int = 0  # a copied chain's length with lookup "select"; 0: gamma
 
     @property
     def greedy(self) -> bool:
@@ -86,15 +93,29 @@ class Method:
         return token_tree.TreeLayout(self.gamma, max(self.bins))
 
     @property
+    def copied(self) -> int:
+        """The length of a copied chain: ``gamma`` beside the draft's (``tree``);
+        ``lookup_tokens`` (default ``gamma``) instead of it (``select``), where a round
+        in which every sequence takes the copy verifies all of it. A copy that holds
+        often holds for long (on SmolLM2's greedy continuations, where a two-token match
+        occurred before, its next 3 tokens are right 44% of the time, its next 7 25%),
+        which pays where a longer pass costs little more (a GPU's); on a CPU a pass over 8
+        tokens costs 1.5 to 2 ``ar`` steps against 1.2 to 1.4 for 4
+        (``bench/round_cost.py``), and ``lookup_tokens=7`` at gamma 3 lost there."""
+        return self.lookup_tokens or self.gamma
+
+    @property
     def tokens_per_round(self) -> int:
         """The most tokens a round emits (accepted drafts plus the target's own)."""
-        return 1 if self.name == "ar" else self.gamma + 1
+        return 1 if self.name == "ar" else max(self.gamma, self.copied if self.lookup else 0) + 1
 
     @property
     def tokens_verified(self) -> int:
         """The tokens a round's target pass writes into the cache."""
         if self.lookup == "tree":
             return 1 + 2 * self.gamma
+        if self.lookup == "select":
+            return self.tokens_per_round
         return {"ar": 1, "cape": self.tree.size}.get(self.name, self.gamma + 1)
 
 
@@ -105,7 +126,7 @@ class State:
 
     target_cache: the target's cache; lengths ``n [B]`` (every token before ``last``).
     draft_cache: the draft's cache (None for ``ar``).
-    prev, last: int32 ``[B]``, the tokens at positions ``n - 1`` and ``n``.
+    last: int32 ``[B]``, the token at position ``n``.
     out: int32 ``[B, C]`` generated tokens; ``count [B]`` of them are filled.
     done: bool ``[B]``; a done sequence's lengths and counts no longer move.
     rounds, emitted: int32 ``[B]``, rounds run and tokens emitted while not done.
@@ -113,12 +134,12 @@ class State:
     features: ``[B, 2, D]`` the target's features at positions ``n - 2`` and ``n - 1``
       (zeros before the first token), for a draft that reads them; else None.
     history: int32 ``[B, S]`` each sequence so far by position (``history[b, n] =
-      last``; later slots are stale), for ``lookup``; else None.
+      last``; later slots are stale): the draft's window and the lookup's source; None
+      for ``ar``.
     """
 
     target_cache: KVCache
     draft_cache: KVCache | None
-    prev: jax.Array
     last: jax.Array
     out: jax.Array
     count: jax.Array
@@ -157,6 +178,9 @@ def check(method: Method, target: Transformer, draft) -> None:
         check_glide_target(draft, target)
     if method.lookup not in ("", *LOOKUPS):
         raise ValueError(f"lookup={method.lookup!r} must be one of {', '.join(LOOKUPS)} (or none)")
+    if method.lookup_tokens < 0 or (method.lookup_tokens and method.lookup != "select"):
+        raise ValueError(f"lookup_tokens={method.lookup_tokens} must be a positive length of the copied chain, "
+                         f"with lookup 'select' (got lookup={method.lookup!r})")
     if method.lookup and (method.name not in ("speculative", "glide") or not method.greedy):
         raise ValueError(f"lookup goes with a greedy 'speculative' or 'glide' round, not method "
                          f"{method.name!r} at temperature {method.temperature}")
@@ -198,6 +222,15 @@ def _features_at(features: jax.Array, index: jax.Array) -> jax.Array:
     return jnp.where((index >= 0)[..., None], picked, 0).astype(features.dtype)
 
 
+def _cross_mask(positions: jax.Array, target_lengths: jax.Array, S: int) -> jax.Array:
+    """bool ``[B, T, S]``: a GliDe query at position ``p`` (``positions [B, T]``) sees the
+    target's keys ``<= p`` of the first ``target_lengths [B]`` (those verified): the first,
+    causal block of its training mask over a prompt or a window, and every verified key
+    for ``last`` and its proposals."""
+    keys = jnp.arange(S, dtype=jnp.int32)[None, None, :]
+    return (keys <= positions[:, :, None]) & (keys < target_lengths[:, None, None])
+
+
 def draft_cache(draft, batch: int, max_length: int) -> KVCache:
     if isinstance(draft, GlideDraft):
         return draft.init_cache(batch, max_length)
@@ -215,8 +248,7 @@ def draft_prefill(draft, target: Transformer, prompt: jax.Array, lengths: jax.Ar
     B, P = prompt.shape
     k, v = _target_layers(draft, target_cache)
     positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
-    keys = jnp.arange(k.shape[2])
-    mask = (keys[None, None, :] <= positions[:, :, None]) & (keys[None, None, :] < lengths[:, None, None])
+    mask = _cross_mask(positions, lengths, k.shape[2])
     if draft.features:
         features = _features_at(features, positions - 1)
     return draft(prompt, target, k, v, mask, positions=positions, cache=cache, features=features)[1]
@@ -241,7 +273,7 @@ def draft_forward(draft, target: Transformer, tokens: jax.Array, cache: KVCache,
     k, v = _target_layers(draft, target_cache)
     T = tokens.shape[1]
     positions = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)
-    mask = inference_cross_mask(target_cache.lengths, T, k.shape[2])
+    mask = _cross_mask(positions, target_cache.lengths, k.shape[2])
     logits, cache = draft(tokens, target, k, v, mask, positions=positions, cache=cache, head=head,
                           features=features)
     return (logits if draft.vocab is None else draft.vocab.full_logits(logits)), cache
@@ -253,18 +285,36 @@ def _choose(method: Method, logits: jax.Array, key: jax.Array) -> jax.Array:
     return draw(key, probabilities(logits, method.temperature, method.top_p))
 
 
-def propose(method: Method, step: Callable, state: State, cache: KVCache, key: jax.Array):
+def draft_window(method: Method, state: State) -> int:
+    """How many of the last tokens a round's first draft step feeds: a round's largest
+    advance (``tokens_per_round``) where a round can keep tokens the draft did not
+    propose (CaPE's siblings, a copied chain); 2 for a chain of the draft's own, whose
+    accepted proposals its cache already holds, and for a draft that reads features
+    (the state carries two)."""
+    if state.features is not None or (method.name != "cape" and not method.lookup):
+        return 2
+    return method.tokens_per_round
+
+
+def propose(method: Method, step: Callable, state: State, cache: KVCache, key: jax.Array,
+            skip: jax.Array | None = None):
     """The draft's chain of ``gamma`` tokens: ``(tokens [B, gamma], logits [B, gamma, V],
     cache)``, token ``i`` drawn from ``logits[:, i]`` (greedy or sampled). ``step(tokens,
-    cache, features)``: the draft's forward, given ``state.features`` for ``[prev,
-    last]`` and the last of them for each proposal (None without features)."""
-    lengths = state.target_cache.lengths
-    cache = dataclasses.replace(cache, lengths=lengths - 1)
+    cache, features)``: the draft's forward, first over the window (``draft_window``
+    tokens of ``state.history`` ending at ``last``; from slot 0 while ``n`` is shorter),
+    given ``state.features``, then over each proposal with the last of them (None
+    without features). ``skip``: a bool scalar; where True only the window runs (it
+    updates the cache; the tokens and logits after the first are zeros)."""
+    n = state.target_cache.lengths
+    W = draft_window(method, state)
+    start = jnp.maximum(n - (W - 1), 0)
+    window = jnp.take_along_axis(state.history, start[:, None] + jnp.arange(W, dtype=jnp.int32), axis=1)
     features = state.features
     latest = None if features is None else features[:, 1:]  # the last verified position's
-    logits, cache = step(jnp.stack([state.prev, state.last], axis=1), cache, features)
+    logits, cache = step(window, dataclasses.replace(cache, lengths=start), features)
+    cache = dataclasses.replace(cache, lengths=n + 1)  # slots past last: the proposals' to write
     key, sub = jax.random.split(key)
-    first = logits[:, -1]
+    first = jnp.take_along_axis(logits, (n - start)[:, None, None], axis=1)[:, 0]
     token = _choose(method, first, sub)
 
     def body(carry, _):
@@ -274,8 +324,17 @@ def propose(method: Method, step: Callable, state: State, cache: KVCache, key: j
         nxt = _choose(method, logits[:, 0], sub)
         return (cache, nxt, key), (logits[:, 0], nxt)
 
-    (cache, _, _), (rest_logits, rest) = jax.lax.scan(body, (cache, token, key), None,
-                                                      length=method.gamma - 1)
+    def steps(cache):
+        (cache, _, _), (rest_logits, rest) = jax.lax.scan(body, (cache, token, key), None,
+                                                          length=method.gamma - 1)
+        return cache, rest_logits, rest
+
+    def none(cache):
+        B, V = first.shape
+        return (cache, jnp.zeros((method.gamma - 1, B, V), first.dtype),
+                jnp.zeros((method.gamma - 1, B), jnp.int32))
+
+    cache, rest_logits, rest = steps(cache) if skip is None else jax.lax.cond(skip, none, steps, cache)
     tokens = jnp.concatenate([token[:, None], rest.T], axis=1)
     logits = jnp.concatenate([first[:, None], jnp.swapaxes(rest_logits, 0, 1)], axis=1)
     return tokens, logits, cache
@@ -342,15 +401,12 @@ def _finish(method: Method, state: State, target_cache: KVCache, path_tokens, ac
     emitted = jnp.where(slot < accepted[:, None], padded, nxt[:, None])
     out = jnp.where(live[:, None], write_cache(state.out, emitted, state.count), state.out)
     count = state.count + jnp.where(live, accepted + 1, 0)
-    chain = jnp.concatenate([state.last[:, None], path_tokens], axis=1)
-    prev = jnp.take_along_axis(chain, accepted[:, None], axis=1)[:, 0]
     target_cache = dataclasses.replace(target_cache, lengths=jnp.where(live, n + accepted + 1, n))
     hit_eos = (is_eos(emitted, eos_ids) & (slot <= accepted[:, None])).any(1)
     max_new = state.out.shape[1] - R
     return State(
         target_cache=target_cache,
         draft_cache=draft_cache,
-        prev=jnp.where(live, prev, state.prev),
         last=jnp.where(live, nxt, state.last),
         out=out,
         count=count,
@@ -399,6 +455,11 @@ def _keep_path(state: State, cache: KVCache, path: jax.Array, features: jax.Arra
     into place, and the tree's ``features`` along it (None stays None)."""
     kept = None if features is None else jnp.take_along_axis(features, path[..., None], axis=1)
     return token_tree.compact(cache, state.target_cache.lengths, path), kept
+
+
+def _pad(x: jax.Array, length: int) -> jax.Array:
+    """``x [B, T, ...]`` with zeros after it along axis 1, to ``[B, length, ...]``."""
+    return jnp.pad(x, [(0, 0), (0, length - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
 
 
 def verify_chain(method: Method, target: Transformer, state: State, drafts, draft_logits, key):
@@ -460,10 +521,13 @@ def verify_tree(method: Method, target: Transformer, state: State, drafts, draft
 
 
 def make_round(method: Method, target: Transformer, draft, eos_ids: tuple[int, ...],
-               draft_head: jax.Array | None = None) -> Callable[[State], State]:
+               draft_head: jax.Array | None = None, target_head: jax.Array | None = None
+               ) -> Callable[[State], State]:
     """One decoding round ``State -> State`` for ``method`` (traced inside ``jit``); a
     sequence is done after emitting any of ``eos_ids``. ``draft_head``: a GliDe draft's
-    ``head(target)``, computed once by the caller for every round (None: once a round)."""
+    ``head(target)``, and ``target_head`` the target's ``head_weight()`` for its
+    verification passes, computed once by the caller for every round (None: in each)."""
+    verifier = target if target_head is None else functools.partial(target, head=target_head)  # the passes' target
 
     def round_(state: State) -> State:
         key, draft_key, accept_key = jax.random.split(state.key, 3)
@@ -484,19 +548,33 @@ def make_round(method: Method, target: Transformer, draft, eos_ids: tuple[int, .
             def step(tokens, cache, features):
                 return draft_forward(draft, target, tokens, cache, state.target_cache, head, features)
 
-            drafts, draft_logits, dcache = propose(method, step, state, state.draft_cache, draft_key)
+            skip = None
+            if method.lookup == "select":  # the copied chain where the last two tokens occurred before
+                copied, copied_valid = prompt_lookup.chain(state.history, state.target_cache.lengths, method.copied, 2)
+                use_copy = copied_valid[:, 0]
+                skip = use_copy.all()  # every sequence takes the copy: the draft's first step only
+            drafts, draft_logits, dcache = propose(method, step, state, state.draft_cache, draft_key, skip)
         with jax.named_scope("verify"):
             if method.name == "cape":
-                cache, path_tokens, accepted, nxt, features = verify_tree(method, target, state, drafts, draft_logits)
+                cache, path_tokens, accepted, nxt, features = verify_tree(method, verifier, state, drafts, draft_logits)
             elif method.lookup == "tree":
                 copied, copied_valid = prompt_lookup.chain(state.history, state.target_cache.lengths, method.gamma)
-                cache, path_tokens, accepted, nxt, features = verify_two_chains(target, state, drafts, copied,
+                cache, path_tokens, accepted, nxt, features = verify_two_chains(verifier, state, drafts, copied,
                                                                                 copied_valid)
+            elif method.lookup == "select":
+                def verified(chain):  # path tokens and features padded to the copy's length
+                    cache, accepted, nxt, features = verify_chain(method, verifier, state, chain, None, accept_key)
+                    features = None if features is None else _pad(features, method.copied + 1)
+                    return cache, _pad(chain, method.copied), accepted, nxt, features
+
+                drafted = jnp.where(use_copy[:, None], copied[:, :method.gamma], drafts)  # the copy's start
+                if method.copied == method.gamma:
+                    cache, path_tokens, accepted, nxt, features = verified(drafted)
+                else:  # where every sequence takes it, the whole copy: a longer pass
+                    cache, path_tokens, accepted, nxt, features = jax.lax.cond(
+                        skip, lambda: verified(copied), lambda: verified(drafted))
             else:
-                if method.lookup == "select":  # the copied chain where [prev, last] occurred before
-                    copied, copied_valid = prompt_lookup.chain(state.history, state.target_cache.lengths, method.gamma, 2)
-                    drafts = jnp.where(copied_valid[:, :1] & copied_valid, copied, drafts)
-                cache, accepted, nxt, features = verify_chain(method, target, state, drafts, draft_logits, accept_key)
+                cache, accepted, nxt, features = verify_chain(method, verifier, state, drafts, draft_logits, accept_key)
                 path_tokens = drafts
         with jax.named_scope("finish"):
             return _finish(method, state, cache, path_tokens, accepted, nxt, dcache, key, eos_ids, features)
@@ -523,14 +601,13 @@ def prefill(method: Method, target: Transformer, draft, prompt: jax.Array, lengt
     count = jnp.ones((B,), jnp.int32)
     done = (count >= max_new_tokens) | is_eos(first, eos_ids)
     zeros = jnp.zeros((B,), jnp.int32)
-    prev = jnp.take_along_axis(prompt, (lengths - 1)[:, None], axis=1)[:, 0].astype(jnp.int32)
     if features is not None:  # the target's at n - 2 and n - 1
         features = _features_at(features, lengths[:, None] + jnp.arange(-2, 0, dtype=jnp.int32))
     history = None
-    if method.lookup:  # room for every round's writes past the last position kept
+    if method.name != "ar":  # room for every round's writes past the last position kept
         history = jnp.zeros((B, P + max_new_tokens + 2 * method.tokens_per_round), jnp.int32)
         history = write_cache(history.at[:, :P].set(prompt.astype(jnp.int32)), first[:, None], lengths)
-    return State(cache, dcache, prev, first, out, count, done, zeros, zeros, key, features, history)
+    return State(cache, dcache, first, out, count, done, zeros, zeros, key, features, history)
 
 
 def compiled(method: Method, max_new_tokens: int, eos_ids: tuple[int, ...]):
@@ -554,7 +631,10 @@ def compiled(method: Method, max_new_tokens: int, eos_ids: tuple[int, ...]):
         target, draft = nnx.merge(graph, params)
         state = prefill(method, target, draft, prompt, lengths, max_new_tokens, key, eos_ids)
         head = draft.head(target) if isinstance(draft, GlideDraft) and method.name != "ar" else None
-        body = make_round(method, target, draft, eos_ids, head)  # the draft's head: once a loop
+        # the heads once a loop; a tied target's as a [D, V] copy, which its passes over
+        # several tokens multiply faster (``Transformer.__call__``; ``ar``'s one row is not)
+        target_head = target.head_weight() if method.name != "ar" and target.cfg.tie_embeddings else None
+        body = make_round(method, target, draft, eos_ids, head, target_head)
         return jax.lax.while_loop(lambda s: ~s.done.all(), body, state)
 
     keyed = lambda f: jit(f, static_argnums=0)  # noqa: E731 (the Execution is in the key too)
