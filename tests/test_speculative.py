@@ -75,6 +75,19 @@ def test_greedy_methods_return_greedy_decoding(models, rng, method, draft, batch
         assert 1.5 < out.accepted_per_step < 5.0
 
 
+@pytest.mark.parametrize("method", ["speculative", "cape"])
+def test_a_tied_targets_head_made_once_for_the_loop(rng, method):
+    """A target with tied embeddings: the loop's verification passes multiply by its
+    head made once as a ``[D, V]`` copy, and the tokens are still greedy decoding's."""
+    cfg = dataclasses.replace(CFG, tie_embeddings=True)
+    target = random_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), rng)
+    prompt = rng.integers(0, cfg.vocab_size, (2, 6))
+    out = speculative_generate(target, prompt, draft=perturbed(target, 0.05, rng), method=method, gamma=3,
+                               max_new_tokens=16)
+    np.testing.assert_array_equal(np.stack(out.tokens), greedy(target, prompt, 16))
+    assert out.accepted_per_step > 1.5
+
+
 @pytest.mark.slow
 def test_generate_streams_the_ar_rounds(models, rng):
     """``generate`` is the ``ar`` method one round at a time: the same tokens, sampled

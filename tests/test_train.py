@@ -179,7 +179,10 @@ def test_sigint_and_sigterm_stop_at_a_step_saved_and_resume(tmp_path, cache, ref
         assert proc.returncode == 128 + signum, err
         step = len(metrics(run))
         assert step < 12
-        assert err.strip().splitlines() == [
+        # orbax's own advice, when a loaded machine makes a save wait for the last one
+        # ("WARNING:absl:Waiting for previous save to complete took 1.4 seconds"), is not ours
+        lines = [line for line in err.strip().splitlines() if not line.startswith("WARNING:absl:")]
+        assert lines == [
             f"jaxpar-train: stopped at step {step}; last checkpoint at step {step}; "
             "rerun the same command to resume"], err
         assert max(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == step
@@ -190,6 +193,16 @@ def test_sigint_and_sigterm_stop_at_a_step_saved_and_resume(tmp_path, cache, ref
     assert [r["loss"] for r in metrics(run)] == reference[1]
 
 
+def wait_for_handlers(done=lambda: False, seconds: float = 5.0) -> None:
+    """Gives Python's signal handlers the time to run, until ``done()``: a signal sent to
+    this process may reach another of its threads (JAX's, orbax's), and the main thread
+    runs the handler only when it next checks, which on a loaded machine can be after
+    ``os.kill`` returns. A handler that raises ends the wait."""
+    deadline = time.monotonic() + seconds
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def test_the_second_signal_acts_as_without_the_stop_request():
     """The first SIGINT or SIGTERM sets the request and puts the handlers back: a second
     Ctrl-C raises KeyboardInterrupt at once; on leaving, the handlers are as before."""
@@ -198,9 +211,11 @@ def test_the_second_signal_acts_as_without_the_stop_request():
         with stop_on_signals() as stop:
             assert stop.agreed() is None
             os.kill(os.getpid(), first)
+            wait_for_handlers(lambda: stop.agreed() is not None)
             assert stop.agreed() == first
             with pytest.raises(KeyboardInterrupt):
                 os.kill(os.getpid(), signal.SIGINT)
+                wait_for_handlers()
         assert {s: signal.getsignal(s) for s in before} == before
 
 
