@@ -151,7 +151,7 @@ def test_the_state_carries_the_targets_features_of_the_last_two_tokens(models, r
 
     target, draft = models["target"], models["glide_features"]
     method_ = speculative.Method(method, gamma=2, bins=(2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2))
-    prefill, round_, _ = speculative.compiled(method_, 12, ())
+    prefill, round_, _, _ = speculative.compiled(method_, 12, ())
     graph, params = nnx.split((target, draft))
     prompt = rng.integers(0, CFG.vocab_size, (3, 7)).astype(np.int32)
     lengths = np.array([7, 4, 2], np.int32)  # ragged: the padding is not read
@@ -187,7 +187,7 @@ def test_a_features_draft_proposes_from_the_last_verified_tokens_feature(rng):
         weight[...] = jnp.zeros_like(weight[...])
     draft.fuse[...] = jnp.stack([jnp.zeros((CFG.dim, CFG.dim)), jnp.eye(CFG.dim)])
     method = speculative.Method("glide", gamma=3)
-    prefill, round_, _ = speculative.compiled(method, 16, ())
+    prefill, round_, _, _ = speculative.compiled(method, 16, ())
     graph, params = nnx.split((target, draft))
     state = prefill(graph, params, rng.integers(0, CFG.vocab_size, (2, 6)).astype(np.int32),
                     np.array([6, 3], np.int32), jax.random.key(0))
@@ -400,7 +400,7 @@ def test_two_chains_keep_the_longer_and_its_cache(models, rng):
     prompt = rng.integers(0, CFG.vocab_size, (3, 6)).astype(np.int32)
     ref = greedy(target, prompt, gamma + 2)  # ref[:, 0] is `last` after the prefill
     method = speculative.Method("glide", gamma=gamma, lookup="tree")
-    prefill, _, _ = speculative.compiled(method, 8, ())
+    prefill = speculative.compiled(method, 8, ()).prefill
     graph, params = nnx.split((target, models["glide"]))
     state = prefill(graph, params, prompt, np.full(3, 6, np.int32), jax.random.key(0))
     wrong = (ref + 1) % CFG.vocab_size
@@ -438,7 +438,7 @@ def test_the_drafts_first_step_rewrites_its_cache_from_the_verified_tokens(model
 
     target, draft, gamma = models["target"], models[draft], 3
     method_ = speculative.Method(method, gamma=gamma, bins=(2,) * 11, lookup=lookup)
-    prefill, round_, _ = speculative.compiled(method_, 24, ())
+    prefill, round_, _, _ = speculative.compiled(method_, 24, ())
     graph, params = nnx.split((target, draft))
     prompt = rng.integers(0, CFG.vocab_size, (2, 7)).astype(np.int32)
     state = prefill(graph, params, prompt, np.array([7, 2], np.int32), jax.random.key(0))  # 2: the window from slot 0

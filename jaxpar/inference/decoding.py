@@ -49,13 +49,13 @@ def generate(
     """
     method, tokens, lengths, graph, params = _setup(model, prompt, None, "ar", 1, DEFAULT_BINS,
                                                     temperature, top_p, max_new_tokens)
-    prefill, round_, _ = _compiled(method, max_new_tokens, _eos(eos_ids))
-    state = prefill(graph, params, tokens, lengths, jax.random.key(seed))
+    programs = _compiled(method, max_new_tokens, _eos(eos_ids))
+    state = programs.prefill(graph, params, tokens, lengths, jax.random.key(seed))
     while True:
         yield np.asarray(state.last)
         if bool(np.asarray(state.done).all()):
             return
-        state = round_(graph, params, state)
+        state = programs.round(graph, params, state)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,8 +181,7 @@ def speculative_generate(
     method, tokens, lengths, graph, params = _setup(target, prompt, draft, method, gamma, bins,
                                                     temperature, top_p, max_new_tokens, lookup, lookup_tokens)
     eos_ids = _eos(eos_ids)
-    _, _, loop = _compiled(method, max_new_tokens, eos_ids)
-    state = loop(graph, params, tokens, lengths, jax.random.key(seed))
+    state = _compiled(method, max_new_tokens, eos_ids).loop(graph, params, tokens, lengths, jax.random.key(seed))
     rounds, emitted = np.asarray(state.rounds), np.asarray(state.emitted)
     accepted = float(emitted.sum() / max(rounds.sum(), 1)) if method.name != "ar" else 1.0
     return Generation(_tokens(state, eos_ids, max_new_tokens), accepted, rounds, emitted)
@@ -204,9 +203,11 @@ def speculative_stream(target: Transformer, prompt, *, draft=None, method: str =
     method, tokens, lengths, graph, params = _setup(target, prompt, draft, method, gamma, bins,
                                                     temperature, top_p, max_new_tokens, lookup, lookup_tokens)
     eos_ids = _eos(eos_ids)
-    prefill, round_, _ = _compiled(method, max_new_tokens, eos_ids)
-    state = prefill(graph, params, tokens, lengths, jax.random.key(seed))
-    jax.block_until_ready(round_(graph, params, state))  # compile before the first yield
+    programs = _compiled(method, max_new_tokens, eos_ids)
+    state = programs.prefill(graph, params, tokens, lengths, jax.random.key(seed))
+    heads = programs.heads(graph, params)  # made once, as the loop makes them
+    round_ = lambda state: programs.round(graph, params, state, heads)  # noqa: E731
+    jax.block_until_ready(round_(state))  # compile before the first yield
     shown = np.zeros(tokens.shape[0], int)
     while True:
         host = jax.device_get(dataclasses.replace(state, target_cache=None, draft_cache=None, key=None,
@@ -218,4 +219,4 @@ def speculative_stream(target: Transformer, prompt, *, draft=None, method: str =
         yield new, host.emitted / rounds if method.name != "ar" else np.ones(len(rows))
         if bool(host.done.all()):
             return
-        state = round_(graph, params, state)
+        state = round_(state)

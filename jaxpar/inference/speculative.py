@@ -55,6 +55,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -610,32 +611,50 @@ def prefill(method: Method, target: Transformer, draft, prompt: jax.Array, lengt
     return State(cache, dcache, first, out, count, done, zeros, zeros, key, features, history)
 
 
-def compiled(method: Method, max_new_tokens: int, eos_ids: tuple[int, ...]):
-    """``(prefill, round, loop)`` jitted for ``method``. Each takes the graph and the
-    state of the pair ``(target, draft)`` (``nnx.split``; the graph static) first:
-    ``prefill(graph, params, prompt, lengths, key) -> State``, ``round(graph, params,
-    state) -> State`` and ``loop(graph, params, prompt, lengths, key) -> State`` (prefill,
-    then rounds in a ``while_loop`` until every sequence is done). Temperature and top-p
-    are part of ``method``, and the end-of-sequence ids ``eos_ids`` (any of them ends a
-    sequence; none, ``()``) static too, so each setting compiles once."""
+def loop_heads(method: Method, target: Transformer, draft) -> tuple[jax.Array | None, jax.Array | None]:
+    """``(draft_head, target_head)`` for ``make_round``, made once for many rounds: a GliDe
+    draft's ``head(target)``, and a tied target's ``head_weight()`` as a ``[D, V]`` copy,
+    which its passes over several tokens multiply faster (``Transformer.__call__``;
+    ``ar``'s one row is not faster: None there)."""
+    if method.name == "ar":
+        return None, None
+    draft_head = draft.head(target) if isinstance(draft, GlideDraft) else None
+    return draft_head, (target.head_weight() if target.cfg.tie_embeddings else None)
+
+
+class Programs(NamedTuple):
+    """``compiled``'s jitted programs; each takes the graph and the state of the pair
+    ``(target, draft)`` (``nnx.split``; the graph static) first."""
+
+    prefill: Callable  # (graph, params, prompt, lengths, key) -> State
+    round: Callable  # (graph, params, state[, heads]) -> State; heads: from `heads` (default: made in the round)
+    loop: Callable  # (graph, params, prompt, lengths, key) -> State: prefill, then rounds until done
+    heads: Callable  # (graph, params) -> loop_heads(...)
+
+
+def compiled(method: Method, max_new_tokens: int, eos_ids: tuple[int, ...]) -> Programs:
+    """``Programs`` jitted for ``method``: ``loop`` runs the rounds in a ``while_loop``
+    until every sequence is done, the heads made once; a stream calls ``heads`` once and
+    ``round`` with them, so its rounds cost the loop's. Temperature and top-p are part of
+    ``method``, and the end-of-sequence ids ``eos_ids`` (any of them ends a sequence;
+    none, ``()``) static too, so each setting compiles once."""
 
     def do_prefill(graph, params, prompt, lengths, key):
         target, draft = nnx.merge(graph, params)
         return prefill(method, target, draft, prompt, lengths, max_new_tokens, key, eos_ids)
 
-    def do_round(graph, params, state):
+    def do_heads(graph, params):
+        return loop_heads(method, *nnx.merge(graph, params))
+
+    def do_round(graph, params, state, heads=(None, None)):
         target, draft = nnx.merge(graph, params)
-        return make_round(method, target, draft, eos_ids)(state)
+        return make_round(method, target, draft, eos_ids, *heads)(state)
 
     def do_loop(graph, params, prompt, lengths, key):
         target, draft = nnx.merge(graph, params)
         state = prefill(method, target, draft, prompt, lengths, max_new_tokens, key, eos_ids)
-        head = draft.head(target) if isinstance(draft, GlideDraft) and method.name != "ar" else None
-        # the heads once a loop; a tied target's as a [D, V] copy, which its passes over
-        # several tokens multiply faster (``Transformer.__call__``; ``ar``'s one row is not)
-        target_head = target.head_weight() if method.name != "ar" and target.cfg.tie_embeddings else None
-        body = make_round(method, target, draft, eos_ids, head, target_head)
+        body = make_round(method, target, draft, eos_ids, *loop_heads(method, target, draft))
         return jax.lax.while_loop(lambda s: ~s.done.all(), body, state)
 
     keyed = lambda f: jit(f, static_argnums=0)  # noqa: E731 (the Execution is in the key too)
-    return keyed(do_prefill), keyed(do_round), keyed(do_loop)
+    return Programs(keyed(do_prefill), keyed(do_round), keyed(do_loop), keyed(do_heads))
