@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpar.inference.speculative import draft_forward, reads_features
+from jaxpar.inference.drafting import draft_forward, reads_features
 from jaxpar.models.transformer import init_cache
 from jaxpar.train.runs import load_glide_draft, load_model
 

@@ -12,6 +12,7 @@ from conftest import random_init, rel_err
 from flax import nnx
 from jaxpar import use_execution
 from jaxpar.kernels.dispatch import KernelOptions
+from jaxpar.inference import drafting
 from jaxpar.inference.decoding import generate, probabilities, speculative_generate
 from jaxpar.models import GlideDraft, ModelConfig, Transformer
 from jaxpar.models.glide import DraftVocab
@@ -192,7 +193,7 @@ def test_a_features_draft_proposes_from_the_last_verified_tokens_feature(rng):
     state = prefill(graph, params, rng.integers(0, CFG.vocab_size, (2, 6)).astype(np.int32),
                     np.array([6, 3], np.int32), jax.random.key(0))
     for _ in range(3):
-        step = lambda tokens, cache, features: speculative.draft_forward(  # noqa: E731
+        step = lambda tokens, cache, features: drafting.draft_forward(  # noqa: E731
             draft, target, tokens, cache, state.target_cache, None, features)
         drafts, _, _ = speculative.propose(method, step, state, state.draft_cache, jax.random.key(1))
         np.testing.assert_array_equal(drafts, np.repeat(np.asarray(state.last)[:, None], 3, axis=1))
@@ -448,14 +449,14 @@ def test_the_drafts_first_step_rewrites_its_cache_from_the_verified_tokens(model
         stale = jnp.asarray((slots[None, :] >= n[:, None] - gamma) & (slots[None, :] < n[:, None]))[None, :, :, None, None]
         noise = lambda x: jnp.where(stale, jnp.asarray(rng.standard_normal(x.shape), x.dtype), x)  # noqa: E731
         dcache = dataclasses.replace(state.draft_cache, k=noise(state.draft_cache.k), v=noise(state.draft_cache.v))
-        step = lambda tokens, cache, features: speculative.draft_forward(  # noqa: E731
+        step = lambda tokens, cache, features: drafting.draft_forward(  # noqa: E731
             draft, target, tokens, cache, state.target_cache, None, features)
         drafts, _, cache = speculative.propose(method_, step, state, dcache, jax.random.key(1),
                                                jnp.asarray(True) if skip else None)
         for b in range(2):
             sequence = state.history[b:b + 1, :n[b] + 1]
-            empty = speculative.draft_cache(draft, 1, dcache.k.shape[2])
-            want = speculative.draft_prefill(draft, target, sequence, jnp.asarray(n[b:b + 1]), empty,
+            empty = drafting.draft_cache(draft, 1, dcache.k.shape[2])
+            want = drafting.draft_prefill(draft, target, sequence, jnp.asarray(n[b:b + 1]), empty,
                                              jax.tree.map(lambda x: x[:, b:b + 1] if x.ndim == 5 else x[b:b + 1],
                                                           state.target_cache))
             assert rel_err(cache.k[:, b, :n[b] + 1], want.k[:, 0, :n[b] + 1]) < 1e-5

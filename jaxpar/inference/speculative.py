@@ -63,7 +63,8 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.inference import prompt_lookup, token_tree
-from jaxpar.models.config import TARGET, ModelConfig
+from jaxpar.inference.drafting import (check_glide_target, draft_cache, draft_forward, draft_prefill, features_at,
+                                       reads_features)
 from jaxpar.models.glide import GlideDraft
 from jaxpar.models.transformer import KVCache, Transformer, init_cache, write_cache
 from jaxpar.inference.sampling import draw, probabilities
@@ -108,16 +109,14 @@ class Method:
     @property
     def tokens_per_round(self) -> int:
         """The most tokens a round emits (accepted drafts plus the target's own)."""
-        return 1 if self.name == "ar" else max(self.gamma, self.copied if self.lookup else 0) + 1
+        return 1 if self.name == "ar" else max(self.gamma, self.copied) + 1
 
     @property
     def tokens_verified(self) -> int:
         """The tokens a round's target pass writes into the cache."""
         if self.lookup == "tree":
             return 1 + 2 * self.gamma
-        if self.lookup == "select":
-            return self.tokens_per_round
-        return {"ar": 1, "cape": self.tree.size}.get(self.name, self.gamma + 1)
+        return self.tree.size if self.name == "cape" else self.tokens_per_round
 
 
 @jax.tree_util.register_dataclass
@@ -188,96 +187,6 @@ def check(method: Method, target: Transformer, draft) -> None:
     if method.name == "cape" and not method.greedy:
         raise ValueError(f"method 'cape' is greedy (temperature 0), got temperature={method.temperature}; "
                          "for sampling use 'glide' or 'speculative', which are lossless")
-
-
-# The target settings a GliDe draft's weights depend on: its cross-attention reads the
-# target's cached keys/values (heads, head size, RoPE) of fixed layers.
-GLIDE_TARGET_KEYS = ModelConfig.fields_tagged(TARGET)
-
-
-def check_glide_target(draft: GlideDraft, target: Transformer) -> None:
-    """A GliDe draft runs only with the target layout it was trained against."""
-    diffs = [f"{k} {getattr(draft.cfg, k)!r} vs {getattr(target.cfg, k)!r}"
-             for k in GLIDE_TARGET_KEYS if getattr(draft.cfg, k) != getattr(target.cfg, k)]
-    if diffs:
-        raise ValueError("the GliDe draft was trained for a target with another head layout "
-                         f"(draft's target vs this target: {'; '.join(diffs)})")
-
-
-# ------------------------------------------------------------------------- the draft
-
-
-def _target_layers(draft: GlideDraft, cache: KVCache) -> tuple[jax.Array, jax.Array]:
-    layers = draft.target_layers()
-    return cache.k[layers.start:layers.stop], cache.v[layers.start:layers.stop]
-
-
-def reads_features(draft) -> bool:
-    """Whether ``draft`` is a GliDe draft that reads the target's features."""
-    return isinstance(draft, GlideDraft) and draft.features
-
-
-def _features_at(features: jax.Array, index: jax.Array) -> jax.Array:
-    """``features [B, T, D]`` at ``index [B, k]`` -> ``[B, k, D]``, zeros where ``index < 0``."""
-    picked = jnp.take_along_axis(features, jnp.maximum(index, 0)[..., None], axis=1)
-    return jnp.where((index >= 0)[..., None], picked, 0).astype(features.dtype)
-
-
-def _cross_mask(positions: jax.Array, target_lengths: jax.Array, S: int) -> jax.Array:
-    """bool ``[B, T, S]``: a GliDe query at position ``p`` (``positions [B, T]``) sees the
-    target's keys ``<= p`` of the first ``target_lengths [B]`` (those verified): the first,
-    causal block of its training mask over a prompt or a window, and every verified key
-    for ``last`` and its proposals."""
-    keys = jnp.arange(S, dtype=jnp.int32)[None, None, :]
-    return (keys <= positions[:, :, None]) & (keys < target_lengths[:, None, None])
-
-
-def draft_cache(draft, batch: int, max_length: int) -> KVCache:
-    if isinstance(draft, GlideDraft):
-        return draft.init_cache(batch, max_length)
-    return init_cache(draft.cfg, batch, max_length)
-
-
-def draft_prefill(draft, target: Transformer, prompt: jax.Array, lengths: jax.Array,
-                  cache: KVCache, target_cache: KVCache, features: jax.Array | None = None) -> KVCache:
-    """Runs the draft over the prompt ``[B, P]`` (the target's cache already holds it; a
-    GliDe query at ``t`` sees the target's keys ``<= t``, the first, causal block of its
-    training mask, and reads the target's feature at ``t - 1`` of ``features [B, P, D]``,
-    which a draft that reads features needs)."""
-    if not isinstance(draft, GlideDraft):
-        return draft(prompt, cache=cache)[1]
-    B, P = prompt.shape
-    k, v = _target_layers(draft, target_cache)
-    positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
-    mask = _cross_mask(positions, lengths, k.shape[2])
-    if draft.features:
-        features = _features_at(features, positions - 1)
-    return draft(prompt, target, k, v, mask, positions=positions, cache=cache, features=features)[1]
-
-
-def draft_forward(draft, target: Transformer, tokens: jax.Array, cache: KVCache,
-                  target_cache: KVCache, head: jax.Array | None = None,
-                  features: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
-    """The draft over ``tokens [B, T]`` continuing its cache: ``(logits [B, T, V], cache)``.
-    A GliDe draft's queries see the target's verified tokens (``target_cache.lengths``);
-    ``head``: its ``GlideDraft.head(target)`` computed once for many steps, or None;
-    ``features``: ``[B, T, D]``, the target's feature each token reads (a GliDe draft
-    that reads them, and only there).
-
-    A draft over a restricted vocabulary (``GlideDraft.vocab``) gets -inf logits outside
-    it: it proposes only its tokens (as full-vocabulary ids), and its sampling
-    distribution ``q`` is zero elsewhere, which the speculative-sampling rule takes as it
-    is (``q(d) > 0`` for every proposal ``d``, and the residual ``max(0, p - q)`` is
-    ``p`` outside), so decoding stays lossless."""
-    if not isinstance(draft, GlideDraft):
-        return draft(tokens, cache=cache)
-    k, v = _target_layers(draft, target_cache)
-    T = tokens.shape[1]
-    positions = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)
-    mask = _cross_mask(positions, target_cache.lengths, k.shape[2])
-    logits, cache = draft(tokens, target, k, v, mask, positions=positions, cache=cache, head=head,
-                          features=features)
-    return (logits if draft.vocab is None else draft.vocab.full_logits(logits)), cache
 
 
 def _choose(method: Method, logits: jax.Array, key: jax.Array) -> jax.Array:
@@ -426,7 +335,7 @@ def _next_features(state: State, path_features: jax.Array, accepted: jax.Array) 
     """The target's features at the new ``n - 2`` and ``n - 1`` (``[B, 2, D]``): the
     path's at ``accepted - 1`` and ``accepted``, the first the old ``n - 1``'s when
     nothing was accepted (``path_features [B, T, D]``: the path's, root first)."""
-    at = _features_at(path_features, jnp.stack([accepted - 1, accepted], axis=1))
+    at = features_at(path_features, jnp.stack([accepted - 1, accepted], axis=1))
     before = jnp.where((accepted > 0)[:, None], at[:, 0], state.features[:, 1])
     return jnp.stack([before, at[:, 1]], axis=1)
 
@@ -505,6 +414,23 @@ def verify_two_chains(target: Transformer, state: State, drafts, copied, copied_
     return cache, jnp.where(use_copy[:, None], copied, drafts), accepted, nxt, features
 
 
+def verify_select(method: Method, target: Transformer, state: State, drafts, copied, use_copy):
+    """``select``: the first ``gamma`` tokens of ``copied [B, method.copied]`` where
+    ``use_copy [B]``, else the draft's chain ``drafts [B, gamma]``, verified as a chain;
+    where every sequence takes the copy and it is longer (``lookup_tokens``), all of it,
+    a longer pass (``lax.cond``). ``(cache, path_tokens, accepted, next, features)``,
+    the path and the features (None without) padded to the copy's length."""
+    def verified(chain):
+        cache, accepted, nxt, features = verify_chain(method, target, state, chain, None, None)
+        features = None if features is None else _pad(features, method.copied + 1)
+        return cache, _pad(chain, method.copied), accepted, nxt, features
+
+    drafted = jnp.where(use_copy[:, None], copied[:, :method.gamma], drafts)
+    if method.copied == method.gamma:
+        return verified(drafted)
+    return jax.lax.cond(use_copy.all(), lambda: verified(copied), lambda: verified(drafted))
+
+
 def verify_tree(method: Method, target: Transformer, state: State, drafts, draft_logits):
     """CaPE: the draft's chain widened by its confidence into ``method.tree``, verified
     in one target pass with the tree mask, the accepted path's cache entries compacted;
@@ -563,17 +489,8 @@ def make_round(method: Method, target: Transformer, draft, eos_ids: tuple[int, .
                 cache, path_tokens, accepted, nxt, features = verify_two_chains(verifier, state, drafts, copied,
                                                                                 copied_valid)
             elif method.lookup == "select":
-                def verified(chain):  # path tokens and features padded to the copy's length
-                    cache, accepted, nxt, features = verify_chain(method, verifier, state, chain, None, accept_key)
-                    features = None if features is None else _pad(features, method.copied + 1)
-                    return cache, _pad(chain, method.copied), accepted, nxt, features
-
-                drafted = jnp.where(use_copy[:, None], copied[:, :method.gamma], drafts)  # the copy's start
-                if method.copied == method.gamma:
-                    cache, path_tokens, accepted, nxt, features = verified(drafted)
-                else:  # where every sequence takes it, the whole copy: a longer pass
-                    cache, path_tokens, accepted, nxt, features = jax.lax.cond(
-                        skip, lambda: verified(copied), lambda: verified(drafted))
+                cache, path_tokens, accepted, nxt, features = verify_select(method, verifier, state, drafts, copied,
+                                                                            use_copy)
             else:
                 cache, accepted, nxt, features = verify_chain(method, verifier, state, drafts, draft_logits, accept_key)
                 path_tokens = drafts
@@ -603,7 +520,7 @@ def prefill(method: Method, target: Transformer, draft, prompt: jax.Array, lengt
     done = (count >= max_new_tokens) | is_eos(first, eos_ids)
     zeros = jnp.zeros((B,), jnp.int32)
     if features is not None:  # the target's at n - 2 and n - 1
-        features = _features_at(features, lengths[:, None] + jnp.arange(-2, 0, dtype=jnp.int32))
+        features = features_at(features, lengths[:, None] + jnp.arange(-2, 0, dtype=jnp.int32))
     history = None
     if method.name != "ar":  # room for every round's writes past the last position kept
         history = jnp.zeros((B, P + max_new_tokens + 2 * method.tokens_per_round), jnp.int32)

@@ -42,7 +42,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar.inference import speculative, token_tree
+from jaxpar.inference import drafting, speculative, token_tree
 from jaxpar.kernels import KernelOptions
 from jaxpar.models.glide import GlideDraft
 from jaxpar.models.transformer import ACT_BTKH, sharding_rules
@@ -165,7 +165,7 @@ class Engine:
             name = method or ("glide" if isinstance(draft, GlideDraft) else "speculative")
             self.method = speculative.Method(name, gamma, token_tree.check_bins(bins))
             speculative.check(self.method, model, draft)
-            if speculative.reads_features(draft):
+            if drafting.reads_features(draft):
                 raise ValueError("jaxpar-serve does not yet run a GliDe draft that reads the target's features "
                                  "(glide.features=true); decode it with jaxpar-generate or "
                                  "jaxpar.inference.decoding")

@@ -106,7 +106,7 @@ def _draft_extend(draft, target, draft_pages: KVPages, target_pages: KVPages, to
     """The draft over ``tokens [B, T]`` continuing its cached ``lengths [B]``: ``(logits
     [B, T, V], draft pages)``. A GliDe draft's queries see the target's first
     ``verified [B]`` positions, the tokens it has verified (as
-    ``jaxpar.inference.speculative.draft_forward`` gives them the target cache's
+    ``jaxpar.inference.drafting.draft_forward`` gives them the target cache's
     lengths); over a restricted vocabulary its logits are -inf outside it, as there.
     ``head``: a GliDe draft's ``head(target)``, computed once for a round's steps."""
     if not isinstance(draft, GlideDraft):
