@@ -15,7 +15,7 @@
 * ``finish``: the round's bookkeeping (emitted tokens, lengths, counters).
 
     python bench/round_profile.py --target PATH --glide DIR [--gamma 2 4] [--bins K x 11]
-        [--prompt-tokens 64] [--max-new-tokens 64] [--repeats 5] [--json P] [--png P]
+        [--lookup select [tree]] [--prompt-tokens 64] [--max-new-tokens 64] [--repeats 5] [--json P] [--png P]
 
 Each method runs a generation of ``--max-new-tokens`` from one code prompt (compiled
 and run once first) under ``jax.profiler.trace``, ``--repeats`` times interleaved with
@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpar.inference.speculative import Method, check, compiled
+from jaxpar.inference.speculative import LOOKUPS, Method, check, compiled
 from jaxpar.inference.token_tree import DEFAULT_BINS
 from jaxpar.train.runs import load_glide_draft, load_model
 
@@ -109,8 +109,8 @@ class Profiled:
     """One method's decoding loop over one prompt, compiled once (its program both runs
     and gives the name stacks) and run once, ready to trace."""
 
-    def __init__(self, target, draft, row, method: str, gamma: int, bins, max_new_tokens: int):
-        settings = Method(method, gamma, tuple(bins))
+    def __init__(self, target, draft, row, method: str, gamma: int, bins, max_new_tokens: int, lookup: str = ""):
+        settings = Method(method, gamma, tuple(bins), lookup=lookup)
         check(settings, target, draft if method != "ar" else None)
         graph, self.params = nnx.split((target, draft if method != "ar" else None))
         self.args = (jnp.asarray(row, jnp.int32)[None], jnp.asarray([len(row)], jnp.int32), jax.random.key(0))
@@ -185,6 +185,8 @@ def main(argv=None) -> None:
     parser.add_argument("--bins", type=int, nargs=11, default=list(DEFAULT_BINS), metavar="K")
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--lookup", choices=LOOKUPS, nargs="*", default=[],
+                        help="also glide with prompt lookup of these kinds (rows glide+lookup-KIND)")
     parser.add_argument("--repeats", type=int, default=5, help="traces of each method, interleaved")
     parser.add_argument("--json", type=pathlib.Path)
     parser.add_argument("--png", type=pathlib.Path)
@@ -192,9 +194,11 @@ def main(argv=None) -> None:
 
     target, draft = load_model(args.target), load_glide_draft(args.glide)
     row = prompts(args.target, "code", 1, args.prompt_tokens)[0]
-    runs = [("ar", 1)] + [(m, g) for g in args.gamma for m in ("glide", "cape")]
-    methods = {"ar" if m == "ar" else f"{m}, gamma {g}": Profiled(target, draft, row, m, g, tuple(args.bins),
-                                                                   args.max_new_tokens) for m, g in runs}
+    runs = [("ar", 1, "")] + [(m, g, "") for g in args.gamma for m in ("glide", "cape")]
+    runs += [("glide", g, kind) for g in args.gamma for kind in args.lookup]
+    methods = {"ar" if m == "ar" else f"{m}{'+lookup-' + kind if kind else ''}, gamma {g}":
+               Profiled(target, draft, row, m, g, tuple(args.bins), args.max_new_tokens, kind)
+               for m, g, kind in runs}
     results = profile(methods, args.repeats)
     ar = sum(results["ar"]["ms"].values())
     columns = [f"round ({jax.devices()[0].device_kind}), ms", *PARTS, "total, ms", "ar steps", "tokens/round"]
