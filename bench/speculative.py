@@ -1,7 +1,7 @@
 """Speculative decoding, Spec-Bench style: mean accepted tokens per round and wall time,
 per method, kind of text and batch.
 
-    python bench/speculative.py --target PATH [--draft DIR] [--glide DIR [DIR ...]] [--lookup tree select]
+    python bench/speculative.py --target PATH [--draft DIR] [--glide DIR [DIR ...]] [--lookup tree select] [--runner-up]
         [--batch 1 8]
         [--kinds code chat prose] [--prompts 4] [--max-new-tokens 64] [--gamma 4 [5 ...]]
         [--bins K x 11] [--json P] [--png P]
@@ -43,6 +43,11 @@ so every method does the same work). Per method and batch size:
 beside the draft's, ``tree``, or instead of it, ``select``), rows ``glide+lookup-KIND``
 (``glide+lookup-KIND:NAME``); ``--lookup-tokens N``: ``select``'s copied chain is ``N``
 tokens long (default: the row's gamma).
+
+``--runner-up``: also each ``speculative`` and ``glide`` row, plain or with ``select``,
+verifying another first token beside the chain in the same pass
+(``speculative_generate(..., runner_up=True)``), rows ``glide+runner-up``,
+``glide+lookup-select+runner-up``.
 
 ``--draft-vocab N [N ...]``: also decode with the GliDe draft restricted to the ``N``
 most frequent tokens of its training split (FR-Spec's restriction at decoding, of a
@@ -170,7 +175,13 @@ def method_of(row: str) -> str:
 
 def lookup_of(row: str) -> str:
     """A row's prompt lookup: ``glide+lookup-select:RUN``'s is ``select``; ``""``: none."""
-    return row.partition("+lookup-")[2].partition(":")[0].partition("@")[0]
+    return row.partition("+lookup-")[2].partition(":")[0].partition("@")[0].partition("+")[0]
+
+
+def runner_up_of(row: str) -> bool:
+    """Whether a row verifies the draft's other first token too (``glide+runner-up``,
+    ``glide+lookup-select+runner-up:RUN``)."""
+    return "+runner-up" in row.partition(":")[0]
 
 
 def run(target, rows, batch, methods, args):
@@ -183,7 +194,7 @@ def run(target, rows, batch, methods, args):
     alike and the speedups stay comparable."""
     results = [([], [], [], []) for _ in methods]
     calls = [dict(draft=draft, method=method_of(name), gamma=gamma, bins=args.bins, lookup=lookup_of(name),
-                  lookup_tokens=args.lookup_tokens if lookup_of(name) == "select" else 0,
+                  lookup_tokens=args.lookup_tokens if lookup_of(name) == "select" else 0, runner_up=runner_up_of(name),
                   max_new_tokens=args.max_new_tokens) for name, draft, _, gamma in methods]
     for start in range(0, len(rows), batch):
         chunk = rows[start:start + batch]
@@ -215,7 +226,7 @@ def plot(results, path: pathlib.Path, title: str) -> None:
 
     fig, ax = plt.subplots(figsize=(9, 4.5))
     # A colour per gamma (its points and its round-cost line), a marker per method (and
-    # prompt lookup), hollow markers above the smallest batch, each point named.
+    # prompt lookup, and the runner-up), hollow markers above the smallest batch, each point named.
     gamma_list = sorted({r["gamma"] for r in results if r["gamma"]})
     colour = {g: f"C{i}" for i, g in enumerate(gamma_list)}
     smallest = min(r["batch"] for r in results)
@@ -224,6 +235,8 @@ def plot(results, path: pathlib.Path, title: str) -> None:
             continue
         marker = {"tree": "D", "select": "P"}.get(lookup_of(r["method"])) or {
             "speculative": "o", "glide": "s", "cape": "^"}[method_of(r["method"])]
+        if runner_up_of(r["method"]):  # a star with lookup select, an X on a plain chain
+            marker = "*" if lookup_of(r["method"]) else "X"
         c = colour[r["gamma"]]
         ax.scatter(r["accepted_per_step"], r["speedup"], marker=marker, s=60, edgecolors=c,
                    facecolors=c if r["batch"] == smallest else "none",
@@ -237,7 +250,7 @@ def plot(results, path: pathlib.Path, title: str) -> None:
     for gamma in gamma_list:
         rounds = [r["round_in_ar_steps"] for r in results
                   if r["gamma"] == gamma and r["batch"] == smallest and method_of(r["method"]) == "glide"
-                  and "@" not in r["method"] and not lookup_of(r["method"])]
+                  and "@" not in r["method"] and not lookup_of(r["method"]) and not runner_up_of(r["method"])]
         if rounds:
             cost = float(np.mean(rounds))
             ax.plot(xs, xs / cost, linestyle=":", linewidth=1, color=colour[gamma],
@@ -273,6 +286,9 @@ def main() -> None:
                         help="also speculative and glide with prompt lookup of these kinds")
     parser.add_argument("--lookup-tokens", type=int, default=0,
                         help="select: the copied chain's length (default: each row's gamma)")
+    parser.add_argument("--runner-up", action="store_true",
+                        help="also each speculative and glide row (plain or lookup select) verifying the draft's "
+                             "other first token too")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=pathlib.Path)
     parser.add_argument("--png", type=pathlib.Path)
@@ -298,6 +314,11 @@ def main() -> None:
              if method_of(name) in ("speculative", "glide") and "@" not in name]
     drafted += [(f"{method_of(name)}+lookup-{kind}{name[len(method_of(name)):]}", draft, run_dir)
                 for kind in args.lookup for name, draft, run_dir in plain]
+    if args.runner_up:
+        drafted += [(f"{head}+runner-up{sep}{tail}", draft, run_dir) for name, draft, run_dir in drafted
+                    for head, sep, tail in [name.partition(":")]
+                    if method_of(name) in ("speculative", "glide") and "@" not in name
+                    and lookup_of(name) in ("", "select")]
     methods = [("ar", None, None, 1)] + [(*m, gamma) for gamma in args.gamma for m in drafted]
     device = jax.devices()[0].device_kind
     print(f"target {args.target}, {len(rows)} prompts ({', '.join(args.kinds)}), {args.max_new_tokens} new "

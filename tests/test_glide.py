@@ -403,7 +403,8 @@ def test_generate_with_trained_drafts_gives_the_targets_tokens(target_run, glide
     assert "accepted_per_step" not in ar and len(ar["tokens"]) > 0
     for draft, method, *lookup in [(vanilla, "speculative"), (glide_run, "glide"), (glide_run, "cape"),
                                    (vanilla, "cape"), (glide_run, "glide", "--lookup", "tree"),
-                                   (vanilla, "speculative", "--lookup", "select")]:
+                                   (vanilla, "speculative", "--lookup", "select"),
+                                   (glide_run, "glide", "--lookup", "select", "--runner-up")]:
         code, out, err = generate_cli(capsys, *common, "--draft", draft, "--method", method, "--gamma", "3", *lookup)
         assert code == 0, err
         assert out["tokens"] == ar["tokens"] and out["text"] == ar["text"]
@@ -452,7 +453,7 @@ def test_speculative_benchmark(target_run, glide_run, vanilla_run, capsys, monke
     """bench/speculative.py as a newcomer runs it (in this process, small): code, chat and
     prose prompts, its table with each draft's training cost, every method lossless (the
     GliDe draft restricted at decoding to 100 tokens too, and the drafts with prompt
-    lookup), the picture and the JSON, with two GliDe runs in one loop rows of each
+    lookup and the runner-up), the picture and the JSON, with two GliDe runs in one loop rows of each
     run's name; then bench/glide_curve.py and bench/round_cost.py."""
     script = pathlib.Path(__file__).resolve().parents[1] / "bench" / "speculative.py"
     png = ["--png", str(tmp_path / "s.png")] if importlib.util.find_spec("matplotlib") else []  # the bench extra
@@ -461,7 +462,8 @@ def test_speculative_benchmark(target_run, glide_run, vanilla_run, capsys, monke
     monkeypatch.setattr(sys, "argv", [str(script), "--target", str(target_run), "--draft", str(vanilla_run),
                                       "--glide", str(glide_run), str(again), "--prompts", "1", "--prompt-tokens", "8",
                                       "--max-new-tokens", "12", "--batch", "3", "--repeats", "1",
-                                      "--draft-vocab", "100", "--lookup", "tree", "select", "--json", str(tmp_path / "s.json"), *png])
+                                      "--draft-vocab", "100", "--lookup", "tree", "select", "--runner-up",
+                                      "--json", str(tmp_path / "s.json"), *png])
     runpy.run_path(str(script), run_name="__main__")
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     assert rows[0].startswith("| method | batch | accepted/round (code / chat / prose) | all |")
@@ -470,13 +472,16 @@ def test_speculative_benchmark(target_run, glide_run, vanilla_run, capsys, monke
     assert [r.split("|")[1].strip() for r in rows[1:]] == [
         "ar", "speculative", f"glide:{name}", f"cape:{name}", f"glide:{name}@100", "glide:again", "cape:again",
         "glide:again@100", "speculative+lookup-tree", f"glide+lookup-tree:{name}", "glide+lookup-tree:again",
-        "speculative+lookup-select", f"glide+lookup-select:{name}", "glide+lookup-select:again"]
+        "speculative+lookup-select", f"glide+lookup-select:{name}", "glide+lookup-select:again",
+        "speculative+runner-up", f"glide+runner-up:{name}", "glide+runner-up:again",
+        "speculative+lookup-select+runner-up", f"glide+lookup-select+runner-up:{name}",
+        "glide+lookup-select+runner-up:again"]
     assert all("| yes |" in r for r in rows[1:]) and "6 steps" in rows[3]  # the GliDe run's 6 steps
     results = json.loads((tmp_path / "s.json").read_text())["results"]
     by_name = {r["method"]: r for r in results}
     assert set(by_name[f"glide:{name}"]["by_kind"]) == {"code", "chat", "prose"}
     assert by_name[f"cape:{name}"]["accepted_per_step"] == by_name["cape:again"]["accepted_per_step"]
-    assert [r["gamma"] for r in results] == [None] + [4] * 13
+    assert [r["gamma"] for r in results] == [None] + [4] * 19
     for r in results:  # a round's time in ar steps: accepted tokens a round over the speedup
         assert math.isclose(r["round_in_ar_steps"], r["accepted_per_step"] / r["speedup"])
     assert not png or (tmp_path / "s.png").read_bytes().startswith(b"\x89PNG")

@@ -426,19 +426,22 @@ def test_two_chains_keep_the_longer_and_its_cache(models, rng):
         assert rel_err(cache.v[:, b, 6:7 + a], alone.v[:, 0, 6:7 + a]) < 1e-5
 
 
-@pytest.mark.parametrize("method,draft,lookup,skip", [("glide", "glide", "select", False), ("glide", "glide", "select", True),
-                                                     ("speculative", "close", "select", False), ("cape", "glide", "", False)])
-def test_the_drafts_first_step_rewrites_its_cache_from_the_verified_tokens(models, rng, method, draft, lookup, skip):
-    """Whatever the last round kept (a copied chain, a tree's sibling: tokens the draft
-    did not propose, or a round whose draft steps were skipped), a lookup's or CaPE's
-    first draft step (its window of ``gamma + 1`` tokens) leaves its cache, at every slot up to ``last``,
-    equal to the draft's cache over the sequence so far without rounds: here with the
-    slots a round may have left stale overwritten by noise first. With ``skip`` only that
-    step runs."""
+@pytest.mark.parametrize("method,draft,lookup,skip,runner_up", [
+    ("glide", "glide", "select", False, False), ("glide", "glide", "select", True, False),
+    ("speculative", "close", "select", False, False), ("cape", "glide", "", False, False),
+    ("glide", "glide", "", False, True)])
+def test_the_drafts_first_step_rewrites_its_cache_from_the_verified_tokens(models, rng, method, draft, lookup, skip,
+                                                                           runner_up):
+    """Whatever the last round kept (a copied chain, a tree's sibling, the runner-up:
+    tokens the draft did not propose, or a round whose draft steps were skipped), a
+    lookup's, CaPE's or a runner-up round's first draft step (its window of ``gamma + 1``
+    tokens) leaves its cache, at every slot up to ``last``, equal to the draft's cache
+    over the sequence so far without rounds: here with the slots a round may have left
+    stale overwritten by noise first. With ``skip`` only that step runs."""
     from jaxpar.inference import speculative
 
     target, draft, gamma = models["target"], models[draft], 3
-    method_ = speculative.Method(method, gamma=gamma, bins=(2,) * 11, lookup=lookup)
+    method_ = speculative.Method(method, gamma=gamma, bins=(2,) * 11, lookup=lookup, runner_up=runner_up)
     prefill, round_, _, _ = speculative.compiled(method_, 24, ())
     graph, params = nnx.split((target, draft))
     prompt = rng.integers(0, CFG.vocab_size, (2, 7)).astype(np.int32)
@@ -485,6 +488,58 @@ def test_lookup_rounds_return_greedy_decoding(models, rng, method, draft, lookup
         np.testing.assert_array_equal(out.tokens[b], reference[b])
 
 
+def test_the_runner_up_is_kept_where_the_chains_first_token_is_wrong(models, rng):
+    """A chain and another first token in one pass (``verify_with_runner_up``): where the
+    chain's first token is wrong and the other (the draft's best, which the chain did not
+    start with) is right, the round keeps it and the target's token after it, and its
+    cache entry is that of a plain pass over ``[last, other]``; elsewhere the chain's
+    accepted prefix, the other its runner-up where the chain starts with the draft's best."""
+    from jaxpar.inference import speculative
+
+    target, gamma = models["target"], 3
+    prompt = rng.integers(0, CFG.vocab_size, (3, 6)).astype(np.int32)
+    ref = greedy(target, prompt, gamma + 2)  # ref[:, 0] is `last` after the prefill
+    state = speculative.compiled(speculative.Method("glide", gamma=gamma, runner_up=True), 8, ()).prefill(
+        *nnx.split((target, models["glide"])), prompt, np.full(3, 6, np.int32), jax.random.key(0))
+    wrong = (ref + 1) % CFG.vocab_size
+    right = ref[:, 1:gamma + 1]
+    chain = np.stack([wrong[0, 1:4], [right[1, 0], right[1, 1], wrong[1, 3]], wrong[2, 1:4]])
+    logits = rng.standard_normal((3, CFG.vocab_size)).astype(np.float32)
+    logits[0, right[0, 0]] = 10.0  # the draft's best, which the chain does not start with: right
+    logits[1, right[1, 0]], logits[1, wrong[1, 1]] = 10.0, 9.0  # the chain's first is its best: the runner-up
+    logits[2, wrong[2, 2]] = 10.0  # wrong, and not the chain's first either
+    cache, path_tokens, accepted, nxt, _ = speculative.verify_with_runner_up(
+        target, state, jnp.asarray(chain), jnp.asarray(logits))
+    assert accepted.tolist() == [1, 2, 0]
+    np.testing.assert_array_equal(np.asarray(path_tokens)[:, 0], [right[0, 0], right[1, 0], wrong[2, 1]])
+    np.testing.assert_array_equal(nxt, ref[np.arange(3), np.asarray(accepted) + 1])
+    for b in range(2):
+        a = int(accepted[b])
+        kept = jnp.asarray(np.concatenate([[ref[b, 0]], np.asarray(path_tokens[b, :a])])[None])
+        _, alone = target(jnp.asarray(prompt[b:b + 1]), cache=init_cache(CFG, 1, 16))
+        _, alone = target(kept, cache=alone)
+        assert rel_err(cache.k[:, b, 6:7 + a], alone.k[:, 0, 6:7 + a]) < 1e-5
+        assert rel_err(cache.v[:, b, 6:7 + a], alone.v[:, 0, 6:7 + a]) < 1e-5
+
+
+@pytest.mark.parametrize("method,draft,lookup,batch", [
+    ("glide", "glide", "", 4), ("glide", "glide_vocab", "", 4), ("speculative", "small", "", 4),
+    ("speculative", "close", "select", 2), ("glide", "glide", "select", 2), ("glide", "glide_features", "select", 2)])
+def test_runner_up_rounds_return_greedy_decoding_and_accept_more(models, rng, method, draft, lookup, batch):
+    """With the runner-up verified too, tokens equal plain greedy decoding, and rounds
+    accept more than the chain alone: these random drafts' first tokens are often wrong,
+    and their second choices sometimes right."""
+    target = models["target"]
+    motif = rng.integers(0, CFG.vocab_size, (2, 4))
+    prompt = np.concatenate([np.tile(motif, 3), rng.integers(0, CFG.vocab_size, (2, 12))])[:batch]
+    reference = greedy(target, prompt, 40)
+    runs = {runner_up: speculative_generate(target, prompt, draft=models[draft], method=method, gamma=3,
+                                            max_new_tokens=40, lookup=lookup, runner_up=runner_up)
+            for runner_up in (False, True)}
+    for b in range(len(prompt)):
+        np.testing.assert_array_equal(runs[True].tokens[b], reference[b])
+    assert runs[True].accepted_per_step > runs[False].accepted_per_step
+
 
 @pytest.mark.parametrize("draft", ["glide", "glide_features"])
 def test_select_takes_the_whole_copy_where_the_text_cycles(models, rng, draft):
@@ -518,6 +573,11 @@ def test_select_takes_the_whole_copy_where_the_text_cycles(models, rng, draft):
     (dict(method="glide", lookup="tree", lookup_tokens=5), "lookup_tokens=5 must be a positive length of the "
                                                            "copied chain, with lookup 'select' .got lookup='tree'.$"),
     (dict(method="glide", lookup="select", lookup_tokens=-1), "lookup_tokens=-1 must be a positive length"),
+    (dict(method="cape", runner_up=True), "runner_up goes with a greedy 'speculative' or 'glide' chain .* not "
+                                          "method 'cape'"),
+    (dict(method="glide", runner_up=True, temperature=0.5), "runner_up .* at temperature 0.5"),
+    (dict(method="glide", runner_up=True, lookup="tree"), "runner_up .* with lookup='tree'"),
+    (dict(method="glide", runner_up=True, lookup="select", lookup_tokens=7), "runner_up .* lookup_tokens=7"),
 ])
 def test_bad_settings_are_one_clear_error(models, kwargs, message):
     draft = models.get(kwargs.pop("draft", "glide"))

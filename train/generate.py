@@ -85,6 +85,9 @@ def _parser() -> CommandParser:
     parser.add_argument("--lookup-tokens", type=int, default=0,
                         help="--lookup select: the copied chain's length (default: --gamma); a round where the "
                              "copy is taken verifies all of it")
+    parser.add_argument("--runner-up", action="store_true",
+                        help="speculative or glide, greedy (--lookup select or none): the pass also verifies the "
+                             "draft's other choice for the first token, kept where the chain's first is wrong")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
 
@@ -97,7 +100,8 @@ def _run(target, prompt, eos, args, method, draft, tokenizer=None):
     for new, accepted_now in speculative_stream(
             target, prompt, draft=draft, method=method, gamma=args.gamma, bins=args.bins,
             max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-            seed=args.seed, eos_ids=eos, lookup=args.lookup, lookup_tokens=args.lookup_tokens):
+            seed=args.seed, eos_ids=eos, lookup=args.lookup, lookup_tokens=args.lookup_tokens,
+            runner_up=args.runner_up):
         if started is None:
             started, first = time.perf_counter(), len(new[0])  # after the prefill's token
         ids += [int(i) for i in new[0]]

@@ -113,8 +113,9 @@ def _eos(eos_ids: Sequence[int]) -> tuple[int, ...]:
 
 
 def _setup(target, prompt, draft, method, gamma, bins, temperature, top_p, max_new_tokens, lookup="",
-           lookup_tokens=0):
-    method = Method(method, gamma, tuple(bins), float(temperature), float(top_p), lookup or "", int(lookup_tokens))
+           lookup_tokens=0, runner_up=False):
+    method = Method(method, gamma, tuple(bins), float(temperature), float(top_p), lookup or "", int(lookup_tokens),
+                    bool(runner_up))
     speculative.check(method, target, draft)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be at least 1")
@@ -152,6 +153,7 @@ def speculative_generate(
     eos_ids: Sequence[int] = (),
     lookup: str = "",
     lookup_tokens: int = 0,
+    runner_up: bool = False,
 ) -> Generation:
     """Generates with ``method`` (``jaxpar.inference.decoding.METHODS``), all rounds in one jitted
     loop, every sequence of the batch accepting its own number of tokens per round.
@@ -174,12 +176,17 @@ def speculative_generate(
         (``jaxpar.inference.speculative``); ``""``: none.
       lookup_tokens: with ``lookup="select"``, the copied chain's length (0: ``gamma``);
         a round where every sequence has a copy verifies all of it.
+      runner_up: with a greedy ``speculative`` or ``glide`` chain (``lookup`` ``select``
+        or none): the same pass also verifies another first token, the draft's best where
+        the chain starts otherwise (a copy), else its second best, kept where the chain's
+        first token is wrong and it is right: a pass over one more token.
 
     Raises:
       ValueError: a method, draft or setting that does not fit (one line).
     """
     method, tokens, lengths, graph, params = _setup(target, prompt, draft, method, gamma, bins,
-                                                    temperature, top_p, max_new_tokens, lookup, lookup_tokens)
+                                                    temperature, top_p, max_new_tokens, lookup, lookup_tokens,
+                                                    runner_up)
     eos_ids = _eos(eos_ids)
     state = _compiled(method, max_new_tokens, eos_ids).loop(graph, params, tokens, lengths, jax.random.key(seed))
     rounds, emitted = np.asarray(state.rounds), np.asarray(state.emitted)
@@ -190,8 +197,8 @@ def speculative_generate(
 def speculative_stream(target: Transformer, prompt, *, draft=None, method: str = "speculative",
                        gamma: int = 4, bins: Sequence[int] = DEFAULT_BINS, max_new_tokens: int,
                        temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
-                       eos_ids: Sequence[int] = (), lookup: str = "", lookup_tokens: int = 0
-                       ) -> Iterator[tuple[list[np.ndarray], np.ndarray]]:
+                       eos_ids: Sequence[int] = (), lookup: str = "", lookup_tokens: int = 0,
+                       runner_up: bool = False) -> Iterator[tuple[list[np.ndarray], np.ndarray]]:
     """``speculative_generate`` one jitted round at a time, for streaming: yields
     ``(new_tokens, accepted)`` after the prefill and after every round, ``new_tokens`` a
     list (per sequence) of the int32 tokens it just produced (empty once done), and
@@ -201,7 +208,8 @@ def speculative_stream(target: Transformer, prompt, *, draft=None, method: str =
     host reads (the tokens, counts and flags, fetched together), as the one-jit loop of
     ``speculative_generate`` runs the same program without the transfers."""
     method, tokens, lengths, graph, params = _setup(target, prompt, draft, method, gamma, bins,
-                                                    temperature, top_p, max_new_tokens, lookup, lookup_tokens)
+                                                    temperature, top_p, max_new_tokens, lookup, lookup_tokens,
+                                                    runner_up)
     eos_ids = _eos(eos_ids)
     programs = _compiled(method, max_new_tokens, eos_ids)
     state = programs.prefill(graph, params, tokens, lengths, jax.random.key(seed))

@@ -122,6 +122,17 @@ def verify_greedy(layout: TreeLayout, tokens: jax.Array, valid: jax.Array,
     return jnp.stack(path, axis=1), accepted, bonus
 
 
+def chain_and_leaf(gamma: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(depths [gamma + 2], mask [gamma + 2, gamma + 2])`` of the root, a chain of
+    ``gamma`` nodes (``1..gamma``) and one leaf beside the chain's first node (node
+    ``gamma + 1``, depth 1): each node sees the root, itself and the chain's nodes above it."""
+    size = gamma + 2
+    depths = np.concatenate([np.arange(gamma + 1), [1]]).astype(np.int32)
+    mask = np.tril(np.ones((size, size), bool))
+    mask[gamma + 1, 1:gamma + 1] = False
+    return depths, mask
+
+
 def compact(cache: KVCache, starts: jax.Array, path: jax.Array) -> KVCache:
     """Moves the accepted path's keys/values into place.
 
