@@ -12,7 +12,7 @@ from conftest import random_init, rel_err
 from flax import nnx
 from jaxpar import use_execution
 from jaxpar.kernels.dispatch import KernelOptions
-from jaxpar.inference import drafting
+from jaxpar.inference import drafting, verification
 from jaxpar.inference.decoding import generate, probabilities, speculative_generate
 from jaxpar.models import GlideDraft, ModelConfig, Transformer
 from jaxpar.models.glide import DraftVocab
@@ -408,13 +408,13 @@ def test_two_chains_keep_the_longer_and_its_cache(models, rng):
     right = ref[:, 1:gamma + 1]
     drafts = np.stack([wrong[0, 1:4], right[1], [right[2, 0], wrong[2, 2], right[2, 2]]])
     copied = np.stack([right[0], [right[1, 0], wrong[1, 2], right[1, 2]], [right[2, 0], right[2, 1], wrong[2, 3]]])
-    cache, path_tokens, accepted, nxt, _ = speculative.verify_two_chains(
+    cache, path_tokens, accepted, nxt, _ = verification.verify_two_chains(
         target, state, jnp.asarray(drafts), jnp.asarray(copied), jnp.ones((3, gamma), bool))
     assert accepted.tolist() == [3, 3, 2]  # the copy, the draft (the copy has 1), the copy (the draft has 1)
     np.testing.assert_array_equal(path_tokens, np.stack([copied[0], drafts[1], copied[2]]))
     np.testing.assert_array_equal(nxt, ref[np.arange(3), np.asarray(accepted) + 1])
     # no valid copied token: the draft's chain, whatever the copied tokens say
-    assert speculative.verify_two_chains(target, state, jnp.asarray(wrong[:, 1:4]), jnp.asarray(right),
+    assert verification.verify_two_chains(target, state, jnp.asarray(wrong[:, 1:4]), jnp.asarray(right),
                                          jnp.zeros((3, gamma), bool))[2].tolist() == [0, 0, 0]
     for b in range(3):
         a = int(accepted[b])
@@ -508,7 +508,7 @@ def test_the_runner_up_is_kept_where_the_chains_first_token_is_wrong(models, rng
     logits[0, right[0, 0]] = 10.0  # the draft's best, which the chain does not start with: right
     logits[1, right[1, 0]], logits[1, wrong[1, 1]] = 10.0, 9.0  # the chain's first is its best: the runner-up
     logits[2, wrong[2, 2]] = 10.0  # wrong, and not the chain's first either
-    cache, path_tokens, accepted, nxt, _ = speculative.verify_with_runner_up(
+    cache, path_tokens, accepted, nxt, _ = verification.verify_with_runner_up(
         target, state, jnp.asarray(chain), jnp.asarray(logits))
     assert accepted.tolist() == [1, 2, 0]
     np.testing.assert_array_equal(np.asarray(path_tokens)[:, 0], [right[0, 0], right[1, 0], wrong[2, 1]])

@@ -2,14 +2,13 @@
 that followed the latest earlier occurrence of what ends it. A one-layer draft cannot
 copy what its context already holds; text (a small model's greedy continuations most of
 all) repeats it often. ``jaxpar.inference.speculative`` verifies such a chain beside the
-draft's (``two_chains_mask``: a two-branch tree) or instead of it (``Method.lookup``).
+draft's (``token_tree.two_chains_mask``: a two-branch tree) or instead of it (``Method.lookup``).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 
 def chain(history: jax.Array, n: jax.Array, gamma: int, ngram: int = 1) -> tuple[jax.Array, jax.Array]:
@@ -34,17 +33,3 @@ def chain(history: jax.Array, n: jax.Array, gamma: int, ngram: int = 1) -> tuple
     at = seen[:, None] + 1 + jnp.arange(gamma, dtype=jnp.int32)[None, :] % period  # <= n
     valid = jnp.broadcast_to(seen[:, None] >= 0, at.shape)
     return jnp.take_along_axis(history, jnp.clip(at, 0, S - 1), axis=1), valid
-
-
-def two_chains_mask(gamma: int) -> np.ndarray:
-    """bool ``[1 + 2 gamma, 1 + 2 gamma]``: the root, then two chains of ``gamma`` nodes
-    (``1..gamma`` and ``gamma + 1..2 gamma``); a node sees the root, itself and the nodes
-    above it in its own chain."""
-    size = 1 + 2 * gamma
-    mask = np.eye(size, dtype=bool)
-    mask[:, 0] = True
-    for branch in range(2):
-        first = 1 + branch * gamma
-        for i in range(gamma):
-            mask[first + i, first: first + i] = True
-    return mask

@@ -122,15 +122,19 @@ def verify_greedy(layout: TreeLayout, tokens: jax.Array, valid: jax.Array,
     return jnp.stack(path, axis=1), accepted, bonus
 
 
-def chain_and_leaf(gamma: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(depths [gamma + 2], mask [gamma + 2, gamma + 2])`` of the root, a chain of
-    ``gamma`` nodes (``1..gamma``) and one leaf beside the chain's first node (node
-    ``gamma + 1``, depth 1): each node sees the root, itself and the chain's nodes above it."""
-    size = gamma + 2
-    depths = np.concatenate([np.arange(gamma + 1), [1]]).astype(np.int32)
-    mask = np.tril(np.ones((size, size), bool))
-    mask[gamma + 1, 1:gamma + 1] = False
-    return depths, mask
+def two_chains_mask(first: int, second: int) -> np.ndarray:
+    """bool ``[1 + first + second]`` squared: the root, then two chains from it of
+    ``first`` nodes (``1..first``) and ``second`` nodes (after them); a node sees the
+    root, itself and the nodes above it in its own chain. Prompt lookup's two chains
+    (the draft's and a copied one), and a chain with the draft's runner-up beside its
+    first token (``second`` 1)."""
+    size = 1 + first + second
+    mask = np.eye(size, dtype=bool)
+    mask[:, 0] = True
+    for start, length in ((1, first), (1 + first, second)):
+        for i in range(length):
+            mask[start + i, start: start + i] = True
+    return mask
 
 
 def compact(cache: KVCache, starts: jax.Array, path: jax.Array) -> KVCache:

@@ -27,7 +27,8 @@ from flax import nnx
 
 from jaxpar.inference.sampling import probabilities, sample
 from jaxpar.inference import token_tree
-from jaxpar.inference.speculative import Method, accept_greedy, accept_sampled
+from jaxpar.inference.speculative import Method
+from jaxpar.inference.verification import accept_greedy, accept_sampled
 from jaxpar.placement.execution import use_execution
 from jaxpar.models.glide import GlideDraft
 from jaxpar.serving.pages import DecodeView, KVPages, PrefillView, gather, move, packed_mask, side_by_side
@@ -163,7 +164,7 @@ def _accept(drafts, draft_logits, target_logits, temperature, top_p, key, greedy
 
 def _verify_tree(method: Method, target, target_pages, last, drafts, draft_logits, tables, lengths, temperature,
                  top_p, key):
-    """CaPE (``jaxpar.inference.speculative.verify_tree``, over pages): the draft's chain
+    """CaPE (``jaxpar.inference.verification.verify_tree``, over pages): the draft's chain
     widened by its confidence into ``method.tree``, verified in one pass of the model
     with the tree's mask, its nodes written at positions ``lengths + node``; greedy rows
     walk the tree, sampling rows take the chain (its nodes see what the chain alone
