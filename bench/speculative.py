@@ -32,6 +32,8 @@ so every method does the same work). Per method and batch size:
   the whole generation, prefill included, one jitted loop (``speculative_generate``),
   compiled first, the median of ``--repeats`` runs, interleaved: per batch of prompts
   each repeat runs every method in turn, so a drifting machine slows all alike;
+* ``repeats``: the lowest and highest speedup of a single repeat (each repeat's time
+  summed over the prompts): how far the machine moved while the table was taken;
 * ``round, in ar steps``: a round's time over one ``ar`` step's (accepted/round over
   the speedup): what the draft and the verification of ``gamma + 1`` tokens cost;
 * ``lossless``: every method's tokens equal ``ar``'s (the script exits non-zero
@@ -64,6 +66,7 @@ accept for a given speedup.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import pathlib
 import statistics
@@ -186,13 +189,16 @@ def runner_up_of(row: str) -> bool:
 
 def run(target, rows, batch, methods, args):
     """Per method of ``methods`` (``(name, draft, run_dir, gamma)``): ``(tokens per row,
-    emitted per row, rounds per row, seconds)`` over ``rows`` in batches of ``batch``.
+    emitted per row, rounds per row, seconds, seconds by repeat)`` over ``rows`` in
+    batches of ``batch``: ``seconds`` the sum over batches of their median repeat,
+    ``seconds by repeat`` the sum over batches of each repeat's (how far a repeat
+    strays from the median).
 
     Timed interleaved: per batch of rows, every method is compiled first, then each
     repeat times every method in turn and a method's time is its median, so a machine
     whose speed drifts (a shared VM's does, by 20% between hours) slows every method
     alike and the speedups stay comparable."""
-    results = [([], [], [], []) for _ in methods]
+    results = [([], [], [], [], np.zeros(args.repeats)) for _ in methods]
     calls = [dict(draft=draft, method=method_of(name), gamma=gamma, bins=args.bins, lookup=lookup_of(name),
                   lookup_tokens=args.lookup_tokens if lookup_of(name) == "select" else 0, runner_up=runner_up_of(name),
                   max_new_tokens=args.max_new_tokens) for name, draft, _, gamma in methods]
@@ -209,13 +215,14 @@ def run(target, rows, batch, methods, args):
                 began = time.perf_counter()
                 outs[i] = speculative_generate(target, chunk, **kwargs)
                 times[i].append(time.perf_counter() - began)
-        for (tokens, emitted, rounds, seconds), out, t in zip(results, outs, times):
+        for (tokens, emitted, rounds, seconds, by_repeat), out, t in zip(results, outs, times):
             tokens += out.tokens
             rounds += out.rounds.tolist()
             emitted += out.emitted.tolist()
             seconds.append(statistics.median(t))
-    return [(tokens, np.asarray(emitted), np.asarray(rounds), sum(seconds))
-            for tokens, emitted, rounds, seconds in results]
+            by_repeat += t
+    return [(tokens, np.asarray(emitted), np.asarray(rounds), sum(seconds), by_repeat)
+            for tokens, emitted, rounds, seconds, by_repeat in results]
 
 
 def plot(results, path: pathlib.Path, title: str) -> None:
@@ -226,7 +233,8 @@ def plot(results, path: pathlib.Path, title: str) -> None:
 
     fig, ax = plt.subplots(figsize=(9, 4.5))
     # A colour per gamma (its points and its round-cost line), a marker per method (and
-    # prompt lookup, and the runner-up), hollow markers above the smallest batch, each point named.
+    # prompt lookup, and the runner-up), hollow markers above the smallest batch; the legend
+    # names each (labels beside points that lie close together overlap).
     gamma_list = sorted({r["gamma"] for r in results if r["gamma"]})
     colour = {g: f"C{i}" for i, g in enumerate(gamma_list)}
     smallest = min(r["batch"] for r in results)
@@ -241,8 +249,6 @@ def plot(results, path: pathlib.Path, title: str) -> None:
         ax.scatter(r["accepted_per_step"], r["speedup"], marker=marker, s=60, edgecolors=c,
                    facecolors=c if r["batch"] == smallest else "none",
                    label=f"{r['method']}, batch {r['batch']}" + (f", gamma {r['gamma']}" if len(gamma_list) > 1 else ""))
-        ax.annotate(r["method"], (r["accepted_per_step"], r["speedup"]), xytext=(5, 3), textcoords="offset points",
-                    fontsize=6, color=c)
     ax.axhline(1.0, color="gray", linestyle="--", label="break-even (ar)")
     # Where a round's cost puts a draft: speedup = accepted / (round, in ar steps), one
     # line per gamma through its glide rounds' mean cost at the smallest batch.
@@ -323,11 +329,12 @@ def main() -> None:
     device = jax.devices()[0].device_kind
     print(f"target {args.target}, {len(rows)} prompts ({', '.join(args.kinds)}), {args.max_new_tokens} new "
           f"tokens, gamma {' '.join(map(str, args.gamma))}, on {device}", file=sys.stderr)
+    began_utc = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     results = []
     for batch in args.batch:
         measured = run(target, rows, batch, methods, args)
-        reference, _, _, ar_seconds = measured[0]  # methods[0] is ar
-        for (name, draft, run_dir, gamma), (tokens, emitted, rounds, seconds) in zip(methods, measured):
+        reference, _, _, ar_seconds, ar_by_repeat = measured[0]  # methods[0] is ar
+        for (name, draft, run_dir, gamma), (tokens, emitted, rounds, seconds, by_repeat) in zip(methods, measured):
             per_kind = {kind: float(emitted[[k == kind for k, _ in kinds]].sum()
                                     / max(rounds[[k == kind for k, _ in kinds]].sum(), 1))
                         for kind in args.kinds} if name != "ar" else {kind: 1.0 for kind in args.kinds}
@@ -336,6 +343,7 @@ def main() -> None:
                             "accepted_per_step": accepted, "by_kind": per_kind,
                             "tokens_per_s": sum(len(t) for t in tokens) / seconds,
                             "speedup": ar_seconds / seconds, "seconds": seconds,
+                            "speedup_by_repeat": (ar_by_repeat / by_repeat).tolist(),
                             # a round's time in ar steps: tokens per round over the speedup
                             "round_in_ar_steps": accepted * seconds / ar_seconds,
                             "lossless": all(np.array_equal(a, b) for a, b in zip(tokens, reference)),
@@ -343,21 +351,23 @@ def main() -> None:
             print(json.dumps(results[-1]), file=sys.stderr)
     kinds_header = " / ".join(args.kinds)
     print(f"\n| method | batch | accepted/round ({kinds_header}) | all | tokens/s ({device}) | speedup over ar "
-          f"| gamma | round, in ar steps | lossless | draft training |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          f"| repeats | gamma | round, in ar steps | lossless | draft training |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         by_kind = " / ".join(f"{r['by_kind'][k]:.2f}" for k in args.kinds)
         print(f"| {r['method']} | {r['batch']} | {by_kind} | {r['accepted_per_step']:.2f} | {r['tokens_per_s']:.1f} "
-              f"| {r['speedup']:.2f}x | {r['gamma'] or ''} | {r['round_in_ar_steps']:.2f} "
+              f"| {r['speedup']:.2f}x | {min(r['speedup_by_repeat']):.2f}-{max(r['speedup_by_repeat']):.2f}x "
+              f"| {r['gamma'] or ''} | {r['round_in_ar_steps']:.2f} "
               f"| {'yes' if r['lossless'] else 'NO'} | {r['draft_training']} |")
     meta = {"target": str(args.target), "glide": [str(d) for d in args.glide], "device": device,
             "gamma": args.gamma, "bins": args.bins, "kinds": args.kinds, "max_new_tokens": args.max_new_tokens,
-            "prompts": len(rows), "prompt_tokens": args.prompt_tokens}
+            "prompts": len(rows), "prompt_tokens": args.prompt_tokens, "repeats": args.repeats,
+            "began_utc": began_utc}
     if args.json:
         args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     if args.png:
         plot(results, args.png, f"{args.target.name}: {len(rows)} prompts, {args.max_new_tokens} new tokens, "
-                                f"gamma {' '.join(map(str, args.gamma))}, {device}")
+                                f"gamma {' '.join(map(str, args.gamma))}, {device}, {began_utc}")
     if not all(r["lossless"] for r in results):
         sys.exit("a method's tokens differ from ar's: not lossless")
 

@@ -454,7 +454,8 @@ def test_speculative_benchmark(target_run, glide_run, vanilla_run, capsys, monke
     prose prompts, its table with each draft's training cost, every method lossless (the
     GliDe draft restricted at decoding to 100 tokens too, and the drafts with prompt
     lookup and the runner-up), the picture and the JSON, with two GliDe runs in one loop rows of each
-    run's name; then bench/glide_curve.py and bench/round_cost.py."""
+    run's name; then bench/glide_curve.py, bench/round_cost.py, bench/round_profile.py and
+    bench/speculative_runs.py."""
     script = pathlib.Path(__file__).resolve().parents[1] / "bench" / "speculative.py"
     png = ["--png", str(tmp_path / "s.png")] if importlib.util.find_spec("matplotlib") else []  # the bench extra
     again = tmp_path / "again"  # a second GliDe run: the same one by another name
@@ -484,6 +485,7 @@ def test_speculative_benchmark(target_run, glide_run, vanilla_run, capsys, monke
     assert [r["gamma"] for r in results] == [None] + [4] * 19
     for r in results:  # a round's time in ar steps: accepted tokens a round over the speedup
         assert math.isclose(r["round_in_ar_steps"], r["accepted_per_step"] / r["speedup"])
+        assert len(r["speedup_by_repeat"]) == 1 and math.isclose(r["speedup_by_repeat"][0], r["speedup"])
     assert not png or (tmp_path / "s.png").read_bytes().startswith(b"\x89PNG")
 
     # bench/glide_curve.py: the draft's acceptance at each checkpoint (the same 3 prompts, one batch).
@@ -521,6 +523,31 @@ def test_speculative_benchmark(target_run, glide_run, vanilla_run, capsys, monke
     split = {name: r["ms"] for name, r in json.loads((tmp_path / "p.json").read_text()).items()}
     assert split["ar"]["draft"] == 0 and split["glide, gamma 2"]["draft"] > 0
     assert all(ms["target head"] > 0 and ms["target layers: matmuls"] > 0 for ms in split.values())
+
+    # bench/speculative_runs.py: the same rows across runs (here the run above, and a copy of
+    # it with one row dropped and its speedups halved), their median, low and high.
+    first = json.loads((tmp_path / "s.json").read_text())
+    second = {"meta": first["meta"], "results": [{**r, "speedup": r["speedup"] / 2} for r in first["results"][:-1]]}
+    (tmp_path / "s2.json").write_text(json.dumps(second))
+    across = runpy.run_path(str(script.with_name("speculative_runs.py")), run_name="speculative_runs")
+    png = ["--png", str(tmp_path / "runs.png")] if png else []
+    across["main"]([str(tmp_path / "s.json"), str(tmp_path / "s2.json"), "--labels", "one", "two", *png])
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert [c.strip() for c in rows[0]] == ["method", "gamma", "batch", "one", "two", "median", "low-high"]
+    by_row = {(r[0].strip(), r[1].strip()): [c.strip() for c in r[3:]] for r in rows[2:]}
+    glide = first["results"][2]
+    assert glide["method"] == f"glide:{name}" and by_row[(glide["method"], "4")] == [
+        f"{glide['speedup']:.2f}x", f"{glide['speedup'] / 2:.2f}x", f"{0.75 * glide['speedup']:.2f}x",
+        f"{glide['speedup'] / 2:.2f}-{glide['speedup']:.2f}x"]
+    last = first["results"][-1]  # in the first run only
+    assert by_row[(last["method"], "4")][1] == "" and by_row[(last["method"], "4")][2] == f"{last['speedup']:.2f}x"
+    assert not png or (tmp_path / "runs.png").read_bytes().startswith(b"\x89PNG")
+    other = {**first, "meta": {**first["meta"], "max_new_tokens": 99}}
+    (tmp_path / "s3.json").write_text(json.dumps(other))
+    with pytest.raises(SystemExit, match="measured other work: max_new_tokens 99 against 12"):
+        across["main"]([str(tmp_path / "s.json"), str(tmp_path / "s3.json")])
+    with pytest.raises(SystemExit, match="p.json: not a bench/speculative.py --json file"):  # round_profile's
+        across["main"]([str(tmp_path / "s.json"), str(tmp_path / "p.json")])
 
 
 # The teacher cache ----------------------------------------------------------------------
