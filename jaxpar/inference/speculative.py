@@ -125,7 +125,7 @@ class Method:
         """The tokens a round's target pass writes into the cache."""
         if self.lookup == "tree":
             return 1 + 2 * self.gamma
-        return self.tree.size if self.name == "cape" else self.tokens_per_round + self.runner_up
+        return self.tree.size if self.name == "cape" else self.tokens_per_round + int(self.runner_up)
 
 
 @jax.tree_util.register_dataclass
@@ -352,6 +352,8 @@ def make_round(method: Method, target: Transformer, draft, eos_ids: tuple[int, .
                 use_copy = copied_valid[:, 0]
                 skip = use_copy.all()  # every sequence takes the copy: the draft's first step only
             drafts, draft_logits, dcache = propose(method, step, state, state.draft_cache, draft_key, skip)
+            chain = drafts if method.lookup != "select" else jnp.where(use_copy[:, None], copied[:, :method.gamma],
+                                                                       drafts)  # the copy where taken
         with jax.named_scope("verify"):
             if method.name == "cape":
                 cache, path_tokens, accepted, nxt, features = verify_tree(method, verifier, state, drafts, draft_logits)
@@ -359,12 +361,11 @@ def make_round(method: Method, target: Transformer, draft, eos_ids: tuple[int, .
                 copied, copied_valid = prompt_lookup.chain(state.history, state.target_cache.lengths, method.gamma)
                 cache, path_tokens, accepted, nxt, features = verify_two_chains(verifier, state, drafts, copied,
                                                                                 copied_valid)
-            elif method.runner_up:  # the chain (the copy where select takes it) and one more first token
-                chain = drafts if not method.lookup else jnp.where(use_copy[:, None], copied[:, :method.gamma], drafts)
+            elif method.runner_up:  # the chain and one more first token
                 cache, path_tokens, accepted, nxt, features = verify_with_runner_up(verifier, state, chain,
                                                                                     draft_logits[:, 0])
             elif method.lookup == "select":
-                cache, path_tokens, accepted, nxt, features = verify_select(method, verifier, state, drafts, copied,
+                cache, path_tokens, accepted, nxt, features = verify_select(method, verifier, state, chain, copied,
                                                                             use_copy)
             else:
                 cache, accepted, nxt, features = verify_chain(method, verifier, state, drafts, draft_logits, accept_key)

@@ -135,21 +135,20 @@ def verify_two_chains(target: Transformer, state: State, first, second, second_v
     return cache, jnp.where(use_second[:, None], second_tokens, first), accepted, nxt, features
 
 
-def verify_select(method: Method, target: Transformer, state: State, drafts, copied, use_copy):
-    """``select``: the first ``gamma`` tokens of ``copied [B, method.copied]`` where
-    ``use_copy [B]``, else the draft's chain ``drafts [B, gamma]``, verified as a chain;
-    where every sequence takes the copy and it is longer (``lookup_tokens``), all of it,
-    a longer pass (``lax.cond``). ``(cache, path_tokens, accepted, next, features)``,
-    the path and the features (None without) padded to the copy's length."""
-    def verified(chain):
-        cache, accepted, nxt, features = verify_chain(method, target, state, chain, None, None)
+def verify_select(method: Method, target: Transformer, state: State, chain, copied, use_copy):
+    """``select``: ``chain [B, gamma]`` (the first ``gamma`` tokens of ``copied [B,
+    method.copied]`` where ``use_copy [B]``, else the draft's) verified as a chain; where
+    every sequence takes the copy and it is longer (``lookup_tokens``), all of it, a
+    longer pass (``lax.cond``). ``(cache, path_tokens, accepted, next, features)``, the
+    path and the features (None without) padded to the copy's length."""
+    def verified(tokens):
+        cache, accepted, nxt, features = verify_chain(method, target, state, tokens, None, None)
         features = None if features is None else _pad(features, method.copied + 1)
-        return cache, _pad(chain, method.copied), accepted, nxt, features
+        return cache, _pad(tokens, method.copied), accepted, nxt, features
 
-    drafted = jnp.where(use_copy[:, None], copied[:, :method.gamma], drafts)
     if method.copied == method.gamma:
-        return verified(drafted)
-    return jax.lax.cond(use_copy.all(), lambda: verified(copied), lambda: verified(drafted))
+        return verified(chain)
+    return jax.lax.cond(use_copy.all(), lambda: verified(copied), lambda: verified(chain))
 
 
 def runner_up(first_logits: jax.Array, chain_first: jax.Array) -> jax.Array:
