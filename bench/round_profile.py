@@ -113,8 +113,10 @@ class Profiled:
         settings = Method(method, gamma, tuple(bins), lookup=lookup)
         check(settings, target, draft if method != "ar" else None)
         graph, self.params = nnx.split((target, draft if method != "ar" else None))
-        self.args = (jnp.asarray(row, jnp.int32)[None], jnp.asarray([len(row)], jnp.int32), jax.random.key(0))
-        loop = compiled(settings, max_new_tokens, ())[2]
+        programs = compiled(settings, max_new_tokens, ())
+        heads = programs.heads(graph, self.params)  # made once per model, as decoding's generations take them
+        self.args = (jnp.asarray(row, jnp.int32)[None], jnp.asarray([len(row)], jnp.int32), jax.random.key(0), heads)
+        loop = programs.loop
         self.program = loop.lower(graph, self.params, *self.args).compile()
         self.stacks = name_stacks(self.program.as_text())
         state = jax.block_until_ready(self.program(self.params, *self.args))

@@ -30,7 +30,9 @@ so every method does the same work). Per method and batch size:
   independent;
 * ``tokens/s`` and ``speedup`` over ``ar`` at the same batch, timed in this process:
   the whole generation, prefill included, one jitted loop (``speculative_generate``),
-  compiled first, the median of ``--repeats`` runs, interleaved: per batch of prompts
+  compiled first (the verification's weights, made once per model with the first
+  generation, as an engine prepares them at load: ``speculative.loop_heads``), the
+  median of ``--repeats`` runs, interleaved: per batch of prompts
   each repeat runs every method in turn, so a drifting machine slows all alike;
 * ``repeats``: the lowest and highest speedup of a single repeat (each repeat's time
   summed over the prompts): how far the machine moved while the table was taken;

@@ -77,16 +77,40 @@ def test_greedy_methods_return_greedy_decoding(models, rng, method, draft, batch
 
 
 @pytest.mark.parametrize("method", ["speculative", "cape"])
-def test_a_tied_targets_head_made_once_for_the_loop(rng, method):
-    """A target with tied embeddings: the loop's verification passes multiply by its
-    head made once as a ``[D, V]`` copy, and the tokens are still greedy decoding's."""
+def test_a_tied_targets_head_made_once_per_model(rng, method):
+    """A target with tied embeddings: the verification passes multiply by its head made
+    once as a ``[D, V]`` copy, kept with the model: a second generation reuses it, new
+    weights (as a training step leaves) make a new one, never the stale one, and it is
+    dropped once the weights it was made from are freed. The tokens are greedy
+    decoding's throughout."""
+    import gc
+
+    from jaxpar.inference import decoding
+
     cfg = dataclasses.replace(CFG, tie_embeddings=True)
     target = random_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), rng)
+    draft = perturbed(target, 0.05, rng)
     prompt = rng.integers(0, cfg.vocab_size, (2, 6))
-    out = speculative_generate(target, prompt, draft=perturbed(target, 0.05, rng), method=method, gamma=3,
-                               max_new_tokens=16)
+    options = dict(draft=draft, method=method, gamma=3, max_new_tokens=16)
+    before = set(decoding._HEADS)
+    out = speculative_generate(target, prompt, **options)
     np.testing.assert_array_equal(np.stack(out.tokens), greedy(target, prompt, 16))
     assert out.accepted_per_step > 1.5
+    [key] = set(decoding._HEADS) - before
+    head = decoding._HEADS[key][1]
+    np.testing.assert_array_equal(np.asarray(head), np.asarray(target.head_weight()))
+    speculative_generate(target, prompt, **options)
+    assert set(decoding._HEADS) - before == {key} and decoding._HEADS[key][1] is head
+
+    target.embed.value = jnp.asarray(rng.standard_normal(target.embed.value.shape) * 0.3, jnp.float32)
+    gc.collect()
+    assert key not in decoding._HEADS  # its table was freed
+    out = speculative_generate(target, prompt, **options)
+    np.testing.assert_array_equal(np.stack(out.tokens), greedy(target, prompt, 16))
+    assert len(set(decoding._HEADS) - before) == 1
+    del target, draft
+    gc.collect()
+    assert set(decoding._HEADS) <= before
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from collections.abc import Iterator, Sequence
 
 import jax
@@ -104,6 +105,32 @@ def _compiled(method: Method, max_new_tokens: int, eos_ids: tuple[int, ...]):
     return speculative.compiled(method, max_new_tokens, eos_ids)
 
 
+# The heads the rounds multiply (``speculative.loop_heads``: a tied target's [D, V]
+# copy, a GliDe draft's restricted head) depend on the weights alone, so they are made
+# once per model and kept while its weights live, as an engine prepares its weights at
+# load: keyed by the weight arrays' identities, an entry dropped when any of them is
+# freed (new weights, as after a training step, are new arrays: a new entry). It holds
+# one more copy of a tied head per model (113 MB for SmolLM2) while the model lives.
+_HEADS: dict[tuple, tuple] = {}
+
+
+def _heads(programs: speculative.Programs, method: Method, graph, params) -> tuple:
+    """``programs.heads(graph, params)``, made once for these weights (``_HEADS``)."""
+    if method.name == "ar":
+        return None, None
+    leaves = jax.tree.leaves(params)
+    key = (graph, tuple(id(x) for x in leaves))
+    if key not in _HEADS:
+        heads = programs.heads(graph, params)
+        try:
+            for leaf in leaves:
+                weakref.finalize(leaf, _HEADS.pop, key, None)
+        except TypeError:  # a leaf that cannot be referenced weakly: not kept
+            return heads
+        _HEADS[key] = heads
+    return _HEADS[key]
+
+
 def _eos(eos_ids: Sequence[int]) -> tuple[int, ...]:
     """``eos_ids`` as a sorted tuple of distinct ints (hashable: a static argument)."""
     if isinstance(eos_ids, (int, np.integer)) or not all(
@@ -188,7 +215,8 @@ def speculative_generate(
                                                     temperature, top_p, max_new_tokens, lookup, lookup_tokens,
                                                     runner_up)
     eos_ids = _eos(eos_ids)
-    state = _compiled(method, max_new_tokens, eos_ids).loop(graph, params, tokens, lengths, jax.random.key(seed))
+    programs = _compiled(method, max_new_tokens, eos_ids)
+    state = programs.loop(graph, params, tokens, lengths, jax.random.key(seed), _heads(programs, method, graph, params))
     rounds, emitted = np.asarray(state.rounds), np.asarray(state.emitted)
     accepted = float(emitted.sum() / max(rounds.sum(), 1)) if method.name != "ar" else 1.0
     return Generation(_tokens(state, eos_ids, max_new_tokens), accepted, rounds, emitted)
@@ -213,7 +241,7 @@ def speculative_stream(target: Transformer, prompt, *, draft=None, method: str =
     eos_ids = _eos(eos_ids)
     programs = _compiled(method, max_new_tokens, eos_ids)
     state = programs.prefill(graph, params, tokens, lengths, jax.random.key(seed))
-    heads = programs.heads(graph, params)  # made once, as the loop makes them
+    heads = _heads(programs, method, graph, params)  # the loop's
     round_ = lambda state: programs.round(graph, params, state, heads)  # noqa: E731
     jax.block_until_ready(round_(state))  # compile before the first yield
     shown = np.zeros(tokens.shape[0], int)
