@@ -183,7 +183,9 @@ def speculative_generate(
     runner_up: bool = False,
 ) -> Generation:
     """Generates with ``method`` (``jaxpar.inference.decoding.METHODS``), all rounds in one jitted
-    loop, every sequence of the batch accepting its own number of tokens per round.
+    loop, every sequence of the batch accepting its own number of tokens per round. The
+    verification's heads (a tied target's ``[D, V]`` copy, a GliDe draft's head) are made
+    by a model's first generation and kept while its weights live (``_HEADS``).
 
     Args:
       target: the model whose output this is (greedy: exactly its greedy decoding;

@@ -410,7 +410,7 @@ def loop_heads(method: Method, target: Transformer, draft) -> tuple[jax.Array | 
     which its passes over several tokens multiply faster (``Transformer.__call__``;
     ``ar``'s one row is not faster: None there). They depend on the weights alone, so
     ``jaxpar.inference.decoding`` keeps them with the model across generations: made in
-    each, SmolLM2's 113 MB copy took 77 ms, about 5% of a 64-token generation on a
+    each, SmolLM2's 113 MB copy took 70 to 77 ms, about 5% of a 64-token generation on a
     2-core CPU."""
     if method.name == "ar":
         return None, None
