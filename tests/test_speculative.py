@@ -102,7 +102,7 @@ def test_a_tied_targets_head_made_once_per_model(rng, method):
     speculative_generate(target, prompt, **options)
     assert set(decoding._HEADS) - before == {key} and decoding._HEADS[key][1] is head
 
-    target.embed.value = jnp.asarray(rng.standard_normal(target.embed.value.shape) * 0.3, jnp.float32)
+    target.embed.set_value(jnp.asarray(rng.standard_normal(target.embed.get_value().shape) * 0.3, jnp.float32))
     gc.collect()
     assert key not in decoding._HEADS  # its table was freed
     out = speculative_generate(target, prompt, **options)

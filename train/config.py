@@ -394,6 +394,17 @@ def _coerce(value: Any, hint, key: str):
     raise ConfigError(f"{key}: unsupported type {hint}")
 
 
+def _near(key: str, valid: list[str]) -> list[str]:
+    """The keys of ``valid`` a mistyped ``key`` most likely meant, at most three: close
+    spellings of it (``stpes``: ``steps``; difflib's ratio 0.75 or more, not the loose
+    0.6 that offers ``mesh.axis_types`` for ``stpes``), then keys whose last part it
+    names exactly (``lr``: ``optimizer.lr``)."""
+    leaf = key.rsplit(".", 1)[-1]
+    near = difflib.get_close_matches(key, valid, n=3, cutoff=0.75)
+    near += [k for k in valid if k.rsplit(".", 1)[-1] == leaf and k not in near]
+    return near[:3]
+
+
 def _build(cls, values: dict, prefix: str = ""):
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
@@ -401,7 +412,7 @@ def _build(cls, values: dict, prefix: str = ""):
         if name not in names:
             key = prefix + name
             valid = _keys(cls, prefix)
-            near = difflib.get_close_matches(key, valid, n=3, cutoff=0.5) or valid[:8]
+            near = _near(key, valid) or valid[:8]
             raise ConfigError(f"unknown config key {key!r}; valid keys near it: {', '.join(near)}")
     kwargs = {}
     for name, value in values.items():
