@@ -326,6 +326,7 @@ BAD = [  # (body, status, param, words in the message)
     ({"model": NAME, "prompt": "t5", "top_p": 1.5}, 400, "top_p", "top_p=1.5 must be in (0, 1]"),
     ({"model": NAME, "prompt": "t5", "n": 2}, 400, "n", "n=2 is not supported"),
     ({"model": "gpt-4", "prompt": "t5"}, 400, "model", "model 'gpt-4' is not served here"),
+    ({"prompt": "t5"}, 400, "model", "the request names no model (model=None); this server serves 'tiny-served'"),
     ({"model": NAME, "prompt": [3] * 512}, 400, "prompt", "the prompt is 512 tokens"),
     ({"model": NAME, "prompt": [3, 500]}, 400, None, "token id 500 is outside the model's vocabulary of 128"),
     ({"model": NAME, "prompt": "t5", "echo": True}, 400, "echo", "not supported"),
@@ -396,6 +397,11 @@ def test_full_queue_429_and_disconnected_streams_free_their_pages(served):
                    "# TYPE jaxpar_generated_tokens_total counter"]:
         assert series in m["_text"]
     assert m["jaxpar_time_per_output_token_seconds_count"] > 0
+    ended = [{reason: float(count) for reason, count in re.findall(
+        r'^jaxpar_requests_finished_total\{finish_reason="(\w+)"\} (\S+)$', metrics["_text"], re.M)}
+        for metrics in (busy, m)]
+    assert ended[0]["length"] >= 1  # the whole completion
+    assert ended[1].get("abort", 0) - ended[0].get("abort", 0) == 4  # the streams whose clients hung up
 
 
 def test_command_line_refuses_what_is_not_supported_yet(hf_dir, capsys):
@@ -431,9 +437,10 @@ def test_command_line_serves_speculatively_on_replicas(hf_dir):
 
 @pytest.mark.slow
 def test_sigterm_finishes_the_running_request_and_exits_0(hf_dir):
-    """``python -m jaxpar.train.serve PATH --port 0``: one log line with the URL and the
-    compiled programs; SIGTERM during a streamed request stops the listener, the stream
-    still ends with all its tokens, and the process exits 0."""
+    """``python -m jaxpar.train.serve PATH --port 0``: a line saying what it loads, one
+    saying how many programs it compiles, then one with the URL; SIGTERM during a
+    streamed request stops the listener, the stream still ends with all its tokens, and
+    the process exits 0 with a line saying how many requests it finished."""
     process = subprocess.Popen([sys.executable, "-m", "jaxpar.train.serve", str(hf_dir), "--port", "0",
                                 "--max-batch", "2", "--prefill-chunk", "16", "--max-context", "256",
                                 "--model-name", NAME],
@@ -445,6 +452,8 @@ def test_sigterm_finishes_the_running_request_and_exits_0(hf_dir):
             lines.append(process.stderr.readline())
             assert lines[-1], "".join(lines)  # the process ended without its line
         assert int(match[2]) == 2, lines[-1]  # one decode, one prefill bucket
+        assert [line.split(" (")[0] for line in lines[:-1]] == [f"jaxpar-serve: loading {hf_dir}\n",
+                                                              "jaxpar-serve: compiling 2 programs"], lines
         client = openai.OpenAI(base_url=f"{match[1]}/v1", api_key="unused", max_retries=0)
         chunks = client.completions.create(model=NAME, prompt="t16", max_tokens=200, temperature=0, stream=True,
                                            stream_options={"include_usage": True})  # no end token in 200
@@ -454,6 +463,7 @@ def test_sigterm_finishes_the_running_request_and_exits_0(hf_dir):
         text += "".join(c.choices[0].text for c in rest if c.choices)
         reason = [c.choices[0].finish_reason for c in rest if c.choices][-1]
         assert process.wait(60) == 0, process.stderr.read()
+        assert process.stderr.read() == "jaxpar-serve: stopped by SIGTERM: 1 request finished\n"
         assert reason == "length" and len(text.split()) == rest[-1].usage.completion_tokens == 200
         with pytest.raises(openai.APIConnectionError):
             client.completions.create(model=NAME, prompt="t3", max_tokens=1)

@@ -78,11 +78,17 @@ class Metrics:
     pages_free: int = 0
     pages_total: int = 0
     generated_tokens: int = 0
+    # requests ended, by finish_reason: "stop", "length", "abort" (a client gone, or
+    # shutdown's timeout) and "error" (an engine step raised)
+    finished: dict[str, int] = dataclasses.field(default_factory=dict)
     # speculative decoding (an engine with a draft): rounds run per sequence, drafts accepted
     speculative_rounds: int | None = None
     accepted_drafts: int = 0
     time_to_first_token: Histogram = dataclasses.field(default_factory=lambda: Histogram(TTFT_BUCKETS))
     time_per_output_token: Histogram = dataclasses.field(default_factory=lambda: Histogram(TPOT_BUCKETS))
+
+    def count_finished(self, reason: str) -> None:
+        self.finished[reason] = self.finished.get(reason, 0) + 1
 
 
 @dataclasses.dataclass
@@ -271,7 +277,9 @@ class AsyncEngine:
 
     def _abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
-        self._tracked.pop(request_id, None)  # its reader is gone
+        if self._tracked.pop(request_id, None) is not None:  # its reader is gone
+            with self._cond:
+                self._metrics.count_finished("abort")
 
     def _publish(self, outputs: list[RequestOutput], now: float) -> None:
         """Snapshots of ``outputs`` to their readers; the counters."""
@@ -287,6 +295,7 @@ class AsyncEngine:
                     metrics.time_to_first_token.observe(now - tracked.arrival)
                 if output.finished:
                     del self._tracked[output.request_id]
+                    metrics.count_finished(output.finish_reason)
                     if len(output.token_ids) > 1:
                         metrics.time_per_output_token.observe(
                             (now - tracked.first_token) / (len(output.token_ids) - 1))
@@ -300,6 +309,8 @@ class AsyncEngine:
             self.engine.abort(request_id)
             ending = error or dataclasses.replace(tracked.last, finish_reason="abort")
             _post(tracked.loop, tracked.queue.put_nowait, ending)
+            with self._cond:
+                self._metrics.count_finished("abort" if error is None else "error")
         self._tracked.clear()
 
     def _run(self) -> None:

@@ -34,7 +34,8 @@ import dataclasses
 import itertools
 import math
 from collections import deque
-from collections.abc import Sequence
+from typing import NamedTuple
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +53,16 @@ from jaxpar.placement.execution import Execution
 from jaxpar.placement.sharding import model_shardings
 from jaxpar.serving import programs
 from jaxpar.serving.pages import NULL_PAGE, PagePool, init_pages, page_bytes
+
+
+class Call(NamedTuple):
+    """One call of a compiled program: ``key`` names its shape bucket
+    (``Engine.compiled_programs``), ``program`` is a ``jaxpar.serving.programs``
+    function and ``args`` its arguments."""
+
+    key: tuple
+    program: Callable
+    args: tuple
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,23 +312,35 @@ class Engine:
         """An unfinished request's output, which grows as it runs (KeyError otherwise)."""
         return self._by_id[request_id].output
 
-    def warm_up(self) -> None:
-        """Compiles every program the engine runs (decode or the speculative round,
-        prefill per bucket) on rows that touch only the null page, so serving compiles
-        nothing."""
-        G, B = self.max_batch, self.max_batch
-        empty = [None] * G
-        zeros = np.zeros(B, np.int32)
+    def warm_up_programs(self) -> list[Call]:
+        """Every program the engine runs (decode or the speculative round, prefill per
+        bucket, with a draft the draft's prefill too), as calls on rows that touch only
+        the null page: what ``warm_up`` compiles."""
+        G = self.max_batch
+        empty, zeros = [None] * G, np.zeros(G, np.int32)
+        calls = []
         for width in self.page_buckets:
             tables = np.full((G, width), NULL_PAGE, np.int32)
             for C in self.buckets:
-                self._prefill_program(np.zeros(C, np.int32), np.zeros(C, np.int32), np.full(C, -1, np.int32),
-                                      tables, np.zeros(G, np.int32), empty)
-            if self.draft is not None:
-                self._round(zeros, zeros, tables, zeros, empty)
-            else:
-                self._decode_program(zeros, tables, zeros, empty)
-        jax.block_until_ready(self.kv)
+                row = (np.zeros(C, np.int32), np.zeros(C, np.int32), np.full(C, -1, np.int32), tables, zeros, empty)
+                calls.append(self._prefill_call(*row))
+                if self.draft is not None:
+                    calls.append(self._draft_prefill_call(*row[:4]))
+            calls.append(self._round_call(zeros, zeros, tables, zeros, empty) if self.draft is not None
+                         else self._decode_call(zeros, tables, zeros, empty))
+        return calls
+
+    def warm_up(self, report: Callable[[tuple], None] | None = None) -> None:
+        """Compiles every program the engine runs (``warm_up_programs``), so serving
+        compiles nothing. Ahead of time: each is lowered and compiled, not run (a later
+        call of the same shapes runs that executable; where JAX's persistent compilation
+        cache is on, a second start loads them from it). ``report(key)`` after each."""
+        for call in self.warm_up_programs():
+            with self._on_mesh():
+                call.program.lower(*call.args).compile()
+            self.compiled_programs.add(call.key)
+            if report is not None:
+                report(call.key)
 
     # -------------------------------------------------------------- one step
 
@@ -354,21 +377,34 @@ class Engine:
         """The engine's mesh in force (programs trace and run on it), if it has one."""
         return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
 
-    def _run(self, program, *args):
-        """``program`` (``programs.decode`` / ``prefill``) on the engine's model and pages
-        (which it updates), on the engine's mesh; returns the sampled tokens."""
+    def _call(self, call: Call):
+        """Runs ``call`` on the engine's mesh (its programs donate the pages they update)."""
+        self.compiled_programs.add(call.key)
         with self._on_mesh():
-            tokens, self.kv = program(self.graphdef, self.execution, self.params, self.kv, *args)
-        return tokens
+            return call.program(*call.args)
 
-    def _round(self, prev, last, tables, lengths, rows):
-        """One speculative round (``programs.speculative_round``): ``(emitted, accepted)``."""
-        self.compiled_programs.add(("speculative_round", len(rows), tables.shape[1], self.gamma))
-        with self._on_mesh():
-            emitted, accepted, self.kv, self.draft_kv = programs.speculative_round(
-                self.graphdef, self.draft[0], self.execution, self.method, self.params, self.draft[1], self.kv,
-                self.draft_kv, prev, last, tables, lengths, self._sampling(rows))
-        return np.asarray(emitted), np.asarray(accepted)
+    def _decode_call(self, tokens, tables, lengths, rows) -> Call:
+        return Call(("decode", len(rows), tables.shape[1]), programs.decode,
+                    (self.graphdef, self.execution, self.params, self.kv, tokens, tables, lengths,
+                     self._sampling(rows)))
+
+    def _round_call(self, prev, last, tables, lengths, rows) -> Call:
+        """One speculative round (``programs.speculative_round``)."""
+        return Call(("speculative_round", len(rows), tables.shape[1], self.gamma), programs.speculative_round,
+                    (self.graphdef, self.draft[0], self.execution, self.method, self.params, self.draft[1], self.kv,
+                     self.draft_kv, prev, last, tables, lengths, self._sampling(rows)))
+
+    def _prefill_call(self, tokens, positions, index, tables, last, rows) -> Call:
+        return Call(("prefill", len(tokens), len(rows), tables.shape[1]), programs.prefill,
+                    (self.graphdef, self.execution, self.params, self.kv, tokens, positions, index, tables, last,
+                     self._sampling(rows)))
+
+    def _draft_prefill_call(self, tokens, positions, index, tables) -> Call:
+        """The prefill's row through the draft: its cache mirrors the model's (a GliDe
+        draft reads the model's pages of the row)."""
+        return Call(("draft_prefill", len(tokens), tables.shape[0], tables.shape[1]), programs.draft_prefill,
+                    (self.draft[0], self.graphdef, self.execution, self.draft[1], self.params, self.draft_kv, self.kv,
+                     tokens, positions, index, tables))
 
     def _width(self, positions: int) -> int:
         """The page bucket that holds ``positions`` positions."""
@@ -382,22 +418,12 @@ class Engine:
         return row
 
     def _prefill_program(self, tokens, positions, index, tables, last, rows):
-        """The packed row through the model and then, with a draft, through the draft (its
-        cache mirrors the model's; a GliDe draft reads the model's pages of the row): the
-        model's sampled tokens."""
-        self.compiled_programs.add(("prefill", len(tokens), len(rows), tables.shape[1]))
-        sampled = self._run(programs.prefill, tokens, positions, index, tables, last, self._sampling(rows))
+        """The packed row through the model and then, with a draft, through the draft:
+        the model's sampled tokens."""
+        sampled, self.kv = self._call(self._prefill_call(tokens, positions, index, tables, last, rows))
         if self.draft is not None:
-            self.compiled_programs.add(("draft_prefill", len(tokens), len(rows), tables.shape[1]))
-            with self._on_mesh():
-                self.draft_kv = programs.draft_prefill(self.draft[0], self.graphdef, self.execution, self.draft[1],
-                                                       self.params, self.draft_kv, self.kv, tokens, positions,
-                                                       index, tables)
+            self.draft_kv = self._call(self._draft_prefill_call(tokens, positions, index, tables))
         return sampled
-
-    def _decode_program(self, tokens, tables, lengths, rows):
-        self.compiled_programs.add(("decode", len(rows), tables.shape[1]))
-        return self._run(programs.decode, tokens, tables, lengths, self._sampling(rows))
 
     def _sampling(self, sequences: list[_Sequence | None]):
         """``(seeds, counts, temperature, top_p)`` per row; empty rows greedy."""
@@ -458,7 +484,9 @@ class Engine:
         tables = np.stack([self._table(s, width) for s in active])
         if self.draft is not None:
             prev = np.array([(s.prompt + s.output.token_ids)[-2] if s else 0 for s in active], np.int32)
-            emitted, accepted = self._round(prev, tokens, tables, lengths, active)
+            emitted, accepted, self.kv, self.draft_kv = self._call(self._round_call(prev, tokens, tables, lengths,
+                                                                                    active))
+            emitted, accepted = np.asarray(emitted), np.asarray(accepted)
             for sequence in stepped:
                 self.rounds, self.accepted = self.rounds + 1, self.accepted + int(accepted[sequence.slot])
                 for token in emitted[sequence.slot, :accepted[sequence.slot] + 1]:
@@ -466,7 +494,8 @@ class Engine:
                     if sequence.output.finished:
                         break
             return stepped
-        next_tokens = np.asarray(self._decode_program(tokens, tables, lengths, active))
+        next_tokens, self.kv = self._call(self._decode_call(tokens, tables, lengths, active))
+        next_tokens = np.asarray(next_tokens)
         for sequence in stepped:
             self._append(sequence, int(next_tokens[sequence.slot]))
         return stepped

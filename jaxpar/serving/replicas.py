@@ -92,8 +92,14 @@ class Replicas:
         """Each replica compiles the same shapes (on its own devices)."""
         return set().union(*(e.compiled_programs for e in self.engines))
 
-    def warm_up(self) -> None:
-        list(self._threads.map(lambda e: e.warm_up(), self.engines))
+    def warm_up_programs(self) -> list:
+        """Every replica's programs (``Engine.warm_up_programs``)."""
+        return [call for e in self.engines for call in e.warm_up_programs()]
+
+    def warm_up(self, report=None) -> None:
+        """Every replica compiles its programs, at once (``report`` is called from their
+        threads)."""
+        list(self._threads.map(lambda e: e.warm_up(report), self.engines))
 
     def step(self) -> list[RequestOutput]:
         """One step of every replica with work, at once; their changed outputs."""

@@ -17,7 +17,7 @@ runs it with uvicorn).
 
 Errors are OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 for
 a bad request (malformed JSON, a missing or empty prompt, ``max_tokens`` < 1 or past
-the context, ``temperature`` < 0, ``top_p`` outside (0, 1], ``n`` > 1, an unknown model,
+the context, ``temperature`` < 0, ``top_p`` outside (0, 1], ``n`` > 1, a missing or unknown model,
 a prompt longer than the context, options not supported: ``echo``, ``logprobs``,
 ``best_of`` > 1, ``suffix``, penalties, ``logit_bias``), 429 when the queue is full,
 503 while shutting down. A stream the engine cannot finish (shutdown's timeout) ends
@@ -94,7 +94,10 @@ def _number(body: dict, name: str, default, kind=(int, float)):
 def _check_common(body: dict, model_name: str) -> None:
     """Model, n and the options jaxpar does not implement."""
     model = body.get("model")
-    if model is not None and model != model_name:
+    if not isinstance(model, str) or not model:  # OpenAI requires it, and its clients always send it
+        raise APIError(400, f"the request names no model (model={model!r}); this server serves {model_name!r}",
+                       "model")
+    if model != model_name:
         raise APIError(400, f"model {model!r} is not served here; this server serves {model_name!r}",
                        "model", "model_not_found")
     n = _number(body, "n", 1, int)
@@ -288,6 +291,10 @@ def metrics_text(async_engine: AsyncEngine) -> str:
          (m.speculative_rounds + m.accepted_drafts) / max(m.speculative_rounds, 1)),
     ]):
         lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {value}"]
+    name = "jaxpar_requests_finished_total"
+    lines += [f"# HELP {name} Requests ended, by finish_reason (stop, length, abort, error).",
+              f"# TYPE {name} counter"]
+    lines += [f'{name}{{finish_reason="{reason}"}} {count}' for reason, count in sorted(m.finished.items())]
     lines += _histogram("jaxpar_time_to_first_token_seconds", "Time from a request's arrival to its "
                         "first token.", m.time_to_first_token)
     lines += _histogram("jaxpar_time_per_output_token_seconds", "A request's time per token after "
