@@ -132,6 +132,48 @@ def test_generate_names_the_bad_value(option, value, message, tmp_path, capsys):
     assert code == 2 and err.splitlines() == [f"jaxpar-generate: error: {message}"]
 
 
+# A directory that is a file ------------------------------------------------------------
+
+
+def _main_of(name: str):
+    module, function = SCRIPTS[name].split(":")
+    return getattr(importlib.import_module(module), function.removesuffix("_entry"))
+
+
+@pytest.mark.parametrize("name,args,message", [
+    ("jaxpar-train", ["tiny", "run_dir={f}"], "run_dir='{f}': {f} is a file, not a directory"),
+    ("jaxpar-train", ["tiny", "run_dir={f}/sub"], "run_dir='{f}/sub': {f} is a file, not a directory"),
+    ("jaxpar-train", ["tiny", "run_dir={d}/run", "cache_dir={f}/cache"],
+     "cache_dir='{f}/cache': {f} is a file, not a directory"),
+    ("jaxpar-train", ["glide", "target_run_dir={d}", "run_dir={d}/run", "glide.teacher_cache={f}"],
+     "glide.teacher_cache='{f}': {f} is a file, not a directory"),
+    ("jaxpar-generate", ["{f}", "--prompt", "hi"], "{f} is not a directory (nor a .gguf file)"),
+    ("jaxpar-generate", ["{f}/sub", "--prompt", "hi"], "{f}/sub does not exist"),
+    ("jaxpar-generate", ["{d}", "--prompt", "hi", "--cache-dir", "{f}/c"],
+     "--cache-dir {f}/c: {f} is a file, not a directory"),
+    ("jaxpar-serve", ["{f}"], "{f} is not a directory (nor a .gguf file)"),
+    ("jaxpar-serve", ["{f}/sub"], "{f}/sub does not exist"),
+    ("jaxpar-serve", ["{d}", "--cache-dir", "{f}"], "--cache-dir {f}: {f} is a file, not a directory"),
+])
+def test_a_directory_that_is_a_file_is_one_line_exit_2_nothing_written(name, args, message, runs, tmp_path,
+                                                                        capfd):
+    """Every command, given a file where it reads or writes a directory (or a path under
+    a file): one line naming it, exit 2, nothing written, the file untouched. (``{d}``:
+    a run dir that works.)"""
+    file = tmp_path / "afile"
+    file.write_text("mine")
+    fill = lambda text: text.format(f=file, d=runs[0])  # noqa: E731
+    before = sorted(tmp_path.rglob("*")), sorted(runs[0].rglob("*"))
+    capfd.readouterr()
+    try:
+        code = _main_of(name)([fill(a) for a in args])
+    except SystemExit as e:  # parser.error
+        code = e.code
+    err = capfd.readouterr().err
+    assert code == 2 and err.splitlines() == [f"{name}: error: {fill(message)}"], err
+    assert (sorted(tmp_path.rglob("*")), sorted(runs[0].rglob("*"))) == before and file.read_text() == "mine"
+
+
 # The model's context ------------------------------------------------------------------
 
 

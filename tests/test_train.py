@@ -167,10 +167,12 @@ def test_sigkill_and_restart_gives_the_same_losses(tmp_path, cache, reference):
 def test_sigint_and_sigterm_stop_at_a_step_saved_and_resume(tmp_path, cache, reference):
     """SIGINT, then SIGTERM, each sent while the run saves every step: one line, exit
     130 / 143, the step it stopped at saved and no half-written checkpoint; resumed,
-    the losses are the uninterrupted run's."""
+    the losses are the uninterrupted run's. Each start says where it starts (a resumed
+    run: from which step and checkpoint) and that the step compiles."""
     run = tmp_path / "stopped"
     command = [sys.executable, "-m", "jaxpar.train", "tiny", *resumable(cache), "checkpoint.every=1",
                f"run_dir={run}", "--no-progress"]
+    starts = "jaxpar-train: starting at step 0 on mesh data=8 (8 cpu devices)"
     for signum, after in ((signal.SIGINT, 3), (signal.SIGTERM, 7)):
         proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         wait_for_steps(proc, run, after)
@@ -182,14 +184,18 @@ def test_sigint_and_sigterm_stop_at_a_step_saved_and_resume(tmp_path, cache, ref
         # orbax's own advice, when a loaded machine makes a save wait for the last one
         # ("WARNING:absl:Waiting for previous save to complete took 1.4 seconds"), is not ours
         lines = [line for line in err.strip().splitlines() if not line.startswith("WARNING:absl:")]
-        assert lines == [
+        assert lines[-3:] == [  # after the data's lines, where this run made the data first
+            starts, "jaxpar-train: compiling the train step (the first step waits for it)",
             f"jaxpar-train: stopped at step {step}; last checkpoint at step {step}; "
             "rerun the same command to resume"], err
+        starts = (f"jaxpar-train: resuming from step {step} (checkpoint {run / 'checkpoints' / str(step)}) on "
+                  "mesh data=8 (8 cpu devices)")
         assert max(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == step
         assert not list((run / "checkpoints").glob("*tmp*"))
 
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
+    assert done.stderr.splitlines()[0] == starts, done.stderr
     assert [r["loss"] for r in metrics(run)] == reference[1]
 
 
@@ -300,10 +306,12 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous(tmp_path, cache, c
     out = cli("tiny", *SMALL, f"run_dir={run}", f"cache_dir={cache}", "steps=8", *args)
     assert out.returncode == 0, out.stderr
     lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1, out.stderr  # orbax's own errors about the files it met held back
+    assert len(lines) == 3, out.stderr  # orbax's own errors about the files it met held back
     assert re.fullmatch(rf"jaxpar-train: checkpoint at step 8 in {run / 'checkpoints'} cannot be "
                         r"restored \(\w+: .+\); moved to checkpoints/corrupt/8; trying the previous one",
                         lines[0]), lines[0]
+    assert lines[1:] == [f"jaxpar-train: resuming from step 4 (checkpoint {run / 'checkpoints' / '4'}) on mesh "
+                         "data=8 (8 cpu devices)", "jaxpar-train: compiling the train step (the first step waits for it)"]
     again = metrics(run)
     assert [r["step"] for r in again] == list(range(1, 9))
     assert rel_err([r["loss"] for r in again[4:]], [r["loss"] for r in first[4:]]) < 1e-6

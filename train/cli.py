@@ -17,7 +17,7 @@ import signal
 import sys
 
 from jaxpar.placement.runtime import initialize_distributed, simulate_cpu_devices
-from jaxpar.train.command import CommandParser
+from jaxpar.train.command import CommandParser, add_compile_cache_flag, use_compile_cache
 
 
 def _parser() -> CommandParser:
@@ -34,24 +34,32 @@ def _parser() -> CommandParser:
         help="CPU devices to simulate (default: $JAX_NUM_CPU_DEVICES, else 8); ignored on GPUs",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_compile_cache_flag(parser)
     return parser
 
 
 @contextlib.contextmanager
 def _log_lines():
-    """jaxpar's log lines (a checkpoint skipped, nothing to do) as the command's own, one
-    line each (orbax's import gives the root logger a handler that would prefix them
-    with their level and logger); as before on leaving (``main`` also runs in-process)."""
+    """jaxpar's log lines as the command's own, one line each (orbax's import gives the
+    root logger a handler that would prefix them with their level and logger): from
+    the lead process, what the run is doing (the data built, resumed or started, the
+    step compiling: ``logging.INFO``); from every process, what went wrong (a checkpoint
+    skipped, nothing to do). As before on leaving (``main`` also runs in-process)."""
+    import jax
+
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("jaxpar-train: %(message)s"))
     log = logging.getLogger("jaxpar")
-    propagate, log.propagate = log.propagate, False
+    propagate, level = log.propagate, log.level
+    log.propagate = False
+    log.setLevel(logging.INFO if jax.process_index() == 0 else logging.WARNING)
     log.addHandler(handler)
     try:
         yield
     finally:
         log.removeHandler(handler)
         log.propagate = propagate
+        log.setLevel(level)
 
 
 @contextlib.contextmanager
@@ -83,14 +91,16 @@ def main(argv=None) -> int:
         return 2
 
     from jaxpar.train.config import ConfigError, load_config
-    from jaxpar.train.loop import TrainingError, train
+    from jaxpar.train.loop import TrainingError, check_output_dirs, train
     from jaxpar.train.stopping import Stopped
 
     try:
         cfg = load_config(args.config, args.overrides)
+        check_output_dirs(cfg)  # before the compilation cache goes into cache_dir
     except ConfigError as e:
         print(f"jaxpar-train: error: {e}", file=sys.stderr)
         return 2
+    use_compile_cache(cfg.cache_dir, not args.no_compile_cache)
     try:
         with _log_lines(), _ctrl_c_exits_at_once():
             history = train(cfg, progress=not args.no_progress)

@@ -5,6 +5,8 @@ any later one: tests/test_cli.py holds each script of pyproject.toml's
 from __future__ import annotations
 
 import argparse
+import os
+import pathlib
 
 
 class CommandParser(argparse.ArgumentParser):
@@ -19,3 +21,46 @@ class CommandParser(argparse.ArgumentParser):
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def file_in_the_way(path: str | os.PathLike) -> pathlib.Path | None:
+    """The file that keeps ``path`` from being (or becoming) a directory: ``path`` itself,
+    or the nearest of its parents that exists; None if there is none."""
+    path = pathlib.Path(path).expanduser()
+    at = next((p for p in (path, *path.parents) if p.exists()), None)
+    return None if at is None or at.is_dir() else at
+
+
+def add_compile_cache_flag(parser: argparse.ArgumentParser) -> None:
+    """``--no-compile-cache``, which every command takes (``use_compile_cache``)."""
+    parser.add_argument("--no-compile-cache", action="store_true",
+                        help="do not keep compiled programs in JAX's persistent compilation cache "
+                             "(CACHE_DIR/xla) for the next start")
+
+
+def use_compile_cache(cache_dir: str | os.PathLike | None, enabled: bool = True) -> pathlib.Path | None:
+    """Turns on JAX's persistent compilation cache in ``cache_dir/xla`` (``None``: the
+    per-user ``jaxpar.train.data.default_cache_dir()``), so a second start of a command
+    loads the programs the first compiled instead of compiling them again; returns the
+    directory in use (None: off). Entries are keyed as JAX keys them (the program, its
+    shapes and shardings, the compile options, the JAX and XLA versions and the devices),
+    so a changed model, mesh or release compiles anew and never reads a stale one. Every
+    program is kept, however quick to compile (JAX's own default skips those under a
+    second): a server's many small bucket programs are most of its start.
+
+    ``JAX_COMPILATION_CACHE_DIR`` (or ``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS``) in
+    the environment wins over both. ``enabled=False`` (``--no-compile-cache``) turns
+    the cache off. Must run before the first compile."""
+    import jax
+
+    if not enabled:
+        jax.config.update("jax_enable_compilation_cache", False)
+        return None
+    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    if not jax.config.jax_compilation_cache_dir:
+        from jaxpar.train.data import default_cache_dir
+
+        base = pathlib.Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+        jax.config.update("jax_compilation_cache_dir", str(base / "xla"))
+    return pathlib.Path(jax.config.jax_compilation_cache_dir)

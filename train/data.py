@@ -266,6 +266,7 @@ def load_tokenizer(cfg: DataConfig, vocab_size: int, cache_dir: str | os.PathLik
     path = pathlib.Path(cache_dir, f"tokenizer-{key}.json")
     if path.is_file():
         return tokenizers.Tokenizer.from_file(str(path))
+    log.info("training a %d-token BPE on %d documents (once: cached in %s)", vocab_size, len(docs), cache_dir)
     start = time.perf_counter()
     tokenizer = _train_tokenizer([d.text for d in docs], vocab_size)
     log.info("trained a %d-token BPE on %d documents in %.1f s",
@@ -421,6 +422,8 @@ def packed_rows(
     if path.is_file():
         with np.load(path) as f:
             return PackedRows(f["tokens"], f["segment_ids"], f["positions"])
+    log.info("tokenizing and packing %d %s documents into rows of %d tokens (once: cached in %s)",
+             len(docs), split, seq_len + 1, cache_dir)
     start = time.perf_counter()
     rows = pack(tokenize(tokenizer, [d.text for d in docs]), seq_len, eos_id(tokenizer))
     log.info("tokenized and packed %d %s documents into %d rows in %.1f s",

@@ -54,7 +54,8 @@ from jaxpar.train import data as data_lib
 from jaxpar.train import glide, self_distill, tensorboard
 from jaxpar.train import offload as offload_lib
 from jaxpar.train.checkpoints import CheckpointError, Checkpoints
-from jaxpar.train.config import Config, MeshConfig, OptimizerConfig, to_dict
+from jaxpar.train.command import file_in_the_way
+from jaxpar.train.config import Config, ConfigError, MeshConfig, OptimizerConfig, to_dict
 from jaxpar.train.step import make_train_step
 from jaxpar.train.stopping import Stopped, stop_on_signals
 
@@ -87,6 +88,13 @@ def build_mesh(mesh_cfg: MeshConfig, devices=None) -> jax.sharding.Mesh:
                                 axis_types=mesh_cfg.axis_types)
     except ValueError as e:
         raise TrainingError(str(e)) from None
+
+
+def describe_mesh(mesh) -> str:
+    """``mesh data=2 fsdp=4 (8 cpu devices)``: the axes over one device, and the devices."""
+    axes = " ".join(f"{name}={size}" for name, size in mesh.shape.items() if size > 1) or "of one device"
+    n = mesh.devices.size
+    return f"mesh {axes} ({n} {mesh.devices.flat[0].platform} device{'s' if n > 1 else ''})"
 
 
 def make_optimizer(opt: OptimizerConfig, steps: int):
@@ -249,6 +257,20 @@ def load_data(cfg: Config, target: Transformer | None = None, *, progress: bool 
     return tokenizer, train_rows, val_rows
 
 
+def check_output_dirs(cfg: Config) -> None:
+    """``ConfigError`` (exit 2) where a directory the run would write to is a file, or
+    lies under one: ``run_dir`` (and its ``checkpoints``), ``cache_dir``,
+    ``glide.teacher_cache``. Checked before anything is read or written."""
+    cache_dir = pathlib.Path(cfg.cache_dir).expanduser() if cfg.cache_dir else data_lib.default_cache_dir()
+    run_dir = pathlib.Path(cfg.run_dir).expanduser()
+    for key, value, path in [("run_dir", cfg.run_dir, run_dir / "checkpoints"),
+                             ("cache_dir", cfg.cache_dir or str(cache_dir), cache_dir),
+                             ("glide.teacher_cache", cfg.glide.teacher_cache, cfg.glide.teacher_cache)]:
+        file = path is not None and file_in_the_way(pathlib.Path(path))
+        if file:
+            raise ConfigError(f"{key}={value!r}: {file} is a file, not a directory")
+
+
 def train(cfg: Config, *, progress: bool = True) -> list[dict]:
     """Runs (or resumes) the training ``cfg`` describes; returns the per-step metrics
     (none, with one log line, when the run dir's checkpoint is at ``cfg.steps`` already).
@@ -256,6 +278,7 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
     In the main thread, SIGINT or SIGTERM stops the run at the next step boundary with
     that step saved and raises ``jaxpar.train.stopping.Stopped`` (a second signal acts
     at once); several processes stop at the same step (``stopping``)."""
+    check_output_dirs(cfg)
     target = vocab = data = None
     run_dir = pathlib.Path(cfg.run_dir)
     if cfg.task == "glide":
@@ -328,6 +351,8 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
             tokenizer.save(str(run_dir / "tokenizer.json"))  # jaxpar-generate needs only the run dir
             glide.save_vocabulary(vocab, run_dir)
         if restored is None:
+            log.info("starting at step 0 on %s", describe_mesh(mesh))
+
             @nnx.jit
             def create(frozen):  # the target's state an argument, not constants of the program
                 model = build_model(cfg, vocab)
@@ -338,6 +363,8 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
             with jax.set_mesh(mesh):  # where JAX traces Explicit axes' shardings (axis_types)
                 params, opt_state = step_fn.init(create(frozen))
         else:
+            log.info("resuming from step %d (checkpoint %s) on %s", start, checkpoints.directory / str(start),
+                     describe_mesh(mesh))
             _, state, meta = restored  # saved in model order (step_fn.in_model_order)
             state = step_fn.in_storage_order(state)
             params, opt_state = state["params"], state["opt_state"]
@@ -363,6 +390,7 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
 
         board = tensorboard.writer(run_dir / "tensorboard") if lead else None
         metrics_file = metrics_path.open("a") if lead else None
+        log.info("compiling the train step (the first step waits for it)")
         bar = tqdm(total=cfg.steps, initial=start, disable=not progress or not lead,
                    dynamic_ncols=True, desc="train")
         try:

@@ -31,11 +31,12 @@ from __future__ import annotations
 
 import json
 import pathlib
+import signal
 import socket
 import sys
 
 from jaxpar.inference.token_tree import DEFAULT_BINS, check_bins
-from jaxpar.train.command import CommandParser
+from jaxpar.train.command import CommandParser, add_compile_cache_flag, file_in_the_way, use_compile_cache
 from jaxpar.models.gguf import gguf_metadata, is_gguf
 from jaxpar.train.runs import check_run_dir, context_length, eos_ids, is_hf, load_model, load_tokenizer
 
@@ -78,6 +79,11 @@ def _parser() -> CommandParser:
     parser.add_argument("--bins", type=int, nargs="+", default=list(DEFAULT_BINS), metavar="K",
                         help="cape: 11 tree widths by draft confidence decile (default: %(default)s)")
     parser.add_argument("--gamma", type=int, default=4, help="tokens the draft proposes per round (%(default)s)")
+    parser.add_argument("--cache-dir", type=pathlib.Path, metavar="DIR",
+                        help="where compiled programs are kept for the next start (DIR/xla; default: "
+                             "$XDG_CACHE_HOME/jaxpar, else ~/.cache/jaxpar, as jaxpar-train's cache_dir)")
+    add_compile_cache_flag(parser)
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar while the programs compile")
     return parser
 
 
@@ -105,6 +111,8 @@ def check_args(args, parser: CommandParser) -> None:
             parser.error(f"{flag} {value} must be at least {least}")
     if args.port > 65535:
         parser.error(f"--port {args.port} must be at most 65535")
+    if args.cache_dir is not None and (file := file_in_the_way(args.cache_dir)):
+        parser.error(f"--cache-dir {args.cache_dir}: {file} is a file, not a directory")
 
 
 def _context(args, model_context: int) -> int:
@@ -166,6 +174,22 @@ def chat_template(run_dir: pathlib.Path) -> tuple[str | None, dict[str, str]]:
     return (template if isinstance(template, str) else None), tokens
 
 
+def say(message: str) -> None:
+    print(f"jaxpar-serve: {message}", file=sys.stderr, flush=True)
+
+
+def warm_up(engine, progress: bool) -> None:
+    """``engine.warm_up()`` with a line saying what it compiles and, on a terminal, a
+    progress bar over the programs."""
+    from tqdm.std import tqdm
+
+    count = len(engine.warm_up_programs())
+    say(f"compiling {count} programs (shape buckets of the prefill rows and pages read; "
+        "a second start loads them from the compilation cache)")
+    with tqdm(total=count, desc="compile", unit="program", disable=not progress or None, leave=False) as bar:
+        engine.warm_up(report=lambda key: bar.update(1))
+
+
 def build(args):
     """``(async_engine, app, engine)`` for parsed ``args``: the model loaded, the engine
     warmed up (every program compiled)."""
@@ -174,6 +198,7 @@ def build(args):
     from jaxpar.serving.replicas import Replicas
     from jaxpar.serving.server import create_app
 
+    say(f"loading {args.run_dir}" + (f" and the draft {args.draft}" if args.draft else ""))
     tokenizer = load_tokenizer(args.run_dir)
     model = load_model(args.run_dir)
     draft = None
@@ -190,7 +215,7 @@ def build(args):
                        batching=args.batching)
                 for mesh in meshes(mesh_size(args, "data"), mesh_size(args, "tensor"))]
     engine = replicas[0] if len(replicas) == 1 else Replicas(replicas)
-    engine.warm_up()
+    warm_up(engine, not args.no_progress)
     async_engine = AsyncEngine(engine, max_queue=args.max_queue)
     template, special_tokens = chat_template(args.run_dir)
     name = args.model_name or args.run_dir.resolve().name
@@ -209,6 +234,7 @@ def main(argv=None) -> int:
         check_run_dir(args.run_dir)
     except FileNotFoundError as e:
         parser.error(str(e))
+    use_compile_cache(args.cache_dir, not args.no_compile_cache)
     try:
         async_engine, app, engine = build(args)
         sock = socket.create_server((args.host, args.port))
@@ -217,7 +243,10 @@ def main(argv=None) -> int:
         return 1
 
     class Server(uvicorn.Server):
+        signal = None
+
         def handle_exit(self, sig, frame):
+            self.signal = self.signal or sig
             async_engine.close()  # admit nothing from now on, while running requests finish
             super().handle_exit(sig, frame)
             # uvicorn re-raises a caught signal after its graceful shutdown, so the process
@@ -232,7 +261,12 @@ def main(argv=None) -> int:
           f"({len(engine.compiled_programs)} compiled programs; {engine.max_batch} batch slots, "
           f"{engine.pool.total} KV pages of {engine.page_size} tokens, context {engine.max_context})",
           file=sys.stderr, flush=True)
-    Server(config).run(sockets=[sock])
+    server = Server(config)
+    server.run(sockets=[sock])
+    ended = async_engine.metrics().finished
+    done, cut = ended.get("stop", 0) + ended.get("length", 0), ended.get("abort", 0) + ended.get("error", 0)
+    say(f"stopped{f' by {signal.Signals(server.signal).name}' if server.signal else ''}: {done} "
+        f"request{'s' * (done != 1)} finished" + (f", {cut} aborted" if cut else ""))
     return 0
 
 
