@@ -6,8 +6,9 @@ against another OpenAI-compatible server on the same load.
         [--requests 48] [--max-batch 8] [--prompt-tokens 16 256] [--max-tokens 8 96]
         [--seed 0] [--json PATH] [--png PATH]
     python bench/serve.py http --model PATH [--rates ...] [--requests ...] [...]
-        [--against-url URL --against-model NAME --against-label LABEL]
+        [--against-url URL --against-model NAME --against-label LABEL [--against-mode MODE]]
         [--draft DIR [--method M]] [mesh.tensor=K mesh.data=R]
+    python bench/serve.py plot RESULTS.json [RESULTS.json ...] --png PATH
 
 ``engine``: the engine in this process, its loop driven by the wall clock (requests are
 added when their arrival time has passed, then one ``Engine.step``); every request
@@ -27,7 +28,9 @@ token) p50/p99, time per output token (first to last token over the tokens after
 first) p50/p99, request and output-token throughput over the run (first arrival to
 last token), and (engine mode) KV-page utilisation (pages reserved / pages, mean over
 steps). The PNG plots p99 time to first token and median time per output token
-against output tokens/s.
+against output tokens/s, one line per server and batching mode, the offered rate by
+marker. ``plot`` redraws it from ``--json`` files (their rows together, the first
+file's ``meta`` in the title), with the same drawing as a live run.
 """
 
 from __future__ import annotations
@@ -194,36 +197,82 @@ def start_server(path: str, mode: str, args) -> tuple:
     return process, match[1]
 
 
+def series_label(row: dict) -> str:
+    """The plain name of a row's series: ``jaxpar-serve, continuous batching``; another
+    server by its ``--against-label`` and, when given, ``--against-mode``."""
+    mode = row.get("mode")
+    if mode in MODES:
+        return f"{row['server']}, {mode} batching"
+    return f"{row['server']}, {mode}" if mode and mode != "its own" else row["server"]
+
+
+def title(meta: dict) -> str:
+    """The picture's title from a run's ``meta``."""
+    parts = [pathlib.Path(meta["model"]).name]
+    if meta.get("requests"):
+        parts.append(f"{meta['requests']} requests per rate")
+    if meta.get("max_batch"):
+        parts.append(f"{meta['max_batch']} slots")
+    return ", ".join(parts + [meta["machine"], meta["date"]])
+
+
 def draw(rows: list[dict], png: pathlib.Path, title: str) -> None:
+    """p99 time to first token and median time per output token against output tokens/s:
+    a line per series (colour and line style), a marker per offered rate."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import FuncFormatter
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    series = list(dict.fromkeys((r["server"], r["mode"]) for r in rows))
-    for (server, mode), marker in zip(series, "os^vD"):
-        mine = [r for r in rows if (r["server"], r["mode"]) == (server, mode)]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5.4))
+    series = list(dict.fromkeys(series_label(r) for r in rows))
+    rates = sorted({r["rate"] for r in rows})
+    markers = dict(zip(rates, "osD^vP*X"))
+    styles = ["-", "--", "-.", ":"]
+    panels = ((axes[0], "ttft_p99_s", 1, "p99 time to first token, s (log scale; lower is better)",
+               "waiting for the first token"),
+              (axes[1], "tpot_p50_s", 1e3, "median time per output token, ms (lower is better)",
+               "time per token once streaming"))
+    for i, name in enumerate(series):
+        mine = sorted((r for r in rows if series_label(r) == name), key=lambda r: r["rate"])
         x = [r["output_tokens_per_s"] for r in mine]
-        for ax, key, label in ((axes[0], "ttft_p99_s", "p99 time to first token (s)"),
-                               (axes[1], "tpot_p50_s", "median time per output token (s)")):
-            ax.plot(x, [r[key] for r in mine], marker=marker, label=f"{server}, {mode}")
-            for r in mine:
-                ax.annotate(f"{r['rate']:g}/s", (r["output_tokens_per_s"], r[key]), fontsize=7,
-                            textcoords="offset points", xytext=(4, 4))
-            ax.set_xlabel("output tokens / s")
-            ax.set_ylabel(label)
-            ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
+        for ax, key, scale, *_ in panels:
+            y = [r[key] * scale for r in mine]
+            ax.plot(x, y, color=f"C{i}", linestyle=styles[i % len(styles)], linewidth=1.6, zorder=2)
+            for r, yi in zip(mine, y):
+                ax.plot(r["output_tokens_per_s"], yi, marker=markers[r["rate"]], color=f"C{i}", markersize=8,
+                        markeredgecolor="white", markeredgewidth=0.8, linestyle="none", zorder=3)
+    for ax, _, _, label, what in panels:
+        ax.set_xlabel("output tokens/s (higher is better \u2192)")
+        ax.set_ylabel(label)
+        ax.set_title(f"{what} (better: down and to the right \u2198)", fontsize=10)
+        ax.grid(alpha=0.3, which="both")
+    axes[0].set_yscale("log")
+    axes[0].set_ylim(bottom=0.8 * min(r["ttft_p99_s"] for r in rows))  # a labelled tick below the lowest point
+    axes[0].yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    axes[0].yaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}" if f"{v:.0e}"[0] in "25" else ""))
+    axes[1].set_ylim(bottom=0)
+    lines = [Line2D([], [], color=f"C{i}", linestyle=styles[i % len(styles)], linewidth=1.6, label=name)
+             for i, name in enumerate(series)]
+    points = [Line2D([], [], color="0.4", marker=markers[rate], linestyle="none", markersize=8,
+                     label=f"{rate:g} request{'s' if rate != 1 else ''}/s") for rate in rates]
+    rows_below = -(-len(series) // 2)
+    fig.legend(handles=lines, loc="lower left", ncol=2, fontsize=9, frameon=False, title="server, batching",
+               title_fontsize=9, bbox_to_anchor=(0.06, 0.0))
+    fig.legend(handles=points, loc="lower right", ncol=len(points), fontsize=9, frameon=False,
+               title="offered load (marker)", title_fontsize=9, bbox_to_anchor=(0.94, 0.0))
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.04 + 0.042 * rows_below, 1, 1))
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=110)
+    plt.close(fig)
 
 
 def _print(row: dict) -> None:
     kv = f"{row['kv_utilisation']:.0%}" if "kv_utilisation" in row else "-"
-    print(f"| {row['server']} | {row['mode']} | {row['rate']:g} | {row['output_tokens_per_s']:.1f} | "
+    print(f"| {row['server']} | {row.get('mode') or '-'} | {row['rate']:g} | {row['output_tokens_per_s']:.1f} | "
           f"{row['requests_per_s']:.2f} | {row['ttft_p50_s']:.2f} / {row['ttft_p99_s']:.2f} | "
           f"{row['tpot_p50_s'] * 1e3:.1f} / {row['tpot_p99_s'] * 1e3:.1f} | {kv} |", flush=True)
 
@@ -231,6 +280,9 @@ def _print(row: dict) -> None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    plot = sub.add_parser("plot", help="redraw the picture from --json files")
+    plot.add_argument("results", type=pathlib.Path, nargs="+", help="this script's --json files")
+    plot.add_argument("--png", type=pathlib.Path, required=True)
     for name in ("engine", "http"):
         p = sub.add_parser(name)
         p.add_argument("--model", required=name == "http",
@@ -250,12 +302,19 @@ def main(argv=None) -> None:
             p.add_argument("--against-url", help="another OpenAI-compatible server's base URL (ending /v1)")
             p.add_argument("--against-model", help="the model name that server expects")
             p.add_argument("--against-label", default="other server")
+            p.add_argument("--against-mode", help="how that server batches, for the picture's legend "
+                           "(\"one request at a time\"; default: its label alone)")
             p.add_argument("--only-against", action="store_true", help="measure the other server alone")
             p.add_argument("--draft", help="jaxpar-serve --draft DIR: serve speculatively")
             p.add_argument("--method", help="jaxpar-serve --method (with --draft)")
             p.add_argument("overrides", nargs="*", help="jaxpar-serve's mesh.tensor=K / mesh.data=R")
     args = parser.parse_args(argv)
 
+    if args.command == "plot":
+        runs = [json.loads(path.read_text()) for path in args.results]
+        draw([row for run in runs for row in run["rows"]], args.png, title(runs[0]["meta"]))
+        print(f"wrote {args.png}")
+        return
     if args.command == "http":
         from jaxpar.train.runs import load_tokenizer
 
@@ -288,7 +347,7 @@ def main(argv=None) -> None:
             rows.append(row)
             _print(row)
         if args.command == "http" and args.against_url:
-            row = {"server": args.against_label, "mode": "its own",
+            row = {"server": args.against_label, "mode": args.against_mode,
                    **run_http(args.against_url, args.against_model, tokenizer, requests, rate)}
             rows.append(row)
             _print(row)
@@ -296,14 +355,13 @@ def main(argv=None) -> None:
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "machine": f"{platform.machine()}, {os.cpu_count()} cores",
             "devices": f"{len(jax.devices())} x {jax.devices()[0].device_kind}", "jax": jax.__version__,
-            "model": args.model or f"{args.config} (random weights)"}
+            "model": args.model or f"{args.config} (random weights)", "requests": args.requests,
+            "max_batch": args.max_batch}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     if args.png:
-        name = pathlib.Path(meta["model"]).name
-        draw(rows, args.png, f"{name}, {args.requests} requests, {args.max_batch} slots, "
-                             f"{meta['machine']}, {meta['date']}")
+        draw(rows, args.png, title(meta))
         print(f"wrote {args.png}")
 
 
