@@ -1,11 +1,15 @@
-"""colab/quickstart.ipynb runs top to bottom in a Jupyter kernel.
+"""colab/quickstart.ipynb runs top to bottom in a Jupyter kernel, and is stored executed.
 
 The kernel inherits this process's environment, so it sees the 8 simulated CPU devices
 conftest sets up (``JAX_PLATFORMS=cpu``, ``JAX_NUM_CPU_DEVICES=8``) and the test run's
 tokenizer cache (``XDG_CACHE_HOME``); jaxpar is already installed, so the notebook's
-install cell does nothing.
+install cell does nothing. The tests execute a copy in memory and never write the file;
+``colab/execute.py`` runs it and saves it with its outputs (loss plot included), which
+``test_stored_notebook_has_outputs`` checks from the JSON alone, in the fast tier.
 """
 
+import base64
+import importlib.util
 import math
 import pathlib
 import re
@@ -17,9 +21,8 @@ import nbformat
 import nbclient
 import ipykernel  # noqa: F401  (the notebook kernel)
 
-pytestmark = pytest.mark.slow  # end-to-end: `pytest -m "not slow"` skips the file
-
 NOTEBOOK = pathlib.Path(__file__).resolve().parents[1] / "colab" / "quickstart.ipynb"
+PLOT_CELL = "loss-plot"  # the id of the cell that draws the training loss
 
 
 def _text(cell) -> str:
@@ -33,15 +36,39 @@ def _text(cell) -> str:
     return "".join(parts)
 
 
-def test_stored_notebook_is_clean():
+def _plot_cell(nb):
+    [cell] = [c for c in nb.cells if c.get("id") == PLOT_CELL]
+    return cell
+
+
+def test_stored_notebook_has_outputs():
+    """The committed notebook is stored executed (GitHub and Colab show what it prints and
+    the loss plot before anyone runs it), cleanly: in order, no errors, no progress-bar
+    redraws or machine paths, small. `python colab/execute.py` rewrites it so."""
+    assert NOTEBOOK.stat().st_size < 100_000  # 43 KB when written, the plot's PNG most of it
     nb = nbformat.read(NOTEBOOK, as_version=4)
     nbformat.validate(nb)
+    assert nb.metadata.kernelspec.name == "python3"
     code = [c for c in nb.cells if c.cell_type == "code"]
-    assert code and all(not c.outputs and c.execution_count is None for c in code)
     assert "JAXPAR_SOURCE = " in code[0].source  # the one place the package source is set
     assert "git clone" not in code[0].source
 
+    assert [c.execution_count for c in code] == list(range(1, len(code) + 1))  # run top to bottom
+    assert all(c.outputs for c in code), [c.id for c in code if not c.outputs]
+    outputs = [o for c in code for o in c.outputs]
+    assert not [o for o in outputs if o.output_type == "error"]
+    text = "\n".join(_text(c) for c in code)
+    assert "\r" not in text  # a progress bar keeps its last state only
+    assert not re.search(r"(?<![\w.])/(tmp|home|root|Users|work|content)/", text), text
+    assert re.search(r"final loss [\d.]+ after \d+ steps", text), text
 
+    plot = _plot_cell(nb).outputs
+    [png] = [o.data["image/png"] for o in plot if "image/png" in o.get("data", {})]
+    png = base64.b64decode(png)
+    assert png.startswith(b"\x89PNG") and len(png) < 40_000
+
+
+@pytest.mark.slow  # end-to-end: `pytest -m "not slow"` skips it
 def test_install_source_is_the_checkout_else_pypi(tmp_path, monkeypatch, capsys):
     """The install cell's JAXPAR_SOURCE: $JAXPAR_SOURCE, else the jaxpar checkout around
     the kernel's working directory (the notebook's folder in Jupyter), else PyPI's name."""
@@ -62,6 +89,7 @@ def test_install_source_is_the_checkout_else_pypi(tmp_path, monkeypatch, capsys)
     assert source() == "git+https://example.org/fork/jaxpar"
 
 
+@pytest.mark.slow  # end-to-end: `pytest -m "not slow"` skips it
 def test_progress_bar_does_not_warn_in_a_kernel(tmp_path):
     """In a Jupyter kernel without ipywidgets, tqdm.auto warns "IProgress not found" when
     imported; the trainer takes the text bar there instead (the widget when it can)."""
@@ -78,6 +106,7 @@ def test_progress_bar_does_not_warn_in_a_kernel(tmp_path):
     assert f"bar from {expected}" in out and "IProgress" not in out, out
 
 
+@pytest.mark.slow  # end-to-end: `pytest -m "not slow"` skips it
 def test_quickstart_notebook_runs(tmp_path, monkeypatch):
     monkeypatch.setenv("TMPDIR", str(tmp_path))  # the notebook's run dir lands under tmp_path
     nb = nbformat.read(NOTEBOOK, as_version=4)
@@ -105,3 +134,10 @@ def test_quickstart_notebook_runs(tmp_path, monkeypatch):
     assert generated, out
     assert int(generated.group(1)) > 0 and len(generated.group(2).strip()) > len("def main(")
     assert list(tmp_path.glob(f"jaxpar-quickstart-*/run/checkpoints/{steps}"))
+
+    plot = _plot_cell(nb)
+    pngs = [o for o in plot.outputs if "image/png" in o.get("data", {})]
+    if importlib.util.find_spec("matplotlib"):  # on Colab; the kernel is this interpreter
+        assert len(pngs) == 1, plot.outputs
+    else:  # the cell says so instead of failing
+        assert not pngs and "no loss plot: matplotlib is not installed" in _text(plot)
