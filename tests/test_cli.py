@@ -4,10 +4,12 @@ arguments as one line naming the bad value, exit code 2."""
 import argparse
 import importlib
 import json
+import os
 import pathlib
 import shutil
 import subprocess
 import sys
+import textwrap
 import tomllib
 
 import numpy as np
@@ -172,6 +174,43 @@ def test_a_directory_that_is_a_file_is_one_line_exit_2_nothing_written(name, arg
     err = capfd.readouterr().err
     assert code == 2 and err.splitlines() == [f"{name}: error: {fill(message)}"], err
     assert (sorted(tmp_path.rglob("*")), sorted(runs[0].rglob("*"))) == before and file.read_text() == "mine"
+
+
+# The compilation cache ----------------------------------------------------------------
+
+
+def _generate_counting_compiles(run_dir, *flags) -> tuple[int, int, str]:
+    """``jaxpar-generate RUN_DIR ...`` in a fresh process without the suite's own cache
+    settings: ``(persistent cache hits, misses, stderr)``."""
+    code = textwrap.dedent("""
+        import sys
+        import jax.monitoring
+        counts = {}
+        jax.monitoring.register_event_listener(lambda event, **_: counts.__setitem__(event, counts.get(event, 0) + 1))
+        from jaxpar.train.generate import main
+        code = main(sys.argv[1:])
+        print(counts.get("/jax/compilation_cache/cache_hits", 0), counts.get("/jax/compilation_cache/cache_misses", 0))
+        sys.exit(code)
+    """)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")}
+    out = subprocess.run([sys.executable, "-c", code, str(run_dir), "--prompt", "w1 w2", "--max-new-tokens", "4",
+                          "--json", *map(str, flags)], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr
+    hits, misses = map(int, out.stdout.splitlines()[-1].split())
+    return hits, misses, out.stderr
+
+
+@pytest.mark.slow
+def test_a_second_start_loads_every_program_from_the_compilation_cache(runs, tmp_path):
+    """``--cache-dir DIR``: the first start compiles and keeps its programs in DIR/xla,
+    the second compiles none (every program a hit); ``--no-compile-cache`` keeps none."""
+    cache = tmp_path / "cache"
+    hits, misses, _ = _generate_counting_compiles(runs[0], "--cache-dir", cache)
+    assert hits == 0 and misses > 0 and len(list((cache / "xla").iterdir())) >= misses
+    assert _generate_counting_compiles(runs[0], "--cache-dir", cache)[:2] == (misses, 0)
+    assert _generate_counting_compiles(runs[0], "--cache-dir", tmp_path / "off", "--no-compile-cache")[:2] == (0, 0)
+    assert not (tmp_path / "off").exists()
 
 
 # The model's context ------------------------------------------------------------------

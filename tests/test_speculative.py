@@ -165,6 +165,7 @@ def test_prompts_of_nearby_lengths_share_one_program(models, rng):
     np.testing.assert_array_equal(outs[0].tokens[0], sequence[0, prompt.shape[1]:])
 
 
+@pytest.mark.slow  # 4.6 and 9.4 s on 2 cores
 @pytest.mark.parametrize("method", ["glide", "cape"])
 def test_the_state_carries_the_targets_features_of_the_last_two_tokens(models, rng, method):
     """A draft reading the target's features (glide.features): after the prefill and
@@ -450,6 +451,7 @@ def test_two_chains_keep_the_longer_and_its_cache(models, rng):
         assert rel_err(cache.v[:, b, 6:7 + a], alone.v[:, 0, 6:7 + a]) < 1e-5
 
 
+@pytest.mark.slow  # 5 programs of their own, 3.6-9.6 s each on 2 cores
 @pytest.mark.parametrize("method,draft,lookup,skip,runner_up", [
     ("glide", "glide", "select", False, False), ("glide", "glide", "select", True, False),
     ("speculative", "close", "select", False, False), ("cape", "glide", "", False, False),
