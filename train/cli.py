@@ -17,7 +17,7 @@ import signal
 import sys
 
 from jaxpar.placement.runtime import initialize_distributed, simulate_cpu_devices
-from jaxpar.train.command import CommandParser, add_compile_cache_flag, use_compile_cache
+from jaxpar.train.command import CommandParser, add_compile_cache_flags, use_compile_cache
 
 
 def _parser() -> CommandParser:
@@ -34,7 +34,7 @@ def _parser() -> CommandParser:
         help="CPU devices to simulate (default: $JAX_NUM_CPU_DEVICES, else 8); ignored on GPUs",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    add_compile_cache_flag(parser)
+    add_compile_cache_flags(parser, cache_dir=False)  # cache_dir= is a config key
     return parser
 
 

@@ -31,11 +31,25 @@ def file_in_the_way(path: str | os.PathLike) -> pathlib.Path | None:
     return None if at is None or at.is_dir() else at
 
 
-def add_compile_cache_flag(parser: argparse.ArgumentParser) -> None:
-    """``--no-compile-cache``, which every command takes (``use_compile_cache``)."""
+def add_compile_cache_flags(parser: argparse.ArgumentParser, *, cache_dir: bool) -> None:
+    """``--no-compile-cache``, which every command takes, and with ``cache_dir`` the
+    ``--cache-dir DIR`` of a command without a config (``jaxpar-train`` has its
+    ``cache_dir`` key); ``compile_cache_from_args`` applies them."""
+    if cache_dir:
+        parser.add_argument("--cache-dir", type=pathlib.Path, metavar="DIR",
+                            help="where compiled programs are kept for the next start (DIR/xla; default: "
+                                 "$XDG_CACHE_HOME/jaxpar, else ~/.cache/jaxpar, as jaxpar-train's cache_dir)")
     parser.add_argument("--no-compile-cache", action="store_true",
                         help="do not keep compiled programs in JAX's persistent compilation cache "
                              "(CACHE_DIR/xla) for the next start")
+
+
+def compile_cache_from_args(args, parser: CommandParser) -> None:
+    """``use_compile_cache`` as ``--cache-dir`` and ``--no-compile-cache`` say; a
+    ``--cache-dir`` that is (or lies under) a file is ``parser.error``."""
+    if args.cache_dir is not None and (file := file_in_the_way(args.cache_dir)):
+        parser.error(f"--cache-dir {args.cache_dir}: {file} is a file, not a directory")
+    use_compile_cache(args.cache_dir, not args.no_compile_cache)
 
 
 def use_compile_cache(cache_dir: str | os.PathLike | None, enabled: bool = True) -> pathlib.Path | None:

@@ -39,7 +39,7 @@ from jaxpar.inference.speculative import LOOKUPS
 from jaxpar.models import GlideDraft
 from jaxpar.models.gguf import is_gguf
 from jaxpar.inference.speculative import Method
-from jaxpar.train.command import CommandParser, add_compile_cache_flag, file_in_the_way, use_compile_cache
+from jaxpar.train.command import CommandParser, add_compile_cache_flags, compile_cache_from_args
 from jaxpar.train.runs import (check_run_dir, context_length, eos_ids, is_hf, load_glide_draft, load_model,
                                load_tokenizer, read_config)
 
@@ -89,10 +89,7 @@ def _parser() -> CommandParser:
                         help="speculative or glide, greedy (--lookup select or none): the pass also verifies the "
                              "draft's other choice for the first token, kept where the chain's first is wrong")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--cache-dir", type=pathlib.Path, metavar="DIR",
-                        help="where compiled programs are kept for the next start (DIR/xla; default: "
-                             "$XDG_CACHE_HOME/jaxpar, else ~/.cache/jaxpar, as jaxpar-train's cache_dir)")
-    add_compile_cache_flag(parser)
+    add_compile_cache_flags(parser, cache_dir=True)
     return parser
 
 
@@ -159,9 +156,7 @@ def main(argv=None) -> int:
             check_run_dir(run_dir)
     except FileNotFoundError as e:
         parser.error(str(e))
-    if args.cache_dir is not None and (file := file_in_the_way(args.cache_dir)):
-        parser.error(f"--cache-dir {args.cache_dir}: {file} is a file, not a directory")
-    use_compile_cache(args.cache_dir, not args.no_compile_cache)
+    compile_cache_from_args(args, parser)
     try:
         tokenizer = load_tokenizer(args.run_dir)
         target = load_model(args.run_dir)

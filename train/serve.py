@@ -5,10 +5,12 @@ directory.
 PATH is read as ``jaxpar-generate`` reads it (``jaxpar.train.runs``): the model, its
 tokenizer, its end-of-sequence ids and its context length. A Hugging Face directory's
 chat template (``chat_template.jinja``, or ``tokenizer_config.json``'s
-``chat_template``) enables ``/v1/chat/completions``. The engine compiles every program
-it runs (``Engine.warm_up``) before the server listens, then one line on stderr gives
-the URL and the compiled programs. SIGTERM (or Ctrl-C) stops admitting requests, lets
-the running ones finish for up to ``--shutdown-timeout`` seconds, and exits 0.
+``chat_template``) enables ``/v1/chat/completions``. On stderr, a line says what it
+loads and one how many programs it compiles (``Engine.warm_up``, every program it will
+run, before the server listens; a progress bar over them on a terminal; JAX's persistent
+compilation cache in ``--cache-dir``/xla makes a second start load them), then one gives
+the URL. SIGTERM (or Ctrl-C) stops admitting requests, lets the running ones finish for
+up to ``--shutdown-timeout`` seconds, and exits 0 with a line saying how many finished.
 
 PATH may also be a ``.gguf`` file (``jaxpar.models.from_gguf``), whose chat template
 the file carries.
@@ -36,7 +38,7 @@ import socket
 import sys
 
 from jaxpar.inference.token_tree import DEFAULT_BINS, check_bins
-from jaxpar.train.command import CommandParser, add_compile_cache_flag, file_in_the_way, use_compile_cache
+from jaxpar.train.command import CommandParser, add_compile_cache_flags, compile_cache_from_args
 from jaxpar.models.gguf import gguf_metadata, is_gguf
 from jaxpar.train.runs import check_run_dir, context_length, eos_ids, is_hf, load_model, load_tokenizer
 
@@ -79,10 +81,7 @@ def _parser() -> CommandParser:
     parser.add_argument("--bins", type=int, nargs="+", default=list(DEFAULT_BINS), metavar="K",
                         help="cape: 11 tree widths by draft confidence decile (default: %(default)s)")
     parser.add_argument("--gamma", type=int, default=4, help="tokens the draft proposes per round (%(default)s)")
-    parser.add_argument("--cache-dir", type=pathlib.Path, metavar="DIR",
-                        help="where compiled programs are kept for the next start (DIR/xla; default: "
-                             "$XDG_CACHE_HOME/jaxpar, else ~/.cache/jaxpar, as jaxpar-train's cache_dir)")
-    add_compile_cache_flag(parser)
+    add_compile_cache_flags(parser, cache_dir=True)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar while the programs compile")
     return parser
 
@@ -111,8 +110,6 @@ def check_args(args, parser: CommandParser) -> None:
             parser.error(f"{flag} {value} must be at least {least}")
     if args.port > 65535:
         parser.error(f"--port {args.port} must be at most 65535")
-    if args.cache_dir is not None and (file := file_in_the_way(args.cache_dir)):
-        parser.error(f"--cache-dir {args.cache_dir}: {file} is a file, not a directory")
 
 
 def _context(args, model_context: int) -> int:
@@ -234,7 +231,7 @@ def main(argv=None) -> int:
         check_run_dir(args.run_dir)
     except FileNotFoundError as e:
         parser.error(str(e))
-    use_compile_cache(args.cache_dir, not args.no_compile_cache)
+    compile_cache_from_args(args, parser)
     try:
         async_engine, app, engine = build(args)
         sock = socket.create_server((args.host, args.port))
@@ -243,10 +240,10 @@ def main(argv=None) -> int:
         return 1
 
     class Server(uvicorn.Server):
-        signal = None
+        stopped_by = None  # the first signal
 
         def handle_exit(self, sig, frame):
-            self.signal = self.signal or sig
+            self.stopped_by = self.stopped_by or sig
             async_engine.close()  # admit nothing from now on, while running requests finish
             super().handle_exit(sig, frame)
             # uvicorn re-raises a caught signal after its graceful shutdown, so the process
@@ -257,15 +254,14 @@ def main(argv=None) -> int:
                             access_log=args.access_log, timeout_graceful_shutdown=args.shutdown_timeout)
     host, port = sock.getsockname()[:2]
     host = f"[{host}]" if ":" in host else host
-    print(f"jaxpar-serve: serving {app.state.model_name!r} on http://{host}:{port}/v1 "
-          f"({len(engine.compiled_programs)} compiled programs; {engine.max_batch} batch slots, "
-          f"{engine.pool.total} KV pages of {engine.page_size} tokens, context {engine.max_context})",
-          file=sys.stderr, flush=True)
+    say(f"serving {app.state.model_name!r} on http://{host}:{port}/v1 ({len(engine.compiled_programs)} compiled "
+        f"programs; {engine.max_batch} batch slots, {engine.pool.total} KV pages of {engine.page_size} tokens, "
+        f"context {engine.max_context})")
     server = Server(config)
     server.run(sockets=[sock])
     ended = async_engine.metrics().finished
     done, cut = ended.get("stop", 0) + ended.get("length", 0), ended.get("abort", 0) + ended.get("error", 0)
-    say(f"stopped{f' by {signal.Signals(server.signal).name}' if server.signal else ''}: {done} "
+    say(f"stopped{f' by {signal.Signals(server.stopped_by).name}' if server.stopped_by else ''}: {done} "
         f"request{'s' * (done != 1)} finished" + (f", {cut} aborted" if cut else ""))
     return 0
 

@@ -34,8 +34,8 @@ import dataclasses
 import itertools
 import math
 from collections import deque
-from typing import NamedTuple
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
