@@ -52,15 +52,15 @@ def compile_cache_from_args(args, parser: CommandParser) -> None:
     use_compile_cache(args.cache_dir, not args.no_compile_cache)
 
 
-def use_compile_cache(cache_dir: str | os.PathLike | None, enabled: bool = True) -> pathlib.Path | None:
-    """Turns on JAX's persistent compilation cache in ``cache_dir/xla`` (``None``: the
-    per-user ``jaxpar.train.data.default_cache_dir()``), so a second start of a command
-    loads the programs the first compiled instead of compiling them again; returns the
-    directory in use (None: off). Entries are keyed as JAX keys them (the program, its
-    shapes and shardings, the compile options, the JAX and XLA versions and the devices),
-    so a changed model, mesh or release compiles anew and never reads a stale one. Every
-    program is kept, however quick to compile (JAX's own default skips those under a
-    second): a server's many small bucket programs are most of its start.
+def use_compile_cache(cache_dir: str | os.PathLike | None, enabled: bool = True) -> None:
+    """Turns on JAX's persistent compilation cache in ``cache_dir/xla``
+    (``jaxpar.train.data.cache_dir_of``), so a second start of a command loads the
+    programs the first compiled instead of compiling them again. Entries are keyed as JAX
+    keys them (the program, its shapes and shardings, the compile options, the JAX and
+    XLA versions and the devices), so a changed model, mesh or release compiles anew and
+    never reads a stale one. Every program is kept, however quick to compile (JAX's own
+    default skips those under a second): a server's many small bucket programs are most
+    of its start.
 
     ``JAX_COMPILATION_CACHE_DIR`` (or ``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS``) in
     the environment wins over both. ``enabled=False`` (``--no-compile-cache``) turns
@@ -69,12 +69,10 @@ def use_compile_cache(cache_dir: str | os.PathLike | None, enabled: bool = True)
 
     if not enabled:
         jax.config.update("jax_enable_compilation_cache", False)
-        return None
+        return
     if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     if not jax.config.jax_compilation_cache_dir:
-        from jaxpar.train.data import default_cache_dir
+        from jaxpar.train.data import cache_dir_of
 
-        base = pathlib.Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
-        jax.config.update("jax_compilation_cache_dir", str(base / "xla"))
-    return pathlib.Path(jax.config.jax_compilation_cache_dir)
+        jax.config.update("jax_compilation_cache_dir", str(cache_dir_of(cache_dir) / "xla"))

@@ -229,6 +229,12 @@ def default_cache_dir() -> pathlib.Path:
     return pathlib.Path(root, "jaxpar")
 
 
+def cache_dir_of(cache_dir: str | os.PathLike | None) -> pathlib.Path:
+    """Where a ``cache_dir`` setting (``jaxpar-train``'s key, the other commands'
+    ``--cache-dir``) puts the caches: it, ``~`` expanded; unset, ``default_cache_dir()``."""
+    return pathlib.Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+
+
 def _fingerprint(*parts) -> str:
     """A short sha256 of strings, ints and Documents (each length-prefixed, so
     boundaries count): the identity behind every cache key."""

@@ -245,7 +245,7 @@ def load_data(cfg: Config, target: Transformer | None = None, *, progress: bool 
     """``(tokenizer, train rows, validation rows)`` of the run, from ``cache_dir`` when
     an earlier run made them. With ``glide.self_distill``, the rows are ``target``'s
     own continuations of the splits' prompts (``jaxpar.train.self_distill``)."""
-    cache_dir = pathlib.Path(cfg.cache_dir).expanduser() if cfg.cache_dir else data_lib.default_cache_dir()
+    cache_dir = data_lib.cache_dir_of(cfg.cache_dir)
     tokenizer = data_lib.load_tokenizer(cfg.data, cfg.model.vocab_size, cache_dir)
     data_lib.check_vocab(tokenizer, cfg.model.vocab_size)
     if cfg.task == "glide" and cfg.glide.self_distill:
@@ -261,7 +261,7 @@ def check_output_dirs(cfg: Config) -> None:
     """``ConfigError`` (exit 2) where a directory the run would write to is a file, or
     lies under one: ``run_dir`` (and its ``checkpoints``), ``cache_dir``,
     ``glide.teacher_cache``. Checked before anything is read or written."""
-    cache_dir = pathlib.Path(cfg.cache_dir).expanduser() if cfg.cache_dir else data_lib.default_cache_dir()
+    cache_dir = data_lib.cache_dir_of(cfg.cache_dir)
     run_dir = pathlib.Path(cfg.run_dir).expanduser()
     for key, value, path in [("run_dir", cfg.run_dir, run_dir / "checkpoints"),
                              ("cache_dir", cfg.cache_dir or str(cache_dir), cache_dir),
