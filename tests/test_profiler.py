@@ -318,6 +318,148 @@ ENTRY %main (x: f32[3]) -> f32[3] {
     assert collective_stats(hlo.replace("f32[3]", "f32[5]"))["collective_bytes"] == 2 * 7 * 20 / 8
 
 
+# ------------------------------------------------------------------------- by mesh axes
+
+MESH_2x4 = jax.sharding.AbstractMesh((2, 4), ("x", "y"))  # device id 4 x + y
+
+
+def _one_collective(op: str, replica_count: int = 1) -> str:
+    """A module whose entry runs the collective ``op`` (``f32[256] all-reduce(%x), ...``)."""
+    return f"""HloModule one, replica_count={replica_count}, num_partitions=8
+
+%add (a: f32[], b: f32[]) -> f32[] {{
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %sum = f32[] add(%a, %b)
+}}
+
+ENTRY %main (x: f32[256]) -> f32[256] {{
+  %x = f32[256]{{0}} parameter(0)
+  ROOT %c = {op}
+}}
+"""
+
+
+AR = "f32[256]{0} all-reduce(%x), channel_id=1, to_apply=%add, "
+GLOBAL = "use_global_device_ids=true, "
+
+
+@pytest.mark.parametrize("attrs,key", [
+    # explicit groups
+    (GLOBAL + "replica_groups={{0,1,2,3},{4,5,6,7}}", "y"),
+    (GLOBAL + "replica_groups={{0,4},{1,5},{2,6},{3,7}}", "x"),
+    (GLOBAL + "replica_groups={{0,1},{2,3},{4,5},{6,7}}", "y"),
+    (GLOBAL + "replica_groups={{0,1,4,5},{2,3,6,7}}", "x+y"),
+    # iota, and iota with a transpose: [4,2]<=[2,4]T(1,0) is {{0,4},{1,5},...}
+    (GLOBAL + "replica_groups=[2,4]<=[8]", "y"),
+    (GLOBAL + "replica_groups=[1,8]<=[8]", "x+y"),
+    (GLOBAL + "replica_groups=[4,2]<=[2,4]T(1,0)", "x"),
+    (GLOBAL + "replica_groups=[2,4]<=[4,2]T(1,0)", "x+y"),  # {0,2,4,6}
+    # empty groups, or none: every partition
+    (GLOBAL + "replica_groups={}", "x+y"),
+    ("replica_groups={}", "x+y"),  # cross-replica-and-partition, one replica
+    ("dimensions={0}", "x+y"),
+    # the mesh spelling: the program's axis names are the mesh's ...
+    (GLOBAL + "replica_groups=mesh['x'=2,'y'=4] {'x'}", "x"),
+    (GLOBAL + "replica_groups=mesh['x'=2,'y'=4] {'y':(1)2}", "y"),
+    (GLOBAL + "replica_groups=mesh['x'=2,'y'=4] {'y', 'x'}", "x+y"),
+    # ... or, when they are not, its groups expanded to device ids
+    (GLOBAL + "replica_groups=mesh['a'=2,'b'=4] {'b'}", "y"),
+    (GLOBAL + "replica_groups=mesh['a'=2,'b'=4] {'b':(2)2}", "y"),  # {0,1}
+    (GLOBAL + "replica_groups=mesh['a'=2,'b'=4], device_ids=([[0,2,4,6],[1,3,5,7]]) {'b'}",
+     "x+y"),
+    # device ids as a bare iota, as XLA writes an FSDP all-gather on data=2 x fsdp=4:
+    # [2,4]T(1,0) is 0,4,1,5,2,6,3,7, so the a=4 axis' first group is {0,1,2,3}
+    (GLOBAL + "replica_groups=mesh['a'=4,'b'=1,'c'=2], device_ids=([2,4]T(1,0)) {'a'}", "y"),
+    (GLOBAL + "replica_groups=mesh['a'=4,'b'=1,'c'=2], device_ids=([2,4]T(1,0)) {'c'}", "x"),
+])
+def test_group_spellings_map_to_mesh_axes(attrs, key):
+    result = collective_stats(_one_collective(AR + attrs), MESH_2x4)
+    assert result["collectives_by_axes"] == {key: result["collective_bytes"]}
+    assert result["collective_counts_by_axes"] == {key: 1}
+    assert result["collective_bytes"] > 0
+
+
+@pytest.mark.parametrize("pairs,key", [
+    ("{0,4},{4,0}", "x"),
+    ("{0,1},{1,2},{2,3},{3,0},{4,5},{5,6},{6,7},{7,4}", "y"),
+    ("{0,5},{5,0}", "x+y"),
+    ("{0,0},{1,2}", "y"),
+])
+def test_collective_permute_maps_pairs_to_mesh_axes(pairs, key):
+    op = f"f32[256]{{0}} collective-permute(%x), channel_id=1, source_target_pairs={{{pairs}}}"
+    result = collective_stats(_one_collective(op), MESH_2x4)
+    assert result["collectives_by_axes"] == {key: result["collective_bytes"]}
+    assert result["collective_counts_by_axes"] == {key: 1}
+
+
+@pytest.mark.parametrize("op", [
+    AR + GLOBAL + "replica_groups={{0},{1},{2},{3},{4},{5},{6},{7}}",
+    AR + GLOBAL + "replica_groups=maximal_mesh[]",
+    "f32[256]{0} all-reduce(%x), replica_groups={}, to_apply=%add",  # cross-replica, 1 replica
+    "f32[256]{0} collective-permute(%x), channel_id=1, source_target_pairs={{0,0},{1,1}}",
+])
+def test_groups_of_one_device_are_left_out(op):
+    result = collective_stats(_one_collective(op), MESH_2x4)
+    assert result["collective_bytes"] == 0
+    assert result["collectives_by_axes"] == {} and result["collective_counts_by_axes"] == {}
+
+
+def test_cross_replica_groups_map_replica_ids():
+    # Two replicas of four partitions: replica r, partition p is flattened id 4 r + p.
+    hlo = _one_collective("f32[256]{0} all-reduce(%x), replica_groups={{0,1}}, to_apply=%add",
+                          replica_count=2).replace("num_partitions=8", "num_partitions=4")
+    assert collective_stats(hlo, MESH_2x4)["collectives_by_axes"] == {"x": 1024}
+
+
+def test_a_mesh_of_another_size_counts_as_unknown():
+    mesh = jax.sharding.AbstractMesh((2, 2), ("x", "y"))
+    result = collective_stats(_one_collective(AR + GLOBAL + "replica_groups=[2,4]<=[8]"), mesh)
+    assert result["collectives_by_axes"] == {"unknown": result["collective_bytes"]}
+
+
+def test_handwritten_hlo_by_axes_sums_to_the_total():
+    result = collective_stats(HLO, MESH_2x4)
+    by_axes = result["collectives_by_axes"]
+    # Everything over 'y' but the empty-groups all-reduce and the all-gather over
+    # {0,2,4,6}; the loop's all-reduce runs 3 times.
+    assert by_axes == {"x+y": 1792 + 3072, "y": 3 * 1536 + 512 + 768 + 512 + 512 + 256}
+    assert result["collective_counts_by_axes"] == {"x+y": 2, "y": 8}
+    assert sum(by_axes.values()) == result["collective_bytes"]
+    assert "collectives_by_axes" not in collective_stats(HLO)
+
+
+def test_shard_map_collectives_by_axes():
+    mesh = _mesh((2, 2, 2), ("data", "fsdp", "tensor"))
+    spec = P(("data", "fsdp", "tensor"))
+
+    def f(x):
+        return jax.lax.psum(x, "data"), jax.lax.all_gather(x * 2.0, "tensor", tiled=True)
+
+    g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=(spec, spec), check_vma=False))
+    x = jax.random.normal(jax.random.key(0), (8 * N,), jnp.float32)
+    x = jax.device_put(x, NamedSharding(mesh, spec))
+    compiled = g.lower(x).compile()
+    total, gathered = compiled(x)
+    # The program is the one intended: each device's shard summed over 'data' (the
+    # device 4 positions on), and the 'tensor' pair's shards gathered.
+    shards = np.asarray(x).reshape(8, N)
+    np.testing.assert_allclose(np.asarray(total).reshape(8, N)[0], shards[0] + shards[4], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(gathered).reshape(8, 2 * N)[0],
+                               2 * np.concatenate([shards[0], shards[1]]), rtol=1e-6)
+
+    result = profile(compiled, mesh)
+    assert result["collectives_by_axes"] == {
+        "data": result["collectives"]["all-reduce"],  # 2 * 1/2 * S
+        "tensor": result["collectives"]["all-gather"],  # 1 * S
+    } == {"data": S, "tensor": S}
+    assert result["collective_counts_by_axes"] == {"data": 1, "tensor": 1}
+    assert sum(result["collectives_by_axes"].values()) == result["collective_bytes"]
+    abstract = profile(compiled, mesh.abstract_mesh)
+    assert abstract["collectives_by_axes"] == result["collectives_by_axes"]
+    assert "collectives_by_axes" not in profile(compiled)
+
+
 # ------------------------------------------------------------------ the jaxpar train step
 
 def _abstract_model():
@@ -384,6 +526,16 @@ def test_train_step_collectives(fsdp8, data8):
     assert pd["collectives"]["all-gather"] == 0
     assert pd["collectives"]["all-reduce"] >= 2 * 7 / 8 * 4 * params
     assert p8["collective_bytes"] == sum(p8["collectives"].values())
+
+
+def test_train_step_collectives_by_axes(fsdp8, data8):
+    """jaxpar's meshes have every axis, size 1 where unused: only the used one is named."""
+    for (compiled, p), mesh, axis in ((fsdp8, jaxpar.make_mesh(fsdp=8), "fsdp"),
+                                      (data8, jaxpar.make_mesh(data=8), "data")):
+        by_axes = profile(compiled, mesh)
+        assert set(by_axes["collectives_by_axes"]) == {axis}
+        assert by_axes["collectives_by_axes"][axis] == p["collective_bytes"]
+        assert by_axes["collective_counts_by_axes"][axis] <= sum(p["collective_counts"].values())
 
 
 def test_one_device_has_no_collectives(one_device):

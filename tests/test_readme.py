@@ -126,8 +126,8 @@ def _argv(text: str, program: str) -> list[list[str]]:
 
 def test_every_jaxpar_command_in_the_readme_parses():
     """``jaxpar-train`` lines load as configs (every key and value valid; but in a block
-    not run, which may name your own config file); ``jaxpar-generate`` and
-    ``jaxpar-serve`` lines parse with the commands' own parsers."""
+    not run, which may name your own config file), as ``jaxpar-plan`` lines do;
+    ``jaxpar-generate`` and ``jaxpar-serve`` lines parse with the commands' own parsers."""
     seen = set()
     for line, mark, text in BLOCKS:
         for program in SCRIPTS:
@@ -137,6 +137,8 @@ def test_every_jaxpar_command_in_the_readme_parses():
                 args = module._parser().parse_args(argv)
                 if program == "jaxpar-train" and mark != "not run":
                     load_config(args.config, args.overrides)
+                if program == "jaxpar-plan" and args.config:  # its devices=N: plan.devices=N
+                    load_config(args.config, module._split_aliases(args.overrides))
     assert seen == set(SCRIPTS)
 
 

@@ -50,6 +50,44 @@ class MeshConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class PlanConfig:
+    """What the layout planner (``jaxpar-plan``, ``mesh=auto``; ``jaxpar.planning``) plans
+    for. ``devices``: how many (unset: the devices present); ``device_memory``: bytes per
+    device (``80GiB``; unset: the device's own where the backend says, else the hardware
+    profile's); ``hardware``: ``h100``, ``h200``, ``a100``, ``cpu`` (the profile
+    ``jaxpar-plan --calibrate`` measured here) or a profile's YAML path (unset: the
+    present device's kind, ``cpu`` on CPUs); ``devices_per_node``: devices that share a
+    node's fast links (unset: 8, or the devices one process has with ``mesh=auto``);
+    ``compile_top``: how many of the best candidates to compile for exact figures (0:
+    the analytic model only); ``compile_devices``: the most devices compiled for
+    (simulated CPU devices; beyond, the analytic model only)."""
+
+    devices: int | None = None
+    device_memory: str | int | None = None
+    hardware: str | None = None
+    devices_per_node: int | None = None
+    compile_top: int = 8
+    compile_devices: int = 1024
+
+    def __post_init__(self):
+        for key in ("devices", "devices_per_node"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise ValueError(f"{key}={value!r} must be a positive integer")
+        if self.devices and self.devices_per_node and self.devices % self.devices_per_node \
+                and self.devices > self.devices_per_node:
+            raise ValueError(f"devices_per_node={self.devices_per_node} does not divide devices={self.devices}")
+        if self.device_memory is not None:
+            parse_bytes(self.device_memory, name="device_memory")
+        if self.compile_top < 0:
+            raise ValueError(f"plan.compile_top={self.compile_top!r} must not be negative")
+
+    @property
+    def memory(self) -> int | None:
+        return None if self.device_memory is None else parse_bytes(self.device_memory, name="device_memory")
+
+
+@dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
     """AdamW with linear warmup then cosine decay to ``lr * min_lr_ratio``."""
 
@@ -257,7 +295,10 @@ class Config:
     # With task glide, model.* is the target's (from target_run_dir), not set here.
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
-    mesh: MeshConfig = MeshConfig()
+    # "auto": the planner chooses the mesh, pipeline, remat, grad_accum and offload for the
+    # devices present (jaxpar.train.plan.auto; plan.* says for what).
+    mesh: MeshConfig | Literal["auto"] = MeshConfig()
+    plan: PlanConfig = PlanConfig()
     pipeline: PipelineConfig = PipelineConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
@@ -279,11 +320,18 @@ class Config:
     target_run_dir: str | None = None
     glide: GlideConfig = GlideConfig()
 
+    @property
+    def auto_mesh(self) -> bool:
+        return self.mesh == "auto"
+
     def __post_init__(self):
+        if self.auto_mesh and self.task == "glide":
+            raise ValueError("mesh=auto plans a language model's step; give task=glide a mesh")
         if self.task == "glide" and not self.target_run_dir:
             raise ValueError("task='glide' needs target_run_dir=DIR (the target model's jaxpar run "
                              "or Hugging Face directory)")
-        for key in ("steps", "batch_size", "mesh.fsdp", "mesh.pipe", "mesh.seq",
+        mesh_keys = () if self.auto_mesh else ("mesh.fsdp", "mesh.pipe", "mesh.seq")
+        for key in ("steps", "batch_size", *mesh_keys,
                     "optimizer.grad_accum", "checkpoint.keep", "eval.batches",
                     "pipeline.virtual_stages"):
             value = _get(self, key)
@@ -294,7 +342,7 @@ class Config:
                 raise ValueError(f"{key}={_get(self, key)!r} must not be negative")
         if self.pipeline.microbatches is not None and self.pipeline.microbatches < 1:
             raise ValueError(f"pipeline.microbatches={self.pipeline.microbatches!r} must be at least 1")
-        if self.mesh.data is not None and self.mesh.data < 1:
+        if not self.auto_mesh and self.mesh.data is not None and self.mesh.data < 1:
             raise ValueError(f"mesh.data={self.mesh.data!r} must be at least 1")
         # 256 byte symbols plus EOS is the smallest byte-level vocabulary.
         if self.task == "lm" and self.data.tokenizer is None and self.model.vocab_size < 257:
@@ -309,6 +357,8 @@ class Config:
         if offload.requested and self.task == "glide":
             raise ValueError(f"{offload.requested[0]} with task=glide is not supported yet: the draft's "
                              "model (one layer beside its frozen target) does not fetch host-resident layers")
+        if self.auto_mesh:
+            return  # the rest checks the mesh: the plan's, once chosen
         for axis, why in UNSUPPORTED_AXES.items():
             size = getattr(self.mesh, axis)
             if offload.requested and size > 1:
@@ -351,13 +401,18 @@ def _coerce(value: Any, hint, key: str):
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        errors = []
+        errors, literals = [], []
         for arg in (a for a in args if a is not type(None)):
             try:
                 return _coerce(value, arg, key)
             except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(errors[0])
+                if typing.get_origin(arg) is Literal:
+                    literals += typing.get_args(arg)
+                else:
+                    errors.append(str(e))
+        if errors and literals:  # mesh=foo: a mapping, or "auto"
+            raise ConfigError(f"{errors[0]}, or one of {literals}")
+        raise ConfigError(errors[0] if errors else f"{key}={value!r} must be one of {literals}")
     if origin is Literal:
         if value not in args:
             raise ConfigError(f"{key}={value!r} must be one of {list(args)}")
@@ -445,6 +500,29 @@ def _set(tree: dict, dotted: str, value) -> None:
     tree[leaf] = value
 
 
+def _read_yaml(path: pathlib.Path) -> dict:
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    try:
+        values = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path}: a config file must be a mapping of keys to values")
+    return values
+
+
+def _merge(values: dict, overlay: dict) -> None:
+    """``overlay``'s keys over ``values``, section by section."""
+    for key, value in overlay.items():
+        if isinstance(value, dict) and isinstance(values.get(key), dict):
+            _merge(values[key], value)
+        elif key == "model" and isinstance(value, dict) and isinstance(values.get(key), str):
+            values[key] = {"preset": values[key], **value}
+        else:
+            values[key] = value
+
+
 def shipped_configs() -> list[str]:
     return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
 
@@ -453,7 +531,10 @@ def load_config(name_or_path: str, overrides: typing.Sequence[str] = ()) -> Conf
     """Builds a ``Config`` from a shipped config name or a YAML path, then ``key=value``s.
 
     Override values are parsed as YAML (``steps=30``, ``mesh.tensor=[2,2]``,
-    ``dry_run=true``, ``run_dir=/tmp/x``).
+    ``dry_run=true``, ``run_dir=/tmp/x``). An override that is a ``.yaml`` path is an
+    overlay: its sections are merged over the config's, in order with the other
+    overrides (``jaxpar-train tiny plan.yaml steps=30``, the plan ``jaxpar-plan --out``
+    wrote).
 
     Raises:
       ConfigError: no such config, an unknown key, or a value of the wrong type.
@@ -468,15 +549,13 @@ def load_config(name_or_path: str, overrides: typing.Sequence[str] = ()) -> Conf
             )
     elif not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
-    try:
-        values = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
-    if not isinstance(values, dict):
-        raise ConfigError(f"{path}: a config file must be a mapping of keys to values")
+    values = _read_yaml(path)
     for item in overrides:
         if isinstance(values.get("model"), str):  # "model: tiny": overrides go beside the preset
             values["model"] = {"preset": values["model"]}
+        if "=" not in item and pathlib.Path(item).suffix in (".yaml", ".yml"):
+            _merge(values, _read_yaml(pathlib.Path(item)))  # an overlay (jaxpar-plan --out)
+            continue
         key, sep, text = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r} must look like key=value")

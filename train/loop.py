@@ -279,6 +279,10 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
     that step saved and raises ``jaxpar.train.stopping.Stopped`` (a second signal acts
     at once); several processes stop at the same step (``stopping``)."""
     check_output_dirs(cfg)
+    if cfg.auto_mesh:  # the planner's best layout for the devices present (jaxpar.train.plan)
+        from jaxpar.train.plan import auto
+
+        cfg = auto(cfg)
     target = vocab = data = None
     run_dir = pathlib.Path(cfg.run_dir)
     if cfg.task == "glide":

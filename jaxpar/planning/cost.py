@@ -1,0 +1,225 @@
+"""The step-time model: how long one training step of a layout takes on a hardware
+profile, split into compute, exposed communication, pipeline bubble and offload.
+
+Compute
+    FLOPs per device, counted (``6 x matmul parameters x tokens`` plus attention's
+    ``12 L N H T`` per token; a compiled program's own count adds XLA's elementwise
+    FLOPs, which run at memory speed, so it is not used here), plus
+    what the remat policy recomputes: ``full`` one more forward of everything,
+    ``dots_no_batch`` attention's two products again), divided over the devices, at
+    ``peak x efficiency`` of each op class (matmul, attention); plus elementwise
+    traffic (norms, activations, residuals, the loss, the optimizer update) at
+    ``hbm_bandwidth``.
+Communication
+    bytes each device sends per step by mesh axis (the profiler's
+    ``collectives_by_axes`` where compiled, else counted as below), over the bandwidth
+    of the links that axis spans: intra-node when the axis' devices sit within
+    ``devices_per_node`` (``jaxpar.make_mesh`` puts ``tensor`` innermost, ``data``
+    outermost), inter-node otherwise; plus ``collective_latency`` per collective.
+    Counted: ``data`` all-reduces the gradients; ``fsdp`` (and ``seq``, which shards
+    the weights too) all-gathers each layer's weights in the forward and backward pass
+    (once more under full remat) and reduce-scatters its gradients, per microbatch;
+    ``tensor`` all-reduces (or, with sequence parallelism, reduce-scatters and
+    all-gathers) a ``[b, t, D]`` activation twice per layer forward and twice backward;
+    the 2D grid broadcasts blocks of both operands of every projection (SUMMA); ``seq``
+    passes key/value blocks round the ring (Ulysses: four all-to-alls); ``pipe`` sends
+    a stage's output forward and its gradient back per microbatch.
+Overlap (stated, one rule per axis kind)
+    ``data`` / ``fsdp`` / ``seq`` weight traffic runs under the compute (XLA's async
+    collectives): exposed ``t - comm_overlap x min(t, compute)``; the ring's key/value
+    passing runs under attention's compute the same way; ``tensor`` and ``pipe``
+    traffic sits on the critical path (a layer waits for its all-reduce; a stage for
+    its input) and is fully exposed. ``comm_overlap`` is the profile's: 1 on GPUs, 0 on
+    XLA:CPU.
+Bubble
+    the idle fraction of the schedule actually built
+    (``jaxpar.parallel.pipeline_schedule``): the critical-path time divided by
+    ``1 - bubble``.
+Offload
+    host<->device bytes per step (host parameters fetched each pass, gradients and
+    updates of a host optimizer) at ``host_bandwidth``, overlapped with compute as
+    above.
+
+Compiled on XLA:CPU, a bfloat16 model's activation collectives run in float32 (the
+profiler's docstring): for a GPU profile the ``tensor``, ``seq`` and ``pipe`` bytes of a
+CPU-compiled bfloat16 program are halved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxpar.planning.hardware import Hardware
+from jaxpar.planning.layout import Layout
+from jaxpar.planning.memory import _local, schedule_figures
+from jaxpar.planning.workload import Workload, shards
+
+AXIS_ORDER = ("data", "fsdp", "pipe", "seq", "tensor", "tensor_row", "tensor_col")
+CRITICAL = ("tensor", "tensor_row", "tensor_col", "pipe")  # exposed, whatever the overlap
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+    compute: float
+    communication: float  # exposed
+    bubble: float
+    offload: float
+    latency: float
+    flops: float  # per device, executed (recompute included)
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.communication + self.bubble + self.offload + self.latency
+
+    def split(self) -> dict[str, float]:
+        return {"compute": self.compute, "communication": self.communication + self.latency,
+                "bubble": self.bubble, "offload": self.offload}
+
+
+def recompute_flops(work: Workload, remat: str) -> tuple[float, float]:
+    """``(matmul, attention)`` FLOPs the remat policy adds per step (all devices)."""
+    m = work.model
+    if remat == "full":
+        layer_matmul = work.matmul_params - m.vocab_size * m.dim
+        return 2 * layer_matmul * work.tokens, work.attention_flops() / 3
+    if remat == "dots_no_batch":
+        return 0.0, work.attention_flops() / 3
+    return 0.0, 0.0
+
+
+def flops(work: Workload, layout: Layout) -> tuple[float, float]:
+    """``(matmul, attention)`` FLOPs per device per step, recompute included."""
+    extra_mm, extra_att = recompute_flops(work, layout.remat)
+    matmul = work.model_flops() - work.attention_flops() + extra_mm
+    attention = work.attention_flops() + extra_att
+    return matmul / layout.devices, attention / layout.devices
+
+
+def elementwise_bytes(work: Workload, layout: Layout) -> float:
+    """Device memory traffic of the step's elementwise work, per device: ten passes over
+    each ``[b, t, D]`` and four over each ``[b, t, F]`` per layer forward (norms,
+    residuals, RoPE, the gating), twice that backward, once more under full remat;
+    four float32 passes over the logits; seven over every parameter shard (AdamW)."""
+    m = work.model
+    x = _local(work, layout)
+    c = m.compute_dtype.itemsize
+    passes = 3 + (1 if layout.remat == "full" else 0)
+    split = layout.microbatches if layout.pipe > 1 else layout.grad_accum
+    per_layer = (10 * x["norm"] + 4 * x["btf"]) * c * passes
+    layers = m.layers / layout.pipe
+    s = shards(work, layout.mesh_sizes, layout.sequence_parallel)
+    return split * (per_layer * layers + 4 * 4 * x["logits"]) + 7 * 4 * s["elements"]
+
+
+def comm_bytes(work: Workload, layout: Layout) -> tuple[dict[str, float], dict[str, int]]:
+    """Counted bytes each device sends per step, and collectives, by mesh-axis key."""
+    m = work.model
+    c = m.compute_dtype.itemsize
+    x = _local(work, layout)
+    s = shards(work, layout.mesh_sizes, layout.sequence_parallel)
+    params, grads = s["params"], s["elements"] * 4
+    split = layout.microbatches if layout.pipe > 1 else layout.grad_accum
+    layers = m.layers / layout.pipe
+    full = layout.remat == "full"
+    sent: dict[str, float] = {}
+    count: dict[str, int] = {}
+
+    def add(key, nbytes, n):
+        if nbytes > 0:
+            sent[key] = sent.get(key, 0.0) + nbytes
+            count[key] = count.get(key, 0) + int(n)
+
+    d, f, sq = layout.data, layout.fsdp, layout.seq
+    if d > 1:
+        add("data", 2 * (d - 1) / d * grads, 1)
+    for axis, n in (("fsdp", f), ("seq", sq)):
+        if n > 1:
+            gathers = 2 + (1 if full else 0)
+            add(axis, split * (gathers * (n - 1) * params + (n - 1) * grads), split * layers * (gathers + 1))
+    if isinstance(layout.tensor, tuple):
+        q = layout.tensor[0]
+        width = m.dim / q
+        blocks = (x["btd"] * c + width * (m.heads * m.head_dim / q) * c) * 4 + \
+                 (x["btd"] * c + width * (m.mlp_dim / q) * c) * 3  # 4 attention + 3 MLP projections
+        add("tensor_row+tensor_col", split * layers * 3 * (q - 1) * blocks, split * layers * 42)
+    elif layout.tensor > 1:
+        tp = layout.tensor
+        per_layer = (4 + (2 if full else 0)) * 2 * (tp - 1) / tp * x["btd"] * c
+        add("tensor", split * (layers * per_layer + 2 * 2 * (tp - 1) / tp * x["btd"] * c),
+            split * (layers * (6 if full else 4) + 2))
+    if sq > 1:
+        passes = 3 + (1 if full else 0)
+        if layout.seq_impl == "ulysses":
+            per_layer = passes * (sq - 1) / sq * (2 * x["q"] + 2 * x["kv"]) * c * 4 / 4
+            add("seq", split * layers * per_layer, split * layers * 4 * passes)
+        else:
+            per_layer = passes * (sq - 1) * 2 * x["kv"] * c
+            add("seq", split * layers * per_layer, split * layers * passes * (sq - 1))
+    if layout.pipe > 1:
+        add("pipe", 2 * layout.microbatches * layout.virtual_stages * x["btd"] * c,
+            2 * layout.microbatches * layout.virtual_stages)
+    return sent, count
+
+
+def bandwidth(key: str, sizes: dict[str, int], hw: Hardware, devices_per_node: int) -> float:
+    """Bytes/s one device sends over the axes ``key`` names (``data+fsdp``): intra-node
+    when their devices all sit in one node, else inter-node."""
+    axes = [a for a in key.split("+") if a in sizes]
+    if not axes:
+        return hw.inter_node_bandwidth
+    order = [a for a in AXIS_ORDER if a in sizes]
+    outer = min(order.index(a) for a in axes)
+    span = 1
+    for a in order[outer:]:
+        span *= sizes[a]
+    return hw.intra_node_bandwidth if span <= devices_per_node else hw.inter_node_bandwidth
+
+
+def offload_bytes(work: Workload, layout: Layout) -> float:
+    s = shards(work, layout.mesh_sizes, layout.sequence_parallel)
+    moved = 0.0
+    if layout.offload_params == "host":
+        moved += (2 + (1 if layout.remat == "full" else 0)) * layout.grad_accum * s["params"]
+    if layout.offload_optimizer == "host":
+        moved += s["elements"] * 4 + s["params"]  # gradients to the host, parameters back
+    return moved
+
+
+def step_time(work: Workload, layout: Layout, hw: Hardware, *, devices_per_node: int,
+              compiled: dict | None = None, compiled_backend: str = "cpu") -> StepTime:
+    """The predicted ``StepTime`` of ``layout``; ``compiled``: the profiler's figures of
+    its program, whose ``collectives_by_axes`` and ``collective_counts_by_axes`` replace
+    the counted traffic."""
+    m = work.model
+    matmul, attention = flops(work, layout)
+    peak = hw.peak(m.dtype)
+    t_matmul = matmul / (peak * hw.efficiency["matmul"])
+    t_attention = attention / (peak * hw.efficiency["attention"])
+    compute = t_matmul + t_attention + elementwise_bytes(work, layout) / hw.hbm_bandwidth
+    if compiled and "collectives_by_axes" in compiled:
+        sent = dict(compiled["collectives_by_axes"])
+        count = dict(compiled.get("collective_counts_by_axes", {}))
+        if compiled_backend == "cpu" and hw.name != "cpu" and m.dtype != "float32":
+            sent = {k: v / 2 if any(a in k for a in ("tensor", "seq", "pipe")) else v for k, v in sent.items()}
+    else:
+        sent, count = comm_bytes(work, layout)
+    sizes = layout.mesh_sizes
+    critical = overlapped = 0.0
+    for key, nbytes in sent.items():
+        t = nbytes / bandwidth(key, sizes, hw, devices_per_node)
+        if any(a in key.split("+") for a in CRITICAL):
+            critical += t
+        elif key == "seq" and layout.seq_impl != "ulysses":
+            overlapped += t - hw.comm_overlap * min(t, t_attention)
+        else:
+            overlapped += t
+    exposed_overlapped = overlapped - hw.comm_overlap * min(overlapped, compute)
+    latency = sum(count.values()) * hw.collective_latency
+    bubble = 0.0
+    if layout.pipe > 1:
+        fraction, _ = schedule_figures(layout.schedule, layout.pipe, layout.microbatches, layout.virtual_stages)
+        bubble = (compute + critical) * fraction / (1 - fraction)
+    transfer = offload_bytes(work, layout) / hw.host_bandwidth
+    offload = transfer - hw.comm_overlap * min(transfer, compute)
+    return StepTime(compute=compute, communication=critical + exposed_overlapped, bubble=bubble,
+                    offload=offload, latency=latency, flops=matmul + attention)

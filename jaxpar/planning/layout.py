@@ -1,0 +1,274 @@
+"""Candidate layouts: every way to run one training step on N devices that the planner
+weighs, and the rules that prune the ones that cannot run.
+
+A ``Layout`` is the mesh (``data``, ``fsdp``, ``pipe``, ``seq``, ``tensor`` 1D or a
+square 2D grid) with everything else that changes the compiled step: the pipeline's
+schedule, microbatches and virtual stages, the sequence-parallel attention, Megatron
+sequence parallelism, the remat policy, gradient accumulation and where the parameters
+and optimizer state live (``offload.params`` / ``offload.optimizer``).
+``Layout.overrides()`` is the ``jaxpar-train`` settings that select it.
+
+``enumerate_layouts`` walks the space in nested loops whose ranges are BOUNDS, so what
+a bound excludes is never generated (``BOUNDS`` says each); every layout it does
+generate is either kept or pruned by a RULE, counted by rule (``RULES``). A tensor (or
+any) group across nodes is not pruned: the cost model charges it the inter-node links,
+and the ranking keeps tensor inside a node where those are slow.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from collections.abc import Iterator
+
+from jaxpar.models.config import ModelConfig
+from jaxpar.parallel.pipeline_schedule import KINDS as SCHEDULES
+from jaxpar.placement.execution import SEQUENCE_IMPLS
+
+REMATS = ("none", "dots_no_batch", "dots", "full")
+PLACES = ("device", "host")
+
+BOUNDS = (
+    "tensor <= heads (1D), q <= heads (2D q x q)",
+    "pipe <= layers, and pipe x virtual_stages divides layers",
+    "seq <= seq_len / 2",
+    "data x fsdp <= batch_size (every data-parallel rank gets a row)",
+    "grad_accum and microbatches: powers of two that divide the rows of a data-parallel rank",
+    "microbatches <= 8 x pipe (the bubble is within 1/8 of its floor there)",
+    "virtual_stages in (2, 4) with the interleaved schedule only",
+)
+
+RULES = {
+    "heads": "heads not divisible by tensor (or by seq with Ulysses)",
+    "mlp": "mlp_dim not divisible by tensor",
+    "vocab": "vocab_size not divisible by tensor",
+    "tensor_2d": "2D tensor grid: heads, mlp_dim and the rows must divide by q",
+    "batch": "batch_size / grad_accum (or / microbatches) not divisible by the data-parallel degree",
+    "seq_len": "seq_len not divisible by 2 x seq (zigzag ring layout)",
+    "microbatches": "1F1B and interleaved need microbatches >= pipe (interleaved: a multiple of pipe)",
+    "offload": "offload with pipe or seq > 1 (not supported yet)",
+    "sequence_parallel": "Megatron sequence parallelism needs 1D tensor > 1",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """One candidate. ``tensor`` is an int (1D, Megatron) or ``(q, q)`` (2D, SUMMA)."""
+
+    data: int = 1
+    fsdp: int = 1
+    pipe: int = 1
+    seq: int = 1
+    tensor: int | tuple[int, int] = 1
+    schedule: str = "1f1b"
+    microbatches: int = 1
+    virtual_stages: int = 1
+    seq_impl: str = "ring"
+    sequence_parallel: bool = False
+    remat: str = "none"
+    grad_accum: int = 1
+    offload_params: str = "device"
+    offload_optimizer: str = "device"
+
+    @property
+    def tensor_ways(self) -> int:
+        return math.prod(self.tensor) if isinstance(self.tensor, tuple) else self.tensor
+
+    @property
+    def devices(self) -> int:
+        return self.data * self.fsdp * self.pipe * self.seq * self.tensor_ways
+
+    @property
+    def data_ways(self) -> int:
+        """Ways the batch is split: data x fsdp (x the 2D grid's rows)."""
+        rows = self.tensor[0] if isinstance(self.tensor, tuple) else 1
+        return self.data * self.fsdp * rows
+
+    @property
+    def mesh_sizes(self) -> dict[str, int]:
+        """The mesh's axes, outermost first (``jaxpar.make_mesh``'s order)."""
+        sizes = {"data": self.data, "fsdp": self.fsdp, "pipe": self.pipe, "seq": self.seq}
+        if isinstance(self.tensor, tuple):
+            return sizes | {"tensor_row": self.tensor[0], "tensor_col": self.tensor[1]}
+        return sizes | {"tensor": self.tensor}
+
+    def overrides(self) -> dict:
+        """The dotted ``jaxpar-train`` settings that select this layout."""
+        out = {f"mesh.{k}": getattr(self, k) for k in ("data", "fsdp", "pipe", "seq")}
+        out["mesh.tensor"] = list(self.tensor) if isinstance(self.tensor, tuple) else self.tensor
+        if self.pipe > 1:
+            out |= {"pipeline.schedule": self.schedule, "pipeline.microbatches": self.microbatches,
+                    "pipeline.virtual_stages": self.virtual_stages}
+        if self.seq > 1:
+            out["execution.seq_impl"] = self.seq_impl
+        out["execution.sequence_parallel"] = self.sequence_parallel
+        out["model.remat"] = self.remat
+        out["optimizer.grad_accum"] = self.grad_accum
+        out["offload.params"] = self.offload_params
+        out["offload.optimizer"] = self.offload_optimizer
+        return out
+
+    def describe(self) -> str:
+        """``fsdp=4 tensor=2 +sp remat=full ga=2``: what differs from one plain device."""
+        parts = [f"{k}={v}" for k, v in (("data", self.data), ("fsdp", self.fsdp), ("pipe", self.pipe),
+                                         ("seq", self.seq)) if v > 1]
+        if isinstance(self.tensor, tuple):
+            parts.append(f"tensor={self.tensor[0]}x{self.tensor[1]}")
+        elif self.tensor > 1:
+            parts.append(f"tensor={self.tensor}")
+        if self.pipe > 1:
+            parts.append(f"{self.schedule}/m{self.microbatches}" + (f"/v{self.virtual_stages}"
+                                                                   if self.virtual_stages > 1 else ""))
+        if self.seq > 1:
+            parts.append(self.seq_impl)
+        if self.sequence_parallel:
+            parts.append("sp")
+        parts.append(f"remat={self.remat}")
+        if self.grad_accum > 1:
+            parts.append(f"ga={self.grad_accum}")
+        if self.offload_params == "host":
+            parts.append("params@host")
+        if self.offload_optimizer == "host":
+            parts.append("opt@host")
+        return " ".join(parts) if parts else "one device"
+
+
+def from_overrides(values: dict) -> Layout:
+    """The ``Layout`` a dict of dotted settings selects (``Layout.overrides``' inverse;
+    missing keys take their defaults)."""
+    names = {f"mesh.{k}": k for k in ("data", "fsdp", "pipe", "seq", "tensor")} | {
+        "pipeline.schedule": "schedule", "pipeline.microbatches": "microbatches",
+        "pipeline.virtual_stages": "virtual_stages", "execution.seq_impl": "seq_impl",
+        "execution.sequence_parallel": "sequence_parallel", "model.remat": "remat",
+        "optimizer.grad_accum": "grad_accum", "offload.params": "offload_params",
+        "offload.optimizer": "offload_optimizer"}
+    kwargs = {names[k]: (tuple(v) if isinstance(v, list) else v) for k, v in values.items() if k in names}
+    return Layout(**kwargs)
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def powers_of_two(limit: int, dividing: int) -> list[int]:
+    """1, 2, 4, ... up to ``limit`` that divide ``dividing``."""
+    out, k = [], 1
+    while k <= limit:
+        if dividing % k == 0:
+            out.append(k)
+        k *= 2
+    return out
+
+
+@dataclasses.dataclass
+class Space:
+    """What ``enumerate_layouts`` may choose beyond the mesh (defaults: everything)."""
+
+    remats: tuple[str, ...] = REMATS
+    schedules: tuple[str, ...] = SCHEDULES
+    seq_impls: tuple[str, ...] = SEQUENCE_IMPLS
+    offload: bool = True
+    tensor_2d: bool = True
+    max_grad_accum: int = 16
+
+
+def _meshes(devices: int, model: ModelConfig, batch_size: int, seq_len: int, tensor_2d: bool) -> Iterator[dict]:
+    """Every mesh within the BOUNDS."""
+    tensors: list = [t for t in divisors(devices) if t <= model.heads]
+    if tensor_2d:
+        tensors += [(q, q) for q in range(2, model.heads + 1) if devices % (q * q) == 0]
+    for tensor in tensors:
+        rest = devices // (math.prod(tensor) if isinstance(tensor, tuple) else tensor)
+        for seq in divisors(rest):
+            if seq > seq_len // 2:
+                break
+            for pipe in divisors(rest // seq):
+                if pipe > model.layers:
+                    break
+                for fsdp in divisors(rest // seq // pipe):
+                    data = rest // seq // pipe // fsdp
+                    if data * fsdp > batch_size:
+                        continue
+                    yield {"data": data, "fsdp": fsdp, "pipe": pipe, "seq": seq, "tensor": tensor}
+
+
+def mesh_rule(mesh: dict, model: ModelConfig, seq_len: int) -> str | None:
+    """The RULE a mesh breaks whatever the other settings, or None."""
+    tensor = mesh["tensor"]
+    if isinstance(tensor, tuple):
+        q = tensor[0]
+        if model.heads % q or model.mlp_dim % q or model.vocab_size % q or model.dim % q:
+            return "tensor_2d"
+    else:
+        if model.heads % tensor:
+            return "heads"
+        if model.mlp_dim % tensor:
+            return "mlp"
+        if model.vocab_size % tensor:
+            return "vocab"
+    if mesh["seq"] > 1 and seq_len % (2 * mesh["seq"]):
+        return "seq_len"
+    return None
+
+
+def enumerate_layouts(devices: int, model: ModelConfig, batch_size: int, seq_len: int, *,
+                      space: Space = Space()) -> tuple[list[Layout], collections.Counter]:
+    """``(kept layouts, pruned count by RULES key)``."""
+    kept: list[Layout] = []
+    pruned: collections.Counter = collections.Counter()
+    for mesh in _meshes(devices, model, batch_size, seq_len, space.tensor_2d):
+        rule = mesh_rule(mesh, model, seq_len)
+        options = list(_options(mesh, model, batch_size, space))
+        if rule:
+            pruned[rule] += len(options)
+            continue
+        for layout, rule in options:
+            if rule:
+                pruned[rule] += 1
+            else:
+                kept.append(layout)
+    return kept, pruned
+
+
+def _options(mesh: dict, model: ModelConfig, batch_size: int, space: Space) -> Iterator[tuple[Layout, str | None]]:
+    """Every setting beyond the mesh, each with the RULE it breaks (or None)."""
+    base = Layout(**mesh)
+    rows = batch_size // base.data_ways if batch_size % base.data_ways == 0 else 0
+    if mesh["pipe"] > 1:
+        pipes = [(s, m, v) for s in space.schedules for v in ((2, 4) if s == "interleaved" else (1,))
+                 if model.layers % (mesh["pipe"] * v) == 0
+                 for m in powers_of_two(min(max(rows, 1), 8 * mesh["pipe"]), max(rows, 1))]
+        accums = [1]
+    else:
+        pipes = [("1f1b", 1, 1)]
+        accums = powers_of_two(min(max(rows, 1), space.max_grad_accum), max(rows, 1))
+    seq_impls = space.seq_impls if mesh["seq"] > 1 else ("ring",)
+    one_d = not isinstance(mesh["tensor"], tuple) and mesh["tensor"] > 1
+    places = [(p, o) for p in PLACES for o in PLACES] if space.offload else [("device", "device")]
+    for schedule, micro, virtual in pipes:
+        for seq_impl in seq_impls:
+            for sp in ((False, True) if one_d else (False,)):
+                for remat in space.remats:
+                    for accum in accums:
+                        for params, opt in places:
+                            layout = dataclasses.replace(
+                                base, schedule=schedule, microbatches=micro, virtual_stages=virtual,
+                                seq_impl=seq_impl, sequence_parallel=sp, remat=remat, grad_accum=accum,
+                                offload_params=params, offload_optimizer=opt)
+                            yield layout, _rule(layout, model, batch_size)
+
+
+def _rule(layout: Layout, model: ModelConfig, batch_size: int) -> str | None:
+    ways = layout.data_ways
+    split = layout.microbatches if layout.pipe > 1 else layout.grad_accum
+    if batch_size % (split * ways):
+        return "batch"
+    if layout.pipe > 1 and layout.schedule in ("1f1b", "interleaved"):
+        if layout.microbatches < layout.pipe or (layout.schedule == "interleaved" and layout.microbatches % layout.pipe):
+            return "microbatches"
+    if layout.seq > 1 and layout.seq_impl == "ulysses" and model.heads % (layout.seq * layout.tensor_ways):
+        return "heads"
+    if (layout.offload_params == "host" or layout.offload_optimizer == "host") and (layout.pipe > 1 or layout.seq > 1):
+        return "offload"
+    return None

@@ -1,0 +1,146 @@
+"""The analytic memory model: bytes per device of one train step, by part, for any
+layout and device count, without compiling.
+
+Parts (all per device):
+
+``params`` / ``optimizer``
+    the parameter shards and Adam's two moments (the parameters' dtype), exact from
+    the model's annotations and rules (``workload.shards``); in host memory instead
+    with ``offload.params`` / ``offload.optimizer`` = host (then ``params`` counts the
+    layers fetched to the device at once, ``prefetch + 1``).
+``batch``
+    the step's five int32 ``[B, T]`` inputs, split over the data axes and ``seq``.
+``gradients``
+    one gradient per parameter shard in float32, twice with gradient accumulation
+    (the running sum and a microbatch's).
+``activations``
+    what each layer keeps for its backward pass, by remat policy (below), times the
+    layers a device runs; in a pipeline (``jaxpar.parallel.pipeline``: a stage's backward
+    recomputes it from its stashed input) the stage inputs of the most microbatches in
+    flight (from the schedule built) plus one stage's saved set.
+``workspace``
+    the largest transient: the logits and their gradient (``[b, t, V / tensor]`` in
+    float32, three copies), or a layer's own working set while it recomputes and
+    differentiates (1.5 times the ``none`` policy's saved set: the factor that fits the
+    compiled ``1b`` programs best), whichever is larger; plus
+    one layer's gathered weights under FSDP (twice: the next layer's gather overlaps).
+
+What a layer keeps (local shapes: ``b`` rows, ``t = T / seq`` tokens, heads and MLP
+width split over ``tensor``): ``full`` its input ``[b, t, D]``; ``dots_no_batch`` also
+the projections' outputs (q, k, v, the attention output projection, gate and up, down);
+``dots`` also the attention scores ``[b, N, t, T]`` and the attention output; ``none``
+also the norms' outputs, the rotated q and k, the softmax probabilities and the MLP's
+elementwise results. Computed in the compute dtype; XLA:CPU computes a bfloat16 matmul
+in float32 and keeps its float32 result, so ``backend="cpu"`` counts the matmul outputs
+and scores at 4 bytes (the figures a CPU compile reports).
+
+Accuracy against compiled programs is measured, not assumed: ``bench/plan.py memory``
+(BENCHMARKS.md, "Planning") compares it with XLA's buffer assignment for every
+candidate of ``tiny``, ``small`` and ``1b`` on 8 and 16 simulated devices. The planner
+uses this model to rank and prune every candidate, then compiles the best ones for
+their exact figures (``jaxpar.planning.search``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from jaxpar.parallel import pipeline_schedule
+from jaxpar.planning.layout import Layout
+from jaxpar.planning.workload import Workload, shards
+
+PARTS = ("params", "optimizer", "batch", "gradients", "activations", "workspace")
+
+
+def _local(work: Workload, layout: Layout) -> dict[str, float]:
+    """Local activation sizes (elements) of one layer for one microbatch."""
+    m = work.model
+    q = layout.tensor[0] if isinstance(layout.tensor, tuple) else 1
+    tp = layout.tensor_ways if not isinstance(layout.tensor, tuple) else q
+    split = layout.microbatches if layout.pipe > 1 else layout.grad_accum
+    b = work.batch_size / (layout.data_ways * split)
+    t = work.seq_len / layout.seq
+    heads = m.heads / tp
+    kv = m.kv_heads / tp if m.kv_heads % tp == 0 else m.kv_heads
+    mlp = m.mlp_dim / tp
+    width = m.dim / q  # the 2D grid splits the features too
+    norm_tokens = b * t / (tp if layout.sequence_parallel else 1)
+    if layout.seq > 1 and layout.seq_impl == "ulysses":  # heads split, the whole length local
+        scores = b * heads / layout.seq * work.seq_len * work.seq_len
+    else:
+        scores = b * heads * t * work.seq_len
+    return {"btd": b * t * width, "norm": norm_tokens * width, "q": b * t * heads * m.head_dim,
+            "kv": b * t * kv * m.head_dim, "btf": b * t * mlp, "scores": scores,
+            "logits": b * t * m.vocab_size / tp}
+
+
+def layer_saved(work: Workload, layout: Layout, *, backend: str = "gpu") -> float:
+    """Bytes one layer keeps for its backward pass for one microbatch."""
+    m = work.model
+    c = m.compute_dtype.itemsize
+    mm = 4 if backend == "cpu" else c  # a matmul's result (XLA:CPU: float32)
+    x = _local(work, layout)
+    gates = 2 if m.mlp == "swiglu" else 1
+    saved = x["btd"] * c  # the layer's input (the scan's carry)
+    if layout.remat == "full":
+        return saved
+    saved += (x["q"] + 2 * x["kv"] + 2 * x["btd"] + gates * x["btf"]) * mm
+    if layout.remat == "dots_no_batch":
+        return saved
+    saved += (x["scores"] + x["q"]) * mm
+    if layout.remat == "dots":
+        return saved
+    # none: the rest, the softmax in float32
+    return saved + 2 * x["norm"] * (4 + c) + (x["q"] + x["kv"]) * c + x["scores"] * 4 + 2 * x["btf"] * c
+
+
+@functools.lru_cache(maxsize=4096)
+def schedule_figures(kind: str, pipe: int, microbatches: int, virtual: int) -> tuple[float, int]:
+    """``(bubble, most microbatches in flight on a device)`` of the schedule built."""
+    schedule = pipeline_schedule.build(kind, pipe, microbatches, virtual)
+    return schedule.bubble(), int(schedule.in_flight().max())
+
+
+def in_flight(layout: Layout) -> int:
+    """Microbatches whose activations a device holds at once."""
+    if layout.pipe == 1:
+        return 1
+    return schedule_figures(layout.schedule, layout.pipe, layout.microbatches, layout.virtual_stages)[1]
+
+
+def estimate(work: Workload, layout: Layout, *, backend: str = "gpu", prefetch: int = 1) -> dict[str, float]:
+    """Bytes per device by ``PARTS``, plus ``host`` (state in host memory) and
+    ``device`` (the sum of the parts: the step's peak on the device)."""
+    m = work.model
+    s = shards(work, layout.mesh_sizes, layout.sequence_parallel)
+    layers_here = m.layers / layout.pipe
+    layer_params = s["layer_params"] / m.layers * (m.layers / layout.pipe if layout.pipe > 1 else m.layers)
+    params_dev = s["params"]
+    host = 0.0
+    if layout.offload_params == "host":
+        fetched = min(prefetch + 1, m.layers) * s["layer_params"] / m.layers
+        host += s["params"]
+        params_dev = fetched
+    optimizer = 2 * s["params"]
+    if layout.offload_optimizer == "host":
+        host += optimizer
+        optimizer = 0.0
+    x = _local(work, layout)
+    batch = 5 * 4 * work.batch_size * work.seq_len / (layout.data_ways * layout.seq)
+    grads = (s["params"] if layout.pipe == 1 else s["params"]) * (2 if layout.grad_accum > 1 else 1)
+    grads = grads * 4 / m.weight_dtype.itemsize
+    saved = layer_saved(work, layout, backend=backend)
+    if layout.pipe == 1:
+        activations = saved * layers_here
+    else:  # the stash: each in-flight microbatch's stage input; a stage's backward recomputes it
+        activations = in_flight(layout) * x["btd"] * m.compute_dtype.itemsize + saved * layers_here / layout.virtual_stages
+    one_layer = layer_saved(work, Layout(**{**layout.__dict__, "remat": "none"}), backend=backend)
+    gathered = 0.0
+    if layout.fsdp > 1 or (layout.seq > 1):
+        gathered = 2 * layer_params / max(layers_here, 1) * (layout.fsdp * (layout.seq if layout.seq > 1 else 1))
+    workspace = max(3 * 4 * x["logits"], 1.5 * one_layer) + gathered
+    parts = {"params": params_dev, "optimizer": optimizer, "batch": batch, "gradients": grads,
+             "activations": activations, "workspace": workspace}
+    parts["device"] = sum(parts.values())
+    parts["host"] = host
+    return parts

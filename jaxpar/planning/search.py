@@ -1,0 +1,256 @@
+"""The planner: every candidate layout ranked by predicted step time among those that
+fit the device's memory, the best of them compiled for their exact figures.
+
+1. ``layout.enumerate_layouts`` generates the candidates within its bounds and prunes
+   those its rules refuse (counted by rule); a parameter dimension that does not divide
+   over its mesh axes prunes too (rule ``shape``).
+2. Every candidate gets the analytic memory (``memory.estimate``) and step time
+   (``cost.step_time``).
+3. In that order (fitting first, then fastest), the best candidate of each of the best
+   ``compile_top`` meshes is compiled (``compile``, the caller's: ``jaxpar.train.plan``
+   builds the very train step ``jaxpar-train`` runs), the ranking redone, and again
+   until those are all compiled or ``3 x compile_top`` were. Compiled figures replace the analytic ones (memory, FLOPs,
+   collectives by axis) and are cached on disk (``cache.FigureCache``), keyed by model
+   shape and layout, so a second plan compiles nothing. Offload variants of a layout
+   share its compile (XLA:CPU does not tell host from device memory): their device
+   bytes are the compiled peak minus the host-resident state, counted exactly.
+4. The ranking: candidates that fit ``device_memory`` first, compiled (verified) ones
+   before estimated ones, fastest first; within 0.1% of the same time, the fewest host
+   transfers, the least gradient accumulation, then the least memory.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import math
+import time
+from collections.abc import Callable
+
+from jaxpar.planning import cost, memory
+from jaxpar.planning.cache import FigureCache, key as cache_key
+from jaxpar.planning.hardware import Hardware
+from jaxpar.planning.layout import BOUNDS, RULES, Layout, Space, enumerate_layouts
+from jaxpar.planning.workload import LayoutError, Workload, shards
+
+GIB = 2 ** 30
+
+
+class PlanError(ValueError):
+    """Nothing fits (one line: the smallest memory that would work)."""
+
+
+@dataclasses.dataclass
+class Candidate:
+    layout: Layout
+    memory: dict[str, float]  # memory.estimate's parts, "device", "host"
+    time: cost.StepTime
+    source: str = "analytic"  # or "compiled"
+    fits: bool = False
+
+    def summary(self, work: Workload, hw: Hardware) -> dict:
+        step = self.time.total
+        return {"layout": self.layout.describe(), "overrides": self.layout.overrides(),
+                "memory_bytes": int(self.memory["device"]), "host_bytes": int(self.memory["host"]),
+                "memory_source": self.source, "fits": self.fits, "step_time_s": step,
+                "tokens_per_s": work.tokens / step,
+                "mfu": work.model_flops() / (step * self.layout.devices * hw.peak(work.model.dtype)),
+                "split": self.time.split()}
+
+
+@dataclasses.dataclass
+class Plan:
+    work: Workload
+    hardware: Hardware
+    devices: int
+    devices_per_node: int
+    device_memory: int
+    candidates: list[Candidate]  # ranked, best first
+    considered: int
+    pruned: collections.Counter
+    compiled: int
+    cached: int
+    seconds: float
+
+    @property
+    def best(self) -> Candidate:
+        return self.candidates[0]
+
+    def to_json(self) -> dict:
+        return {"devices": self.devices, "devices_per_node": self.devices_per_node,
+                "device_memory": self.device_memory, "hardware": self.hardware.name,
+                "considered": self.considered, "pruned": dict(self.pruned),
+                "kept": len(self.candidates), "compiled": self.compiled, "from_cache": self.cached,
+                "seconds": round(self.seconds, 3), "bounds": list(BOUNDS),
+                "candidates": [c.summary(self.work, self.hardware) for c in self.candidates]}
+
+
+def _fmt_bytes(n: float) -> str:
+    return f"{n / GIB:,.1f} GiB" if n >= GIB else f"{n / 2 ** 20:,.0f} MiB"
+
+
+def best_of_each_mesh(ranked: list[Candidate], count: int) -> list[Candidate]:
+    """The first candidate of each mesh (axis sizes) in ``ranked``, ``count`` of them."""
+    out, meshes = [], set()
+    for c in ranked:
+        mesh = tuple(c.layout.mesh_sizes.items())
+        if mesh not in meshes:
+            out.append(c)
+            meshes.add(mesh)
+            if len(out) == count:
+                break
+    return out
+
+
+def table(plan: Plan, top: int = 12, *, every: bool = False) -> str:
+    """The ranked table with the search's counts: the best candidate of each mesh (its
+    axis sizes), ``top`` rows; ``every``: every candidate, ranked."""
+    hw, work = plan.hardware, plan.work
+    head = ("| # | layout | memory/device | fits | step | tokens/s | MFU | compute | comm | bubble | offload |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|")
+    rows = [head]
+    ranks = {id(c): rank for rank, c in enumerate(plan.candidates, 1)}
+    shown = plan.candidates[:top] if every else best_of_each_mesh(plan.candidates, top)
+    for c in shown:
+        i = ranks[id(c)]
+        s = c.summary(work, hw)
+        split = s["split"]
+        mark = "" if c.source == "compiled" else " (est.)"
+        rows.append(f"| {i} | {s['layout']} | {_fmt_bytes(s['memory_bytes'])}{mark} | {'yes' if c.fits else 'no'} | "
+                    f"{s['step_time_s'] * 1e3:,.1f} ms | {s['tokens_per_s']:,.0f} | {s['mfu']:.1%} | "
+                    + " | ".join(f"{split[k] / s['step_time_s']:.0%}" for k in ("compute", "communication",
+                                                                                 "bubble", "offload")) + " |")
+    pruned = ", ".join(f"{n} {RULES.get(rule, rule)}" for rule, n in plan.pruned.most_common()) or "none"
+    fitting = sum(c.fits for c in plan.candidates)
+    rows.append("")
+    rows.append(f"{plan.considered:,} candidates considered on {plan.devices} devices ({plan.devices_per_node} per "
+                f"node, {hw.name}, {_fmt_bytes(plan.device_memory)} each); pruned: {pruned}; "
+                f"{len(plan.candidates):,} kept, {fitting:,} fit; {plan.compiled} compiled, {plan.cached} from the "
+                f"cache; searched in {plan.seconds:.1f} s.")
+    rows.append(("Every candidate, ranked" if every else "The best candidate of each mesh, # its rank among all")
+                + "; (est.): the analytic figures (not compiled), ranked after the compiled ones.")
+    rows.append("Bounds (never generated): " + "; ".join(BOUNDS) + ".")
+    return "\n".join(rows)
+
+
+def _estimate(work, layout, hw, devices_per_node, backend) -> Candidate:
+    mem = memory.estimate(work, layout, backend=backend)
+    return Candidate(layout, mem, cost.step_time(work, layout, hw, devices_per_node=devices_per_node))
+
+
+def _compiled_memory(work: Workload, layout: Layout, figures: dict, prefetch: int = 1) -> dict[str, float]:
+    """Device and host bytes of ``layout`` from its all-on-device compile: the compiled
+    peak less the state ``layout`` keeps on the host, plus the layers fetched at once."""
+    s = shards(work, layout.mesh_sizes, layout.sequence_parallel)
+    peak = figures["argument_bytes"] + figures["output_bytes"] - figures["alias_bytes"] + figures["temp_bytes"]
+    host = 0.0
+    if layout.offload_params == "host":
+        host += s["params"]
+        peak -= s["params"] - min(prefetch + 1, work.model.layers) * s["layer_params"] / work.model.layers
+    if layout.offload_optimizer == "host":
+        host += 2 * s["params"]
+        peak -= 2 * s["params"]
+    return {"device": peak, "host": host, "compiled_peak": figures["peak_bytes"]}
+
+
+def _rank_key(c: Candidate) -> tuple:
+    """Fitting first, then compiled (verified) before estimated, then fastest; within
+    0.1% of the same time, the fewest host transfers, then the least gradient
+    accumulation, then the least memory."""
+    offloaded = (c.layout.offload_params == "host") + (c.layout.offload_optimizer == "host")
+    return (not c.fits, c.source != "compiled", round(math.log(c.time.total), 3), offloaded, c.layout.grad_accum,
+            c.memory["device"], c.layout.describe())
+
+
+def _on_device(layout: Layout) -> Layout:
+    return dataclasses.replace(layout, offload_params="device", offload_optimizer="device")
+
+
+def _compile_into(candidate: Candidate, work, hw, devices_per_node, compile, cache, backend, progress,
+                  done: dict | None = None) -> bool:
+    """Replaces ``candidate``'s estimates by its compiled figures (those of the layout
+    with its state on the device: from ``cache`` when there, else ``compile``d and put
+    there; ``cache`` None: ``compile`` is a lookup); True when it was compiled."""
+    on_device = _on_device(candidate.layout)
+    k = cache_key(work, on_device, backend) if cache is not None else None
+    figures = cache.get(k) if cache is not None else compile(on_device)
+    new = figures is None
+    if new:
+        if progress:
+            progress(f"compiling {on_device.describe()}")
+        figures = cache.put(k, compile(on_device))
+    if done is not None:
+        done[on_device] = figures
+    candidate.memory = {**candidate.memory, **_compiled_memory(work, candidate.layout, figures)}
+    candidate.source = "compiled"
+    candidate.time = cost.step_time(work, candidate.layout, hw, devices_per_node=devices_per_node,
+                                    compiled=figures, compiled_backend=backend)
+    return new
+
+
+def search(work: Workload, devices: int, hw: Hardware, *, device_memory: int, devices_per_node: int,
+           space: Space = Space(), compile: Callable[[Layout], dict] | None = None, compile_top: int = 8,
+           cache: FigureCache | None = None, backend: str = "cpu", progress: Callable[[str], None] | None = None,
+           ) -> Plan:
+    """The ranked ``Plan`` of ``work`` on ``devices`` devices of ``hw``.
+
+    ``compile(layout) -> figures`` (the profiler's, with ``collectives_by_axes``) for
+    the best candidates, ``backend`` naming what it compiles for; None: analytic only.
+
+    Raises:
+      PlanError: no candidate fits ``device_memory`` (naming the smallest that would).
+    """
+    began = time.perf_counter()
+    layouts, pruned = enumerate_layouts(devices, work.model, work.batch_size, work.seq_len, space=space)
+    considered = len(layouts) + sum(pruned.values())
+    candidates = []
+    for layout in layouts:
+        try:
+            candidate = _estimate(work, layout, hw, devices_per_node, backend)
+        except LayoutError:
+            pruned["shape"] += 1
+            continue
+        candidate.fits = candidate.memory["device"] <= device_memory
+        candidates.append(candidate)
+    order = functools.partial(_rank_key)
+    candidates.sort(key=order)
+    compiled = cached = 0
+    if compile is not None and candidates:
+        cache = cache or FigureCache(None)
+        done: dict[Layout, dict] = {}  # on-device layout -> its compiled figures
+        fitting = any(c.fits for c in candidates)
+        budget = 3 * compile_top
+        while budget > 0:
+            # The best `compile_top` by the current ranking (fitting ones, or with nothing
+            # fitting the smallest, to say exactly what would fit) that are not compiled yet.
+            ranked = candidates if fitting else sorted(candidates, key=lambda c: c.memory["device"])
+            head = [c for c in best_of_each_mesh(ranked, compile_top)
+                    if c.source != "compiled" and (c.fits or not fitting)]
+            if not head:
+                break
+            for candidate in head[:budget]:
+                new = _compile_into(candidate, work, hw, devices_per_node, compile, cache, backend, progress, done)
+                compiled, cached, budget = compiled + new, cached + (not new), budget - 1
+                candidate.fits = candidate.memory["device"] <= device_memory
+            candidates.sort(key=order)
+            fitting = any(c.fits for c in candidates)
+        # Offload variants of a compiled layout share its program: their figures are free.
+        for candidate in candidates:
+            if candidate.source != "compiled" and _on_device(candidate.layout) in done:
+                _compile_into(candidate, work, hw, devices_per_node, done.__getitem__, None, backend, None)
+                candidate.fits = candidate.memory["device"] <= device_memory
+        candidates.sort(key=order)
+    plan = Plan(work, hw, devices, devices_per_node, device_memory, candidates, considered, pruned,
+                compiled, cached, time.perf_counter() - began)
+    if not candidates:
+        raise PlanError(f"no layout of {devices} devices can run this model and batch: "
+                        + (", ".join(f"{n} {RULES.get(r, r)}" for r, n in pruned.most_common()) or "no candidates"))
+    if not candidates[0].fits:
+        smallest = min(candidates, key=lambda c: c.memory["device"])
+        raise PlanError(
+            f"no layout fits device_memory={_fmt_bytes(device_memory)} per device: the smallest, "
+            f"{smallest.layout.describe()}, needs {_fmt_bytes(smallest.memory['device'])} "
+            f"({smallest.source}); give device_memory >= {math.ceil(smallest.memory['device'] / GIB * 10) / 10}GiB, "
+            "more devices, or a smaller batch_size")
+    return plan

@@ -1,0 +1,271 @@
+"""``jaxpar-plan``'s side in the trainer: a config's candidates compiled, and the
+plan applied to a config (``mesh=auto``, ``--out plan.yaml``).
+
+The planner itself (``jaxpar.planning``) sees model shapes, layouts and figures; what
+it needs compiled comes from ``compiled_figures`` here, which builds the very train
+step ``jaxpar-train`` would run for a layout and reads the compile-only profiler.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import pathlib
+import sys
+
+import jax
+import yaml
+from flax import nnx
+
+from jaxpar.models.transformer import sharding_rules
+from jaxpar.offload import budget as budget_lib
+from jaxpar.placement.runtime import simulate_cpu_devices
+from jaxpar.planning import hardware as hardware_lib
+from jaxpar.planning import search
+from jaxpar.planning.cache import FigureCache
+from jaxpar.planning.hardware import Hardware
+from jaxpar.planning.layout import Layout
+from jaxpar.planning.search import Plan
+from jaxpar.planning.workload import Workload
+from jaxpar.train import loop
+from jaxpar.train.command import CommandParser, file_in_the_way
+from jaxpar.train.config import Config, ConfigError, MeshConfig, load_config
+from jaxpar.train.data import cache_dir_of
+
+log = logging.getLogger(__name__)
+
+
+def with_layout(cfg: Config, layout: Layout, *, offload: bool = True) -> Config:
+    """``cfg`` with ``layout``'s settings (``offload=False``: state left on the device)."""
+    pipeline = dataclasses.replace(cfg.pipeline, schedule=layout.schedule,
+                                   microbatches=layout.microbatches if layout.pipe > 1 else None,
+                                   virtual_stages=layout.virtual_stages)
+    execution = dataclasses.replace(cfg.execution, seq_impl=layout.seq_impl,
+                                    sequence_parallel=layout.sequence_parallel)
+    tensor = tuple(layout.tensor) if isinstance(layout.tensor, tuple) else layout.tensor
+    mesh = dataclasses.replace(MeshConfig() if cfg.auto_mesh else cfg.mesh, data=layout.data, fsdp=layout.fsdp, pipe=layout.pipe, seq=layout.seq, tensor=tensor)
+    offload_cfg = cfg.offload
+    if offload:
+        offload_cfg = dataclasses.replace(cfg.offload, params=layout.offload_params,
+                                          optimizer=layout.offload_optimizer)
+    return dataclasses.replace(
+        cfg, mesh=mesh, pipeline=pipeline, execution=execution, offload=offload_cfg,
+        model=dataclasses.replace(cfg.model, remat=layout.remat),
+        optimizer=dataclasses.replace(cfg.optimizer, grad_accum=layout.grad_accum))
+
+
+def compiled_figures(cfg: Config, layout: Layout, devices=None) -> dict:
+    """The compile-only profile of ``cfg``'s train step under ``layout`` (state on the
+    device: XLA:CPU does not tell host from device memory, ``jaxpar.profiler``), on the
+    first ``layout.devices`` of ``devices`` (default ``jax.devices()``), with
+    ``collectives_by_axes``. Everything that changes the program is an argument of
+    ``make_train_step`` (its ``Execution`` bound when built), so candidates compiled one
+    after another in one process do not see each other's settings."""
+    from jaxpar.profiler import profile
+
+    devices = list(jax.devices() if devices is None else devices)[:layout.devices]
+    run = with_layout(cfg, layout, offload=False)
+    mesh = loop.build_mesh(run.mesh, devices)
+    rules = sharding_rules(run.model, mesh, sequence_parallel=run.execution.sequence_parallel)
+    loop._check_batch(run, mesh, rules)
+    stages = loop.pipeline_schedule(run, mesh, rules)
+    abstract = nnx.eval_shape(lambda: loop.build_model(run))
+    tx, _ = loop.make_optimizer(run.optimizer, run.steps)
+    step = loop.make_train_step(abstract, tx, mesh, rules, grad_accum=run.optimizer.grad_accum,
+                                sequence=run.execution.sequence, kernels=run.execution.kernels, pipeline=stages)
+    figures = profile(step.compile(abstract, run.batch_size, run.seq_len), mesh=mesh)
+    if stages is not None:
+        figures["pipeline_bubble"] = stages.bubble()
+    return figures
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+ALIASES = ("devices", "device_memory", "hardware", "devices_per_node")
+# The dtype-independent profile for a present device, by its kind.
+DEVICE_KINDS = {"H100": "h100", "H200": "h200", "A100": "a100"}
+
+
+def workload(cfg: Config) -> Workload:
+    return Workload(cfg.model, cfg.batch_size, cfg.seq_len)
+
+
+def overlay(layout: Layout) -> dict:
+    """``layout``'s settings as nested config sections (what ``--out`` writes)."""
+    out: dict = {}
+    for dotted, value in layout.overrides().items():
+        section, key = dotted.split(".")
+        out.setdefault(section, {})[key] = value
+    return out
+
+
+def write_overlay(path: pathlib.Path, plan: Plan, cfg_name: str) -> None:
+    best = plan.best.summary(plan.work, plan.hardware)
+    header = (f"# jaxpar-plan {cfg_name}: {best['layout']} on {plan.devices} {plan.hardware.name} devices\n"
+              f"# predicted: {best['memory_bytes'] / 2**30:.2f} GiB per device ({best['memory_source']}), "
+              f"{best['step_time_s'] * 1e3:.1f} ms a step, {best['tokens_per_s']:,.0f} tokens/s, "
+              f"MFU {best['mfu']:.1%}\n# apply: jaxpar-train {cfg_name} {path.name}\n")
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(header + yaml.safe_dump(overlay(plan.best.layout), sort_keys=False))
+    tmp.replace(path)
+
+
+def hardware_for(name: str | None, cache_dir: pathlib.Path, devices=None) -> Hardware:
+    """The profile ``name`` names; None: the present device's kind (``cpu`` on CPUs,
+    measured now and saved if this machine has no calibrated profile yet)."""
+    if name is None:
+        device = (devices or jax.devices())[0]
+        name = next((v for k, v in DEVICE_KINDS.items() if k in device.device_kind),
+                    "cpu" if device.platform == "cpu" else None)
+        if name is None:
+            raise ConfigError(f"no hardware profile for {device.device_kind!r}: give plan.hardware=FILE")
+        if name == "cpu" and not hardware_lib.calibrated_path(cache_dir).is_file():
+            from jaxpar.planning.calibrate import calibrate_and_save
+
+            log.info("calibrating the cpu hardware profile (once per machine)")
+            calibrate_and_save(cache_dir)
+    try:
+        return hardware_lib.load(name, cache_dir)
+    except hardware_lib.HardwareError as e:
+        raise ConfigError(str(e)) from None
+
+
+def run_plan(cfg: Config, devices: int, *, hw: Hardware, device_memory: int, devices_per_node: int,
+             compile_on=None, backend: str = "cpu", progress=None) -> Plan:
+    """The ranked plan; ``compile_on``: the devices to compile candidates on (None:
+    analytic only)."""
+    if devices_per_node > devices:
+        devices_per_node = devices
+    compile = None
+    if compile_on is not None and cfg.plan.compile_top > 0:
+        compile = functools.partial(compiled_figures, cfg, devices=compile_on)
+    cache = FigureCache(cache_dir_of(cfg.cache_dir))
+    try:
+        return search.search(workload(cfg), devices, hw, device_memory=device_memory,
+                             devices_per_node=devices_per_node, compile=compile, compile_top=cfg.plan.compile_top,
+                             cache=cache, backend=backend, progress=progress)
+    except search.PlanError as e:
+        raise ConfigError(str(e)) from None
+
+
+def auto(cfg: Config) -> Config:
+    """``mesh=auto``: ``cfg`` with the plan's best layout for the devices present, said in
+    one line (``ConfigError`` when nothing fits)."""
+    devices = jax.devices()
+    cache_dir = cache_dir_of(cfg.cache_dir)
+    hw = hardware_for(cfg.plan.hardware, cache_dir, devices)
+    memory = cfg.plan.memory or budget_lib.device_memory(devices[0]) or hw.memory
+    per_node = cfg.plan.devices_per_node or jax.local_device_count()
+    plan = run_plan(cfg, len(devices), hw=hw, device_memory=memory, devices_per_node=per_node,
+                    compile_on=devices, backend=jax.default_backend())
+    best = plan.best.summary(plan.work, hw)
+    log.info("mesh=auto: %s; predicted %s per device of %s (%s), %.1f ms a step, %s tokens/s, MFU %.1f%% on %s; "
+             "%d candidates, %d compiled, %d from the cache, %.1f s", best["layout"],
+             search._fmt_bytes(best["memory_bytes"]), search._fmt_bytes(memory), best["memory_source"],
+             best["step_time_s"] * 1e3, f"{best['tokens_per_s']:,.0f}", best["mfu"] * 100, hw.name,
+             plan.considered, plan.compiled, plan.cached, plan.seconds)
+    return with_layout(dataclasses.replace(cfg, mesh=MeshConfig()), plan.best.layout)
+
+
+def _parser() -> CommandParser:
+    parser = CommandParser(
+        prog="jaxpar-plan", description="Rank the parallel layouts of a jaxpar config on N devices.",
+        epilog="Plan keys: devices=N device_memory=80GiB hardware=h100|h200|a100|cpu|FILE devices_per_node=8 "
+               "(also as plan.*); any jaxpar-train key=value (batch_size=, seq_len=, model.*).")
+    parser.add_argument("config", nargs="?", help="shipped config name (tiny, small, 1b) or a YAML file")
+    parser.add_argument("overrides", nargs="*", metavar="key=value")
+    parser.add_argument("--out", type=pathlib.Path, metavar="PLAN.yaml",
+                        help="write the best layout as a config overlay: jaxpar-train CONFIG PLAN.yaml")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    parser.add_argument("--top", type=int, default=12, metavar="K", help="rows of the table (12)")
+    parser.add_argument("--all", action="store_true",
+                        help="list every candidate (default: the best of each mesh)")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="measure this machine's cpu hardware profile (on devices=N simulated devices, "
+                             "default 8) into CACHE_DIR/hardware/cpu.yaml, then plan if a CONFIG is given")
+    parser.add_argument("--cache-dir", type=pathlib.Path, metavar="DIR",
+                        help="where compiled figures and the cpu profile are kept (default: jaxpar-train's cache_dir)")
+    return parser
+
+
+def _split_aliases(overrides: list[str]) -> list[str]:
+    """``devices=8`` -> ``plan.devices=8``, the other overrides as they are."""
+    return [f"plan.{item}" if item.partition("=")[0] in ALIASES else item for item in overrides]
+
+
+def main(argv=None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    say = lambda message: print(f"jaxpar-plan: {message}", file=sys.stderr, flush=True)  # noqa: E731
+    if args.config is None and not args.calibrate:
+        parser.error("give a CONFIG to plan (or --calibrate)")
+    if args.config is not None and "=" in args.config:
+        args.overrides, args.config = [args.config, *args.overrides], None
+        if not args.calibrate:
+            parser.error("give a CONFIG to plan before its key=value settings")
+    overrides = _split_aliases(args.overrides)
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if key in ("plan.devices", "plan.devices_per_node"):
+            try:
+                number = yaml.safe_load(value)
+            except yaml.YAMLError:
+                number = value
+            if isinstance(number, bool) or not isinstance(number, int) or number < 1:
+                parser.error(f"{key.removeprefix('plan.')}={value!r} must be a positive integer")
+    try:
+        cfg = load_config(args.config or "tiny", overrides)
+    except ConfigError as e:
+        parser.error(str(e))
+    if args.cache_dir is not None:
+        cfg = dataclasses.replace(cfg, cache_dir=str(args.cache_dir))
+    cache_dir = cache_dir_of(cfg.cache_dir)
+    if file := file_in_the_way(cache_dir):
+        parser.error(f"cache_dir {cache_dir}: {file} is a file, not a directory")
+    if args.out is not None and (args.out.is_dir() or file_in_the_way(args.out.parent)):
+        parser.error(f"--out {args.out}: not a file path (a directory is in the way)")
+    devices = cfg.plan.devices or (8 if args.calibrate else None)
+    if devices is None:
+        parser.error("give devices=N (how many devices to plan for)")
+    per_node = cfg.plan.devices_per_node or (8 if devices % 8 == 0 else devices)
+    hardware = cfg.plan.hardware or "h100"
+    if not args.calibrate or args.config is not None:
+        try:  # every bad input is refused before anything is compiled or written
+            hw = hardware_for(hardware, cache_dir) if not (args.calibrate and hardware == "cpu") else None
+        except ConfigError as e:
+            parser.error(str(e))
+    compiles = args.calibrate or (cfg.plan.compile_top > 0 and devices <= cfg.plan.compile_devices)
+    if compiles:  # compiled for XLA:CPU on simulated devices, whatever the machine has
+        jax.config.update("jax_platforms", "cpu")
+        simulate_cpu_devices(devices)
+    if args.calibrate:
+        from jaxpar.planning.calibrate import calibrate_and_save
+
+        hw, path = calibrate_and_save(cache_dir)
+        say(f"wrote {path}: {hw.peak_flops['float32'] / 1e9:.1f} GFLOP/s float32 per device, "
+            f"{hw.hbm_bandwidth / 1e9:.1f} GB/s memory, {hw.intra_node_bandwidth / 1e9:.2f} GB/s between "
+            f"devices, {hw.collective_latency * 1e6:.0f} us a collective, on {devices} simulated devices")
+        if args.config is None:
+            return 0
+        hw = hardware_for(hardware, cache_dir)
+    try:
+        plan = run_plan(cfg, devices, hw=hw, device_memory=cfg.plan.memory or hw.memory, devices_per_node=per_node,
+                        compile_on=jax.devices() if compiles else None, backend="cpu",
+                        progress=None if args.json else say)
+    except ConfigError as e:
+        parser.error(str(e))
+    if args.json:
+        print(json.dumps(plan.to_json()))
+    else:
+        print(search.table(plan, args.top, every=args.all))
+    if args.out is not None:
+        write_overlay(args.out, plan, args.config)
+        say(f"wrote {args.out}: jaxpar-train {args.config} {args.out}")
+    return 0
+
+
+def main_entry() -> None:
+    sys.exit(main())
