@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import json
 import logging
+import os
 import pathlib
 import sys
 
@@ -241,6 +242,10 @@ def main(argv=None) -> int:
     if compiles:  # compiled for XLA:CPU on simulated devices, whatever the machine has
         jax.config.update("jax_platforms", "cpu")
         simulate_cpu_devices(devices)
+        # XLA's partitioner warns ("Involuntary full rematerialization") about layouts it
+        # compiles inefficiently: pages of text per candidate, for a table that already
+        # ranks them. Read before XLA logs its first line; TF_CPP_MIN_LOG_LEVEL=0 shows them.
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     if args.calibrate:
         from jaxpar.planning.calibrate import calibrate_and_save
 

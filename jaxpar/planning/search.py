@@ -6,10 +6,12 @@ fit the device's memory, the best of them compiled for their exact figures.
    over its mesh axes prunes too (rule ``shape``).
 2. Every candidate gets the analytic memory (``memory.estimate``) and step time
    (``cost.step_time``).
-3. In that order (fitting first, then fastest), the best candidate of each of the best
-   ``compile_top`` meshes is compiled (``compile``, the caller's: ``jaxpar.train.plan``
-   builds the very train step ``jaxpar-train`` runs), the ranking redone, and again
-   until those are all compiled or ``3 x compile_top`` were. Compiled figures replace the analytic ones (memory, FLOPs,
+3. Fitting first, then fastest (estimated and compiled figures alike), the best
+   candidate of each of the best ``compile_top`` meshes is compiled (``compile``, the
+   caller's: ``jaxpar.train.plan`` builds the very train step ``jaxpar-train`` runs),
+   the order redone with its figures, and again until those are all compiled or
+   ``3 x compile_top`` were: a candidate whose compiled program is slower than its
+   estimate makes room for the next. Compiled figures replace the analytic ones (memory, FLOPs,
    collectives by axis) and are cached on disk (``cache.FigureCache``), keyed by model
    shape and layout, so a second plan compiles nothing. Offload variants of a layout
    share its compile (XLA:CPU does not tell host from device memory): their device
@@ -23,7 +25,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import math
 import time
 from collections.abc import Callable
@@ -53,6 +54,7 @@ class Candidate:
         step = self.time.total
         return {"layout": self.layout.describe(), "overrides": self.layout.overrides(),
                 "memory_bytes": int(self.memory["device"]), "host_bytes": int(self.memory["host"]),
+                "memory_parts": {k: int(self.memory[k]) for k in memory.PARTS},  # the estimate's
                 "memory_source": self.source, "fits": self.fits, "step_time_s": step,
                 "tokens_per_s": work.tokens / step,
                 "mfu": work.model_flops() / (step * self.layout.devices * hw.peak(work.model.dtype)),
@@ -134,11 +136,6 @@ def table(plan: Plan, top: int = 12, *, every: bool = False) -> str:
     return "\n".join(rows)
 
 
-def _estimate(work, layout, hw, devices_per_node, backend) -> Candidate:
-    mem = memory.estimate(work, layout, backend=backend)
-    return Candidate(layout, mem, cost.step_time(work, layout, hw, devices_per_node=devices_per_node))
-
-
 def _compiled_memory(work: Workload, layout: Layout, figures: dict, prefetch: int = 1) -> dict[str, float]:
     """Device and host bytes of ``layout`` from its all-on-device compile: the compiled
     peak less the state ``layout`` keeps on the host, plus the layers fetched at once."""
@@ -167,26 +164,91 @@ def _on_device(layout: Layout) -> Layout:
     return dataclasses.replace(layout, offload_params="device", offload_optimizer="device")
 
 
-def _compile_into(candidate: Candidate, work, hw, devices_per_node, compile, cache, backend, progress,
-                  done: dict | None = None) -> bool:
-    """Replaces ``candidate``'s estimates by its compiled figures (those of the layout
-    with its state on the device: from ``cache`` when there, else ``compile``d and put
-    there; ``cache`` None: ``compile`` is a lookup); True when it was compiled."""
-    on_device = _on_device(candidate.layout)
-    k = cache_key(work, on_device, backend) if cache is not None else None
-    figures = cache.get(k) if cache is not None else compile(on_device)
-    new = figures is None
-    if new:
-        if progress:
-            progress(f"compiling {on_device.describe()}")
-        figures = cache.put(k, compile(on_device))
-    if done is not None:
-        done[on_device] = figures
-    candidate.memory = {**candidate.memory, **_compiled_memory(work, candidate.layout, figures)}
-    candidate.source = "compiled"
-    candidate.time = cost.step_time(work, candidate.layout, hw, devices_per_node=devices_per_node,
-                                    compiled=figures, compiled_backend=backend)
-    return new
+@dataclasses.dataclass
+class _Compiler:
+    """Compiled figures for candidates: each layout's program (its state on the device:
+    offload variants share it) taken from the disk cache, else compiled and cached."""
+
+    work: Workload
+    hw: Hardware
+    devices_per_node: int
+    compile: Callable[[Layout], dict]
+    cache: FigureCache
+    backend: str
+    progress: Callable[[str], None] | None
+    figures: dict = dataclasses.field(default_factory=dict)  # on-device layout -> figures
+    compiled: int = 0
+    cached: int = 0
+
+    def apply(self, candidate: Candidate, device_memory: int) -> None:
+        """Replaces ``candidate``'s estimates by its compiled figures."""
+        layout = _on_device(candidate.layout)
+        if layout not in self.figures:
+            key = cache_key(self.work, layout, self.backend)
+            found = self.cache.get(key)
+            if found is None:
+                if self.progress:
+                    self.progress(f"compiling {layout.describe()}")
+                found = self.cache.put(key, self.compile(layout))
+                self.compiled += 1
+            else:
+                self.cached += 1
+            self.figures[layout] = found
+        figures = self.figures[layout]
+        candidate.memory = {**candidate.memory, **_compiled_memory(self.work, candidate.layout, figures)}
+        candidate.source = "compiled"
+        candidate.time = cost.step_time(self.work, candidate.layout, self.hw, devices_per_node=self.devices_per_node,
+                                        compiled=figures, compiled_backend=self.backend)
+        candidate.fits = candidate.memory["device"] <= device_memory
+
+    def refine(self, candidates: list[Candidate], device_memory: int, top: int) -> None:
+        """Compiles the best candidate of each of the ``top`` best meshes (fitting first,
+        then fastest, estimated and compiled alike; with nothing fitting, the smallest),
+        again until those are all compiled or ``3 x top`` were; then gives every offload
+        variant of a compiled layout its figures (the same program: free)."""
+        budget = 3 * top
+        while budget > 0:
+            fitting = any(c.fits for c in candidates)
+            order = (lambda c: (not c.fits, c.time.total)) if fitting else (lambda c: c.memory["device"])
+            head = [c for c in best_of_each_mesh(sorted(candidates, key=order), top)
+                    if c.source != "compiled" and (c.fits or not fitting)][:budget]
+            if not head:
+                break
+            for candidate in head:
+                self.apply(candidate, device_memory)
+            budget -= len(head)
+        for candidate in candidates:
+            if candidate.source != "compiled" and _on_device(candidate.layout) in self.figures:
+                self.apply(candidate, device_memory)
+
+
+def _estimates(work, devices, hw, *, device_memory, devices_per_node, space, backend):
+    """Every candidate with its analytic figures, and the pruning counts."""
+    layouts, pruned = enumerate_layouts(devices, work.model, work.batch_size, work.seq_len, space=space)
+    candidates = []
+    for layout in layouts:
+        try:
+            mem = memory.estimate(work, layout, backend=backend)
+        except LayoutError:
+            pruned["shape"] += 1
+            continue
+        step = cost.step_time(work, layout, hw, devices_per_node=devices_per_node)
+        candidates.append(Candidate(layout, mem, step, fits=mem["device"] <= device_memory))
+    return candidates, len(layouts) + sum(pruned.values()) - pruned["shape"], pruned
+
+
+def _refuse(candidates: list[Candidate], pruned, devices: int, device_memory: int) -> None:
+    """``PlanError`` when no candidate is left or the best does not fit."""
+    if not candidates:
+        raise PlanError(f"no layout of {devices} devices can run this model and batch: "
+                        + (", ".join(f"{n} {RULES.get(r, r)}" for r, n in pruned.most_common()) or "no candidates"))
+    if not candidates[0].fits:
+        smallest = min(candidates, key=lambda c: c.memory["device"])
+        raise PlanError(
+            f"no layout fits device_memory={_fmt_bytes(device_memory)} per device: the smallest, "
+            f"{smallest.layout.describe()}, needs {_fmt_bytes(smallest.memory['device'])} "
+            f"({smallest.source}); give device_memory >= {math.ceil(smallest.memory['device'] / GIB * 10) / 10}GiB, "
+            "more devices, or a smaller batch_size")
 
 
 def search(work: Workload, devices: int, hw: Hardware, *, device_memory: int, devices_per_node: int,
@@ -202,55 +264,14 @@ def search(work: Workload, devices: int, hw: Hardware, *, device_memory: int, de
       PlanError: no candidate fits ``device_memory`` (naming the smallest that would).
     """
     began = time.perf_counter()
-    layouts, pruned = enumerate_layouts(devices, work.model, work.batch_size, work.seq_len, space=space)
-    considered = len(layouts) + sum(pruned.values())
-    candidates = []
-    for layout in layouts:
-        try:
-            candidate = _estimate(work, layout, hw, devices_per_node, backend)
-        except LayoutError:
-            pruned["shape"] += 1
-            continue
-        candidate.fits = candidate.memory["device"] <= device_memory
-        candidates.append(candidate)
-    order = functools.partial(_rank_key)
-    candidates.sort(key=order)
-    compiled = cached = 0
+    candidates, considered, pruned = _estimates(work, devices, hw, device_memory=device_memory,
+                                                devices_per_node=devices_per_node, space=space, backend=backend)
+    compiler = None
     if compile is not None and candidates:
-        cache = cache or FigureCache(None)
-        done: dict[Layout, dict] = {}  # on-device layout -> its compiled figures
-        fitting = any(c.fits for c in candidates)
-        budget = 3 * compile_top
-        while budget > 0:
-            # The best `compile_top` by the current ranking (fitting ones, or with nothing
-            # fitting the smallest, to say exactly what would fit) that are not compiled yet.
-            ranked = candidates if fitting else sorted(candidates, key=lambda c: c.memory["device"])
-            head = [c for c in best_of_each_mesh(ranked, compile_top)
-                    if c.source != "compiled" and (c.fits or not fitting)]
-            if not head:
-                break
-            for candidate in head[:budget]:
-                new = _compile_into(candidate, work, hw, devices_per_node, compile, cache, backend, progress, done)
-                compiled, cached, budget = compiled + new, cached + (not new), budget - 1
-                candidate.fits = candidate.memory["device"] <= device_memory
-            candidates.sort(key=order)
-            fitting = any(c.fits for c in candidates)
-        # Offload variants of a compiled layout share its program: their figures are free.
-        for candidate in candidates:
-            if candidate.source != "compiled" and _on_device(candidate.layout) in done:
-                _compile_into(candidate, work, hw, devices_per_node, done.__getitem__, None, backend, None)
-                candidate.fits = candidate.memory["device"] <= device_memory
-        candidates.sort(key=order)
-    plan = Plan(work, hw, devices, devices_per_node, device_memory, candidates, considered, pruned,
-                compiled, cached, time.perf_counter() - began)
-    if not candidates:
-        raise PlanError(f"no layout of {devices} devices can run this model and batch: "
-                        + (", ".join(f"{n} {RULES.get(r, r)}" for r, n in pruned.most_common()) or "no candidates"))
-    if not candidates[0].fits:
-        smallest = min(candidates, key=lambda c: c.memory["device"])
-        raise PlanError(
-            f"no layout fits device_memory={_fmt_bytes(device_memory)} per device: the smallest, "
-            f"{smallest.layout.describe()}, needs {_fmt_bytes(smallest.memory['device'])} "
-            f"({smallest.source}); give device_memory >= {math.ceil(smallest.memory['device'] / GIB * 10) / 10}GiB, "
-            "more devices, or a smaller batch_size")
-    return plan
+        compiler = _Compiler(work, hw, devices_per_node, compile, cache or FigureCache(None), backend, progress)
+        compiler.refine(candidates, device_memory, compile_top)
+    candidates.sort(key=_rank_key)
+    _refuse(candidates, pruned, devices, device_memory)
+    return Plan(work, hw, devices, devices_per_node, device_memory, candidates, considered, pruned,
+                compiler.compiled if compiler else 0, compiler.cached if compiler else 0,
+                time.perf_counter() - began)
