@@ -112,9 +112,10 @@ def main(argv=None) -> None:
         stored = json.loads(args.source.read_text())
         result, meta = stored["plan"], stored["meta"]
     else:
-        command = [sys.executable, "-c", "from jaxpar.train.plan import main_entry; main_entry()", args.config,
-                   *args.set, "--json"]
-        out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+        command = [sys.executable, "-c", "import sys; from jaxpar.train.plan import main; sys.exit(main(sys.argv[1:]))",
+                   args.config, *args.set, "--json"]
+        out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
+                             env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")})
         if out.returncode != 0:
             raise SystemExit(f"jaxpar-plan failed (exit {out.returncode}): {out.stderr.strip().splitlines()[-1:]}")
         result = json.loads(out.stdout)
@@ -129,8 +130,9 @@ def main(argv=None) -> None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"meta": meta, "plan": result}) + "\n")
     if args.png:
+        shown = " ".join(w for w in meta["plan"].split() if not w.startswith("cache_dir="))
         draw(result, args.png, args.top,
-             f"{meta['plan']}: the best layout of each of the {args.top} best meshes, "
+             f"{shown}: the best layout of each of the {args.top} best meshes, "
              f"{result['devices']} devices ({meta['date'][:10]})")
         print(f"wrote {args.png}")
 

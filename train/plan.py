@@ -17,12 +17,15 @@ import pathlib
 import sys
 
 import jax
+import numpy as np
 import yaml
 from flax import nnx
 
 from jaxpar.models.transformer import sharding_rules
+from jaxpar.placement.sharding import shard_model as jaxpar_shard
 from jaxpar.offload import budget as budget_lib
 from jaxpar.placement.runtime import simulate_cpu_devices
+from jaxpar.planning import cost
 from jaxpar.planning import hardware as hardware_lib
 from jaxpar.planning import search
 from jaxpar.planning.cache import FigureCache
@@ -57,15 +60,9 @@ def with_layout(cfg: Config, layout: Layout, *, offload: bool = True) -> Config:
         optimizer=dataclasses.replace(cfg.optimizer, grad_accum=layout.grad_accum))
 
 
-def compiled_figures(cfg: Config, layout: Layout, devices=None) -> dict:
-    """The compile-only profile of ``cfg``'s train step under ``layout`` (state on the
-    device: XLA:CPU does not tell host from device memory, ``jaxpar.profiler``), on the
-    first ``layout.devices`` of ``devices`` (default ``jax.devices()``), with
-    ``collectives_by_axes``. Everything that changes the program is an argument of
-    ``make_train_step`` (its ``Execution`` bound when built), so candidates compiled one
-    after another in one process do not see each other's settings."""
-    from jaxpar.profiler import profile
-
+def _built_step(cfg: Config, layout: Layout, devices):
+    """``(run config, mesh, train step, abstract model, pipeline schedule)`` of ``cfg``
+    under ``layout`` (state on the device) on the first ``layout.devices`` devices."""
     devices = list(jax.devices() if devices is None else devices)[:layout.devices]
     run = with_layout(cfg, layout, offload=False)
     mesh = loop.build_mesh(run.mesh, devices)
@@ -76,10 +73,69 @@ def compiled_figures(cfg: Config, layout: Layout, devices=None) -> dict:
     tx, _ = loop.make_optimizer(run.optimizer, run.steps)
     step = loop.make_train_step(abstract, tx, mesh, rules, grad_accum=run.optimizer.grad_accum,
                                 sequence=run.execution.sequence, kernels=run.execution.kernels, pipeline=stages)
+    return run, mesh, step, abstract, stages
+
+
+def compiled_figures(cfg: Config, layout: Layout, devices=None) -> dict:
+    """The compile-only profile of ``cfg``'s train step under ``layout`` (state on the
+    device: XLA:CPU does not tell host from device memory, ``jaxpar.profiler``), on the
+    first ``layout.devices`` of ``devices`` (default ``jax.devices()``), with
+    ``collectives_by_axes``. Everything that changes the program is an argument of
+    ``make_train_step`` (its ``Execution`` bound when built), so candidates compiled one
+    after another in one process do not see each other's settings."""
+    from jaxpar.profiler import profile
+
+    run, mesh, step, abstract, stages = _built_step(cfg, layout, devices)
     figures = profile(step.compile(abstract, run.batch_size, run.seq_len), mesh=mesh)
     if stages is not None:
         figures["pipeline_bubble"] = stages.bubble()
     return figures
+
+
+def measured_steps(cfg: Config, layout: Layout, devices=None, *, steps: int = 5) -> list[float]:
+    """The seconds of each of ``steps`` train steps of ``cfg`` under ``layout`` (after
+    one that compiles, not counted), on one batch of random tokens: the step alone, as
+    the planner predicts it (no data loading, no metrics)."""
+    import time
+
+    run, mesh, step, abstract, _ = _built_step(cfg, layout, devices)
+    rules = sharding_rules(run.model, mesh, sequence_parallel=run.execution.sequence_parallel)
+    with jax.set_mesh(mesh):
+        params, opt_state = step.init(jax.jit(lambda: jaxpar_shard(loop.build_model(run), mesh, rules))())
+    tokens = np.random.default_rng(0).integers(0, run.model.vocab_size, (run.batch_size, run.seq_len + 1))
+    rows = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+            "positions": np.broadcast_to(np.arange(run.seq_len), (run.batch_size, run.seq_len)),
+            "segment_ids": np.ones((run.batch_size, run.seq_len)), "mask": np.ones((run.batch_size, run.seq_len))}
+    batch = {k: jax.device_put(np.asarray(v, np.int32), step.batch_sharding) for k, v in rows.items()}
+    times = []
+    for _ in range(steps + 1):
+        began = time.perf_counter()
+        params, opt_state, out = step(params, opt_state, batch)
+        float(out["loss"])
+        times.append(time.perf_counter() - began)
+    return times[1:]
+
+
+def calibrate_step(hw: Hardware, cache_dir: pathlib.Path, devices: int) -> Hardware:
+    """``hw`` (the measured ``cpu`` profile) with its matmul and attention efficiencies
+    scaled so that the model predicts a measured reference step: ``tiny`` under
+    ``data=N`` on the ``N`` devices present. The kernels' peak rates come from large
+    matmuls; a training step's small ones, the softmax and the dispatch between
+    operations run slower, and this one factor carries that into every prediction."""
+    reference = load_config("tiny", [])
+    layout = Layout(data=devices)
+    measured = float(np.median(measured_steps(reference, layout)))
+    predicted = cost.step_time(workload(reference), layout, hw, devices_per_node=devices,
+                               compiled=compiled_figures(reference, layout))
+    kernels = predicted.compute - cost.elementwise_bytes(workload(reference), layout) / hw.hbm_bandwidth
+    rest = predicted.total - kernels
+    scale = max(measured - rest, 0.1 * kernels) / kernels
+    hw = dataclasses.replace(hw, efficiency={k: v / scale for k, v in hw.efficiency.items()})
+    hardware_lib.save(hw, hardware_lib.calibrated_path(cache_dir),
+                      notes=f"peak rates measured by jaxpar.planning.calibrate on {devices} simulated devices; "
+                            f"efficiencies fit to a measured tiny data={devices} step ({measured * 1e3:.1f} ms, "
+                            f"predicted {predicted.total * 1e3:.1f} ms at efficiency 1)")
+    return hw
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -127,7 +183,8 @@ def hardware_for(name: str | None, cache_dir: pathlib.Path, devices=None) -> Har
             from jaxpar.planning.calibrate import calibrate_and_save
 
             log.info("calibrating the cpu hardware profile (once per machine)")
-            calibrate_and_save(cache_dir)
+            measured, _ = calibrate_and_save(cache_dir)
+            calibrate_step(measured, cache_dir, len(devices or jax.devices()))
     try:
         return hardware_lib.load(name, cache_dir)
     except hardware_lib.HardwareError as e:
@@ -242,15 +299,13 @@ def main(argv=None) -> int:
     if compiles:  # compiled for XLA:CPU on simulated devices, whatever the machine has
         jax.config.update("jax_platforms", "cpu")
         simulate_cpu_devices(devices)
-        # XLA's partitioner warns ("Involuntary full rematerialization") about layouts it
-        # compiles inefficiently: pages of text per candidate, for a table that already
-        # ranks them. Read before XLA logs its first line; TF_CPP_MIN_LOG_LEVEL=0 shows them.
-        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     if args.calibrate:
         from jaxpar.planning.calibrate import calibrate_and_save
 
         hw, path = calibrate_and_save(cache_dir)
-        say(f"wrote {path}: {hw.peak_flops['float32'] / 1e9:.1f} GFLOP/s float32 per device, "
+        hw = calibrate_step(hw, cache_dir, devices)
+        say(f"wrote {path}: {hw.peak_flops['float32'] / 1e9:.1f} GFLOP/s float32 per device "
+            f"(a train step's matmuls reach {hw.efficiency['matmul']:.0%} of it), "
             f"{hw.hbm_bandwidth / 1e9:.1f} GB/s memory, {hw.intra_node_bandwidth / 1e9:.2f} GB/s between "
             f"devices, {hw.collective_latency * 1e6:.0f} us a collective, on {devices} simulated devices")
         if args.config is None:
@@ -273,4 +328,12 @@ def main(argv=None) -> int:
 
 
 def main_entry() -> None:
+    # jaxpar-plan compiles dozens of candidates, and XLA's partitioner warns about each
+    # one it compiles inefficiently ("Involuntary full rematerialization"): pages of text
+    # for a table that ranks them anyway. XLA reads TF_CPP_MIN_LOG_LEVEL once, when JAX
+    # loads it (importing jaxpar did), so the command starts again with it set;
+    # TF_CPP_MIN_LOG_LEVEL=0 in the environment shows them.
+    if "TF_CPP_MIN_LOG_LEVEL" not in os.environ and os.path.isfile(sys.argv[0]):  # the installed script
+        os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+        os.execv(sys.executable, [sys.executable, *sys.argv])
     sys.exit(main())

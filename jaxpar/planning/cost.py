@@ -24,13 +24,14 @@ Communication
     the 2D grid broadcasts blocks of both operands of every projection (SUMMA); ``seq``
     passes key/value blocks round the ring (Ulysses: four all-to-alls); ``pipe`` sends
     a stage's output forward and its gradient back per microbatch.
-Overlap (stated, one rule per axis kind)
-    ``data`` / ``fsdp`` / ``seq`` weight traffic runs under the compute (XLA's async
-    collectives): exposed ``t - comm_overlap x min(t, compute)``; the ring's key/value
-    passing runs under attention's compute the same way; ``tensor`` and ``pipe``
-    traffic sits on the critical path (a layer waits for its all-reduce; a stage for
-    its input) and is fully exposed. ``comm_overlap`` is the profile's: 1 on GPUs, 0 on
-    XLA:CPU.
+Overlap (stated, one rule per kind of traffic, each compute second hides at most once)
+    the ring's key/value passing (traffic keyed ``seq`` alone, ring or RSA) runs under
+    attention's own compute: exposed ``t - comm_overlap x min(t, attention)``; weight
+    gathers and gradient reductions (``data``, ``fsdp``, ``fsdp+seq``, ...) run under
+    the rest of the step's compute (XLA's async collectives) the same way; ``tensor``
+    and ``pipe`` traffic and Ulysses' all-to-alls sit on the critical path (a layer
+    waits for its all-reduce, a stage for its input, attention for its heads) and are
+    fully exposed. ``comm_overlap`` is the profile's: 1 on GPUs, 0 on XLA:CPU.
 Bubble
     the idle fraction of the schedule actually built
     (``jaxpar.parallel.pipeline_schedule``): the critical-path time divided by
@@ -204,16 +205,17 @@ def step_time(work: Workload, layout: Layout, hw: Hardware, *, devices_per_node:
     else:
         sent, count = comm_bytes(work, layout)
     sizes = layout.mesh_sizes
-    critical = overlapped = 0.0
+    critical = ring = overlapped = 0.0
     for key, nbytes in sent.items():
         t = nbytes / bandwidth(key, sizes, hw, devices_per_node)
-        if any(a in key.split("+") for a in CRITICAL):
-            critical += t
-        elif key == "seq" and layout.seq_impl != "ulysses":
-            overlapped += t - hw.comm_overlap * min(t, t_attention)
+        if any(a in key.split("+") for a in CRITICAL) or (key == "seq" and layout.seq_impl == "ulysses"):
+            critical += t  # a layer waits for its all-reduce, a stage for its input, attention for its all-to-all
+        elif key == "seq":
+            ring += t  # the ring's key/value blocks: under attention's own compute
         else:
-            overlapped += t
-    exposed_overlapped = overlapped - hw.comm_overlap * min(overlapped, compute)
+            overlapped += t  # weights and gradients: under the step's compute
+    exposed_ring = ring - hw.comm_overlap * min(ring, t_attention)
+    exposed_overlapped = overlapped - hw.comm_overlap * min(overlapped, compute - min(ring, t_attention))
     latency = sum(count.values()) * hw.collective_latency
     bubble = 0.0
     if layout.pipe > 1:
@@ -221,5 +223,5 @@ def step_time(work: Workload, layout: Layout, hw: Hardware, *, devices_per_node:
         bubble = (compute + critical) * fraction / (1 - fraction)
     transfer = offload_bytes(work, layout) / hw.host_bandwidth
     offload = transfer - hw.comm_overlap * min(transfer, compute)
-    return StepTime(compute=compute, communication=critical + exposed_overlapped, bubble=bubble,
+    return StepTime(compute=compute, communication=critical + exposed_ring + exposed_overlapped, bubble=bubble,
                     offload=offload, latency=latency, flops=matmul + attention)

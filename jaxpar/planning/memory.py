@@ -23,22 +23,25 @@ Parts (all per device):
     float32, three copies), or a layer's own working set while it recomputes and
     differentiates (1.5 times the ``none`` policy's saved set: the factor that fits the
     compiled ``1b`` programs best), whichever is larger; plus
-    one layer's gathered weights under FSDP (twice: the next layer's gather overlaps).
+    one layer's gathered weights under FSDP (twice: the next layer's gather overlaps), and
+    three float32 copies of the vocabulary table whole over ``fsdp`` (the lookup's
+    gathered table, its gradient before the reduce-scatter, the head's).
 
 What a layer keeps (local shapes: ``b`` rows, ``t = T / seq`` tokens, heads and MLP
 width split over ``tensor``): ``full`` its input ``[b, t, D]``; ``dots_no_batch`` also
 the projections' outputs (q, k, v, the attention output projection, gate and up, down);
-``dots`` also the attention scores ``[b, N, t, T]`` and the attention output; ``none``
+``dots`` also the attention scores ``[b, N, t, T]`` (with ring or RSA attention over
+``seq``, each block's once, not their softmax) and the attention output; ``none``
 also the norms' outputs, the rotated q and k, the softmax probabilities and the MLP's
 elementwise results. Computed in the compute dtype; XLA:CPU computes a bfloat16 matmul
 in float32 and keeps its float32 result, so ``backend="cpu"`` counts the matmul outputs
 and scores at 4 bytes (the figures a CPU compile reports).
 
-Accuracy against compiled programs is measured, not assumed: ``bench/plan.py memory``
-(BENCHMARKS.md, "Planning") compares it with XLA's buffer assignment for every
-candidate of ``tiny``, ``small`` and ``1b`` on 8 and 16 simulated devices. The planner
-uses this model to rank and prune every candidate, then compiles the best ones for
-their exact figures (``jaxpar.planning.search``).
+Accuracy against compiled programs is measured, not assumed: ``bench/plan_memory.py``
+(BENCHMARKS.md, "Planning") compares it with XLA's buffer assignment for a sample of
+the candidates of ``tiny``, ``small`` and ``1b`` on 8 and 16 simulated devices. The
+planner uses this model to rank and prune every candidate, then compiles the best ones
+for their exact figures (``jaxpar.planning.search``).
 """
 
 from __future__ import annotations
@@ -67,9 +70,11 @@ def _local(work: Workload, layout: Layout) -> dict[str, float]:
     norm_tokens = b * t / (tp if layout.sequence_parallel else 1)
     if layout.seq > 1 and layout.seq_impl == "ulysses":  # heads split, the whole length local
         scores = b * heads / layout.seq * work.seq_len * work.seq_len
+    elif layout.seq > 1:  # the ring's blocks, one at a time (its backward recomputes them)
+        scores = b * heads * t * t
     else:
         scores = b * heads * t * work.seq_len
-    return {"btd": b * t * width, "norm": norm_tokens * width, "q": b * t * heads * m.head_dim,
+    return {"ring_scores": b * heads * t * work.seq_len, "btd": b * t * width, "norm": norm_tokens * width, "q": b * t * heads * m.head_dim,
             "kv": b * t * kv * m.head_dim, "btf": b * t * mlp, "scores": scores,
             "logits": b * t * m.vocab_size / tp}
 
@@ -87,11 +92,13 @@ def layer_saved(work: Workload, layout: Layout, *, backend: str = "gpu") -> floa
     saved += (x["q"] + 2 * x["kv"] + 2 * x["btd"] + gates * x["btf"]) * mm
     if layout.remat == "dots_no_batch":
         return saved
-    saved += (x["scores"] + x["q"]) * mm
+    ring = layout.seq > 1 and layout.seq_impl != "ulysses"  # every block's scores, once
+    saved += (x["ring_scores"] if ring else x["scores"]) * mm + x["q"] * mm
     if layout.remat == "dots":
         return saved
     # none: the rest, the softmax in float32
-    return saved + 2 * x["norm"] * (4 + c) + (x["q"] + x["kv"]) * c + x["scores"] * 4 + 2 * x["btf"] * c
+    return (saved + 2 * x["norm"] * (4 + c) + (x["q"] + x["kv"]) * c + (0 if ring else x["scores"] * 4)
+            + 2 * x["btf"] * c)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -138,7 +145,9 @@ def estimate(work: Workload, layout: Layout, *, backend: str = "gpu", prefetch: 
     gathered = 0.0
     if layout.fsdp > 1 or (layout.seq > 1):
         gathered = 2 * layer_params / max(layers_here, 1) * (layout.fsdp * (layout.seq if layout.seq > 1 else 1))
-    workspace = max(3 * 4 * x["logits"], 1.5 * one_layer) + gathered
+    tp = layout.tensor[0] if isinstance(layout.tensor, tuple) else layout.tensor_ways
+    tables = 3 * 4 * m.vocab_size / tp * m.dim  # the vocabulary table gathered, its gradient, the head's
+    workspace = max(3 * 4 * x["logits"], 1.5 * one_layer) + gathered + tables
     parts = {"params": params_dev, "optimizer": optimizer, "batch": batch, "gradients": grads,
              "activations": activations, "workspace": workspace}
     parts["device"] = sum(parts.values())

@@ -264,8 +264,13 @@ def search(work: Workload, devices: int, hw: Hardware, *, device_memory: int, de
       PlanError: no candidate fits ``device_memory`` (naming the smallest that would).
     """
     began = time.perf_counter()
+    # The estimate describes the program that is compiled (XLA:CPU keeps bfloat16 matmul
+    # results in float32, a GPU in bfloat16), so that it ranks candidates as their
+    # compiles will; with nothing compiled, the hardware's own program.
+    estimate_for = backend if compile is not None else ("cpu" if hw.name == "cpu" else "gpu")
     candidates, considered, pruned = _estimates(work, devices, hw, device_memory=device_memory,
-                                                devices_per_node=devices_per_node, space=space, backend=backend)
+                                                devices_per_node=devices_per_node, space=space,
+                                                backend=estimate_for)
     compiler = None
     if compile is not None and candidates:
         compiler = _Compiler(work, hw, devices_per_node, compile, cache or FigureCache(None), backend, progress)
