@@ -55,7 +55,6 @@ import argparse
 import datetime
 import hashlib
 import importlib.metadata
-import inspect
 import json
 import math
 import os
@@ -113,17 +112,6 @@ def stratified_sample(layouts: list, k: int, seed: int, remats: tuple[str, ...])
     return picked
 
 
-def enumerate_candidates(cfg, devices: int, devices_per_node: int = 8):
-    """``enumerate_layouts``' kept candidates (passing ``devices_per_node`` where this
-    version of it takes one)."""
-    from jaxpar.planning.layout import enumerate_layouts
-
-    kwargs = {}
-    if "devices_per_node" in inspect.signature(enumerate_layouts).parameters:
-        kwargs["devices_per_node"] = devices_per_node
-    return enumerate_layouts(devices, cfg.model, cfg.batch_size, cfg.seq_len, **kwargs)
-
-
 # ------------------------------------------------------------------ one (config, devices)
 
 
@@ -133,7 +121,7 @@ def worker(config: str, devices: int, sample: int, seed: int, extra: list[str]) 
     import jax
 
     from jaxpar.planning import memory
-    from jaxpar.planning.layout import REMATS
+    from jaxpar.planning.layout import REMATS, enumerate_layouts
     from jaxpar.planning.workload import LayoutError, shards
     from jaxpar.train.config import load_config
     from jaxpar.train.plan import compiled_figures, workload
@@ -143,7 +131,7 @@ def worker(config: str, devices: int, sample: int, seed: int, extra: list[str]) 
                          "(set JAX_NUM_CPU_DEVICES before JAX starts)")
     cfg = load_config(config, extra)
     work = workload(cfg)
-    kept, pruned = enumerate_candidates(cfg, devices)
+    kept, pruned = enumerate_layouts(devices, cfg.model, cfg.batch_size, cfg.seq_len)
     on_device = [layout for layout in kept if layout.offload_params == layout.offload_optimizer == "device"]
     distinct = list(dict.fromkeys(on_device))
     usable, shape = [], 0
@@ -405,10 +393,10 @@ def draw(rows: list[dict], png: pathlib.Path, title: str) -> None:
     plt.close(fig)
 
 
-def sources_hash() -> dict:
+def sources_hash(files=PLANNER_FILES) -> dict:
     """A short hash of each planner source the figures depend on (it changes while the
     planner is worked on; this says which version produced a result)."""
-    return {f: hashlib.sha256((ROOT / f).read_bytes()).hexdigest()[:12] for f in PLANNER_FILES if (ROOT / f).exists()}
+    return {f: hashlib.sha256((ROOT / f).read_bytes()).hexdigest()[:12] for f in files if (ROOT / f).exists()}
 
 
 def git_head() -> str:

@@ -63,17 +63,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import hashlib
 import importlib.metadata
 import json
 import math
 import os
 import pathlib
 import platform
-import subprocess
 import sys
 import tempfile
 import time
+
+from plan_memory import git_head, sources_hash  # noqa: E402 - bench/ is this script's folder
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 YAML = ROOT / "bench" / "plan_published.yaml"
@@ -355,19 +355,6 @@ def tables(results: list[dict], skipped: list[dict]) -> list[str]:
     return lines
 
 
-def sources_hash() -> dict:
-    return {f: hashlib.sha256((ROOT / f).read_bytes()).hexdigest()[:12] for f in PLANNER_FILES if (ROOT / f).exists()}
-
-
-def git_head() -> str:
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True).stdout
-        return head.strip() + (" (uncommitted changes)" if dirty.strip() else "")
-    except OSError:
-        return ""
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--yaml", type=pathlib.Path, default=YAML, help="the published runs (bench/plan_published.yaml)")
@@ -451,7 +438,7 @@ def main(argv: list[str] | None = None) -> None:
             "machine": f"{platform.machine()}, {os.cpu_count()} cores",
             "jax": importlib.metadata.version("jax"), "yaml": str(args.yaml.relative_to(ROOT)
                                                                   if args.yaml.is_relative_to(ROOT) else args.yaml),
-            "git": git_head(), "planner_sources_sha256": sources_hash(), "rank": not args.no_rank,
+            "git": git_head(), "planner_sources_sha256": sources_hash(PLANNER_FILES), "rank": not args.no_rank,
             "seconds": round(time.perf_counter() - began, 1),
             "mfu_convention": "Workload.model_flops() / (step x GPUs x peak bf16): 6 x matmul parameters (head "
                               "included, lookup not) + 12 l s h per token, no recompute",

@@ -222,7 +222,7 @@ def auto(cfg: Config) -> Config:
     best = plan.best.summary(plan.work, hw)
     log.info("mesh=auto: %s; predicted %s per device of %s (%s), %.1f ms a step, %s tokens/s, MFU %.1f%% on %s; "
              "%d candidates, %d compiled, %d from the cache, %.1f s", best["layout"],
-             search._fmt_bytes(best["memory_bytes"]), search._fmt_bytes(memory), best["memory_source"],
+             budget_lib.format_bytes(best["memory_bytes"]), budget_lib.format_bytes(memory), best["memory_source"],
              best["step_time_s"] * 1e3, f"{best['tokens_per_s']:,.0f}", best["mfu"] * 100, hw.name,
              plan.considered, plan.compiled, plan.cached, plan.seconds)
     return with_layout(dataclasses.replace(cfg, mesh=MeshConfig()), plan.best.layout)
