@@ -148,7 +148,7 @@ def _compiled_memory(work: Workload, layout: Layout, figures: dict, prefetch: in
     if layout.offload_optimizer == "host":
         host += 2 * s["params"]
         peak -= 2 * s["params"]
-    return {"device": peak, "host": host, "compiled_peak": figures["peak_bytes"]}
+    return {"device": peak, "host": host}
 
 
 def _rank_key(c: Candidate) -> tuple:
