@@ -23,7 +23,8 @@ Parts (all per device):
     float32, three copies), or a layer's own working set while it recomputes and
     differentiates (1.5 times the ``none`` policy's saved set: the factor that fits the
     compiled ``1b`` programs best), whichever is larger; plus
-    one layer's gathered weights under FSDP (twice: the next layer's gather overlaps), and
+    one layer's gathered weights under FSDP or ``seq``, and a 2D grid's weight panels
+    (twice: the next layer's gather overlaps), and
     three float32 copies of the vocabulary table whole over ``fsdp`` (the lookup's
     gathered table, its gradient before the reduce-scatter, the head's).
 
@@ -142,9 +143,10 @@ def estimate(work: Workload, layout: Layout, *, backend: str = "gpu", prefetch: 
     else:  # the stash: each in-flight microbatch's stage input; a stage's backward recomputes it
         activations = in_flight(layout) * x["btd"] * m.compute_dtype.itemsize + saved * layers_here / layout.virtual_stages
     one_layer = layer_saved(work, Layout(**{**layout.__dict__, "remat": "none"}), backend=backend)
-    gathered = 0.0
-    if layout.fsdp > 1 or (layout.seq > 1):
-        gathered = 2 * layer_params / max(layers_here, 1) * (layout.fsdp * (layout.seq if layout.seq > 1 else 1))
+    # One layer's weights gathered for its use (twice: the next one's gather overlaps):
+    # over fsdp and seq, and on a 2D grid over tensor_row too (SUMMA's panels).
+    ways = layout.fsdp * layout.seq * (layout.tensor[0] if isinstance(layout.tensor, tuple) else 1)
+    gathered = 2 * layer_params / max(layers_here, 1) * ways if ways > 1 else 0.0
     tp = layout.tensor[0] if isinstance(layout.tensor, tuple) else layout.tensor_ways
     tables = 3 * 4 * m.vocab_size / tp * m.dim  # the vocabulary table gathered, its gradient, the head's
     workspace = max(3 * 4 * x["logits"], 1.5 * one_layer) + gathered + tables
