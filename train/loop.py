@@ -50,6 +50,7 @@ from jaxpar.parallel import pipeline_schedule as pipeline_schedules
 from jaxpar.models.transformer import sharding_rules
 from jaxpar.parallel.pipeline_schedule import Schedule
 from jaxpar.parallel.zigzag import to_zigzag
+from jaxpar.planning import hardware as hardware_lib
 from jaxpar.train import data as data_lib
 from jaxpar.train import glide, self_distill, tensorboard
 from jaxpar.train import offload as offload_lib
@@ -60,9 +61,6 @@ from jaxpar.train.step import make_train_step
 from jaxpar.train.stopping import Stopped, stop_on_signals
 
 log = logging.getLogger(__name__)
-
-# Dense bf16 peak FLOP/s per device, for the MFU estimate; unknown devices show none.
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 
 
 class TrainingError(RuntimeError):
@@ -227,8 +225,10 @@ def dry_run_profile(cfg: Config, step_fn, abstract_model, mesh, rules, schedule:
 
 
 def peak_flops() -> float | None:
-    """This device's dense bf16 peak FLOP/s (``PEAK_FLOPS``), None when unknown."""
-    return next((f for name, f in PEAK_FLOPS.items() if name in jax.devices()[0].device_kind), None)
+    """This device's dense bf16 peak FLOP/s, for the MFU estimate: its shipped hardware
+    profile's (``jaxpar.planning.hardware``); None for a device without one."""
+    name = hardware_lib.shipped_for(jax.devices()[0].device_kind)
+    return None if name is None else hardware_lib.load(name).peak("bfloat16")
 
 
 def build_model(cfg: Config, vocab=None) -> nnx.Module:

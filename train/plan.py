@@ -61,7 +61,7 @@ def with_layout(cfg: Config, layout: Layout, *, offload: bool = True) -> Config:
 
 
 def _built_step(cfg: Config, layout: Layout, devices):
-    """``(run config, mesh, train step, abstract model, pipeline schedule)`` of ``cfg``
+    """``(run config, mesh, rules, train step, abstract model, pipeline schedule)`` of ``cfg``
     under ``layout`` (state on the device) on the first ``layout.devices`` devices."""
     devices = list(jax.devices() if devices is None else devices)[:layout.devices]
     run = with_layout(cfg, layout, offload=False)
@@ -73,7 +73,7 @@ def _built_step(cfg: Config, layout: Layout, devices):
     tx, _ = loop.make_optimizer(run.optimizer, run.steps)
     step = loop.make_train_step(abstract, tx, mesh, rules, grad_accum=run.optimizer.grad_accum,
                                 sequence=run.execution.sequence, kernels=run.execution.kernels, pipeline=stages)
-    return run, mesh, step, abstract, stages
+    return run, mesh, rules, step, abstract, stages
 
 
 def compiled_figures(cfg: Config, layout: Layout, devices=None) -> dict:
@@ -85,7 +85,7 @@ def compiled_figures(cfg: Config, layout: Layout, devices=None) -> dict:
     after another in one process do not see each other's settings."""
     from jaxpar.profiler import profile
 
-    run, mesh, step, abstract, stages = _built_step(cfg, layout, devices)
+    run, mesh, _, step, abstract, stages = _built_step(cfg, layout, devices)
     figures = profile(step.compile(abstract, run.batch_size, run.seq_len), mesh=mesh)
     if stages is not None:
         figures["pipeline_bubble"] = stages.bubble()
@@ -98,8 +98,7 @@ def measured_steps(cfg: Config, layout: Layout, devices=None, *, steps: int = 5)
     the planner predicts it (no data loading, no metrics)."""
     import time
 
-    run, mesh, step, abstract, _ = _built_step(cfg, layout, devices)
-    rules = sharding_rules(run.model, mesh, sequence_parallel=run.execution.sequence_parallel)
+    run, mesh, rules, step, abstract, _ = _built_step(cfg, layout, devices)
     with jax.set_mesh(mesh):
         params, opt_state = step.init(jax.jit(lambda: jaxpar_shard(loop.build_model(run), mesh, rules))())
     tokens = np.random.default_rng(0).integers(0, run.model.vocab_size, (run.batch_size, run.seq_len + 1))
@@ -142,8 +141,6 @@ def calibrate_step(hw: Hardware, cache_dir: pathlib.Path, devices: int) -> Hardw
 
 
 ALIASES = ("devices", "device_memory", "hardware", "devices_per_node")
-# The dtype-independent profile for a present device, by its kind.
-DEVICE_KINDS = {"H100": "h100", "H200": "h200", "A100": "a100"}
 
 
 def workload(cfg: Config) -> Workload:
@@ -175,8 +172,7 @@ def hardware_for(name: str | None, cache_dir: pathlib.Path, devices=None) -> Har
     measured now and saved if this machine has no calibrated profile yet)."""
     if name is None:
         device = (devices or jax.devices())[0]
-        name = next((v for k, v in DEVICE_KINDS.items() if k in device.device_kind),
-                    "cpu" if device.platform == "cpu" else None)
+        name = hardware_lib.shipped_for(device.device_kind) or ("cpu" if device.platform == "cpu" else None)
         if name is None:
             raise ConfigError(f"no hardware profile for {device.device_kind!r}: give plan.hardware=FILE")
         if name == "cpu" and not hardware_lib.calibrated_path(cache_dir).is_file():

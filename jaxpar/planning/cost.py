@@ -52,7 +52,7 @@ import dataclasses
 
 from jaxpar.planning.hardware import Hardware
 from jaxpar.planning.layout import Layout
-from jaxpar.planning.memory import _local, schedule_figures
+from jaxpar.planning.memory import local_sizes, schedule_figures
 from jaxpar.planning.workload import Workload, shards
 
 AXIS_ORDER = ("data", "fsdp", "pipe", "seq", "tensor", "tensor_row", "tensor_col")
@@ -102,7 +102,7 @@ def elementwise_bytes(work: Workload, layout: Layout) -> float:
     residuals, RoPE, the gating), twice that backward, once more under full remat;
     four float32 passes over the logits; seven over every parameter shard (AdamW)."""
     m = work.model
-    x = _local(work, layout)
+    x = local_sizes(work, layout)
     c = m.compute_dtype.itemsize
     passes = 3 + (1 if layout.remat == "full" else 0)
     split = layout.microbatches if layout.pipe > 1 else layout.grad_accum
@@ -116,7 +116,7 @@ def comm_bytes(work: Workload, layout: Layout) -> tuple[dict[str, float], dict[s
     """Counted bytes each device sends per step, and collectives, by mesh-axis key."""
     m = work.model
     c = m.compute_dtype.itemsize
-    x = _local(work, layout)
+    x = local_sizes(work, layout)
     s = shards(work, layout.mesh_sizes, layout.sequence_parallel)
     params, grads = s["params"], s["elements"] * 4
     split = layout.microbatches if layout.pipe > 1 else layout.grad_accum
@@ -151,7 +151,7 @@ def comm_bytes(work: Workload, layout: Layout) -> tuple[dict[str, float], dict[s
     if sq > 1:
         passes = 3 + (1 if full else 0)
         if layout.seq_impl == "ulysses":
-            per_layer = passes * (sq - 1) / sq * (2 * x["q"] + 2 * x["kv"]) * c * 4 / 4
+            per_layer = passes * (sq - 1) / sq * (2 * x["q"] + 2 * x["kv"]) * c  # q, k, v in, the output back
             add("seq", split * layers * per_layer, split * layers * 4 * passes)
         else:
             per_layer = passes * (sq - 1) * 2 * x["kv"] * c

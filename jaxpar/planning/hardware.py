@@ -39,8 +39,8 @@ from jaxpar.offload.budget import parse_bytes
 
 PROFILE_DIR = pathlib.Path(__file__).parent / "hardware"
 SHIPPED = ("h100", "h200", "a100")
-FIELDS = ("peak_flops", "efficiency", "hbm_bandwidth", "memory", "intra_node_bandwidth",
-          "inter_node_bandwidth", "collective_latency", "host_bandwidth", "comm_overlap")
+# The shipped profile of a device, by a word of its ``device_kind`` ("NVIDIA H100 80GB HBM3").
+DEVICE_KINDS = {"H100": "h100", "H200": "h200", "A100": "a100"}
 OP_CLASSES = ("matmul", "attention")
 
 
@@ -71,6 +71,15 @@ class Hardware:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+# Every field a profile file must give: the dataclass's, but its name.
+FIELDS = tuple(f.name for f in dataclasses.fields(Hardware) if f.name != "name")
+
+
+def shipped_for(device_kind: str) -> str | None:
+    """The shipped profile's name for a device of ``device_kind``, None when none fits."""
+    return next((name for word, name in DEVICE_KINDS.items() if word in device_kind), None)
 
 
 def _number(value, key: str, source: str) -> float:
@@ -125,13 +134,15 @@ def from_dict(values: Any, name: str, source: str) -> Hardware:
     return hw
 
 
-def load(name_or_path: str, cache_dir: pathlib.Path | str) -> Hardware:
+def load(name_or_path: str, cache_dir: pathlib.Path | str | None = None) -> Hardware:
     """A shipped profile (``h100``, ``h200``, ``a100``), ``cpu`` (the calibrated one in
-    ``cache_dir/hardware/cpu.yaml``), or a YAML file's path."""
+    ``cache_dir/hardware/cpu.yaml``; it needs ``cache_dir``), or a YAML file's path."""
     path = pathlib.Path(name_or_path).expanduser()
     if name_or_path in SHIPPED:
         path = PROFILE_DIR / f"{name_or_path}.yaml"
     elif name_or_path == "cpu":
+        if cache_dir is None:
+            raise HardwareError("hardware=cpu: the calibrated profile lives in a cache_dir; none was given")
         path = calibrated_path(cache_dir)
         if not path.is_file():
             raise HardwareError(f"hardware=cpu: no calibrated profile at {path}; run "

@@ -47,6 +47,7 @@ for their exact figures (``jaxpar.planning.search``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 from jaxpar.parallel import pipeline_schedule
@@ -56,7 +57,7 @@ from jaxpar.planning.workload import Workload, shards
 PARTS = ("params", "optimizer", "batch", "gradients", "activations", "workspace")
 
 
-def _local(work: Workload, layout: Layout) -> dict[str, float]:
+def local_sizes(work: Workload, layout: Layout) -> dict[str, float]:
     """Local activation sizes (elements) of one layer for one microbatch."""
     m = work.model
     q = layout.tensor[0] if isinstance(layout.tensor, tuple) else 1
@@ -85,7 +86,7 @@ def layer_saved(work: Workload, layout: Layout, *, backend: str = "gpu") -> floa
     m = work.model
     c = m.compute_dtype.itemsize
     mm = 4 if backend == "cpu" else c  # a matmul's result (XLA:CPU: float32)
-    x = _local(work, layout)
+    x = local_sizes(work, layout)
     gates = 2 if m.mlp == "swiglu" else 1
     saved = x["btd"] * c  # the layer's input (the scan's carry)
     if layout.remat == "full":
@@ -122,31 +123,30 @@ def estimate(work: Workload, layout: Layout, *, backend: str = "gpu", prefetch: 
     m = work.model
     s = shards(work, layout.mesh_sizes, layout.sequence_parallel)
     layers_here = m.layers / layout.pipe
-    layer_params = s["layer_params"] / m.layers * (m.layers / layout.pipe if layout.pipe > 1 else m.layers)
+    per_layer = s["layer_params"] / layers_here  # one stacked layer's parameter shard
     params_dev = s["params"]
     host = 0.0
     if layout.offload_params == "host":
-        fetched = min(prefetch + 1, m.layers) * s["layer_params"] / m.layers
+        fetched = min(prefetch + 1, m.layers) * per_layer
         host += s["params"]
         params_dev = fetched
     optimizer = 2 * s["params"]
     if layout.offload_optimizer == "host":
         host += optimizer
         optimizer = 0.0
-    x = _local(work, layout)
+    x = local_sizes(work, layout)
     batch = 5 * 4 * work.batch_size * work.seq_len / (layout.data_ways * layout.seq)
-    grads = (s["params"] if layout.pipe == 1 else s["params"]) * (2 if layout.grad_accum > 1 else 1)
-    grads = grads * 4 / m.weight_dtype.itemsize
+    grads = 4 * s["elements"] * (2 if layout.grad_accum > 1 else 1)  # float32
     saved = layer_saved(work, layout, backend=backend)
     if layout.pipe == 1:
         activations = saved * layers_here
     else:  # the stash: each in-flight microbatch's stage input; a stage's backward recomputes it
         activations = in_flight(layout) * x["btd"] * m.compute_dtype.itemsize + saved * layers_here / layout.virtual_stages
-    one_layer = layer_saved(work, Layout(**{**layout.__dict__, "remat": "none"}), backend=backend)
+    one_layer = layer_saved(work, dataclasses.replace(layout, remat="none"), backend=backend)
     # One layer's weights gathered for its use (twice: the next one's gather overlaps):
     # over fsdp and seq, and on a 2D grid over tensor_row too (SUMMA's panels).
     ways = layout.fsdp * layout.seq * (layout.tensor[0] if isinstance(layout.tensor, tuple) else 1)
-    gathered = 2 * layer_params / max(layers_here, 1) * ways if ways > 1 else 0.0
+    gathered = 2 * per_layer * ways if ways > 1 else 0.0
     tp = layout.tensor[0] if isinstance(layout.tensor, tuple) else layout.tensor_ways
     tables = 3 * 4 * m.vocab_size / tp * m.dim  # the vocabulary table gathered, its gradient, the head's
     workspace = max(3 * 4 * x["logits"], 1.5 * one_layer) + gathered + tables
