@@ -65,20 +65,42 @@ def test_overrides_select_the_layout(tiny):
 @pytest.mark.slow
 def test_analytic_memory_against_compiled(tiny):
     """Parameters, optimizer state and batch are exact (they are the compiled program's
-    arguments); the whole estimate is checked against XLA's buffer assignment on a fixed
-    sample. The bound here is what the model achieves today on these layouts, not the
-    5% target (BENCHMARKS.md, "Planning", reports every config's worst case)."""
+    arguments); the whole estimate is within 5% of XLA's buffer assignment on a fixed
+    sample: every remat policy, and pure data parallelism, FSDP with 1D tensor
+    parallelism, Megatron SP, a 2D grid, ``seq`` and a pipeline. Not every candidate is
+    within 5% (BENCHMARKS.md, "Planning", reports the distribution and the worst cases:
+    ``seq`` layouts are the model's weakest)."""
     from jaxpar.train.plan import compiled_figures
 
     work = work_of(tiny)
     for layout in (Layout(data=8, remat="full"), Layout(fsdp=4, tensor=2, remat="dots_no_batch"),
-                   Layout(data=2, seq=2, tensor=2, remat="dots"), Layout(fsdp=2, pipe=2, data=2, microbatches=4)):
+                   Layout(data=2, tensor=4, sequence_parallel=True, remat="dots_no_batch"),
+                   Layout(data=2, seq=2, tensor=2, remat="dots"), Layout(fsdp=2, tensor=(2, 2), remat="dots"),
+                   Layout(fsdp=2, pipe=2, data=2, microbatches=4)):
         figures = compiled_figures(tiny, layout)
         parts = memory.estimate(work, layout, backend="cpu")
         arguments = parts["params"] + parts["optimizer"] + parts["batch"]
         assert abs(arguments / figures["argument_bytes"] - 1) < 1e-3, layout.describe()
         compiled = figures["argument_bytes"] + figures["output_bytes"] - figures["alias_bytes"] + figures["temp_bytes"]
-        assert abs(parts["device"] / compiled - 1) < 0.25, (layout.describe(), parts["device"], compiled)
+        assert abs(parts["device"] / compiled - 1) < 0.05, (layout.describe(), parts["device"], compiled)
+
+
+def test_fsdp_on_a_2d_grid_gathers_one_layer_at_a_time():
+    """FSDP's point is one layer's weights whole at a time. On a 2D grid SUMMA wants each
+    weight blocked (row, col) only; unpinned, XLA propagated that back through the layer
+    scan and all-gathered every layer's weights over fsdp before it (2.2x the memory of
+    ``small`` at fsdp=4 x 2x2)."""
+    import re
+
+    from jaxpar.train.plan import _built_step
+
+    cfg = load_config("tiny", ["model.layers=3"])  # no other dimension is 3
+    run, _, _, step, abstract, _ = _built_step(cfg, Layout(fsdp=2, tensor=(2, 2), remat="full"), None)
+    text = step.compile(abstract, run.batch_size, run.seq_len).as_text()
+    gathered = re.findall(r"= \w+\[([\d,]+)\]\S* all-gather\(", text)
+    assert gathered, "no FSDP gather at all"
+    stacked = [shape for shape in gathered if shape.startswith("3,") and shape.count(",") >= 2]
+    assert not stacked, stacked  # (the norms' [L, D] scales are gathered whole: small)
 
 
 def test_tight_memory_moves_the_plan_off_pure_data_parallelism(h100):

@@ -39,6 +39,11 @@ def dense(x: jax.Array, w: jax.Array, names: Sequence[str]) -> jax.Array:
     batch_axes = tuple(a for a in rules_lib.as_tuple(batch) if a != ROW and mesh.shape[a] > 1)
     lead, (K, N) = x.shape[:-1], w.shape
     rows = x.reshape(-1, K)
+    if not mesh.are_all_axes_explicit:
+        # Pin the weight to its stored sharding (FSDP's shard of each block) where it is
+        # used: otherwise XLA propagates SUMMA's (row, col) blocking back through the
+        # layer scan and gathers every layer's weights over fsdp at once, before it.
+        w = jax.lax.with_sharding_constraint(w, spec)
     if ROW in rules_lib.as_tuple(spec[0]):
         out = summa_matmul(rows, w, mesh=mesh, batch_axes=batch_axes)
     elif ROW in rules_lib.as_tuple(spec[1]):

@@ -15,7 +15,7 @@ import pathlib
 
 # Bumped whenever what the figures mean changes (the profiler's counting, the compiled
 # step), so an older entry is never read.
-VERSION = 2
+VERSION = 3  # 3: 2D + FSDP gathers one layer at a time (jaxpar.ops.linear)
 # The profiler's figures the planner reads; the cache keeps only these.
 FIELDS = ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "peak_bytes", "flops",
           "collective_bytes", "collectives", "collectives_by_axes", "collective_counts_by_axes",

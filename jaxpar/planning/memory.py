@@ -19,24 +19,31 @@ Parts (all per device):
     recomputes it from its stashed input) the stage inputs of the most microbatches in
     flight (from the schedule built) plus one stage's saved set.
 ``workspace``
-    the largest transient: the logits and their gradient (``[b, t, V / tensor]`` in
-    float32, three copies), or a layer's own working set while it recomputes and
-    differentiates (1.5 times the ``none`` policy's saved set: the factor that fits the
-    compiled ``1b`` programs best), whichever is larger; plus
+    the largest transient: the logits, their exponentials and their gradient
+    (``[b, t, V / tensor]`` in float32, three copies; on a q x q grid SUMMA's head also
+    keeps its q block products, q + 2 copies), or a layer's own working set while it
+    recomputes and differentiates (1.5 times the ``none`` policy's saved set: the factor
+    that fits the compiled ``1b`` programs best), whichever is larger; plus
     one layer's gathered weights under FSDP or ``seq``, and a 2D grid's weight panels
     (twice: the next layer's gather overlaps), and
-    three float32 copies of the vocabulary table whole over ``fsdp`` (the lookup's
-    gathered table, its gradient before the reduce-scatter, the head's).
+    float32 copies of the vocabulary table whole where ``fsdp`` or ``seq`` splits it
+    (the head's gathered weight, the lookup's gradient before its reduce-scatter; three
+    in a pipeline, which also holds the gathered lookup table, and on a 2D grid, whose
+    head moves weight panels; none without FSDP, ``seq``, ``pipe`` or a grid, where the
+    head is the parameter itself and its gradient is counted already).
 
 What a layer keeps (local shapes: ``b`` rows, ``t = T / seq`` tokens, heads and MLP
-width split over ``tensor``): ``full`` its input ``[b, t, D]``; ``dots_no_batch`` also
-the projections' outputs (q, k, v, the attention output projection, gate and up, down);
-``dots`` also the attention scores ``[b, N, t, T]`` (with ring or RSA attention over
-``seq``, each block's once, not their softmax) and the attention output; ``none``
-also the norms' outputs, the rotated q and k, the softmax probabilities and the MLP's
-elementwise results. Computed in the compute dtype; XLA:CPU computes a bfloat16 matmul
-in float32 and keeps its float32 result, so ``backend="cpu"`` counts the matmul outputs
-and scores at 4 bytes (the figures a CPU compile reports).
+width split over ``tensor``; with Megatron SP the residual stream's tokens too):
+``full`` its input ``[b, t, D]``; ``dots_no_batch`` also the projections' outputs (q,
+k, v, the attention output projection, gate and up; the down projection's output is
+the next layer's input); ``dots`` also the attention scores ``[b, N, t, T]`` (with ring
+or RSA attention over ``seq``, each block's once, not their softmax) and the attention
+output; ``none`` also the norms' outputs, the rotated q and k, the softmax
+probabilities (not with attention over ``seq``: Ulysses' keeps its scores only, and a
+ring's loop nothing more than under ``dots``) and the MLP's elementwise results.
+Computed in the compute dtype; XLA:CPU computes a bfloat16 matmul in float32 and keeps
+its float32 result, and keeps float32 copies of the MLP's bfloat16 elementwise results,
+so ``backend="cpu"`` counts those at 4 bytes (the figures a CPU compile reports).
 
 Accuracy against compiled programs is measured, not assumed: ``bench/plan_memory.py``
 (BENCHMARKS.md, "Planning") compares it with XLA's buffer assignment for a sample of
@@ -76,7 +83,8 @@ def local_sizes(work: Workload, layout: Layout) -> dict[str, float]:
         scores = b * heads * t * t
     else:
         scores = b * heads * t * work.seq_len
-    return {"ring_scores": b * heads * t * work.seq_len, "btd": b * t * width, "norm": norm_tokens * width, "q": b * t * heads * m.head_dim,
+    return {"ring_scores": b * heads * t * work.seq_len, "btd": b * t * width, "norm": norm_tokens * width,
+            "q": b * t * heads * m.head_dim,
             "kv": b * t * kv * m.head_dim, "btf": b * t * mlp, "scores": scores,
             "logits": b * t * m.vocab_size / tp}
 
@@ -88,19 +96,23 @@ def layer_saved(work: Workload, layout: Layout, *, backend: str = "gpu") -> floa
     mm = 4 if backend == "cpu" else c  # a matmul's result (XLA:CPU: float32)
     x = local_sizes(work, layout)
     gates = 2 if m.mlp == "swiglu" else 1
-    saved = x["btd"] * c  # the layer's input (the scan's carry)
+    saved = x["norm"] * c  # the layer's input (the scan's carry; split over tensor with SP)
     if layout.remat == "full":
         return saved
-    saved += (x["q"] + 2 * x["kv"] + 2 * x["btd"] + gates * x["btf"]) * mm
+    # q, k, v, the attention output projection's result (after SP's reduce-scatter), the
+    # MLP's gate and up; the down projection's result is the next layer's input.
+    saved += (x["q"] + 2 * x["kv"] + gates * x["btf"]) * mm + x["norm"] * mm
     if layout.remat == "dots_no_batch":
         return saved
     ring = layout.seq > 1 and layout.seq_impl != "ulysses"  # every block's scores, once
     saved += (x["ring_scores"] if ring else x["scores"]) * mm + x["q"] * mm
-    if layout.remat == "dots":
+    if layout.remat == "dots" or ring:  # a ring's loop keeps no more without remat
         return saved
-    # none: the rest, the softmax in float32
-    return (saved + 2 * x["norm"] * (4 + c) + (x["q"] + x["kv"]) * c + (0 if ring else x["scores"] * 4)
-            + 2 * x["btf"] * c)
+    # none: the rest, the softmax in float32; XLA:CPU also keeps the MLP's elementwise
+    # results in float32 when it computes them from bfloat16
+    probabilities = x["scores"] * 4 if layout.seq == 1 else 0.0  # Ulysses' attention keeps its scores only
+    return (saved + 2 * x["norm"] * (4 + c) + (x["q"] + x["kv"]) * c + probabilities
+            + 2 * x["btf"] * c + (4 * x["btf"] * 4 if mm > c else 0))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -148,8 +160,17 @@ def estimate(work: Workload, layout: Layout, *, backend: str = "gpu", prefetch: 
     ways = layout.fsdp * layout.seq * (layout.tensor[0] if isinstance(layout.tensor, tuple) else 1)
     gathered = 2 * per_layer * ways if ways > 1 else 0.0
     tp = layout.tensor[0] if isinstance(layout.tensor, tuple) else layout.tensor_ways
-    tables = 3 * 4 * m.vocab_size / tp * m.dim  # the vocabulary table gathered, its gradient, the head's
-    workspace = max(3 * 4 * x["logits"], 1.5 * one_layer) + gathered + tables
+    # The vocabulary tables whole over fsdp: the head gathered and the lookup table's
+    # gradient before its reduce-scatter; a pipeline's step also holds the gathered lookup
+    # table, and SUMMA's head a moving panel of the head's weight.
+    grid = isinstance(layout.tensor, tuple)
+    tables = (3 if layout.pipe > 1 or grid else 2) * 4 * m.vocab_size / tp * m.dim
+    if layout.fsdp * layout.seq == 1 and layout.pipe == 1 and not grid:
+        tables = 0.0  # not split: the head is the parameter, its gradient counted already
+    # The logits, their exponentials and gradient; SUMMA's head keeps its q block
+    # products and their sum (q + 2 in all).
+    copies = layout.tensor[0] + 2 if isinstance(layout.tensor, tuple) else 3
+    workspace = max(copies * 4 * x["logits"], 1.5 * one_layer) + gathered + tables
     parts = {"params": params_dev, "optimizer": optimizer, "batch": batch, "gradients": grads,
              "activations": activations, "workspace": workspace}
     parts["device"] = sum(parts.values())
