@@ -1,11 +1,12 @@
 """jaxpar's models: one decoder-only transformer for the Llama family and GPT-2 style,
-and the GliDe draft model that reads its KV cache."""
+the GliDe draft model that reads its KV cache, and the DLRM recommendation model."""
 
 from jaxpar.models.config import PRESETS, ModelConfig, RopeScaling
+from jaxpar.models.dlrm import DLRM, DLRM_PRESETS, DLRMConfig
 from jaxpar.models.gguf import from_gguf
 from jaxpar.models.glide import GlideDraft
 from jaxpar.models.hf import from_hf, to_hf
 from jaxpar.models.transformer import Transformer
 
-__all__ = ["PRESETS", "GlideDraft", "ModelConfig", "RopeScaling", "Transformer", "from_gguf", "from_hf",
-           "to_hf"]
+__all__ = ["DLRM", "DLRM_PRESETS", "DLRMConfig", "PRESETS", "GlideDraft", "ModelConfig", "RopeScaling",
+           "Transformer", "from_gguf", "from_hf", "to_hf"]
