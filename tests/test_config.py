@@ -36,7 +36,7 @@ def test_dotted_overrides_are_typed():
     [
         ("mesh.fdsp=4", r"unknown config key 'mesh.fdsp'; valid keys near it: mesh.fsdp$"),
         ("stpes=3", r"unknown config key 'stpes'; valid keys near it: steps$"),
-        ("lr=1e-3", r"unknown config key 'lr'; valid keys near it: optimizer.lr$"),
+        ("lr=1e-3", r"unknown config key 'lr'; valid keys near it: optimizer.lr, embedding.lr$"),
         ("model.lyers=2", r"unknown config key 'model.lyers'; valid keys near it: model.layers$"),
         ("mesh.zzz=2", r"unknown config key 'mesh.zzz'; valid keys near it: mesh.data, mesh.fsdp, mesh.pipe, "
                        r"mesh.seq, mesh.tensor, mesh.axis_types$"),
@@ -58,7 +58,7 @@ def test_yaml_path_and_missing_config(tmp_path):
     path.write_text("steps: 7\nmodel:\n  layers: 1\n")
     cfg = load_config(str(path))
     assert cfg.steps == 7 and cfg.model.layers == 1 and cfg.model.dim == PRESETS["tiny"].dim
-    with pytest.raises(ConfigError, match="no config 'huge'; shipped configs: 1b, glide, small, tiny"):
+    with pytest.raises(ConfigError, match="no config 'huge'; shipped configs: 1b, dlrm, glide, small, tiny"):
         load_config("huge")
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(str(tmp_path / "nope.yaml"))
@@ -92,7 +92,13 @@ def test_presets_are_the_one_definition_of_each_model():
     assert load_config("tiny", ["model=gpt2"]).model == PRESETS["gpt2"]
     assert load_config("tiny", ["model.preset=small", "model.layers=2"]).model == \
         dataclasses.replace(PRESETS["small"], layers=2)
-    with pytest.raises(ConfigError, match=r"model.preset='huge' is not one of \['1b', 'gpt2', 'small', 'tiny'\]"):
+    from jaxpar.models import DLRM_PRESETS  # task dlrm's model section is a DLRMConfig
+
+    assert load_config("dlrm").model == DLRM_PRESETS["dlrm"]
+    assert load_config("dlrm", ["model=dlrm_criteo"]).model == DLRM_PRESETS["dlrm_criteo"]
+    assert load_config("dlrm", ["model.embed_dim=8", "model.bottom=[32,8]"]).model == \
+        dataclasses.replace(DLRM_PRESETS["dlrm"], embed_dim=8, bottom=(32, 8))
+    with pytest.raises(ConfigError, match=r"model.preset='huge' is not one of \['1b', 'dlrm', 'dlrm_criteo', 'gpt2', 'small', 'tiny'\]"):
         load_config("tiny", ["model.preset=huge"])
 
 

@@ -99,7 +99,7 @@ def test_progress_bar_does_not_warn_in_a_kernel(tmp_path):
     except ImportError:
         expected = "tqdm.std"
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
-        "import jaxpar.train.loop as loop\nprint('bar from', loop.tqdm.__module__)")])
+        "import jaxpar.train.stepping as stepping\nprint('bar from', stepping.tqdm.__module__)")])
     nbclient.NotebookClient(nb, timeout=120, kernel_name="python3",
                             resources={"metadata": {"path": str(tmp_path)}}).execute()
     out = _text(nb.cells[0])

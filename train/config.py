@@ -20,6 +20,7 @@ import yaml
 
 from jaxpar.kernels.dispatch import IMPLS as KERNEL_IMPLS
 from jaxpar.models.config import CHECKPOINT_NAMES, PRESETS, ModelConfig
+from jaxpar.models.dlrm import DLRM_PRESETS, DLRMConfig
 from jaxpar.offload.budget import parse_bytes
 from jaxpar.offload.planner import PCIE5_X16_BANDWIDTH, PLACES as OFFLOAD_PLACES, UNSUPPORTED_AXES
 from jaxpar.parallel.pipeline_schedule import KINDS as PIPELINE_SCHEDULES
@@ -291,9 +292,47 @@ class GlideConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class EmbeddingConfig:
+    """With ``task: dlrm``, where the embedding tables live and how their rows train
+    (``jaxpar.embedding``; the dense layers train with ``optimizer.*``)."""
+
+    # Share of the table's rows cached on the device, in (0, 1] (1: every row), with the
+    # whole table and its optimizer state in host memory; "auto": the most rows that
+    # device_budget holds; null: no cache, the whole table a device array.
+    cache_ratio: float | Literal["auto"] | None = 0.01
+    # Share of the cache preloaded with the rows a sample of the training ids uses most
+    # (Colossal-AI's warm-up; 0.7 is its default).
+    warmup_ratio: float = 0.7
+    # Batches ahead whose missing rows a host thread gathers while a step runs (0: none).
+    prefetch: int = 1
+    eviction: Literal["lfu", "lru"] = "lfu"
+    # The sparse rule of the table's rows (only the rows a batch touched change):
+    # row-wise Adagrad, as DLRM trains its tables, or plain SGD.
+    optimizer: Literal["adagrad", "sgd"] = "adagrad"
+    lr: float = 0.05
+    # Device bytes for the cache with cache_ratio=auto ("4GiB"; null: the device's own
+    # memory where the backend says, which a CPU does not).
+    device_budget: str | None = None
+
+    def __post_init__(self):
+        ratio = self.cache_ratio
+        if ratio is not None and ratio != "auto" and not 0 < ratio <= 1:
+            raise ValueError(f"embedding.cache_ratio={ratio!r} must be in (0, 1], auto or null")
+        if not 0 <= self.warmup_ratio <= 1:
+            raise ValueError(f"embedding.warmup_ratio={self.warmup_ratio!r} must be in [0, 1]")
+        if self.prefetch < 0:
+            raise ValueError(f"embedding.prefetch={self.prefetch!r} must not be negative")
+        if not self.lr > 0:
+            raise ValueError(f"embedding.lr={self.lr!r} must be positive")
+        if self.device_budget is not None:
+            parse_bytes(self.device_budget, name="embedding.device_budget")
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
-    # With task glide, model.* is the target's (from target_run_dir), not set here.
-    model: ModelConfig = ModelConfig()
+    # With task glide, model.* is the target's (from target_run_dir), not set here; with
+    # task dlrm, a DLRMConfig (model: dlrm or dlrm_criteo, jaxpar.models.DLRM_PRESETS).
+    model: ModelConfig | DLRMConfig = ModelConfig()
     data: DataConfig = DataConfig()
     # "auto": the planner chooses the mesh, pipeline, remat, grad_accum and offload for the
     # devices present (jaxpar.train.plan.auto; plan.* says for what).
@@ -315,16 +354,24 @@ class Config:
     seq_len: int = 128
     dry_run: bool = False  # compile the step, print the profiler's JSON line, exit
     # "lm": train `model` as a language model; "glide": train a GliDe draft for the
-    # frozen target in target_run_dir (a jaxpar run dir or a Hugging Face directory).
-    task: Literal["lm", "glide"] = "lm"
+    # frozen target in target_run_dir (a jaxpar run dir or a Hugging Face directory);
+    # "dlrm": train a recommendation model (jaxpar.models.DLRM) on data.format criteo or
+    # synthetic, batch_size samples a step (seq_len unused), its tables as embedding.* says.
+    task: Literal["lm", "glide", "dlrm"] = "lm"
     target_run_dir: str | None = None
     glide: GlideConfig = GlideConfig()
+    embedding: EmbeddingConfig = EmbeddingConfig()
 
     @property
     def auto_mesh(self) -> bool:
         return self.mesh == "auto"
 
     def __post_init__(self):
+        if (self.task == "dlrm") != isinstance(self.model, DLRMConfig):
+            raise ValueError(f"task={self.task!r} with a {type(self.model).__name__} model: task dlrm "
+                             f"takes a DLRM (model: {' or '.join(DLRM_PRESETS)}), the others a transformer")
+        if self.task == "dlrm":
+            return self._check_dlrm()
         if self.auto_mesh and self.task == "glide":
             raise ValueError("mesh=auto plans a language model's step; give task=glide a mesh")
         if self.task == "glide" and not self.target_run_dir:
@@ -372,6 +419,19 @@ class Config:
             )
 
 
+    def _check_dlrm(self):
+        for key in ("steps", "batch_size", "checkpoint.keep", "eval.batches"):
+            if _get(self, key) < 1:
+                raise ValueError(f"{key}={_get(self, key)!r} must be at least 1")
+        if self.data.format == "text":
+            raise ValueError("task=dlrm reads data.format=criteo (a Criteo TSV at data.path) or synthetic")
+        if self.data.format == "criteo" and not self.data.path:
+            raise ValueError("data.format=criteo needs data.path=FILE (Criteo's TSV, plain or .gz)")
+        if self.auto_mesh or any(getattr(self.mesh, a) not in (1, None) for a in ("fsdp", "pipe", "seq")) \
+                or self.mesh.tensor != 1:
+            raise ValueError("task=dlrm trains data parallel: give mesh.data (or nothing) and no other axis")
+
+
 def _get(cfg, dotted: str):
     for part in dotted.split("."):
         cfg = getattr(cfg, part)
@@ -387,12 +447,16 @@ def _keys(cls, prefix="") -> list[str]:
     return keys
 
 
-def _dataclass_in(hint):
-    """The dataclass a field holds (also through ``X | None``), or None."""
-    for candidate in (hint, *typing.get_args(hint)):
-        if dataclasses.is_dataclass(candidate):
-            return candidate
-    return None
+def _dataclass_in(hint, value=None):
+    """The dataclass a field holds (also through ``X | None``), or None. Of several
+    (``model``: a ``ModelConfig`` or a ``DLRMConfig``), the first whose fields hold every
+    key of ``value``, else the first."""
+    candidates = [c for c in (hint, *typing.get_args(hint)) if dataclasses.is_dataclass(c)]
+    if isinstance(value, dict):
+        for candidate in candidates:
+            if set(value) <= {f.name for f in dataclasses.fields(candidate)}:
+                return candidate
+    return candidates[0] if candidates else None
 
 
 def _coerce(value: Any, hint, key: str):
@@ -472,9 +536,10 @@ def _build(cls, values: dict, prefix: str = ""):
     kwargs = {}
     for name, value in values.items():
         hint = hints[name]
-        inner = _dataclass_in(hint)
+        inner = _dataclass_in(hint, value)
         if inner is not None and isinstance(value, dict):
             default = getattr(cls(), name) if _has_default(cls, name) else None
+            default = default if isinstance(default, inner) else None
             merged = {**(dataclasses.asdict(default) if default is not None else {}), **value}
             kwargs[name] = _build(inner, merged, f"{prefix}{name}.")
         else:
@@ -579,9 +644,10 @@ def _from_preset(model: Any) -> Any:
         return model
     model = dict(model)
     name = model.pop("preset")
-    if name not in PRESETS:
-        raise ConfigError(f"model.preset={name!r} is not one of {sorted(PRESETS)}")
-    return {**dataclasses.asdict(PRESETS[name]), **model}
+    presets = {**PRESETS, **DLRM_PRESETS}
+    if name not in presets:
+        raise ConfigError(f"model.preset={name!r} is not one of {sorted(presets)}")
+    return {**dataclasses.asdict(presets[name]), **model}
 
 
 def to_dict(cfg: Config) -> dict:

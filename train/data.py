@@ -43,7 +43,7 @@ import time
 import uuid
 import zlib
 from collections.abc import Iterator, Sequence
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import jax
 import numpy as np
@@ -85,6 +85,12 @@ class DataConfig:
     # name (its path relative to the corpus root; "file.jsonl:LINE" for JSONL lines).
     val_fraction: float = 0.05
     max_files: int | None = None  # only the first N files after sorting (quick runs)
+    # What the data is: "text" (a language model's corpus, above), or, with task: dlrm,
+    # "criteo" (Criteo's TSV at path: label, 13 integer and 26 hexadecimal columns; plain
+    # or gzip) or "synthetic" (Zipf-distributed ids with exponent zipf_alpha and a planted
+    # signal: jaxpar.train.recsys_data).
+    format: Literal["text", "criteo", "synthetic"] = "text"
+    zipf_alpha: float = 1.05
 
     def __post_init__(self):
         for name in ("path", "tokenizer"):  # "~/corpus" as a user types it
@@ -96,6 +102,8 @@ class DataConfig:
             raise ValueError(f"data.max_files={self.max_files} must be >= 1 or None")
         if not self.text_field:
             raise ValueError("data.text_field must be a non-empty field name")
+        if not self.zipf_alpha > 0:
+            raise ValueError(f"data.zipf_alpha={self.zipf_alpha} must be positive")
 
 
 # Corpus --------------------------------------------------------------------------------

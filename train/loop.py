@@ -10,7 +10,8 @@ checkpoint from both, so each step is logged once), ``tokenizer.json`` and
 ``checkpoints/`` (orbax; unreadable ones moved to ``checkpoints/corrupt/<step>``). The
 run dir is made only once the run can start. The tokenizer/packed-data cache is
 ``cache_dir``, by default the per-user ``jaxpar.train.data.default_cache_dir()`` that
-every run dir shares.
+every run dir shares. The steps themselves (metrics, checkpoints, stop signals, a
+non-finite loss) run in ``jaxpar.train.stepping``, which every task shares.
 
 With ``task: glide`` the trained model is a GliDe draft for the frozen target in
 ``target_run_dir`` (``jaxpar.train.glide``); the loop is the same, its batches carrying
@@ -22,11 +23,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 import json
 import logging
 import math
-import os
 import pathlib
 import time
 
@@ -35,13 +34,6 @@ import numpy as np
 import optax
 import yaml
 from flax import nnx
-
-# tqdm.auto draws a widget in a Jupyter kernel, but without ipywidgets it warns "IProgress
-# not found" (on import) and falls back to the text bar: take the text bar directly then.
-if importlib.util.find_spec("ipywidgets") is None:
-    from tqdm.std import tqdm
-else:
-    from tqdm.auto import tqdm
 
 import jaxpar
 from jaxpar.models import GlideDraft, Transformer
@@ -52,19 +44,15 @@ from jaxpar.parallel.pipeline_schedule import Schedule
 from jaxpar.parallel.zigzag import to_zigzag
 from jaxpar.planning import hardware as hardware_lib
 from jaxpar.train import data as data_lib
-from jaxpar.train import glide, self_distill, tensorboard
+from jaxpar.train import glide, self_distill
 from jaxpar.train import offload as offload_lib
 from jaxpar.train.checkpoints import CheckpointError, Checkpoints
 from jaxpar.train.command import file_in_the_way
 from jaxpar.train.config import Config, ConfigError, MeshConfig, OptimizerConfig, to_dict
 from jaxpar.train.step import make_train_step
-from jaxpar.train.stopping import Stopped, stop_on_signals
+from jaxpar.train.stepping import Recorder, TrainingError, run_steps
 
 log = logging.getLogger(__name__)
-
-
-class TrainingError(RuntimeError):
-    """A run that cannot start or go on; the CLI prints it on one line and exits 1."""
 
 
 def build_mesh(mesh_cfg: MeshConfig, devices=None) -> jax.sharding.Mesh:
@@ -203,13 +191,6 @@ def _global_batch(local: dict, step_fn) -> dict:
     return {k: jax.make_array_from_process_local_data(step_fn.batch_sharding, v) for k, v in local.items()}
 
 
-def _rewrite_metrics(path: pathlib.Path, upto: int) -> None:
-    """Drops metrics of steps after ``upto`` (a resumed run logs them again)."""
-    if path.exists():
-        lines = [l for l in path.read_text().splitlines() if l and json.loads(l)["step"] <= upto]
-        path.write_text("".join(l + "\n" for l in lines))
-
-
 def dry_run_profile(cfg: Config, step_fn, abstract_model, mesh, rules, schedule: Schedule | None) -> dict:
     """The compile-only profile of ``step_fn`` (``jaxpar.profiler.profile``), with the
     pipeline's bubble and per-stage memory when it runs ``schedule``."""
@@ -279,6 +260,10 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
     that step saved and raises ``jaxpar.train.stopping.Stopped`` (a second signal acts
     at once); several processes stop at the same step (``stopping``)."""
     check_output_dirs(cfg)
+    if cfg.task == "dlrm":  # a recommendation model (jaxpar.train.recsys)
+        from jaxpar.train import recsys
+
+        return recsys.train(cfg, progress=progress)
     if cfg.auto_mesh:  # the planner's best layout for the devices present (jaxpar.train.plan)
         from jaxpar.train.plan import auto
 
@@ -373,80 +358,43 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
             state = step_fn.in_storage_order(state)
             params, opt_state = state["params"], state["opt_state"]
             loader.restore(meta["loader"])
-        metrics_path = run_dir / "metrics.jsonl"
-        if lead:
-            _rewrite_metrics(metrics_path, start)
-            tensorboard.truncate(run_dir / "tensorboard", start)
-
         eval_fn = jax.jit(lambda params, batch, *frozen: step_fn.loss(step_fn.model(params), batch, *frozen))
         tokens_per_step = cfg.batch_size * cfg.seq_len
         peak = peak_flops()
         if target is not None:
             peak = None  # flops_per_token counts a Transformer's step, not the draft's and teacher's
-        history, last_saved = [], start
 
-        def save(step, params, opt_state):
+        def one_step(step):
+            nonlocal params, opt_state
+            rows = loader.local_rows(loader.step)
+            batch = batch_of("train", rows, next(loader))
+            began = time.perf_counter()
+            params, opt_state, out = step_fn(params, opt_state, batch, *frozen)
+            loss = float(out["loss"])
+            elapsed = time.perf_counter() - began
+            record = {"step": step, "loss": loss, "lr": float(schedule(step - 1)),
+                      "grad_norm": float(out["grad_norm"]), "tokens_per_s": tokens_per_step / elapsed,
+                      "step_time_s": elapsed, "device_live_bytes": offload_lib.device_live_bytes()}
+            if val_batches and (step % cfg.eval.every == 0 or step == cfg.steps) and math.isfinite(loss):
+                losses = [eval_fn(params, batch_of("validation", rows, b), *frozen) for rows, b in val_batches]
+                record["val_loss"] = float(np.mean([float(l) for l in losses]))
+            postfix = {"loss": f"{loss:.3f}", "tok/s": f"{record['tokens_per_s']:.0f}", "step": f"{elapsed * 1e3:.0f}ms"}
+            if peak:
+                postfix["MFU"] = f"{flops_per_token(cfg) * record['tokens_per_s'] / (peak * mesh.devices.size):.1%}"
+            if "val_loss" in record:
+                postfix["val"] = f"{record['val_loss']:.3f}"
+            return record, postfix
+
+        def save(step):
             try:
                 checkpoints.save(step, step_fn.in_model_order({"params": params, "opt_state": opt_state}),
                                  {"step": step, "loader": loader.state(), "config": to_dict(cfg)})
             except CheckpointError as e:
                 raise TrainingError(str(e)) from None
 
-        board = tensorboard.writer(run_dir / "tensorboard") if lead else None
-        metrics_file = metrics_path.open("a") if lead else None
+        recorder = Recorder(run_dir, start, cfg.steps, lead=lead, progress=progress)
         log.info("compiling the train step (the first step waits for it)")
-        bar = tqdm(total=cfg.steps, initial=start, disable=not progress or not lead,
-                   dynamic_ncols=True, desc="train")
-        try:
-            with step_fn.context(), stop_on_signals() as stop:
-                for step in range(start + 1, cfg.steps + 1):
-                    rows = loader.local_rows(loader.step)
-                    batch = batch_of("train", rows, next(loader))
-                    began = time.perf_counter()
-                    params, opt_state, out = step_fn(params, opt_state, batch, *frozen)
-                    loss = float(out["loss"])
-                    elapsed = time.perf_counter() - began
-                    if not math.isfinite(loss):
-                        raise TrainingError(
-                            f"loss is {loss} at step {step}; stopped. The last good checkpoint "
-                            f"(step {last_saved}) in {checkpoints.directory} is intact"
-                        )
-                    record = {"step": step, "loss": loss, "lr": float(schedule(step - 1)),
-                              "grad_norm": float(out["grad_norm"]), "tokens_per_s": tokens_per_step / elapsed,
-                              "step_time_s": elapsed, "device_live_bytes": offload_lib.device_live_bytes()}
-                    if val_batches and (step % cfg.eval.every == 0 or step == cfg.steps):
-                        losses = [eval_fn(params, batch_of("validation", rows, b), *frozen)
-                                  for rows, b in val_batches]
-                        record["val_loss"] = float(np.mean([float(l) for l in losses]))
-                    history.append(record)
-                    if lead:
-                        metrics_file.write(json.dumps(record) + "\n")
-                        metrics_file.flush()
-                        for name, value in record.items():
-                            if name != "step" and board is not None:
-                                board.add_scalar(name, value, step)
-                    every = cfg.checkpoint.every
-                    if (every and step % every == 0) or step == cfg.steps:
-                        save(step, params, opt_state)
-                        last_saved = step
-                    postfix = {"loss": f"{loss:.3f}", "tok/s": f"{record['tokens_per_s']:.0f}",
-                               "step": f"{elapsed * 1e3:.0f}ms"}
-                    if peak:
-                        postfix["MFU"] = f"{flops_per_token(cfg) * record['tokens_per_s'] / (peak * mesh.devices.size):.1%}"
-                    if "val_loss" in record:
-                        postfix["val"] = f"{record['val_loss']:.3f}"
-                    bar.set_postfix(postfix, refresh=False)
-                    bar.update(1)
-                    signum = stop.agreed() if step < cfg.steps else None
-                    if signum is not None:  # every process stops here, this step saved
-                        if last_saved != step:
-                            save(step, params, opt_state)
-                            last_saved = step
-                        raise Stopped(signum, step, last_saved)
-        finally:
-            bar.close()
-            if board is not None:
-                board.close()
-            if lead:
-                metrics_file.close()
+        with step_fn.context():
+            history = run_steps(start, cfg.steps, cfg.checkpoint.every, one_step=one_step, save=save,
+                                recorder=recorder, where=str(checkpoints.directory))
         return history  # leaving the block waits for the last save

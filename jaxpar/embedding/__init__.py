@@ -22,6 +22,8 @@ evicted to make room go back to the host with their optimizer state.
   with SGD); ``flush``/``table()`` give the exact table for a checkpoint, ``load``
   restores one.
 - Statistics (``stats``): hits, misses, evictions and bytes each way, per step and total.
+- No cache (``DeviceTable``): the whole table one device array behind the same
+  interface, a row's slot its id; what the cache is checked against.
 
 A step, with ``loss_fn(params, emb, batch)`` differentiable in the gathered rows
 ``emb [B, F, D]``::
@@ -41,7 +43,9 @@ A step, with ``loss_fn(params, emb, batch)`` differentiable in the gathered rows
 """
 
 from jaxpar.embedding.cache import EmbeddingCache, cache_rows_for
+from jaxpar.embedding.device_table import DeviceTable
 from jaxpar.embedding.stats import CacheStats
 from jaxpar.embedding.update import CacheArrays, SparseOptimizer, sparse_update
 
-__all__ = ["CacheArrays", "CacheStats", "EmbeddingCache", "SparseOptimizer", "cache_rows_for", "sparse_update"]
+__all__ = ["CacheArrays", "CacheStats", "DeviceTable", "EmbeddingCache", "SparseOptimizer", "cache_rows_for",
+           "sparse_update"]

@@ -165,6 +165,14 @@ class EmbeddingCache:
         state = np.asarray(self.arrays.state)[resident] if self.arrays.state is not None else None
         self.store.write(self._slot_to_id[resident], rows, state)
 
+    def rows_of(self, ids) -> np.ndarray:
+        """The exact current rows of ``ids`` (any shape, resident or not) ``[..., dim]``,
+        read from the host table after a flush: an evaluation's lookups neither load rows
+        nor count towards eviction."""
+        self.flush()
+        ids = np.asarray(ids)
+        return self.store.table[self._checked(ids, "ids")].reshape(*ids.shape, self.dim)
+
     def table(self) -> np.ndarray:
         """The exact full table ``[num_rows, dim]`` (flushes first); a read-only view of
         the host table, which later steps change: copy it to keep it."""

@@ -1,0 +1,67 @@
+"""The whole table as one device array, behind the cache's interface.
+
+``DeviceTable`` is what ``embedding.cache_ratio=null`` trains with: no host copy, no
+eviction; a row's slot is its id. It answers the calls a trainer makes of an
+``EmbeddingCache`` (``prepare``, ``arrays``, ``rows_of``, ``table``,
+``optimizer_state``, ``load``, ``last_step``, ``close``), so one train step and one
+loop serve both, and the cache can be checked against it (the same rows, the same
+sparse update: ``jaxpar.embedding.update``).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from jaxpar.embedding.stats import CacheStats
+from jaxpar.embedding.update import CacheArrays, SparseOptimizer
+
+
+class DeviceTable:
+    """``table [num_rows, dim]`` (and its optimizer state) on ``device`` (a Device or a
+    Sharding; None: the default device)."""
+
+    def __init__(self, table: np.ndarray, *, optimizer: SparseOptimizer = SparseOptimizer(),
+                 state: np.ndarray | None = None, device=None):
+        table = np.asarray(table, np.float32)
+        self.num_rows, self.dim = table.shape
+        self.optimizer, self._device = optimizer, device
+        if optimizer.has_state and state is None:
+            state = np.full(self.num_rows, optimizer.initial_accumulator, np.float32)
+        self.arrays = self._placed(table, state)
+        self.last_step = CacheStats()
+
+    def prepare(self, ids, upcoming=()) -> np.ndarray:
+        """Every id is resident: its slot is itself (int32, shaped like ``ids``)."""
+        ids = np.asarray(ids)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.num_rows):
+            bad = ids[(ids < 0) | (ids >= self.num_rows)].flat[0]
+            raise ValueError(f"ids: row id {bad} outside [0, num_rows={self.num_rows})")
+        hits = len(np.unique(ids))
+        self.last_step = CacheStats(hits=hits)
+        return ids.astype(np.int32)
+
+    def rows_of(self, ids) -> jax.Array:
+        """The current rows of ``ids`` (any shape) ``[..., dim]``."""
+        return self.arrays.rows[np.asarray(ids)]
+
+    def table(self) -> np.ndarray:
+        return np.asarray(self.arrays.rows)
+
+    def optimizer_state(self) -> np.ndarray | None:
+        return None if self.arrays.state is None else np.asarray(self.arrays.state)
+
+    def load(self, table: np.ndarray, state: np.ndarray | None = None) -> None:
+        table = np.asarray(table, np.float32)
+        if table.shape != (self.num_rows, self.dim):
+            raise ValueError(f"load: table shape {table.shape}, expected {(self.num_rows, self.dim)}")
+        if self.optimizer.has_state and state is None:
+            raise ValueError(f"load: optimizer {self.optimizer.kind!r} needs its state, got None")
+        self.arrays = self._placed(table, state if self.optimizer.has_state else None)
+
+    def close(self) -> None:
+        pass
+
+    def _placed(self, table, state) -> CacheArrays:
+        return CacheArrays(jax.device_put(table, self._device),
+                           None if state is None else jax.device_put(np.asarray(state, np.float32), self._device))

@@ -1,0 +1,81 @@
+"""``jaxpar-train dlrm`` through the embedding cache against the whole table on the
+device (issue 37: bit for bit with SGD, within 1e-6 with row-wise Adagrad), end to end
+through ``train()``. Here, under XLA:CPU's default emitters: the cached and uncached
+steps are two programs (a [C, D] cache, a [R, D] table), which the suite's elemental
+emitters would contract into different FMAs (tests/conftest.py, EXACT)."""
+
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from jaxpar.train.config import load_config
+from jaxpar.train.loop import train
+from jaxpar.train.recsys import load_run
+
+
+def run(tmp_path, name, *overrides, steps=30):
+    """A ``dlrm`` run on the 8 simulated devices: ``(losses, checkpointed state, history)``."""
+    cfg = load_config("dlrm", [f"run_dir={tmp_path / name}", f"steps={steps}", "eval.every=0",
+                               "checkpoint.every=10", *overrides])
+    history = train(cfg, progress=False)
+    return [r["loss"] for r in history], load_run(tmp_path / name)[2], history
+
+
+@pytest.fixture(scope="module")
+def uncached(tmp_path_factory):
+    """The reference: the whole table on the device, one run per sparse optimizer."""
+    tmp = tmp_path_factory.mktemp("uncached")
+    return {kind: run(tmp, kind, "embedding.cache_ratio=null", f"embedding.optimizer={kind}")
+            for kind in ("sgd", "adagrad")}
+
+
+def leaves(state) -> dict:
+    flat = jax.tree_util.tree_flatten_with_path(state)[0]
+    return {jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in flat}
+
+
+def assert_same(state, reference, *, exact: bool):
+    got, want = leaves(state), leaves(reference)
+    assert got.keys() == want.keys()
+    for key in want:
+        if exact:
+            assert np.array_equal(got[key], want[key]), key
+        else:
+            scale = max(float(np.abs(want[key]).max()), 1e-30)
+            assert float(np.abs(got[key] - want[key]).max()) <= 1e-6 * scale, key
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adagrad"])
+def test_the_cache_trains_the_uncached_model(tmp_path, uncached, kind):
+    """1% of the rows cached: once the warmed-up cache is full, every step evicts. The
+    same losses, dense weights and their optimizer state, table and table state."""
+    losses, state, history = run(tmp_path, "cached", f"embedding.optimizer={kind}")
+    evicting = [r["evictions"] > 0 for r in history]
+    assert any(evicting) and all(evicting[evicting.index(True):]), evicting
+    ref_losses, ref_state, _ = uncached[kind]
+    if kind == "sgd":
+        assert losses == ref_losses
+    else:
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+    assert_same(state, ref_state, exact=kind == "sgd")
+
+
+def test_everything_cached_is_the_uncached_model(tmp_path, uncached):
+    losses, state, history = run(tmp_path, "all", "embedding.cache_ratio=1", "embedding.optimizer=sgd")
+    assert not any(r["evictions"] for r in history)  # room for every row: only first-use misses
+    assert losses == uncached["sgd"][0]
+    assert_same(state, uncached["sgd"][1], exact=True)
+
+
+def test_resumed_on_another_cache_continues_exactly(tmp_path, uncached):
+    """Step 20's checkpoint of a run with 1% cached, resumed with 5% and LRU: the
+    uninterrupted run's next losses and final state."""
+    run(tmp_path, "cached", "embedding.optimizer=sgd")
+    (tmp_path / "resumed" / "checkpoints").mkdir(parents=True)
+    shutil.copytree(tmp_path / "cached" / "checkpoints" / "20", tmp_path / "resumed" / "checkpoints" / "20")
+    rest, state, _ = run(tmp_path, "resumed", "embedding.optimizer=sgd", "embedding.cache_ratio=0.05",
+                         "embedding.eviction=lru")
+    assert rest == uncached["sgd"][0][20:]
+    assert_same(state, uncached["sgd"][1], exact=True)

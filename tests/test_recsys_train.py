@@ -1,0 +1,60 @@
+"""``jaxpar-train dlrm``: a run resumed from a checkpoint taken with the cache dirty
+continues exactly, the trained model learns the planted signal, and bad input is one
+line with nothing written. (The cache against the whole table on the device, bit for
+bit: tests/exact/test_embedding_cache_training.py.)"""
+
+import json
+import shutil
+
+import pytest
+
+from jaxpar.train.config import ConfigError, load_config
+from jaxpar.train.loop import train
+
+
+def losses(tmp_path, name, *overrides, steps=30):
+    cfg = load_config("dlrm", [f"run_dir={tmp_path / name}", f"steps={steps}", "eval.every=0",
+                               "checkpoint.every=10", *overrides])
+    return [r["loss"] for r in train(cfg, progress=False)]
+
+
+def resumed_from(tmp_path, source, step, name, *overrides):
+    """The losses of a run resumed from ``source``'s checkpoint of ``step`` alone."""
+    (tmp_path / name / "checkpoints").mkdir(parents=True)
+    shutil.copytree(tmp_path / source / "checkpoints" / str(step), tmp_path / name / "checkpoints" / str(step))
+    return losses(tmp_path, name, *overrides)
+
+
+def test_resumed_with_the_cache_dirty_continues_exactly(tmp_path):
+    """Step 20's checkpoint of a 1% cache (rows the host copy had not seen since it was
+    flushed for the checkpoint), restored into a fresh cache: the same next losses."""
+    whole = losses(tmp_path, "whole")
+    assert resumed_from(tmp_path, "whole", 20, "resumed") == whole[20:]
+
+
+def test_trained_dlrm_learns_the_planted_signal(tmp_path):
+    cfg = load_config("dlrm", [f"run_dir={tmp_path}", "steps=150", "eval.every=150", "checkpoint.every=0"])
+    history = train(cfg, progress=False)
+    assert history[-1]["val_auc"] > 0.68, history[-1]
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(lines) == 150 and "val_auc" in lines[-1] and 0 < lines[-1]["hit_rate"] < 1
+
+
+@pytest.mark.parametrize("args,message", [
+    (["embedding.cache_ratio=0"], r"embedding.cache_ratio=0.0 must be in \(0, 1\]"),
+    (["embedding.cache_ratio=1.5"], r"embedding.cache_ratio=1.5 must be in \(0, 1\]"),
+    (["data.format=criteo"], r"data.format=criteo needs data.path"),
+    (["data.format=text"], r"task=dlrm reads data.format=criteo"),
+    (["mesh.fsdp=2"], r"task=dlrm trains data parallel"),
+    (["task=lm"], r"task='lm' with a DLRMConfig model"),
+])
+def test_bad_config_is_one_line(args, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config("dlrm", args)
+
+
+def test_a_cache_too_small_for_a_batch_names_the_ratio_that_works(tmp_path):
+    cfg = load_config("dlrm", [f"run_dir={tmp_path / 'run'}", "embedding.cache_ratio=0.0005"])
+    with pytest.raises(ValueError, match=r"the smallest cache_ratio that holds it is 0\.00\d+"):
+        train(cfg, progress=False)
+    assert not (tmp_path / "run").exists()  # nothing written

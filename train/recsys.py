@@ -1,0 +1,292 @@
+"""Training a recommendation model: ``jaxpar-train dlrm`` (``task: dlrm``).
+
+``jaxpar.models.DLRM`` on Criteo's TSV or the synthetic Zipf stream
+(``jaxpar.train.recsys_data``), data parallel over ``mesh.data``. The model's one
+concatenated embedding table lives where ``embedding.*`` says: by default in host memory
+with ``embedding.cache_ratio`` of its rows cached on the device (``jaxpar.embedding``),
+or (``cache_ratio: null``) whole on the device. Both sit behind one interface, so one
+step serves both:
+
+1. the host makes the batch's rows resident and returns their slots (``prepare``; the
+   next ``embedding.prefetch`` batches' missing rows are gathered by a host thread
+   meanwhile);
+2. the jitted step reads ``rows[slots]``, differentiates the loss in the dense
+   parameters (``optimizer.*``: AdamW and its schedule, as for language models) and in
+   the gathered rows, and updates only the touched rows (``embedding.optimizer``:
+   row-wise Adagrad or SGD at ``embedding.lr``; ``jaxpar.embedding.sparse_update``).
+
+The steps, metrics, checkpoints and stop signals are the language models'
+(``jaxpar.train.stepping``). ``metrics.jsonl`` has ``loss``, ``lr``, ``grad_norm``,
+``samples_per_s``, ``step_time_s``, the cache's ``hit_rate`` (unique ids of the batch
+found on the device), ``h2d_bytes`` / ``d2h_bytes`` and ``evictions`` per step, and
+``val_loss`` and ``val_auc`` at eval steps (the held-out batches' rows read exactly,
+without disturbing the cache). A checkpoint holds the dense state and the exact table
+and its optimizer state (the cache is flushed first), so a resumed run, on a cache of
+any size or none, continues exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import pathlib
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import yaml
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxpar.embedding import DeviceTable, EmbeddingCache, SparseOptimizer, cache_rows_for, sparse_update
+from jaxpar.models.dlrm import DLRM, DLRMConfig, bce_loss
+from jaxpar.offload.budget import parse_bytes
+from jaxpar.train import data as data_lib
+from jaxpar.train.auc import auc
+from jaxpar.train.checkpoints import CheckpointError, Checkpoints
+from jaxpar.train.config import Config, load_config, to_dict
+from jaxpar.train.loop import build_mesh, describe_mesh, make_optimizer
+from jaxpar.train.recsys_data import recsys_loader
+from jaxpar.train.stepping import Recorder, TrainingError, run_steps
+
+log = logging.getLogger(__name__)
+
+# Batches of training ids whose counts warm the cache up (Colossal-AI counts a sample of
+# the dataset's ids).
+WARMUP_BATCHES = 16
+
+
+def cache_rows(cfg: Config) -> int | None:
+    """Rows the device cache holds (None: no cache, the table on the device)."""
+    m, e = cfg.model, cfg.embedding
+    if e.cache_ratio is None:
+        return None
+    if e.cache_ratio != "auto":
+        return cache_rows_for(m.total_rows, e.cache_ratio)
+    budget = e.device_budget and parse_bytes(e.device_budget, name="embedding.device_budget")
+    if not budget:
+        budget = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+    if not budget:
+        raise ValueError("embedding.cache_ratio=auto needs embedding.device_budget (this device does not say "
+                         "its memory)")
+    row_bytes = 4 * (m.embed_dim + (1 if e.optimizer == "adagrad" else 0))
+    rows = min(m.total_rows, budget // row_bytes)
+    log.info("embedding.cache_ratio=auto: %d of %d rows (%.4g) in %s of device memory", rows, m.total_rows,
+             rows / m.total_rows, e.device_budget or f"{budget} bytes")
+    return rows
+
+
+def build_tables(cfg: Config, table: np.ndarray, sharding) -> EmbeddingCache | DeviceTable:
+    """The table's home: a device cache over the host table, or the device table."""
+    e = cfg.embedding
+    optimizer = SparseOptimizer(e.optimizer)
+    rows = cache_rows(cfg)
+    if rows is None:
+        return DeviceTable(table, optimizer=optimizer, device=sharding)
+    return EmbeddingCache(cfg.model.total_rows, cfg.model.embed_dim, rows, optimizer=optimizer,
+                          eviction=e.eviction, prefetch=e.prefetch, table=table, device=sharding)
+
+
+def make_step(graphdef, stub, tx, optimizer: SparseOptimizer):
+    """The jitted train step ``(params, opt_state, arrays, slots, batch, lr) -> (params,
+    opt_state, arrays, out)``; ``stub``: the table's place in the model (zero rows: the
+    step's rows come from ``arrays``). Everything but ``lr`` and the batch is donated."""
+
+    def loss_fn(params, emb, batch):
+        model = nnx.merge(graphdef, stub, params)
+        return bce_loss(model(batch["dense"], emb), batch["labels"])
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
+    def step(params, opt_state, arrays, slots, batch, lr):
+        emb = arrays.rows[slots]  # [B, F, D]
+        loss, (g_params, g_emb) = jax.value_and_grad(loss_fn, argnums=(0, 1))(params, emb, batch)
+        updates, opt_state = tx.update(g_params, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        arrays = sparse_update(arrays, slots, g_emb, lr, optimizer=optimizer)
+        return params, opt_state, arrays, {"loss": loss, "grad_norm": optax.tree.norm(g_params)}
+
+    return step
+
+
+def initial_state(cfg: Config, sharding):
+    """``(model, graphdef, stub, state, tx, schedule)`` of a fresh run: ``state`` holds
+    the dense ``params`` and ``opt_state`` (on ``sharding``), the whole ``table`` and,
+    with row-wise Adagrad, its ``table_state`` (numpy: the checkpoint's layout); ``stub``
+    stands for the table in the model (the step's rows come from the cache)."""
+    m = cfg.model
+    model = DLRM(m, rngs=nnx.Rngs(cfg.seed))
+    graphdef, table_state, params = nnx.split(model, nnx.PathContains("table"), ...)
+    stub = jax.tree.map(lambda t: jnp.zeros((0, m.embed_dim), t.dtype), table_state)
+    tx, schedule = make_optimizer(cfg.optimizer, cfg.steps)
+    params = jax.device_put(params, sharding)
+    state = {"params": params, "opt_state": jax.device_put(tx.init(params), sharding),
+             "table": np.asarray(table_state["table"][...])}
+    optimizer = SparseOptimizer(cfg.embedding.optimizer)
+    if optimizer.has_state:
+        state["table_state"] = np.full(m.total_rows, optimizer.initial_accumulator, np.float32)
+    return model, graphdef, stub, state, tx, schedule
+
+
+def load_run(run_dir) -> tuple[Config, int, dict]:
+    """``(config, step, state)`` of the newest checkpoint of a ``jaxpar-train dlrm`` run
+    (``state`` as ``initial_state`` lays it out, the table exact)."""
+    run_dir = pathlib.Path(run_dir)
+    cfg = load_config(str(run_dir / "config.yaml"))
+    state = initial_state(cfg, jax.devices()[0])[3]
+    with Checkpoints(run_dir, keep=cfg.checkpoint.keep) as checkpoints:
+        restored = checkpoints.restore_latest(state)
+    if restored is None:
+        raise FileNotFoundError(f"{run_dir} has no readable checkpoint")
+    return cfg, restored[0], restored[1]
+
+
+def _check_same_model(checkpoints: Checkpoints, cfg: Config) -> None:
+    """Refuses a run dir whose checkpoints hold another task or DLRM shape."""
+    steps = checkpoints.steps()
+    if not steps:
+        return
+    try:
+        saved = checkpoints.read_meta(steps[-1]).get("config", {})
+    except Exception:  # noqa: BLE001 - unreadable; restore_latest says so
+        return
+    if saved.get("task", "lm") != "dlrm":
+        raise TrainingError(f"{checkpoints.directory} holds a checkpoint of task {saved.get('task', 'lm')!r}, "
+                            "not dlrm; use another run_dir")
+    here = json.loads(json.dumps(dataclasses.asdict(cfg.model)))
+    diffs = [f"model.{k}: {saved['model'].get(k)!r} there, {v!r} here" for k, v in here.items()
+             if saved.get("model", {}).get(k) != v]
+    if saved.get("embedding", {}).get("optimizer") != cfg.embedding.optimizer:
+        diffs.append(f"embedding.optimizer: {saved.get('embedding', {}).get('optimizer')!r} there, "
+                     f"{cfg.embedding.optimizer!r} here")
+    if diffs:
+        raise TrainingError(f"{checkpoints.directory} holds a checkpoint of a different model "
+                            f"({'; '.join(diffs)}); use another run_dir")
+
+
+def _check_cache_holds(tables, ids: np.ndarray, total_rows: int) -> None:
+    """One line before anything is written when a batch's ids do not fit the cache."""
+    unique = len(np.unique(ids))
+    if isinstance(tables, EmbeddingCache) and unique > tables.cache_rows:
+        raise ValueError(f"embedding.cache_ratio={tables.cache_ratio:.6g} caches {tables.cache_rows} rows but "
+                         f"the first batch has {unique} unique ids: the smallest cache_ratio that holds it is "
+                         f"{unique / total_rows:.6g}")
+
+
+def train(cfg: Config, *, progress: bool = True) -> list[dict]:
+    """Runs (or resumes) the DLRM training ``cfg`` describes; returns the per-step metrics."""
+    m: DLRMConfig = cfg.model
+    run_dir = pathlib.Path(cfg.run_dir)
+    mesh = build_mesh(cfg.mesh)
+    replicated, by_batch = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    if cfg.batch_size % mesh.shape["data"]:
+        raise ValueError(f"batch_size={cfg.batch_size} must be a multiple of mesh.data={mesh.shape['data']}")
+    loader, val_batches = recsys_loader(cfg.data.format, m.table_rows, cfg.batch_size, seed=cfg.seed,
+                                        path=cfg.data.path, zipf_alpha=cfg.data.zipf_alpha,
+                                        cache_dir=data_lib.cache_dir_of(cfg.cache_dir),
+                                        eval_steps=cfg.eval.batches, dense_features=m.dense_features)
+    val_batches = val_batches[: cfg.eval.batches] if cfg.eval.every else []
+    model, graphdef, stub, state, tx, schedule = initial_state(cfg, replicated)
+    params, opt_state, table = state["params"], state["opt_state"], state["table"]
+    step_fn = make_step(graphdef, stub, tx, SparseOptimizer(cfg.embedding.optimizer))
+    tables = build_tables(cfg, table, replicated)
+
+    def slots_and_batch(ids_of, batch, upcoming=()):
+        slots = tables.prepare(ids_of(batch), upcoming)
+        put = lambda x: jax.device_put(x, by_batch)  # noqa: E731
+        return put(slots), {"dense": put(batch["dense"]), "labels": put(batch["labels"])}
+
+    rows_of = model.rows  # per-feature ids [B, F] -> rows of the concatenated table
+    if cfg.dry_run:
+        from jaxpar.profiler import profile
+
+        slots, batch = slots_and_batch(lambda b: rows_of(b["sparse"]), loader.batch(0))
+        print(json.dumps(profile(step_fn.lower(params, opt_state, tables.arrays, slots, batch,
+                                               cfg.embedding.lr).compile()), separators=(",", ":")))
+        return []
+    _check_cache_holds(tables, rows_of(loader.batch(0)["sparse"]), m.total_rows)
+
+    with Checkpoints(run_dir, keep=cfg.checkpoint.keep) as checkpoints:
+        _check_same_model(checkpoints, cfg)
+        restored = checkpoints.restore_latest(state)
+        start = 0 if restored is None else restored[0]
+        if start >= cfg.steps:
+            log.warning("%s is already at step %d (steps=%d): nothing to do; raise steps= to continue "
+                        "or choose another run_dir", cfg.run_dir, start, cfg.steps)
+            return []
+        if restored is None:
+            log.info("starting at step 0 on %s", describe_mesh(mesh))
+        else:
+            log.info("resuming from step %d (checkpoint %s) on %s", start, checkpoints.directory / str(start),
+                     describe_mesh(mesh))
+            _, state, meta = restored
+            params, opt_state = state["params"], state["opt_state"]
+            tables.load(np.asarray(state["table"]), state.get("table_state"))
+            loader.restore(meta["loader"])
+        if isinstance(tables, EmbeddingCache) and cfg.embedding.warmup_ratio:
+            sample = [rows_of(loader.batch(loader.step + k)["sparse"]) for k in range(WARMUP_BATCHES)]
+            tables.warmup(np.concatenate([s.reshape(-1) for s in sample]), ratio=cfg.embedding.warmup_ratio)
+
+        lead = jax.process_index() == 0
+        if lead:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        forward = jax.jit(lambda params, dense, emb: nnx.merge(graphdef, stub, params)(dense, emb))
+        ahead = cfg.embedding.prefetch if isinstance(tables, EmbeddingCache) else 0
+
+        def one_step(step):
+            nonlocal params, opt_state
+            upcoming = [rows_of(loader.batch(loader.step + k)["sparse"]) for k in range(1, ahead + 1)]
+            began = time.perf_counter()
+            slots, batch = slots_and_batch(lambda b: rows_of(b["sparse"]), next(loader), upcoming)
+            lr = cfg.embedding.lr
+            params, opt_state, tables.arrays, out = step_fn(params, opt_state, tables.arrays, slots, batch, lr)
+            loss = float(out["loss"])
+            elapsed = time.perf_counter() - began
+            stats = tables.last_step
+            record = {"step": step, "loss": loss, "lr": float(schedule(step - 1)),
+                      "grad_norm": float(out["grad_norm"]), "samples_per_s": cfg.batch_size / elapsed,
+                      "step_time_s": elapsed, "hit_rate": stats.hit_rate, "h2d_bytes": stats.h2d_bytes,
+                      "d2h_bytes": stats.d2h_bytes, "evictions": stats.evictions}
+            if val_batches and (step % cfg.eval.every == 0 or step == cfg.steps):
+                record.update(evaluate(forward, params, tables, val_batches, rows_of))
+            postfix = {"loss": f"{loss:.4f}", "samples/s": f"{record['samples_per_s']:.0f}",
+                       "hits": f"{stats.hit_rate:.1%}"}
+            if "val_auc" in record:
+                postfix["auc"] = f"{record['val_auc']:.4f}"
+            return record, postfix
+
+        def save(step):
+            state = {"params": params, "opt_state": opt_state, "table": np.array(tables.table())}
+            if tables.optimizer.has_state:
+                state["table_state"] = np.array(tables.optimizer_state())
+            try:
+                checkpoints.save(step, state, {"step": step, "loader": loader.state(), "config": to_dict(cfg)})
+            except CheckpointError as e:
+                raise TrainingError(str(e)) from None
+
+        recorder = Recorder(run_dir, start, cfg.steps, lead=lead, progress=progress)
+        log.info("compiling the train step (the first step waits for it)")
+        try:
+            return run_steps(start, cfg.steps, cfg.checkpoint.every, one_step=one_step, save=save,
+                             recorder=recorder, where=str(checkpoints.directory))
+        finally:
+            tables.close()
+
+
+def evaluate(forward, params, tables, batches, rows_of) -> dict:
+    """``val_loss`` and ``val_auc`` over the held-out ``batches``, their rows read exactly."""
+    logits, labels = [], []
+    for batch in batches:
+        emb = tables.rows_of(rows_of(batch["sparse"]))
+        logits.append(np.asarray(forward(params, batch["dense"], emb)))
+        labels.append(batch["labels"])
+    logits, labels = np.concatenate(logits), np.concatenate(labels)
+    loss = float(bce_loss(jnp.asarray(logits), jnp.asarray(labels)))
+    try:
+        return {"val_loss": loss, "val_auc": auc(logits, labels)}
+    except ValueError:  # one class only among the held-out labels: AUC undefined
+        return {"val_loss": loss}

@@ -1,0 +1,104 @@
+"""The loop every task's training shares: step, record, checkpoint, stop.
+
+``run_steps`` runs steps ``start + 1 .. cfg.steps`` of any task (a language model, a
+GliDe draft, a DLRM): each ``one_step(step)`` returns the step's metrics record and the
+progress bar's figures; ``Recorder`` appends the record to ``metrics.jsonl`` and
+TensorBoard (process 0) and moves the bar; a checkpoint is saved every
+``checkpoint.every`` steps and at the last; SIGINT / SIGTERM stop the run at the next
+step boundary with that step saved (``jaxpar.train.stopping``); a non-finite loss stops
+it with the last good checkpoint named.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import pathlib
+from collections.abc import Callable
+
+# tqdm.auto draws a widget in a Jupyter kernel, but without ipywidgets it warns "IProgress
+# not found" (on import) and falls back to the text bar: take the text bar directly then.
+if importlib.util.find_spec("ipywidgets") is None:
+    from tqdm.std import tqdm
+else:
+    from tqdm.auto import tqdm
+
+from jaxpar.train import tensorboard
+from jaxpar.train.stopping import Stopped, stop_on_signals
+
+
+class TrainingError(RuntimeError):
+    """A run that cannot start or go on; the CLI prints it on one line and exits 1."""
+
+
+def rewrite_metrics(path: pathlib.Path, upto: int) -> None:
+    """Drops metrics of steps after ``upto`` (a resumed run logs them again)."""
+    if path.exists():
+        lines = [l for l in path.read_text().splitlines() if l and json.loads(l)["step"] <= upto]
+        path.write_text("".join(l + "\n" for l in lines))
+
+
+class Recorder:
+    """``metrics.jsonl`` and TensorBoard events in ``run_dir`` (written by the lead
+    process only; a resumed run first drops what it logged after ``start``), and the
+    progress bar."""
+
+    def __init__(self, run_dir: pathlib.Path, start: int, steps: int, *, lead: bool, progress: bool):
+        self.lead = lead
+        metrics = run_dir / "metrics.jsonl"
+        if lead:
+            rewrite_metrics(metrics, start)
+            tensorboard.truncate(run_dir / "tensorboard", start)
+        self.board = tensorboard.writer(run_dir / "tensorboard") if lead else None
+        self.file = metrics.open("a") if lead else None
+        self.bar = tqdm(total=steps, initial=start, disable=not progress or not lead, dynamic_ncols=True,
+                        desc="train")
+
+    def write(self, record: dict, postfix: dict) -> None:
+        if self.lead:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+            for name, value in record.items():
+                if name != "step" and self.board is not None:
+                    self.board.add_scalar(name, value, record["step"])
+        self.bar.set_postfix(postfix, refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.board is not None:
+            self.board.close()
+        if self.file is not None:
+            self.file.close()
+
+
+def run_steps(start: int, steps: int, every: int, *, one_step: Callable[[int], tuple[dict, dict]],
+              save: Callable[[int], None], recorder: Recorder, where: str) -> list[dict]:
+    """Steps ``start + 1 .. steps``; returns their records. ``one_step(step)`` runs one
+    and returns ``(record, postfix)`` (``record["loss"]`` the step's loss); ``save(step)``
+    checkpoints (every ``every`` steps, 0 never, and at the last); ``where``: the
+    checkpoints' directory, for messages."""
+    history, last_saved = [], start
+    try:
+        with stop_on_signals() as stop:
+            for step in range(start + 1, steps + 1):
+                record, postfix = one_step(step)
+                loss = record["loss"]
+                if not math.isfinite(loss):
+                    raise TrainingError(f"loss is {loss} at step {step}; stopped. The last good checkpoint "
+                                        f"(step {last_saved}) in {where} is intact")
+                history.append(record)
+                recorder.write(record, postfix)
+                if (every and step % every == 0) or step == steps:
+                    save(step)
+                    last_saved = step
+                signum = stop.agreed() if step < steps else None
+                if signum is not None:  # every process stops here, this step saved
+                    if last_saved != step:
+                        save(step)
+                        last_saved = step
+                    raise Stopped(signum, step, last_saved)
+    finally:
+        recorder.close()
+    return history
