@@ -5,6 +5,10 @@ bit: tests/exact/test_embedding_cache_training.py.)"""
 
 import json
 import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -58,3 +62,30 @@ def test_a_cache_too_small_for_a_batch_names_the_ratio_that_works(tmp_path):
     with pytest.raises(ValueError, match=r"the smallest cache_ratio that holds it is 0\.00\d+"):
         train(cfg, progress=False)
     assert not (tmp_path / "run").exists()  # nothing written
+
+
+@pytest.mark.slow
+def test_sigkill_and_restart_gives_the_same_losses(tmp_path):
+    """``jaxpar-train dlrm`` killed mid-run (SIGKILL: nothing flushed, the cache's rows
+    lost with the process) and restarted from its last checkpoint: the uninterrupted
+    run's losses, step for step."""
+    args = ["steps=400", "checkpoint.every=100", "eval.every=0"]
+    reference = train(load_config("dlrm", [*args, f"run_dir={tmp_path / 'reference'}"]), progress=False)
+    run = tmp_path / "killed"
+    command = [sys.executable, "-m", "jaxpar.train", "dlrm", *args, f"run_dir={run}", "--no-progress"]
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None and len(_metrics(run)) < 150:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert 150 <= len(_metrics(run)) < 400, "the run finished before it could be killed"
+    subprocess.run(command, check=True, capture_output=True, timeout=600)
+    assert [r["loss"] for r in _metrics(run)] == [r["loss"] for r in reference]
+
+
+def _metrics(run) -> list[dict]:
+    path = run / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
