@@ -29,6 +29,7 @@ def resumed_from(tmp_path, source, step, name, *overrides):
     return losses(tmp_path, name, *overrides)
 
 
+@pytest.mark.slow
 def test_resumed_with_the_cache_dirty_continues_exactly(tmp_path):
     """Step 20's checkpoint of a 1% cache (rows the host copy had not seen since it was
     flushed for the checkpoint), restored into a fresh cache: the same next losses."""
