@@ -52,6 +52,7 @@ def test_trained_dlrm_learns_the_planted_signal(tmp_path):
     (["data.format=text"], r"task=dlrm reads data.format=criteo"),
     (["mesh.fsdp=2"], r"task=dlrm trains data parallel"),
     (["task=lm"], r"task='lm' with a DLRMConfig model"),
+    (["embedding.sharding=row_wise"], r"embedding.sharding=row_wise splits the table on the devices; with a cache"),
 ])
 def test_bad_config_is_one_line(args, message):
     with pytest.raises(ConfigError, match=message):

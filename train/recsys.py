@@ -42,7 +42,7 @@ import yaml
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxpar.embedding import DeviceTable, EmbeddingCache, SparseOptimizer, cache_rows_for, sparse_update
+from jaxpar.embedding import DeviceTable, EmbeddingCache, ShardingPlan, SparseOptimizer, cache_rows_for
 from jaxpar.models.dlrm import DLRM, DLRMConfig, bce_loss
 from jaxpar.offload.budget import parse_bytes
 from jaxpar.train import data as data_lib
@@ -54,6 +54,9 @@ from jaxpar.train.recsys_data import recsys_loader
 from jaxpar.train.stepping import Recorder, TrainingError, run_steps
 
 log = logging.getLogger(__name__)
+
+# embedding.sharding -> jaxpar.embedding.ShardingPlan's kind (TorchRec's ShardingType names).
+SHARDINGS = {"row_wise": "row", "table_wise": "table"}
 
 # Batches of training ids whose counts warm the cache up (Colossal-AI counts a sample of
 # the dataset's ids).
@@ -80,21 +83,28 @@ def cache_rows(cfg: Config) -> int | None:
     return rows
 
 
-def build_tables(cfg: Config, table: np.ndarray, sharding) -> EmbeddingCache | DeviceTable:
-    """The table's home: a device cache over the host table, or the device table."""
+def build_tables(cfg: Config, table: np.ndarray, mesh) -> EmbeddingCache | DeviceTable:
+    """The table's home: a device cache over the host table, or the table on the
+    devices (replicated, or split row-wise or table-wise over ``mesh.data``)."""
     e = cfg.embedding
     optimizer = SparseOptimizer(e.optimizer)
     rows = cache_rows(cfg)
+    if rows is None and e.sharding != "replicated":
+        plan = ShardingPlan(cfg.model.table_rows, mesh.shape["data"], SHARDINGS[e.sharding])
+        return DeviceTable(table, optimizer=optimizer, plan=plan, mesh=mesh, axis="data")
+    sharding = NamedSharding(mesh, P())
     if rows is None:
         return DeviceTable(table, optimizer=optimizer, device=sharding)
     return EmbeddingCache(cfg.model.total_rows, cfg.model.embed_dim, rows, optimizer=optimizer,
                           eviction=e.eviction, prefetch=e.prefetch, table=table, device=sharding)
 
 
-def make_step(graphdef, stub, tx, optimizer: SparseOptimizer):
+def make_step(graphdef, stub, tx, lookup, update):
     """The jitted train step ``(params, opt_state, arrays, slots, batch, lr) -> (params,
     opt_state, arrays, out)``; ``stub``: the table's place in the model (zero rows: the
-    step's rows come from ``arrays``). Everything but ``lr`` and the batch is donated."""
+    step's rows come from ``arrays``); ``lookup(arrays, slots)`` and ``update(arrays,
+    slots, grads, lr)``: the table's (``EmbeddingCache`` or ``DeviceTable``). Everything
+    but ``lr`` and the batch is donated."""
 
     def loss_fn(params, emb, batch):
         model = nnx.merge(graphdef, stub, params)
@@ -102,11 +112,11 @@ def make_step(graphdef, stub, tx, optimizer: SparseOptimizer):
 
     @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
     def step(params, opt_state, arrays, slots, batch, lr):
-        emb = arrays.rows[slots]  # [B, F, D]
+        emb = lookup(arrays, slots)  # [B, F, D]
         loss, (g_params, g_emb) = jax.value_and_grad(loss_fn, argnums=(0, 1))(params, emb, batch)
         updates, opt_state = tx.update(g_params, opt_state, params)
         params = optax.apply_updates(params, updates)
-        arrays = sparse_update(arrays, slots, g_emb, lr, optimizer=optimizer)
+        arrays = update(arrays, slots, g_emb, lr)
         return params, opt_state, arrays, {"loss": loss, "grad_norm": optax.tree.norm(g_params)}
 
     return step
@@ -191,8 +201,8 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
     val_batches = val_batches[: cfg.eval.batches] if cfg.eval.every else []
     model, graphdef, stub, state, tx, schedule = initial_state(cfg, replicated)
     params, opt_state, table = state["params"], state["opt_state"], state["table"]
-    step_fn = make_step(graphdef, stub, tx, SparseOptimizer(cfg.embedding.optimizer))
-    tables = build_tables(cfg, table, replicated)
+    tables = build_tables(cfg, table, mesh)
+    step_fn = make_step(graphdef, stub, tx, tables.lookup, tables.update)
 
     def slots_and_batch(ids_of, batch, upcoming=()):
         slots = tables.prepare(ids_of(batch), upcoming)

@@ -22,6 +22,7 @@ ones, and the train step, which donates them too, must hand its result back
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from collections.abc import Sequence
@@ -34,7 +35,7 @@ from jaxpar.embedding.prefetch import Prefetcher
 from jaxpar.embedding.stats import CacheStats
 from jaxpar.embedding.store import HostStore
 from jaxpar.embedding.transfer import swap
-from jaxpar.embedding.update import CacheArrays, SparseOptimizer
+from jaxpar.embedding.update import CacheArrays, SparseOptimizer, lookup, sparse_update
 
 
 def cache_rows_for(num_rows: int, ratio) -> int:
@@ -77,6 +78,9 @@ class EmbeddingCache:
         self._last_used = np.zeros(cache_rows, np.int64)
         self._step = 0
         self._prefetcher = Prefetcher(self.store) if prefetch else None
+        # What a jitted step calls: the rows at a batch's slots, and their sparse update.
+        self.lookup = lookup
+        self.update = functools.partial(sparse_update, optimizer=optimizer)
         self.last_step = CacheStats()
         self.total = CacheStats()
 

@@ -61,6 +61,11 @@ class CacheArrays(NamedTuple):
     state: jax.Array | None
 
 
+def lookup(arrays: CacheArrays, slots) -> jax.Array:
+    """The rows at ``slots [...]`` of a cache or an unsharded table: ``[..., D]``."""
+    return arrays.rows[slots]
+
+
 def sparse_update(arrays: CacheArrays, slots, grads, lr, *, optimizer: SparseOptimizer) -> CacheArrays:
     """``arrays`` with the rows at ``slots`` updated by ``grads`` (the gradient with
     respect to ``arrays.rows[slots]``); every other row and its state unchanged."""
