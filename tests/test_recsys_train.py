@@ -52,15 +52,16 @@ def test_trained_dlrm_learns_the_planted_signal(tmp_path):
     (["data.format=text"], r"task=dlrm reads data.format=criteo"),
     (["mesh.fsdp=2"], r"task=dlrm trains data parallel"),
     (["task=lm"], r"task='lm' with a DLRMConfig model"),
-    (["embedding.sharding=row_wise"], r"embedding.sharding=row_wise splits the table on the devices; with a cache"),
 ])
 def test_bad_config_is_one_line(args, message):
     with pytest.raises(ConfigError, match=message):
         load_config("dlrm", args)
 
 
-def test_a_cache_too_small_for_a_batch_names_the_ratio_that_works(tmp_path):
-    cfg = load_config("dlrm", [f"run_dir={tmp_path / 'run'}", "embedding.cache_ratio=0.0005"])
+@pytest.mark.parametrize("sharding", ["replicated", "row_wise"])
+def test_a_cache_too_small_for_a_batch_names_the_ratio_that_works(tmp_path, sharding):
+    cfg = load_config("dlrm", [f"run_dir={tmp_path / 'run'}", "embedding.cache_ratio=0.0005",
+                               f"embedding.sharding={sharding}"])
     with pytest.raises(ValueError, match=r"the smallest cache_ratio that holds it is 0\.00\d+"):
         train(cfg, progress=False)
     assert not (tmp_path / "run").exists()  # nothing written

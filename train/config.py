@@ -313,9 +313,10 @@ class EmbeddingConfig:
     # Device bytes for the cache with cache_ratio=auto ("4GiB"; null: the device's own
     # memory where the backend says, which a CPU does not).
     device_budget: str | None = None
-    # With cache_ratio null, the table on the devices: replicated on each, or split over
-    # mesh.data (TorchRec's row_wise: equal blocks of rows; table_wise: whole tables,
-    # largest first onto the emptiest device), lookups and updates by all-to-all.
+    # The table over mesh.data's devices: replicated on each (a cache: the same rows on
+    # each), or split (TorchRec's row_wise: equal blocks of rows; table_wise: whole
+    # tables, largest first onto the emptiest device), lookups and updates by all-to-all;
+    # with a cache, each device caches cache_ratio of its own shard.
     sharding: Literal["replicated", "row_wise", "table_wise"] = "replicated"
 
     def __post_init__(self):
@@ -330,10 +331,6 @@ class EmbeddingConfig:
             raise ValueError(f"embedding.lr={self.lr!r} must be positive")
         if self.device_budget is not None:
             parse_bytes(self.device_budget, name="embedding.device_budget")
-        if self.sharding != "replicated" and self.cache_ratio is not None:
-            raise ValueError(f"embedding.sharding={self.sharding} splits the table on the devices; with a "
-                             "cache (each device caching its own shard) it is not supported yet: give "
-                             "embedding.cache_ratio=null")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -42,7 +42,7 @@ import yaml
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxpar.embedding import DeviceTable, EmbeddingCache, ShardingPlan, SparseOptimizer, cache_rows_for
+from jaxpar.embedding import DeviceTable, EmbeddingCache, ShardedCache, ShardingPlan, SparseOptimizer, cache_rows_for
 from jaxpar.models.dlrm import DLRM, DLRMConfig, bce_loss
 from jaxpar.offload.budget import parse_bytes
 from jaxpar.train import data as data_lib
@@ -63,13 +63,14 @@ SHARDINGS = {"row_wise": "row", "table_wise": "table"}
 WARMUP_BATCHES = 16
 
 
-def cache_rows(cfg: Config) -> int | None:
-    """Rows the device cache holds (None: no cache, the table on the device)."""
+def cache_rows(cfg: Config, rows: int) -> int | None:
+    """Rows a device's cache holds of the ``rows`` it caches (the table's, or with
+    ``embedding.sharding`` its shard's); None: no cache, the table on the devices."""
     m, e = cfg.model, cfg.embedding
     if e.cache_ratio is None:
         return None
     if e.cache_ratio != "auto":
-        return cache_rows_for(m.total_rows, e.cache_ratio)
+        return cache_rows_for(rows, e.cache_ratio)
     budget = e.device_budget and parse_bytes(e.device_budget, name="embedding.device_budget")
     if not budget:
         budget = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
@@ -77,22 +78,27 @@ def cache_rows(cfg: Config) -> int | None:
         raise ValueError("embedding.cache_ratio=auto needs embedding.device_budget (this device does not say "
                          "its memory)")
     row_bytes = 4 * (m.embed_dim + (1 if e.optimizer == "adagrad" else 0))
-    rows = min(m.total_rows, budget // row_bytes)
-    log.info("embedding.cache_ratio=auto: %d of %d rows (%.4g) in %s of device memory", rows, m.total_rows,
-             rows / m.total_rows, e.device_budget or f"{budget} bytes")
-    return rows
+    cached = min(rows, budget // row_bytes)
+    log.info("embedding.cache_ratio=auto: %d of %d rows (%.4g) in %s of device memory", cached, rows,
+             cached / rows, e.device_budget or f"{budget} bytes")
+    return cached
 
 
-def build_tables(cfg: Config, table: np.ndarray, mesh) -> EmbeddingCache | DeviceTable:
+def build_tables(cfg: Config, table: np.ndarray, mesh) -> EmbeddingCache | ShardedCache | DeviceTable:
     """The table's home: a device cache over the host table, or the table on the
-    devices (replicated, or split row-wise or table-wise over ``mesh.data``)."""
+    devices; replicated on each, or split row-wise or table-wise over ``mesh.data``
+    (with a cache: one per device over its own shard)."""
     e = cfg.embedding
     optimizer = SparseOptimizer(e.optimizer)
-    rows = cache_rows(cfg)
-    if rows is None and e.sharding != "replicated":
+    if e.sharding != "replicated":
         plan = ShardingPlan(cfg.model.table_rows, mesh.shape["data"], SHARDINGS[e.sharding])
-        return DeviceTable(table, optimizer=optimizer, plan=plan, mesh=mesh, axis="data")
+        rows = cache_rows(cfg, plan.shard_rows)
+        if rows is None:
+            return DeviceTable(table, optimizer=optimizer, plan=plan, mesh=mesh, axis="data")
+        return ShardedCache(table, rows, plan=plan, mesh=mesh, axis="data", optimizer=optimizer,
+                            eviction=e.eviction, prefetch=e.prefetch)
     sharding = NamedSharding(mesh, P())
+    rows = cache_rows(cfg, cfg.model.total_rows)
     if rows is None:
         return DeviceTable(table, optimizer=optimizer, device=sharding)
     return EmbeddingCache(cfg.model.total_rows, cfg.model.embed_dim, rows, optimizer=optimizer,
@@ -177,15 +183,6 @@ def _check_same_model(checkpoints: Checkpoints, cfg: Config) -> None:
                             f"({'; '.join(diffs)}); use another run_dir")
 
 
-def _check_cache_holds(tables, ids: np.ndarray, total_rows: int) -> None:
-    """One line before anything is written when a batch's ids do not fit the cache."""
-    unique = len(np.unique(ids))
-    if isinstance(tables, EmbeddingCache) and unique > tables.cache_rows:
-        raise ValueError(f"embedding.cache_ratio={tables.cache_ratio:.6g} caches {tables.cache_rows} rows but "
-                         f"the first batch has {unique} unique ids: the smallest cache_ratio that holds it is "
-                         f"{unique / total_rows:.6g}")
-
-
 def train(cfg: Config, *, progress: bool = True) -> list[dict]:
     """Runs (or resumes) the DLRM training ``cfg`` describes; returns the per-step metrics."""
     m: DLRMConfig = cfg.model
@@ -217,7 +214,7 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
         print(json.dumps(profile(step_fn.lower(params, opt_state, tables.arrays, slots, batch,
                                                cfg.embedding.lr).compile()), separators=(",", ":")))
         return []
-    _check_cache_holds(tables, rows_of(loader.batch(0)["sparse"]), m.total_rows)
+    tables.check_fits(rows_of(loader.batch(0)["sparse"]))  # one line before anything is written
 
     with Checkpoints(run_dir, keep=cfg.checkpoint.keep) as checkpoints:
         _check_same_model(checkpoints, cfg)
@@ -236,7 +233,8 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
             params, opt_state = state["params"], state["opt_state"]
             tables.load(np.asarray(state["table"]), state.get("table_state"))
             loader.restore(meta["loader"])
-        if isinstance(tables, EmbeddingCache) and cfg.embedding.warmup_ratio:
+        cached = not isinstance(tables, DeviceTable)
+        if cached and cfg.embedding.warmup_ratio:
             sample = [rows_of(loader.batch(loader.step + k)["sparse"]) for k in range(WARMUP_BATCHES)]
             tables.warmup(np.concatenate([s.reshape(-1) for s in sample]), ratio=cfg.embedding.warmup_ratio)
 
@@ -245,7 +243,7 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         forward = jax.jit(lambda params, dense, emb: nnx.merge(graphdef, stub, params)(dense, emb))
-        ahead = cfg.embedding.prefetch if isinstance(tables, EmbeddingCache) else 0
+        ahead = cfg.embedding.prefetch if cached else 0
 
         def one_step(step):
             nonlocal params, opt_state

@@ -26,9 +26,11 @@ evicted to make room go back to the host with their optimizer state.
   row-wise or whole tables per device (TorchRec's row-wise and table-wise sharding,
   ``ShardingPlan``), looked up and updated by an all-to-all exchange with a batch that
   is data parallel over the same axis (``sharded_lookup``, ``sharded_update``), exactly
-  as one device's ``sparse_update`` over the whole batch.
-- No cache (``DeviceTable``): the whole table one device array behind the same
-  interface, a row's slot its id; what the cache is checked against.
+  as one device's ``sparse_update`` over the whole batch; with a cache on each device
+  over its own shard (``ShardedCache``).
+- No cache (``DeviceTable``): the whole table on the device(s) behind the same
+  interface (replicated, or split by a ``ShardingPlan``), a row's slot its id; what the
+  cache is checked against.
 
 A step, with ``loss_fn(params, emb, batch)`` differentiable in the gathered rows
 ``emb [B, F, D]``::
@@ -50,8 +52,9 @@ A step, with ``loss_fn(params, emb, batch)`` differentiable in the gathered rows
 from jaxpar.embedding.cache import EmbeddingCache, cache_rows_for
 from jaxpar.embedding.device_table import DeviceTable
 from jaxpar.embedding.sharded import ShardingPlan, shard_arrays, sharded_lookup, sharded_update, unshard_arrays
+from jaxpar.embedding.sharded_cache import ShardedCache
 from jaxpar.embedding.stats import CacheStats
 from jaxpar.embedding.update import CacheArrays, SparseOptimizer, sparse_update
 
-__all__ = ["CacheArrays", "CacheStats", "DeviceTable", "EmbeddingCache", "ShardingPlan", "SparseOptimizer",
-           "cache_rows_for", "shard_arrays", "sharded_lookup", "sharded_update", "sparse_update", "unshard_arrays"]
+__all__ = ["CacheArrays", "CacheStats", "DeviceTable", "EmbeddingCache", "ShardedCache", "ShardingPlan",
+           "SparseOptimizer", "cache_rows_for", "shard_arrays", "sharded_lookup", "sharded_update", "sparse_update", "unshard_arrays"]

@@ -106,6 +106,15 @@ class EmbeddingCache:
         """Rows the prefetch thread holds for coming batches (bounded by their ids)."""
         return self._prefetcher.staged_rows if self._prefetcher else 0
 
+    def check_fits(self, ids) -> None:
+        """One line when a batch's distinct ids outnumber the cache's rows (checked before
+        a run writes anything; ``prepare`` refuses the same batch)."""
+        unique = len(np.unique(self._checked(np.asarray(ids), "ids")))
+        if unique > self.cache_rows:
+            raise ValueError(f"embedding.cache_ratio={self.cache_ratio:.6g} caches {self.cache_rows} rows but "
+                             f"the first batch has {unique} distinct ids: the smallest cache_ratio that holds it "
+                             f"is {unique / self.num_rows:.6g}")
+
     def prepare(self, ids, upcoming: Sequence = ()) -> np.ndarray:
         """Make every id of ``ids`` (global row ids, any shape) resident; return their
         slots, int32, shaped like ``ids``. ``upcoming``: the ids of at most ``prefetch``

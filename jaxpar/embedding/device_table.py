@@ -56,6 +56,9 @@ class DeviceTable:
         self.last_step = CacheStats(hits=hits)
         return ids.astype(np.int32)
 
+    def check_fits(self, ids) -> None:
+        """Every row is on the devices: any batch fits."""
+
     def rows_of(self, ids):
         """The current rows of ``ids`` (any shape) ``[..., dim]``."""
         if self.plan is None:

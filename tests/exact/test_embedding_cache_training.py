@@ -87,20 +87,30 @@ def test_resumed_on_another_cache_continues_exactly(tmp_path, uncached):
 
 def test_tables_split_over_four_devices(tmp_path):
     """The table split row-wise and table-wise over 4 devices (lookups and updates by
-    all-to-all): the same losses and table either way, bit for bit (each owner sums a
-    row's gradients in the global batch's order), and one device's within float32
-    rounding (the MLPs' gradients are summed over 4 devices there)."""
-    common = ["steps=30", "eval.every=0", "checkpoint.every=10", "embedding.cache_ratio=null",
-              "embedding.optimizer=adagrad", "--no-progress"]
+    all-to-all), without a cache and with one per device over its own shard (1%,
+    evicting every step once full): the same losses and table all four ways, bit for
+    bit with SGD (each owner sums a row's gradients in the global batch's order), and
+    one device's within float32 rounding (the MLPs' gradients are summed over 4 devices
+    there)."""
+    common = ["steps=30", "eval.every=0", "checkpoint.every=10", "embedding.optimizer=sgd", "--no-progress"]
+    uncached = ["embedding.cache_ratio=null"]
     runs = {}
-    for name, devices, extra in (("row", 4, ["embedding.sharding=row_wise"]),
-                                 ("table", 4, ["embedding.sharding=table_wise"]), ("one", 1, [])):
+    for name, devices, extra in (("row", 4, ["embedding.sharding=row_wise", *uncached]),
+                                 ("table", 4, ["embedding.sharding=table_wise", *uncached]),
+                                 ("row cached", 4, ["embedding.sharding=row_wise", "embedding.cache_ratio=0.01"]),
+                                 ("table cached", 4, ["embedding.sharding=table_wise", "embedding.cache_ratio=0.01"]),
+                                 ("one", 1, uncached)):
         env = dict(os.environ, JAX_NUM_CPU_DEVICES=str(devices))
-        subprocess.run([sys.executable, "-m", "jaxpar.train", "dlrm", *common, *extra, f"run_dir={tmp_path / name}"],
+        run_dir = tmp_path / name.replace(" ", "_")
+        subprocess.run([sys.executable, "-m", "jaxpar.train", "dlrm", *common, *extra, f"run_dir={run_dir}"],
                        env=env, check=True, capture_output=True, timeout=600)
-        losses = [json.loads(line)["loss"] for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-        runs[name] = losses, load_run(tmp_path / name)[2]
-    assert runs["row"][0] == runs["table"][0]
-    assert_same(runs["row"][1], runs["table"][1], exact=True)
+        history = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        runs[name] = [r["loss"] for r in history], load_run(run_dir)[2], history
+    for name in ("row cached", "table cached"):
+        evicting = [r["evictions"] > 0 for r in runs[name][2]]
+        assert any(evicting) and all(evicting[evicting.index(True):]), (name, evicting)
+    for name in ("table", "row cached", "table cached"):
+        assert runs[name][0] == runs["row"][0], name
+        assert_same(runs[name][1], runs["row"][1], exact=True)
     np.testing.assert_allclose(runs["row"][0], runs["one"][0], rtol=1e-5)
     assert_same(runs["row"][1], runs["one"][1], exact=False, rtol=1e-5)

@@ -1,0 +1,155 @@
+"""Model-parallel tables with a cache on every device: each device caches its own shard.
+
+A ``ShardingPlan`` splits the table over a mesh axis (``jaxpar.embedding.sharded``);
+``ShardedCache`` keeps one ``EmbeddingCache`` per device over that device's shard (its
+rows and their optimizer state in host memory, ``cache_rows`` of them on the device).
+Before a step the host sends each of the batch's ids to its owner's cache, which makes
+the row resident and answers with a slot; the id becomes ``owner * cache_rows + slot``,
+a row of the caches laid end to end, ``[n * cache_rows, D]`` split over the axis. The
+step then looks rows up and updates them with the same all-to-all routing as an
+uncached split table (``sharded_lookup`` / ``sharded_update`` under the plan
+``ShardingPlan((n * cache_rows,), n, "row")``), so owners still sum each row's gradients
+in the global batch's order: a cached split table trains the uncached one bit for bit.
+
+Eviction, write-back, warm-up and prefetch stay per device, as in ``EmbeddingCache``;
+a batch must fit each owner's cache (a hot table under table-wise sharding sizes its
+device's cache). Checkpoints flush every cache and join the shards into the exact table.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxpar.embedding.cache import EmbeddingCache
+from jaxpar.embedding.sharded import ShardingPlan, sharded_lookup, sharded_update
+from jaxpar.embedding.stats import CacheStats
+from jaxpar.embedding.update import CacheArrays, SparseOptimizer
+
+
+class ShardedCache:
+    """``plan.num_shards`` caches of ``cache_rows`` rows each over ``table``'s shards, on
+    the devices of ``mesh``'s ``axis``; the ``EmbeddingCache`` interface a trainer uses."""
+
+    def __init__(self, table: np.ndarray, cache_rows: int, *, plan: ShardingPlan, mesh, axis: str = "data",
+                 optimizer: SparseOptimizer = SparseOptimizer(), state: np.ndarray | None = None,
+                 eviction: str = "lfu", prefetch: int = 0):
+        table = np.asarray(table, np.float32)
+        n, S = plan.num_shards, plan.shard_rows
+        if mesh.shape.get(axis) != n:
+            raise ValueError(f"mesh axis {axis!r} has {mesh.shape.get(axis)} devices, the plan {n} shards")
+        self.plan, self.cache_rows, self.optimizer = plan, cache_rows, optimizer
+        self.num_rows, self.dim = table.shape
+        self.sharding = NamedSharding(mesh, P(axis))
+        owners = self._devices(mesh, axis)
+        rows = plan.to_shards(table)
+        states = plan.to_shards(np.asarray(state, np.float32)) if state is not None else None
+        self.caches = [EmbeddingCache(S, self.dim, cache_rows, optimizer=optimizer, eviction=eviction,
+                                      prefetch=prefetch, table=rows[k * S:(k + 1) * S],
+                                      state=None if states is None else states[k * S:(k + 1) * S], device=owners[k])
+                       for k in range(n)]
+        joined = dict(plan=ShardingPlan((n * cache_rows,), n, "row"), mesh=mesh, axis=axis)
+        self.lookup = functools.partial(sharded_lookup, **joined)
+        self.update = functools.partial(sharded_update, optimizer=optimizer, **joined)
+        self.last_step = CacheStats()
+
+    def _devices(self, mesh, axis) -> list:
+        """The device holding each shard k (its block of ``[n * cache_rows, D]``)."""
+        n = self.plan.num_shards
+        index = self.sharding.devices_indices_map((n * self.cache_rows, self.dim))
+        by_start = {slices[0].start or 0: device for device, slices in index.items()}
+        return [by_start[k * self.cache_rows] for k in range(n)]
+
+    @property
+    def cache_ratio(self) -> float:
+        return self.cache_rows / self.plan.shard_rows
+
+    @property
+    def arrays(self) -> CacheArrays:
+        """The caches laid end to end, ``[n * cache_rows, D]`` split over the axis."""
+        n = self.plan.num_shards
+        join = lambda parts, shape: jax.make_array_from_single_device_arrays(  # noqa: E731
+            shape, self.sharding, parts)
+        rows = join([c.arrays.rows for c in self.caches], (n * self.cache_rows, self.dim))
+        state = None
+        if self.optimizer.has_state:
+            state = join([c.arrays.state for c in self.caches], (n * self.cache_rows,))
+        return CacheArrays(rows, state)
+
+    @arrays.setter
+    def arrays(self, arrays: CacheArrays) -> None:
+        """Hands each cache its block of a step's result."""
+        def parts(a):
+            return {shard.index[0].start or 0: shard.data for shard in a.addressable_shards}
+
+        rows = parts(arrays.rows)
+        state = parts(arrays.state) if arrays.state is not None else None
+        for k, cache in enumerate(self.caches):
+            start = k * self.cache_rows
+            cache.arrays = CacheArrays(rows[start], None if state is None else state[start])
+
+    def _split(self, ids) -> tuple[np.ndarray, np.ndarray]:
+        """``(owner, local row)`` of global row ids (any shape)."""
+        self.plan.check_ids(ids)
+        position = self.plan.positions(np.asarray(ids))
+        return position // self.plan.shard_rows, position % self.plan.shard_rows
+
+    def check_fits(self, ids) -> None:
+        """One line when a batch's ids do not fit their owners' caches."""
+        owner, local = self._split(ids)
+        need = max(len(np.unique(local[owner == k])) for k in range(self.plan.num_shards))
+        if need > self.cache_rows:
+            raise ValueError(f"embedding.cache_ratio={self.cache_ratio:.6g} caches {self.cache_rows} rows a device "
+                             f"but a device owns {need} distinct ids of the first batch: the smallest cache_ratio "
+                             f"that holds it is {need / self.plan.shard_rows:.6g}")
+
+    def prepare(self, ids, upcoming: Sequence = ()) -> np.ndarray:
+        """Every id of ``ids`` resident in its owner's cache; returns its row of the
+        joined caches, ``owner * cache_rows + slot`` (int32, shaped like ``ids``)."""
+        owner, local = self._split(ids)
+        soon = [self._split(u) for u in upcoming]
+        out = np.empty(owner.shape, np.int64)
+        stats = CacheStats()
+        for k, cache in enumerate(self.caches):
+            mine = owner == k
+            ahead = [loc[own == k] for own, loc in soon]
+            out[mine] = k * self.cache_rows + cache.prepare(local[mine], ahead)
+            stats += cache.last_step
+        self.last_step = stats
+        return out.astype(np.int32)
+
+    def warmup(self, sample_ids, *, ratio: float = 1.0) -> int:
+        owner, local = self._split(np.asarray(sample_ids).reshape(-1))
+        return sum(cache.warmup(local[owner == k], ratio=ratio) for k, cache in enumerate(self.caches))
+
+    def rows_of(self, ids) -> np.ndarray:
+        """The exact rows of ``ids`` (any shape) ``[..., D]``, read from the host shards."""
+        owner, local = self._split(ids)
+        out = np.empty((*owner.shape, self.dim), np.float32)
+        for k, cache in enumerate(self.caches):
+            mine = owner == k
+            out[mine] = cache.rows_of(local[mine])
+        return out
+
+    def table(self) -> np.ndarray:
+        return self.plan.from_shards(np.concatenate([c.table() for c in self.caches]))
+
+    def optimizer_state(self) -> np.ndarray | None:
+        if not self.optimizer.has_state:
+            return None
+        return self.plan.from_shards(np.concatenate([c.optimizer_state() for c in self.caches]))
+
+    def load(self, table: np.ndarray, state: np.ndarray | None = None) -> None:
+        S = self.plan.shard_rows
+        rows = self.plan.to_shards(np.asarray(table, np.float32))
+        states = None if state is None else self.plan.to_shards(np.asarray(state, np.float32))
+        for k, cache in enumerate(self.caches):
+            cache.load(rows[k * S:(k + 1) * S], None if states is None else states[k * S:(k + 1) * S])
+
+    def close(self) -> None:
+        for cache in self.caches:
+            cache.close()
