@@ -92,3 +92,19 @@ def _metrics(run) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+def test_cache_ratio_auto_sizes_the_cache_from_the_budget(tmp_path, caplog):
+    """100 KiB of 68-byte rows (dim 16 and an Adagrad accumulator): 1,505 of the 200,000
+    rows; without a budget on a CPU (which does not say its memory), one line."""
+    import logging
+
+    cfg = load_config("dlrm", [f"run_dir={tmp_path / 'auto'}", "steps=3", "eval.every=0",
+                               "embedding.cache_ratio=auto", "embedding.device_budget=100KiB"])
+    with caplog.at_level(logging.INFO, logger="jaxpar.train.recsys"):
+        train(cfg, progress=False)
+    assert "embedding.cache_ratio=auto: 1505 of 200000 rows" in caplog.text
+    cfg = load_config("dlrm", [f"run_dir={tmp_path / 'none'}", "embedding.cache_ratio=auto"])
+    with pytest.raises(ValueError, match="embedding.cache_ratio=auto needs embedding.device_budget"):
+        train(cfg, progress=False)
+    assert not (tmp_path / "none").exists()
