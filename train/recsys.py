@@ -129,12 +129,13 @@ def make_step(graphdef, stub, tx, lookup, update):
 
 
 def initial_state(cfg: Config, sharding):
-    """``(model, graphdef, stub, state, tx, schedule)`` of a fresh run: ``state`` holds
+    """``(graphdef, stub, state, tx, schedule)`` of a fresh run: ``state`` holds
     the dense ``params`` and ``opt_state`` (on ``sharding``), the whole ``table`` and,
     with row-wise Adagrad, its ``table_state`` (numpy: the checkpoint's layout); ``stub``
     stands for the table in the model (the step's rows come from the cache)."""
     m = cfg.model
-    model = DLRM(m, rngs=nnx.Rngs(cfg.seed))
+    with jax.default_device(jax.devices("cpu")[0]):  # the table is made in host memory, never on a GPU
+        model = DLRM(m, rngs=nnx.Rngs(cfg.seed))
     graphdef, table_state, params = nnx.split(model, nnx.PathContains("table"), ...)
     stub = jax.tree.map(lambda t: jnp.zeros((0, m.embed_dim), t.dtype), table_state)
     tx, schedule = make_optimizer(cfg.optimizer, cfg.steps)
@@ -144,7 +145,7 @@ def initial_state(cfg: Config, sharding):
     optimizer = SparseOptimizer(cfg.embedding.optimizer)
     if optimizer.has_state:
         state["table_state"] = np.full(m.total_rows, optimizer.initial_accumulator, np.float32)
-    return model, graphdef, stub, state, tx, schedule
+    return graphdef, stub, state, tx, schedule
 
 
 def load_run(run_dir) -> tuple[Config, int, dict]:
@@ -152,7 +153,7 @@ def load_run(run_dir) -> tuple[Config, int, dict]:
     (``state`` as ``initial_state`` lays it out, the table exact)."""
     run_dir = pathlib.Path(run_dir)
     cfg = load_config(str(run_dir / "config.yaml"))
-    state = initial_state(cfg, jax.devices()[0])[3]
+    state = initial_state(cfg, jax.devices()[0])[2]
     with Checkpoints(run_dir, keep=cfg.checkpoint.keep) as checkpoints:
         restored = checkpoints.restore_latest(state)
     if restored is None:
@@ -196,9 +197,13 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
                                         cache_dir=data_lib.cache_dir_of(cfg.cache_dir),
                                         eval_steps=cfg.eval.batches, dense_features=m.dense_features)
     val_batches = val_batches[: cfg.eval.batches] if cfg.eval.every else []
-    model, graphdef, stub, state, tx, schedule = initial_state(cfg, replicated)
+    graphdef, stub, state, tx, schedule = initial_state(cfg, replicated)
     params, opt_state, table = state["params"], state["opt_state"], state["table"]
     tables = build_tables(cfg, table, mesh)
+    # The table lives in `tables` now; a checkpoint's restore needs only its shape (np.empty
+    # touches no memory until orbax fills it).
+    state["table"] = np.empty_like(table)
+    del table
     step_fn = make_step(graphdef, stub, tx, tables.lookup, tables.update)
 
     def slots_and_batch(ids_of, batch, upcoming=()):
@@ -206,7 +211,7 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
         put = lambda x: jax.device_put(x, by_batch)  # noqa: E731
         return put(slots), {"dense": put(batch["dense"]), "labels": put(batch["labels"])}
 
-    rows_of = model.rows  # per-feature ids [B, F] -> rows of the concatenated table
+    rows_of = functools.partial(np.add, m.offsets)  # per-feature ids [B, F] -> rows of the concatenated table
     if cfg.dry_run:
         from jaxpar.profiler import profile
 
