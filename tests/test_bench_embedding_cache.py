@@ -77,3 +77,62 @@ def test_oracle_counts_brute_force():
         unique = set(b.ravel().tolist())
         assert h == len(unique & set(top)) and m == len(unique - set(top))
     assert counts["hits"].sum() == sum(presence[i] for i in top)  # a static set's hits: its ids' batch counts
+
+
+@pytest.mark.slow  # a subprocess: about 5 s on 2 cores
+def test_throughput_smoke(tmp_path):
+    """The cache at 1% against the device table, interleaved, on the dlrm preset: both
+    sides timed, their split reported, the same losses (same weights, same batches)."""
+    out = subprocess.run([sys.executable, str(SCRIPT), "throughput", "--smoke", "--json", str(tmp_path / "t.json"),
+                          "--png", str(tmp_path / "t.png")], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads((tmp_path / "t.json").read_text())
+    assert {"command", "date", "machine", "git", "model", "batch", "cache_ratio", "windows"} <= set(result["meta"])
+    (run,) = result["runs"]
+    for side in ("cache", "device"):
+        s = run[side]
+        assert len(s["samples_per_s_windows"]) == 2 and s["samples_per_s"] > 0 and s["steps_timed"] == 4
+        assert 0 < s["prepare_s"] < s["step_time_s"] and 0 < s["device_step_s"] < s["step_time_s"]
+    assert run["cache_rows"] == 2000 and run["max_unique_ids_per_batch"] <= 2000
+    assert 0 <= run["cache"]["hit_rate"] <= 1 and run["cache"]["misses_per_step"] > 0
+    assert run["ratio"] == pytest.approx(run["cache"]["samples_per_s"] / run["device"]["samples_per_s"])
+    assert run["max_loss_difference"] < 1e-5  # the cache trains the same model as the device table
+    assert any(line.startswith("| 1.05 | cache 1% (2,000 rows) |") for line in out.stdout.splitlines())
+    assert (tmp_path / "t.png").read_bytes().startswith(b"\x89PNG")
+
+
+@pytest.mark.slow  # a subprocess and a peer process: about 6 s on 2 cores
+def test_torchrec_smoke(tmp_path):
+    """jaxpar against the plain-PyTorch peer (a subprocess stepped window by window);
+    TorchRec is not tried at the smoke scale, and the JSON says so."""
+    pytest.importorskip("torch")
+    out = subprocess.run([sys.executable, str(SCRIPT), "torchrec", "--smoke", "--json", str(tmp_path / "p.json")],
+                         cwd=ROOT, capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads((tmp_path / "p.json").read_text())
+    assert result["meta"]["peers"] == ["torch"] and not result["meta"]["torchrec_install"]["ok"]
+    (run,) = result["runs"]
+    assert run["peers"]["torch"]["ready"] and run["peers"]["torch"]["torch"]
+    for side in ("jaxpar", "torch"):
+        assert run[side]["samples_per_s"] > 0 and run[side]["steps_timed"] == 4
+        assert all(0 < loss < 2 for loss in run[side]["losses"])  # BCE of a fresh model: near log 2
+    assert run["jaxpar_over_torch"] == pytest.approx(run["jaxpar"]["samples_per_s"] / run["torch"]["samples_per_s"])
+    assert any(line.startswith("| 1.05 | PyTorch nn.EmbeddingBag |") for line in out.stdout.splitlines())
+
+
+def test_memory_smoke(tmp_path, capsys):
+    """Compile-only bytes on abstract inputs: the cache's device state is 1% of the
+    table's, the device table's step holds the whole table, the swap program compiles."""
+    bench = bench_module()
+    bench.main(["memory", "--smoke", "--json", str(tmp_path / "m.json")])
+    shapes = json.loads((tmp_path / "m.json").read_text())["shapes"]
+    assert [s["name"] for s in shapes] == ["dlrm", "dlrm, 10^6 rows"]
+    for s in shapes:
+        cached, whole = s["variants"]
+        assert cached["cache_ratio"] == 0.01 and whole["cache_ratio"] is None
+        assert cached["embedding_bytes"] == cached["rows_on_device"] * (s["embed_dim"] + 1) * 4
+        assert whole["embedding_bytes"] == s["table_and_state_bytes"]
+        assert whole["argument_bytes"] >= whole["embedding_bytes"] > 50 * cached["embedding_bytes"]
+        assert cached["swap"]["peak_bytes"] > 0 and cached["fits_budget"] and whole["fits_budget"]
+    assert "| dlrm, 10^6 rows | 1,000,000 x 16 | whole table |" in capsys.readouterr().out
