@@ -423,7 +423,6 @@ class Config:
                 + (f"2 x mesh.seq = {ways} for execution.seq_layout=zigzag" if ways > seq else f"mesh.seq={seq}")
             )
 
-
     def _check_dlrm(self):
         for key in ("steps", "batch_size", "checkpoint.keep", "eval.batches"):
             if _get(self, key) < 1:
@@ -454,14 +453,14 @@ def _keys(cls, prefix="") -> list[str]:
 
 def _dataclass_in(hint, value=None):
     """The dataclass a field holds (also through ``X | None``), or None. Of several
-    (``model``: a ``ModelConfig`` or a ``DLRMConfig``), the first whose fields hold every
-    key of ``value``, else the first."""
+    (``model``: a ``ModelConfig`` or a ``DLRMConfig``), the one whose fields hold the most
+    keys of ``value`` (a mistyped key is then reported against the right one), the first
+    on a tie."""
     candidates = [c for c in (hint, *typing.get_args(hint)) if dataclasses.is_dataclass(c)]
-    if isinstance(value, dict):
-        for candidate in candidates:
-            if set(value) <= {f.name for f in dataclasses.fields(candidate)}:
-                return candidate
-    return candidates[0] if candidates else None
+    if not candidates:
+        return None
+    keys = set(value) if isinstance(value, dict) else set()
+    return max(candidates, key=lambda c: len(keys & {f.name for f in dataclasses.fields(c)}))
 
 
 def _coerce(value: Any, hint, key: str):
