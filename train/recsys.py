@@ -198,7 +198,7 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
                                         eval_steps=cfg.eval.batches, dense_features=m.dense_features)
     val_batches = val_batches[: cfg.eval.batches] if cfg.eval.every else []
     graphdef, stub, state, tx, schedule = initial_state(cfg, replicated)
-    params, opt_state, table = state["params"], state["opt_state"], state["table"]
+    table = state["table"]
     tables = build_tables(cfg, table, mesh)
     # The table lives in `tables` now; a checkpoint's restore needs only its shape (np.empty
     # touches no memory until orbax fills it).
@@ -206,42 +206,31 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
     del table
     step_fn = make_step(graphdef, stub, tx, tables.lookup, tables.update)
 
-    def slots_and_batch(ids_of, batch, upcoming=()):
-        slots = tables.prepare(ids_of(batch), upcoming)
+    rows_of = functools.partial(np.add, m.offsets)  # per-feature ids [B, F] -> rows of the concatenated table
+
+    def placed(batch, upcoming=()):
+        """The batch's rows made resident: its slots and dense features on the devices."""
         put = lambda x: jax.device_put(x, by_batch)  # noqa: E731
+        slots = tables.prepare(rows_of(batch["sparse"]), upcoming)
         return put(slots), {"dense": put(batch["dense"]), "labels": put(batch["labels"])}
 
-    rows_of = functools.partial(np.add, m.offsets)  # per-feature ids [B, F] -> rows of the concatenated table
     if cfg.dry_run:
         from jaxpar.profiler import profile
 
-        slots, batch = slots_and_batch(lambda b: rows_of(b["sparse"]), loader.batch(0))
-        print(json.dumps(profile(step_fn.lower(params, opt_state, tables.arrays, slots, batch,
+        slots, batch = placed(loader.batch(0))
+        print(json.dumps(profile(step_fn.lower(state["params"], state["opt_state"], tables.arrays, slots, batch,
                                                cfg.embedding.lr).compile()), separators=(",", ":")))
         return []
     tables.check_fits(rows_of(loader.batch(0)["sparse"]))  # one line before anything is written
 
     with Checkpoints(run_dir, keep=cfg.checkpoint.keep) as checkpoints:
-        _check_same_model(checkpoints, cfg)
-        restored = checkpoints.restore_latest(state)
-        start = 0 if restored is None else restored[0]
+        start, params, opt_state = restore(cfg, checkpoints, state, tables, loader, mesh)
         if start >= cfg.steps:
-            log.warning("%s is already at step %d (steps=%d): nothing to do; raise steps= to continue "
-                        "or choose another run_dir", cfg.run_dir, start, cfg.steps)
             return []
-        if restored is None:
-            log.info("starting at step 0 on %s", describe_mesh(mesh))
-        else:
-            log.info("resuming from step %d (checkpoint %s) on %s", start, checkpoints.directory / str(start),
-                     describe_mesh(mesh))
-            _, state, meta = restored
-            params, opt_state = state["params"], state["opt_state"]
-            tables.load(np.asarray(state["table"]), state.get("table_state"))
-            loader.restore(meta["loader"])
         cached = not isinstance(tables, DeviceTable)
-        if cached and cfg.embedding.warmup_ratio:
-            sample = [rows_of(loader.batch(loader.step + k)["sparse"]) for k in range(WARMUP_BATCHES)]
-            tables.warmup(np.concatenate([s.reshape(-1) for s in sample]), ratio=cfg.embedding.warmup_ratio)
+        if cached and cfg.embedding.warmup_ratio:  # the ids of the next batches, Colossal-AI's sample
+            sample = np.stack([rows_of(loader.batch(loader.step + k)["sparse"]) for k in range(WARMUP_BATCHES)])
+            tables.warmup(sample, ratio=cfg.embedding.warmup_ratio)
 
         lead = jax.process_index() == 0
         if lead:
@@ -254,9 +243,9 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
             nonlocal params, opt_state
             upcoming = [rows_of(loader.batch(loader.step + k)["sparse"]) for k in range(1, ahead + 1)]
             began = time.perf_counter()
-            slots, batch = slots_and_batch(lambda b: rows_of(b["sparse"]), next(loader), upcoming)
-            lr = cfg.embedding.lr
-            params, opt_state, tables.arrays, out = step_fn(params, opt_state, tables.arrays, slots, batch, lr)
+            slots, batch = placed(next(loader), upcoming)
+            params, opt_state, tables.arrays, out = step_fn(params, opt_state, tables.arrays, slots, batch,
+                                                            cfg.embedding.lr)
             loss = float(out["loss"])
             elapsed = time.perf_counter() - began
             stats = tables.last_step
@@ -273,13 +262,7 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
             return record, postfix
 
         def save(step):
-            state = {"params": params, "opt_state": opt_state, "table": np.array(tables.table())}
-            if tables.optimizer.has_state:
-                state["table_state"] = np.array(tables.optimizer_state())
-            try:
-                checkpoints.save(step, state, {"step": step, "loader": loader.state(), "config": to_dict(cfg)})
-            except CheckpointError as e:
-                raise TrainingError(str(e)) from None
+            save_checkpoint(checkpoints, step, params, opt_state, tables, loader, cfg)
 
         recorder = Recorder(run_dir, start, cfg.steps, lead=lead, progress=progress)
         log.info("compiling the train step (the first step waits for it)")
@@ -290,14 +273,44 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
             tables.close()
 
 
+def restore(cfg: Config, checkpoints: Checkpoints, state: dict, tables, loader, mesh):
+    """``(start step, params, opt_state)``: the newest checkpoint's, its table loaded into
+    ``tables`` and its data position into ``loader``; else step 0 and ``state``'s."""
+    _check_same_model(checkpoints, cfg)
+    restored = checkpoints.restore_latest(state)
+    if restored is None:
+        log.info("starting at step 0 on %s", describe_mesh(mesh))
+        return 0, state["params"], state["opt_state"]
+    start, state, meta = restored
+    if start >= cfg.steps:
+        log.warning("%s is already at step %d (steps=%d): nothing to do; raise steps= to continue "
+                    "or choose another run_dir", cfg.run_dir, start, cfg.steps)
+        return start, None, None
+    log.info("resuming from step %d (checkpoint %s) on %s", start, checkpoints.directory / str(start),
+             describe_mesh(mesh))
+    tables.load(np.asarray(state["table"]), state.get("table_state"))
+    loader.restore(meta["loader"])
+    return start, state["params"], state["opt_state"]
+
+
+def save_checkpoint(checkpoints: Checkpoints, step: int, params, opt_state, tables, loader, cfg: Config) -> None:
+    """The dense state, the exact table and its optimizer state (copies: orbax writes them
+    while later steps change the host table), the data position and the config."""
+    state = {"params": params, "opt_state": opt_state, "table": np.array(tables.table())}
+    if tables.optimizer.has_state:
+        state["table_state"] = np.array(tables.optimizer_state())
+    try:
+        checkpoints.save(step, state, {"step": step, "loader": loader.state(), "config": to_dict(cfg)})
+    except CheckpointError as e:
+        raise TrainingError(str(e)) from None
+
+
 def evaluate(forward, params, tables, batches, rows_of) -> dict:
-    """``val_loss`` and ``val_auc`` over the held-out ``batches``, their rows read exactly."""
-    logits, labels = [], []
-    for batch in batches:
-        emb = tables.rows_of(rows_of(batch["sparse"]))
-        logits.append(np.asarray(forward(params, batch["dense"], emb)))
-        labels.append(batch["labels"])
-    logits, labels = np.concatenate(logits), np.concatenate(labels)
+    """``val_loss`` and ``val_auc`` over the held-out ``batches``, their rows read exactly
+    (in one read: a cache flushes once, a split table is gathered once)."""
+    embs = tables.rows_of(np.stack([rows_of(batch["sparse"]) for batch in batches]))  # [n, B, F, D]
+    logits = np.concatenate([np.asarray(forward(params, batch["dense"], emb)) for batch, emb in zip(batches, embs)])
+    labels = np.concatenate([batch["labels"] for batch in batches])
     loss = float(bce_loss(jnp.asarray(logits), jnp.asarray(labels)))
     try:
         return {"val_loss": loss, "val_auc": auc(logits, labels)}
