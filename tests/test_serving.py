@@ -27,9 +27,10 @@ def model():
 
 
 def engine(model, **kw) -> Engine:
-    """4 slots, pages of 8 tokens, prefill rows of up to 64 tokens: long prompts take
-    several steps' rows, and requests wait for slots."""
-    return Engine(model, **{"max_batch": 4, "max_context": 256, "page_size": 8, "prefill_chunk": 64, **kw})
+    """4 running at most, pages of 8 tokens, steps of up to 64 tokens: long prompts take
+    several steps, and requests wait for room."""
+    return Engine(model, **{"max_batch": 4, "max_context": 256, "page_size": 8, "max_num_batched_tokens": 64,
+                            **kw})
 
 
 def alone(model, prompt, params: SamplingParams) -> list[int]:
@@ -76,14 +77,17 @@ def test_continuous_batching_gives_each_request_its_tokens_alone(model):
         assert out.token_ids == reference[:p.max_tokens].tolist(), (len(prompt), p.max_tokens)
         assert out.finish_reason == "length"
     assert served.pool.free == served.pool.total and not served.has_unfinished()
-    # one decode program, one prefill program per row bucket used
-    assert {shape[0] for shape in served.compiled_programs} == {"decode", "prefill"}
-    assert len(served.compiled_programs) <= len(served.page_buckets) * (1 + len(served.buckets))
+    # one program per step, of the shapes the scheduler lists
+    shapes = served.scheduler.shapes()
+    assert {key[0] for key in served.compiled_programs} == {"step"}
+    assert {key[1:3] for key in served.compiled_programs} <= set(shapes)
 
     served.warm_up()  # what a server does before it listens: every bucket compiled
     prompts, params = requests(1, 10)
     assert compiles_during(lambda: served.generate(prompts, params)) == 0
-    assert len(served.compiled_programs) == len(served.page_buckets) * (1 + len(served.buckets)) == 2 * 4
+    # rows 1, 2, 4 with tokens 0, 16, 32 (4 + 64 is past the budget), or tokens 16, 32, 64 alone
+    assert len(shapes) == 3 * 3 + 3 and len(served.scheduler.page_buckets) == 2
+    assert len(served.compiled_programs) == 2 * len(shapes)
 
 
 def test_static_batching_admits_only_into_an_empty_batch(model):
@@ -132,7 +136,7 @@ def test_end_tokens_abort_and_bad_requests(model):
     assert served.pool.free < served.pool.total
     served.abort(request)
     assert served.pool.free == served.pool.total and not served.has_unfinished()
-    assert not served._by_id  # a server's finished requests are not kept
+    assert not served._requests  # a server's finished requests are not kept
 
     # the pool from a byte budget: 10 pages' bytes (one of them the null page)
     one_page = 2 * CFG.layers * 8 * CFG.kv_heads * CFG.head_dim * 4
@@ -279,14 +283,14 @@ def test_glide_rounds_read_the_models_pages_as_the_dense_decoder_does(model):
     params = [SamplingParams(max_tokens=24)] * 3
     # The draft's pages after its chunked prefill (149 tokens, rows of 64): its dense cache's.
     served = engine(model, draft=draft, gamma=3)
-    sequence = served._by_id[served.add_request(prompts[1], params[1])]
-    while not sequence.output.token_ids:
+    request = served._requests[served.add_request(prompts[1], params[1])]
+    while not request.output.token_ids:
         served.step()
     P = len(prompts[1])
     dense = speculative.prefill(speculative.Method("glide", 3), model, draft, jnp.array([prompts[1]]),
                                 jnp.array([P]), 24, jax.random.key(0), ()).draft_cache
     for pages, cached in ((served.draft_kv.k, dense.k), (served.draft_kv.v, dense.v)):
-        paged = np.asarray(pages[:, np.array(sequence.pages)]).reshape(2, -1, *pages.shape[3:])[:, :P]
+        paged = np.asarray(pages[:, np.array(request.seq.pages)]).reshape(2, -1, *pages.shape[3:])[:, :P]
         np.testing.assert_allclose(paged, np.asarray(cached[:, 0, :P]), rtol=1e-5, atol=1e-6)
 
     served = engine(model, draft=draft, gamma=3)
@@ -325,7 +329,7 @@ def test_cape_trees_over_pages_accept_as_the_dense_decoder_does(model):
     prompts, _ = requests(10, 3)
     greedy = SamplingParams(max_tokens=24)
     served = engine(model, draft=draft, method="cape", gamma=3)
-    assert served.lookahead == served.method.tree.size - 1
+    assert served.tokens_per_row == served.method.tree.size
     outputs = rounds_as_the_dense_decoders(served, model, draft, "cape", prompts)
     assert served.accepted > 0
 
@@ -334,3 +338,88 @@ def test_cape_trees_over_pages_accept_as_the_dense_decoder_does(model):
     together = engine(model, draft=draft, method="cape", gamma=3).generate(prompts, [greedy, greedy, sampled])
     assert together[2].token_ids == by_itself and len(set(by_itself)) > 1
     assert [o.token_ids for o in together[:2]] == [o.token_ids for o in outputs[:2]]
+
+
+def dense_logits(model, tokens) -> np.ndarray:
+    """The model's logits over ``tokens`` (one sequence, no cache), float32 ``[T, V]``."""
+    return np.array(model(jnp.array([tokens]))[0], np.float32)
+
+
+def test_pages_on_demand_preempt_the_newest_and_it_resumes_with_its_own_tokens(model):
+    """A pool of 23 pages (184 tokens) for 8 requests that would reserve 74 pages whole
+    (up to 23 each): pages come as sequences grow, the newest running sequence is preempted when
+    they run out and recomputed when readmitted; every greedy request gets its tokens
+    alone and a seeded sampling one the tokens it samples alone; every page is free
+    after, and the prefix cache's pages were reused by the readmissions."""
+    prompts, params = requests(11, 8)
+    params[3] = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, seed=5)
+    by_itself = engine(model).generate([prompts[3]], params[3])[0].token_ids
+    served = engine(model, kv_pages=24)
+    outputs = served.generate(prompts, params)
+    steps = np.stack(list(generate(model, prompts, max_new_tokens=30)), axis=1)
+    for i, (p, out, reference) in enumerate(zip(params, outputs, steps, strict=True)):
+        assert out.token_ids == (by_itself if i == 3 else reference[:p.max_tokens].tolist()), i
+    assert served.preemptions > 0 and served.pool.free == served.pool.total and not served.has_unfinished()
+    assert len(set(by_itself)) > 1
+
+
+def test_a_cached_prefix_is_reused_and_gives_the_tokens_of_no_cache(model):
+    """Three requests sharing a 40-token prefix (5 pages of 8), after a first one: each
+    reuses the prefix's pages (``cached_tokens`` 40, the full pages of the shared part),
+    prefills only the rest and gets the tokens it gets with caching off; two copies of
+    one prompt added together (``n=2``'s shape) share its pages: the second waits for
+    the first's, then reads all its full pages. The hit rate counts prompt tokens."""
+    rng = np.random.default_rng(12)
+    prefix = rng.integers(0, CFG.vocab_size, 43).tolist()  # 5 full pages and 3 tokens
+    prompts = [prefix + rng.integers(0, CFG.vocab_size, n).tolist() for n in (5, 30, 1, 60)]
+    params = SamplingParams(max_tokens=8)
+    reference = [o.token_ids for o in engine(model, prefix_caching=False).generate(prompts, params)]
+    served = engine(model)
+    first = served.generate(prompts[:1], params)[0]
+    rest = served.generate(prompts[1:], params)
+    assert [o.token_ids for o in [first, *rest]] == reference
+    assert first.cached_tokens == 0 and [o.cached_tokens for o in rest] == [40, 40, 40]
+    assert (served.prefix_queries, served.prefix_hits) == (sum(map(len, prompts)), 120)
+
+    served = engine(model)
+    twins = served.generate([prompts[3], prompts[3]], params)
+    assert [o.token_ids for o in twins] == [reference[3]] * 2
+    assert [o.cached_tokens for o in twins] == [0, 96]  # 103 tokens: 12 full pages, the last token left
+    off = engine(model, prefix_caching=False)
+    assert [o.cached_tokens for o in off.generate([prompts[3]] * 2, params)] == [0, 0]
+
+
+def test_logprobs_are_the_models_log_softmax_and_penalties_lower_repeats(model):
+    """``logprobs=5``: each token's logprob and the top 5 equal ``log_softmax`` of the
+    model's logits (a dense forward over the prompt and the tokens before it; float32,
+    1e-5), alone and beside requests that ask none. Penalties: greedy decoding of the
+    logits lowered by ``presence + frequency * count`` of each generated token, computed
+    densely step by step, gives the engine's tokens."""
+    prompt = np.random.default_rng(13).integers(0, CFG.vocab_size, 21).tolist()
+    others, _ = requests(14, 3)
+    asked = SamplingParams(max_tokens=6, logprobs=5)
+    out = engine(model).generate([others[0], prompt, *others[1:]], [SamplingParams(max_tokens=9), asked,
+                                                                    SamplingParams(max_tokens=4)] + [asked])[1]
+    logits = dense_logits(model, prompt + out.token_ids)
+    logp = np.asarray(jax.nn.log_softmax(logits[len(prompt) - 1:-1], axis=-1))
+    assert [lp.token_id for lp in out.logprobs] == out.token_ids
+    np.testing.assert_allclose([lp.logprob for lp in out.logprobs], logp[np.arange(6), out.token_ids],
+                               rtol=1e-5, atol=1e-5)
+    for row, lp in zip(logp, out.logprobs):
+        top = np.argsort(-row)[:5]
+        assert [i for i, _ in lp.top] == top.tolist()
+        np.testing.assert_allclose([v for _, v in lp.top], row[top], rtol=1e-5, atol=1e-5)
+
+    penalized = SamplingParams(max_tokens=10, presence_penalty=1.5, frequency_penalty=0.7)
+    tokens = []
+    for _ in range(10):
+        row = dense_logits(model, prompt + tokens)[-1]
+        for t in set(tokens):
+            row[t] -= 1.5 + 0.7 * tokens.count(t)
+        tokens.append(int(np.argmax(row)))
+    assert engine(model).generate([prompt], penalized)[0].token_ids == tokens
+    assert tokens != alone(model, prompt, SamplingParams(max_tokens=10))  # the penalties changed something
+    for params, message in [(SamplingParams(logprobs=21), r"logprobs=21 must be None or an int in \[0, 20\]"),
+                            (SamplingParams(presence_penalty=2.5), r"presence_penalty=2.5 must be in \[-2, 2\]")]:
+        with pytest.raises(ValueError, match=message):
+            engine(model).add_request(prompt, params)

@@ -12,6 +12,11 @@ compilation cache in ``--cache-dir``/xla makes a second start load them), then o
 the URL. SIGTERM (or Ctrl-C) stops admitting requests, lets the running ones finish for
 up to ``--shutdown-timeout`` seconds, and exits 0 with a line saying how many finished.
 
+``--api-key KEY`` (default: the environment's ``JAXPAR_API_KEY``) makes every ``/v1``
+request send ``Authorization: Bearer KEY`` (401 otherwise); ``/health`` and
+``/metrics`` stay open. ``--max-request-bytes`` (1 MiB, 1,048,576, by default) refuses
+a larger request body with 413 before reading it.
+
 PATH may also be a ``.gguf`` file (``jaxpar.models.from_gguf``), whose chat template
 the file carries.
 
@@ -31,19 +36,19 @@ and ``--kv-memory`` are per replica). Other overrides are refused in one line.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import pathlib
 import signal
 import socket
 import sys
 
 from jaxpar.inference.token_tree import DEFAULT_BINS, check_bins
+from jaxpar.serving.config import add_flags, from_args
 from jaxpar.train.command import CommandParser, add_compile_cache_flags, compile_cache_from_args
 from jaxpar.models.gguf import gguf_metadata, is_gguf
 from jaxpar.train.runs import check_run_dir, context_length, eos_ids, is_hf, load_model, load_tokenizer
-
-METHODS = ("speculative", "glide", "cape")  # jaxpar.inference.speculative's but ar
-
 
 def _parser() -> CommandParser:
     parser = CommandParser(prog="jaxpar-serve", description=__doc__.split("\n\n")[0].replace("``", ""))
@@ -53,34 +58,23 @@ def _parser() -> CommandParser:
                         help="mesh.tensor=K: tensor-parallel serving over K devices")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="0: any free port (the log line says which)")
-    parser.add_argument("--max-batch", type=int, default=8, help="sequences decoded together (%(default)s)")
     parser.add_argument("--max-queue", type=int, default=256,
-                        help="requests waiting beyond the free batch slots before new ones get 429 "
+                        help="requests waiting beyond the free batch room before new ones get 429 "
                              "(%(default)s)")
-    parser.add_argument("--page-size", type=int, default=16, help="tokens per KV cache page (%(default)s)")
-    parser.add_argument("--kv-memory", type=int, metavar="BYTES",
-                        help="bytes of KV cache pages (default: room for --max-batch sequences of the "
-                             "whole context)")
-    parser.add_argument("--max-context", type=int, metavar="TOKENS",
-                        help="the longest prompt + max_tokens a request may ask for (default: the model's "
-                             "context); the KV pages and the compiled page buckets follow it")
-    parser.add_argument("--prefill-chunk", type=int, default=256,
-                        help="most prompt tokens prefilled per engine step (%(default)s)")
-    parser.add_argument("--batching", choices=("continuous", "static"), default="continuous",
-                        help="static: admit only into an empty batch, the baseline bench/serve.py compares "
-                             "with (%(default)s)")
     parser.add_argument("--model-name", help="the model id clients name (default: PATH's directory name)")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds running requests get to finish after SIGTERM (%(default)s)")
+    parser.add_argument("--api-key", default=os.environ.get("JAXPAR_API_KEY"), metavar="KEY",
+                        help="/v1 requests must send 'Authorization: Bearer KEY' (401 otherwise); /health and "
+                             "/metrics stay open (default: $JAXPAR_API_KEY; none when unset)")
+    parser.add_argument("--max-request-bytes", type=int, default=1 << 20, metavar="N",
+                        help="the largest request body accepted, 413 past it (%(default)s: 1 MiB)")
     parser.add_argument("--access-log", action="store_true", help="log every request (uvicorn's access log)")
     parser.add_argument("--draft", type=pathlib.Path, metavar="DRAFT_DIR",
                         help="speculative decoding's draft model (a run, Hugging Face directory or .gguf file)")
-    parser.add_argument("--method", choices=METHODS,
-                        help="speculative decoding method (default: glide for a GliDe draft run, else "
-                             "speculative; cape: token trees for greedy requests)")
     parser.add_argument("--bins", type=int, nargs="+", default=list(DEFAULT_BINS), metavar="K",
                         help="cape: 11 tree widths by draft confidence decile (default: %(default)s)")
-    parser.add_argument("--gamma", type=int, default=4, help="tokens the draft proposes per round (%(default)s)")
+    add_flags(parser)  # the engine's settings: jaxpar.serving.config.ServingConfig's fields
     add_compile_cache_flags(parser, cache_dir=True)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar while the programs compile")
     return parser
@@ -100,16 +94,20 @@ def check_args(args, parser: CommandParser) -> None:
             parser.error(f"{override}: only mesh.tensor=K and mesh.data=R are supported by jaxpar-serve")
         if not value.isdigit() or int(value) < 1:
             parser.error(f"{override}: {key} must be a positive integer")
-    if args.gamma < 1:
-        parser.error(f"--gamma {args.gamma} must be at least 1")
-    for flag, value, least in [("--max-batch", args.max_batch, 1), ("--max-queue", args.max_queue, 0),
-                               ("--page-size", args.page_size, 1), ("--prefill-chunk", args.prefill_chunk, 1),
-                               ("--port", args.port, 0), ("--kv-memory", args.kv_memory, 1),
-                               ("--shutdown-timeout", args.shutdown_timeout, 0), ("--max-context", args.max_context, 2)]:
+    try:
+        from_args(args)
+    except ValueError as e:  # one line naming the field: its flag
+        name = str(e).partition("=")[0]
+        parser.error(f"--{name.replace('_', '-')}{str(e)[len(name):].replace('=', ' ', 1)}")
+    for flag, value, least in [("--max-queue", args.max_queue, 0), ("--port", args.port, 0),
+                               ("--shutdown-timeout", args.shutdown_timeout, 0), ("--max-context", args.max_context, 2),
+                               ("--max-request-bytes", args.max_request_bytes, 1)]:
         if value is not None and value < least:
             parser.error(f"{flag} {value} must be at least {least}")
     if args.port > 65535:
         parser.error(f"--port {args.port} must be at most 65535")
+    if args.api_key == "":
+        parser.error("--api-key (or JAXPAR_API_KEY) is empty: give a key, or unset it to serve without one")
 
 
 def _context(args, model_context: int) -> int:
@@ -181,7 +179,7 @@ def warm_up(engine, progress: bool) -> None:
     from tqdm.std import tqdm
 
     count = len(engine.warm_up_programs())
-    say(f"compiling {count} programs (shape buckets of the prefill rows and pages read; "
+    say(f"compiling {count} programs (shape buckets of the decode rows, prompt tokens and pages read; "
         "a second start loads them from the compilation cache)")
     with tqdm(total=count, desc="compile", unit="program", disable=not progress or None, leave=False) as bar:
         engine.warm_up(report=lambda key: bar.update(1))
@@ -205,11 +203,10 @@ def build(args):
         check_run_dir(args.draft)
         check_same_tokenizer(args.run_dir, args.draft)
         draft = load_draft(args.draft)
-    replicas = [Engine(model, tokenizer=tokenizer, eos_ids=eos_ids(args.run_dir, tokenizer),
-                       max_batch=args.max_batch, max_context=_context(args, context_length(args.run_dir, model)),
-                       page_size=args.page_size, kv_memory=args.kv_memory, prefill_chunk=args.prefill_chunk,
-                       draft=draft, method=args.method, gamma=args.gamma, bins=args.bins, mesh=mesh,
-                       batching=args.batching)
+    config = dataclasses.replace(from_args(args), max_context=_context(args, context_length(args.run_dir, model)),
+                                 bins=tuple(args.bins))
+    replicas = [Engine(model, config, tokenizer=tokenizer, eos_ids=eos_ids(args.run_dir, tokenizer), draft=draft,
+                       mesh=mesh)
                 for mesh in meshes(mesh_size(args, "data"), mesh_size(args, "tensor"))]
     engine = replicas[0] if len(replicas) == 1 else Replicas(replicas)
     warm_up(engine, not args.no_progress)
@@ -217,7 +214,8 @@ def build(args):
     template, special_tokens = chat_template(args.run_dir)
     name = args.model_name or args.run_dir.resolve().name
     app = create_app(async_engine, name, tokenizer, chat_template=template, special_tokens=special_tokens,
-                     shutdown_timeout=args.shutdown_timeout)
+                     shutdown_timeout=args.shutdown_timeout, api_key=args.api_key,
+                     max_request_bytes=args.max_request_bytes)
     return async_engine, app, engine
 
 
@@ -255,8 +253,8 @@ def main(argv=None) -> int:
     host, port = sock.getsockname()[:2]
     host = f"[{host}]" if ":" in host else host
     say(f"serving {app.state.model_name!r} on http://{host}:{port}/v1 ({len(engine.compiled_programs)} compiled "
-        f"programs; {engine.max_batch} batch slots, {engine.pool.total} KV pages of {engine.page_size} tokens, "
-        f"context {engine.max_context})")
+        f"programs; at most {engine.max_batch} running, {engine.pool.total} KV pages of {engine.page_size} tokens, "
+        f"context {engine.max_context}{'; /v1 needs the API key' if args.api_key else ''})")
     server = Server(config)
     server.run(sockets=[sock])
     ended = async_engine.metrics().finished

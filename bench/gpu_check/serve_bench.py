@@ -23,7 +23,7 @@ from train_bench import run_dir
 
 def serve_settings(ns) -> dict:
     """The load: one page bucket (prompt + new tokens within 16 pages of 16), so the
-    engine compiles 6 programs (5 prefill chunk sizes and the decode step)."""
+    engine compiles one program per step shape (decode rows x prompt tokens)."""
     if ns.smoke:
         return dict(config="tiny", requests=6, rate=50.0, max_batch=4, prompt_tokens=[8, 32], max_tokens=[4, 8])
     return dict(config="small", requests=64, rate=32.0, max_batch=32, prompt_tokens=[16, 192], max_tokens=[16, 64])
@@ -33,7 +33,7 @@ def serve_args(settings: dict) -> argparse.Namespace:
     """What bench/serve.py's functions read of its command line."""
     return argparse.Namespace(model=None, config=settings["config"], requests=settings["requests"],
                               max_batch=settings["max_batch"], prompt_tokens=settings["prompt_tokens"],
-                              max_tokens=settings["max_tokens"], page_size=16, prefill_chunk=256, seed=0,
+                              max_tokens=settings["max_tokens"], page_size=16, max_num_batched_tokens=256, seed=0,
                               overrides=[], draft=None, method=None)
 
 
@@ -118,7 +118,8 @@ def part_serve(ns, rec: Record) -> None:
             continue
         began = time.perf_counter()
         engine = serve.Engine(model, tokenizer=None, max_batch=settings["max_batch"], max_context=context,
-                              page_size=args.page_size, prefill_chunk=args.prefill_chunk, batching=mode)
+                              page_size=args.page_size, max_num_batched_tokens=args.max_num_batched_tokens,
+                              batching=mode)
         engine.warm_up()
         warm = time.perf_counter() - began
         row = {"server": "jaxpar engine", "mode": mode, "model": f"{settings['config']} (random weights)",

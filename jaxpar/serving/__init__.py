@@ -1,10 +1,13 @@
 """Serving (issue 19): an engine with a paged KV cache and continuous batching.
 
-``Engine(model, ...)`` owns the model, the pages and the scheduler (``engine.py``);
+``Engine(model, ...)`` owns the model, the pages and the requests (``engine.py``);
 ``Engine.generate(prompts, SamplingParams(...))`` runs an offline batch, ``add_request``
-/ ``step`` / ``abort`` drive it one iteration at a time. ``pages.py`` holds the paged
-cache and the views the model's attention reads it through, ``programs.py`` the
-compiled decode and prefill programs. ``async_engine.py`` runs an engine on a thread of
+/ ``step`` / ``abort`` drive it one iteration at a time. ``scheduler.py`` decides each
+step (decode rows, prompt chunks, admissions, preemption) over ``page_pool.py``'s page
+ids and prefix cache; ``pages.py`` holds the paged cache on the device and the views the
+model's attention reads it through, ``programs.py`` the compiled step programs;
+``detokenize.py`` grows a sequence's text token by token, ``structured.py`` turns a JSON
+schema into each step's token mask (llguidance, the ``structured`` extra). ``async_engine.py`` runs an engine on a thread of
 its own for asyncio callers (``AsyncEngine``), ``server.py`` is the OpenAI-compatible
 FastAPI app ``jaxpar-serve`` runs (imported on its own: it needs fastapi), and
 ``chat_template.py`` renders Hugging Face chat templates for it and for anyone else,

@@ -1,30 +1,29 @@
 """The serving engine: a model, a paged KV cache and an iteration-level scheduler (Orca's
 continuous batching, vLLM's ``LLM.generate`` shape).
 
-Each ``Engine.step``:
+Each ``Engine.step`` runs one compiled program:
 
-1. **admits** waiting requests, in arrival order, while a batch slot is free and the
-   page pool holds the pages of the request's prompt plus its ``max_tokens``. Pages are
-   reserved whole at admission, so a running sequence never runs out of pages and
-   nothing is preempted (vLLM allocates page by page and preempts under pressure: more
-   requests in flight when outputs end early, at the cost of recomputation).
-2. **prefills** up to ``prefill_chunk`` prompt tokens, packed into one row without
-   padding between prompts (EnergonAI's padding removal): sequences in admission order,
-   each taking what is left of the row; a longer prompt continues in the next steps'
-   rows, so a long prompt never stalls the others' decoding. A sequence whose prompt is
-   done samples its first token here.
-3. **decodes** one token for every sequence that has one to extend, in one program over
-   every batch slot; finished sequences leave at once and their pages go back.
+1. the scheduler (``jaxpar.serving.scheduler``) builds the step within its token budget
+   (``max_num_batched_tokens``): a decode row for every running sequence with a token
+   to extend, chunks of the prompts still prefilling, then newly admitted requests
+   (which first reuse the cached pages of their longest cached prefix), taking pages as
+   sequences grow and preempting the newest when the pool runs dry;
+2. the model runs once over the step's row (decode rows, then the prompt chunks packed
+   without padding between them: ``jaxpar.serving.programs.step``), or with a draft a
+   speculative round for the decode rows and the chunks through both models
+   (``programs.speculative_step``), and samples a token for every decode row and every
+   prompt whose last chunk ran;
+3. the tokens are appended; finished sequences leave at once and their pages go back
+   (full ones stay cached for later prefixes).
 
 A sequence ends at one of its ``eos_ids``, after ``max_tokens`` tokens, or (with a
 tokenizer) when its text contains one of its ``stop`` strings, the text then cut before
-it.
+it. Its text grows incrementally (``jaxpar.serving.detokenize``).
 
-Compiled programs: per page bucket (the pages of a sequence a program reads: x4 from 16
-pages up to the context's, so attention reads what the batch's longest sequence needs),
-one decode program (with a draft: one speculative round) and one prefill program per
-row bucket (powers of two from 16 up to ``prefill_chunk``; with a draft, the draft's
-prefill too); ``Engine.compiled_programs`` lists them, ``warm_up`` compiles them all.
+Compiled programs: one per step shape (``Engine.compiled_programs``): decode rows and
+packed tokens bucketed (``Scheduler.shapes``) and the pages a program reads per sequence
+(x4 from 16 pages up to the context's, so attention reads what the step's longest
+sequence needs). ``warm_up`` compiles them all.
 """
 
 from __future__ import annotations
@@ -33,12 +32,13 @@ import contextlib
 import dataclasses
 import itertools
 import math
-from collections import deque
+import os
+from collections import Counter
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
@@ -52,7 +52,12 @@ from jaxpar.placement import rules as rules_lib
 from jaxpar.placement.execution import Execution
 from jaxpar.placement.sharding import model_shardings
 from jaxpar.serving import programs
-from jaxpar.serving.pages import NULL_PAGE, PagePool, init_pages, page_bytes
+from jaxpar.serving.config import CPU_KV_MEMORY, MAX_BATCH, ServingConfig
+from jaxpar.serving.detokenize import Detokenizer
+from jaxpar.serving.page_pool import PagePool
+from jaxpar.serving.pages import NULL_PAGE, init_pages, page_bytes
+from jaxpar.serving.scheduler import Plan, Scheduler, Seq
+
 
 
 class Call(NamedTuple):
@@ -68,13 +73,25 @@ class Call(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How one request samples: greedy at ``temperature == 0``, else from the nucleus
-    ``top_p``; its tokens depend on ``seed`` alone (not on the batch it runs in)."""
+    ``top_p``; its tokens depend on ``seed`` alone (not on the batch it runs in).
+
+    ``logprobs``: None, or ``k`` in 0..20: each generated token's logprob and the ``k``
+    most likely (``RequestOutput.logprobs``). ``presence_penalty`` and
+    ``frequency_penalty`` (OpenAI's, in [-2, 2]) lower the logits of tokens the request
+    has generated, by ``presence`` once and ``frequency`` per occurrence.
+    ``json_schema`` (``jaxpar.serving.structured.schema_of``'s text): the output is JSON
+    valid under it (a token mask each step).
+    """
 
     max_tokens: int = 16
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
     stop: tuple[str, ...] = ()
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    json_schema: str | None = None
 
     def check(self) -> None:
         """ValueError, one line naming the bad value."""
@@ -84,6 +101,26 @@ class SamplingParams:
             raise ValueError(f"temperature={self.temperature!r} must be >= 0")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
+        if self.logprobs is not None and not (isinstance(self.logprobs, int) and
+                                              0 <= self.logprobs <= programs.TOP_LOGPROBS):
+            raise ValueError(f"logprobs={self.logprobs!r} must be None or an int in [0, {programs.TOP_LOGPROBS}]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be in [-2, 2]")
+
+    @property
+    def biased(self) -> bool:
+        """The logits need a bias row (penalties or a schema)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.json_schema)
+
+
+class Logprob(NamedTuple):
+    """A generated token's ``logprob`` and the ``top`` most likely ``(token, logprob)``
+    (``log_softmax`` of the model's logits, before penalties, mask and temperature)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
 
 
 @dataclasses.dataclass
@@ -91,69 +128,77 @@ class RequestOutput:
     """A request's tokens so far. ``finish_reason``: None while running, ``"stop"`` (an
     end token or stop string), ``"length"`` (``max_tokens``) or ``"abort"``. ``text``
     (with a tokenizer) is cut before a stop string and leaves an end token out;
-    ``token_ids`` are all generated, an end token included."""
+    ``token_ids`` are all generated, an end token included; ``logprobs`` one per token
+    where asked; ``cached_tokens``: prompt tokens read from the prefix cache."""
 
     request_id: str
     prompt_token_ids: list[int]
     token_ids: list[int] = dataclasses.field(default_factory=list)
     text: str | None = None
     finish_reason: str | None = None
+    logprobs: list[Logprob] | None = None
+    cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
 
-@dataclasses.dataclass
-class _Sequence:
+@dataclasses.dataclass(eq=False)
+class _Request:
+    """A request's engine-side state: its output, its scheduler state, its text and what
+    its sampling carries from token to token."""
+
     output: RequestOutput
     params: SamplingParams
-    slot: int = -1
-    pages: list[int] = dataclasses.field(default_factory=list)
-    prefilled: int = 0  # prompt tokens in the cache
-    admitted: int = 0  # admission order: prompts prefill first come, first served
-
-    @property
-    def prompt(self) -> list[int]:
-        return self.output.prompt_token_ids
-
-    @property
-    def cached(self) -> int:
-        """Tokens in the cache once the last generated one is written: the position the
-        next decode writes at."""
-        return len(self.prompt) + len(self.output.token_ids) - 1
+    seq: Seq
+    detokenizer: Detokenizer | None = None
+    counts: Counter = dataclasses.field(default_factory=Counter)  # generated tokens, for the penalties
+    constraint: object | None = None  # a jaxpar.serving.structured.Constraint
 
 
 class Engine:
-    """Serves ``model`` (a ``jaxpar.models.Transformer``) from a paged KV cache.
+    """Serves ``model`` (a ``jaxpar.models.Transformer``) from a paged KV cache, as
+    ``config`` (``jaxpar.serving.config.ServingConfig``; keyword ``settings`` override
+    its fields: ``Engine(model, max_batch=4)``) says.
 
     Args:
-      tokenizer: a ``tokenizers.Tokenizer``, for string prompts, ``text`` and ``stop``.
+      tokenizer: a ``tokenizers.Tokenizer``, for string prompts, ``text``, ``stop`` and
+        ``json_schema``.
       eos_ids: tokens that end a sequence.
-      max_batch: batch slots, the sequences decoded together.
+
+    Settings (``ServingConfig``'s fields):
+      max_num_batched_tokens: the step's token budget (decode rows and prompt chunks):
+        larger steps prefill faster, smaller ones keep each step, and so each running
+        sequence's next token, quicker.
+      max_batch: the most sequences running at once (default: as many as the budget
+        and the page pool allow, at most ``MAX_BATCH``).
       max_context: the longest prompt + ``max_tokens`` a request may ask for (default
         the model's ``max_position``).
       page_size: tokens per page.
       kv_pages: pages in the pool (the null page included); else what ``kv_memory``
-        bytes (per device) hold; else enough for ``max_batch`` sequences of
-        ``max_context`` tokens, or, where fewer fit, 90% of the device's free memory
-        after the weights (on a GPU; a CPU does not say).
-      prefill_chunk: most prompt tokens prefilled per step.
-      batching: ``"continuous"`` (admit whenever a slot and pages are free) or
+        bytes (per device) hold; else 90% of the device's free memory after the weights
+        (a GPU), or ``CPU_KV_MEMORY`` bytes where the device does not say (a CPU),
+        bounded by what ``max_batch`` sequences of ``max_context`` tokens need.
+      prefix_caching: full pages keyed by their tokens are reused by later requests with
+        the same prefix (``jaxpar.serving.page_pool``).
+      max_prefills: the most prompts with a chunk in one step.
+      batching: ``"continuous"`` (admit whenever the budget and the pages allow) or
         ``"static"`` (admit only into an empty batch, which then runs until its last
         sequence ends: the baseline continuous batching is measured against).
-      draft, method, gamma: speculative decoding with ``draft``: each decode step is then
-        one round for every running sequence, the draft proposing ``gamma`` tokens and
-        the model verifying them in one pass, each sequence accepting its own prefix
-        (lossless: exact match when greedy, the speculative-sampling rule otherwise). The
-        draft's own pages mirror the model's (the same page tables). ``method``
-        ``"speculative"`` (Leviathan et al.; the default for a ``Transformer`` draft over
-        the model's vocabulary), ``"glide"`` (the default for a ``GlideDraft`` trained
-        against ``model``: its layers cross-attend to the model's pages of the tokens
-        verified so far) or ``"cape"`` (either draft; its chain widened into a token
-        tree of ``bins`` widths by its confidence, verified in one pass, for greedy
-        requests; sampling requests verify the chain). On a ``mesh`` the draft is split as
-        the model is (its kv heads must split alike: a GliDe draft's always do).
+      draft, method, gamma: speculative decoding with ``draft``: each decode row is then
+        one round, the draft proposing ``gamma`` tokens and the model verifying them in
+        one pass, each sequence accepting its own prefix (lossless: exact match when
+        greedy, the speculative-sampling rule otherwise). The draft's own pages mirror
+        the model's (the same page tables). ``method`` ``"speculative"`` (Leviathan et
+        al.; the default for a ``Transformer`` draft over the model's vocabulary),
+        ``"glide"`` (the default for a ``GlideDraft`` trained against ``model``: its
+        layers cross-attend to the model's pages of the tokens verified so far) or
+        ``"cape"`` (either draft; its chain widened into a token tree of ``bins`` widths
+        by its confidence, verified in one pass, for greedy requests; sampling requests
+        verify the chain). On a ``mesh`` the draft is split as the model is (its kv heads
+        must split alike: a GliDe draft's always do). With a draft, requests may not ask
+        for logprobs, penalties or a schema yet.
       mesh, rules: serve on ``mesh`` (``mesh.tensor=k`` splits the weights and the
         pages' kv heads over ``k`` devices, ``jaxpar.models.transformer.sharding_rules``
         as training does: kv heads replicated where ``k`` outnumbers them); ``model``'s
@@ -163,35 +208,24 @@ class Engine:
         attention, decoding reads the pages in place (``jaxpar.serving.pages``).
     """
 
-    def __init__(self, model, *, tokenizer=None, eos_ids: Sequence[int] = (), max_batch: int = 8,
-                 max_context: int | None = None, page_size: int = 16, kv_pages: int | None = None,
-                 kv_memory: int | None = None, prefill_chunk: int = 256, batching: str = "continuous",
-                 draft=None, method: str | None = None, gamma: int = 4,
-                 bins: Sequence[int] = token_tree.DEFAULT_BINS, mesh=None, rules=None,
-                 kernels: KernelOptions = KernelOptions()):
-        if batching not in ("continuous", "static"):
-            raise ValueError(f"batching={batching!r} must be 'continuous' or 'static'")
-        self.method = None  # the speculative round's static settings (temperature and top_p: the rows')
-        if draft is not None:
-            name = method or ("glide" if isinstance(draft, GlideDraft) else "speculative")
-            self.method = speculative.Method(name, gamma, token_tree.check_bins(bins))
-            speculative.check(self.method, model, draft)
-            if drafting.reads_features(draft):
-                raise ValueError("jaxpar-serve does not yet run a GliDe draft that reads the target's features "
-                                 "(glide.features=true); decode it with jaxpar-generate or "
-                                 "jaxpar.inference.decoding")
-        elif method is not None:
-            raise ValueError(f"method={method!r} needs a draft model")
-        self.batching = batching
+    def __init__(self, model, config: ServingConfig | None = None, *, tokenizer=None, eos_ids: Sequence[int] = (),
+                 draft=None, mesh=None, rules=None, kernels: KernelOptions = KernelOptions(), **settings):
+        config = dataclasses.replace(config or ServingConfig(), **settings)
+        config.check()
+        self.config = config
+        max_num_batched_tokens, max_batch, page_size = config.max_num_batched_tokens, config.max_batch, config.page_size
+        self.method = self._method(model, draft, config.method, config.gamma, config.bins)
         cfg = model.cfg
         self.tokenizer, self.eos_ids = tokenizer, frozenset(int(i) for i in eos_ids)
-        self.vocab_size = cfg.vocab_size
-        self.max_batch, self.page_size = max_batch, page_size
-        self.max_context = max_context or cfg.max_position
-        # a speculative round writes positions past what a request keeps: up to gamma (a
-        # chain), or the tree's nodes but the root (cape)
-        self.lookahead = self.method.tokens_verified - 1 if draft is not None else 0
-        self.max_pages = math.ceil((self.max_context + self.lookahead) / page_size)
+        self.vocab_size, self.page_size, self.batching = cfg.vocab_size, page_size, config.batching
+        self.max_context = config.max_context or cfg.max_position
+        # a decode row computes one token, or a round's verified ones (which write past
+        # what a request keeps: up to gamma, or the tree's nodes but the root)
+        self.tokens_per_row = self.method.tokens_verified if draft is not None else 1
+        if self.tokens_per_row > max_num_batched_tokens:
+            raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} is below one speculative round's "
+                             f"{self.tokens_per_row} tokens")
+        self.max_pages = math.ceil((self.max_context + self.tokens_per_row - 1) / page_size)
         self.graphdef, self.params = nnx.split(model)
         self.mesh, self.execution, kv_sharding, split = mesh, Execution(kernels=kernels), None, 1
         if mesh is not None:
@@ -211,17 +245,12 @@ class Engine:
         if draft is not None:
             d = draft.cache_config() if isinstance(draft, GlideDraft) else draft.cfg
             per_page += page_bytes(d.layers, page_size, d.kv_heads, d.head_dim, d.compute_dtype)
-        if kv_pages is None and kv_memory:
-            kv_pages = kv_memory // per_page
-        if kv_pages is None:
-            kv_pages = max_batch * self.max_pages + 1
-            free = free_memory(jax.tree.leaves(self.params)[0].sharding.device_set)
-            if free is not None:
-                kv_pages = min(kv_pages, int(0.9 * free) // per_page)
+        kv_pages = self._pool_size(config.kv_pages, config.kv_memory, per_page, max_batch)
+        max_batch = max_batch or max(1, min(MAX_BATCH, kv_pages - 1, max_num_batched_tokens // self.tokens_per_row))
         self.kv = init_pages(cfg.layers, kv_pages, page_size, cfg.kv_heads, cfg.head_dim, cfg.compute_dtype)
         if kv_sharding is not None:
             self.kv = jax.device_put(self.kv, kv_sharding)
-        self.draft, self.gamma, self.draft_kv = None, gamma, None
+        self.draft, self.gamma, self.draft_kv = None, config.gamma, None
         if draft is not None:
             self.draft = nnx.split(draft)
             self.draft_kv = init_pages(d.layers, kv_pages, page_size, d.kv_heads, d.head_dim, d.compute_dtype)
@@ -230,21 +259,42 @@ class Engine:
                                                                                            rules)))
                 self.draft_kv = jax.device_put(self.draft_kv, kv_sharding)
         self.rounds = self.accepted = 0  # speculative rounds run per sequence, drafts accepted
-        self.pool = PagePool(kv_pages)
-        self.buckets = tuple(sorted({min(2 ** n, prefill_chunk) for n in range(4, max(5, math.ceil(
-            math.log2(prefill_chunk)) + 1))}))
-        self.prefill_chunk = self.buckets[-1]
-        # Pages a program reads per sequence, bucketed (x4 from 16 pages up to the context's):
-        # attention reads what the longest sequence of the batch needs, not the whole context.
-        widths = {self.max_pages}
-        while (width := 16 * 4 ** (len(widths) - 1)) < self.max_pages:
-            widths.add(width)
-        self.page_buckets = tuple(sorted(widths))
+        self.pool = PagePool(kv_pages, caching=config.prefix_caching)
+        self.scheduler = Scheduler(self.pool, page_size=page_size, max_pages=self.max_pages, max_batch=max_batch,
+                                   max_num_batched_tokens=max_num_batched_tokens, max_prefills=config.max_prefills,
+                                   tokens_per_row=self.tokens_per_row, draft=draft is not None,
+                                   static=config.batching == "static")
+        self.max_batch, self.max_num_batched_tokens = max_batch, max_num_batched_tokens
         self.compiled_programs: set[tuple] = set()
-        self._waiting: deque[_Sequence] = deque()
-        self._slots: list[_Sequence | None] = [None] * max_batch
-        self._by_id: dict[str, _Sequence] = {}
-        self._ids, self._admissions = itertools.count(), itertools.count()
+        self._requests: dict[str, _Request] = {}
+        self._ids = itertools.count()
+        self._no_bias: dict[int, jax.Array] = {}  # rows -> zeros [rows, V] on the device
+
+    @staticmethod
+    def _method(model, draft, method, gamma, bins) -> speculative.Method | None:
+        """The speculative round's static settings (None without a draft)."""
+        if draft is None:
+            if method is not None:
+                raise ValueError(f"method={method!r} needs a draft model")
+            return None
+        name = method or ("glide" if isinstance(draft, GlideDraft) else "speculative")
+        chosen = speculative.Method(name, gamma, token_tree.check_bins(bins))
+        speculative.check(chosen, model, draft)
+        if drafting.reads_features(draft):
+            raise ValueError("jaxpar-serve does not yet run a GliDe draft that reads the target's features "
+                             "(glide.features=true); decode it with jaxpar-generate or "
+                             "jaxpar.inference.decoding")
+        return chosen
+
+    def _pool_size(self, kv_pages, kv_memory, per_page: int, max_batch) -> int:
+        """Pages in the pool (``Engine``'s ``kv_pages`` argument)."""
+        if kv_pages is not None:
+            return kv_pages
+        if kv_memory:
+            return kv_memory // per_page
+        whole = (max_batch or MAX_BATCH) * self.max_pages + 1  # every sequence at its longest
+        free = free_memory(jax.tree.leaves(self.params)[0].sharding.device_set)
+        return max(2, min(whole, int(0.9 * free if free is not None else CPU_KV_MEMORY) // per_page))
 
     # -------------------------------------------------------------- requests
 
@@ -252,8 +302,11 @@ class Engine:
                     request_id: str | None = None) -> str:
         """Queues a request; returns its id. ValueError (one line) for an empty prompt, a
         token outside the vocabulary, bad sampling values, a prompt + ``max_tokens``
-        past ``max_context``, or the id of a request still unfinished."""
+        past ``max_context`` or the page pool, or the id of a request still unfinished."""
         params.check()
+        if self.draft is not None and (params.logprobs is not None or params.biased):
+            raise ValueError("logprobs, penalties and json_schema are not supported with speculative decoding "
+                             "(a draft) yet")
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs an Engine with a tokenizer")
@@ -267,35 +320,60 @@ class Engine:
         if len(prompt) + params.max_tokens > self.max_context:
             raise ValueError(f"prompt of {len(prompt)} tokens + max_tokens={params.max_tokens} is past the "
                              f"context of {self.max_context} tokens")
-        if self._pages_needed(len(prompt), params.max_tokens) > self.pool.total:
+        need = math.ceil((len(prompt) + params.max_tokens - 1 + self.tokens_per_row - 1) / self.page_size)
+        if need > self.pool.total:
             raise ValueError(f"prompt of {len(prompt)} tokens + max_tokens={params.max_tokens} needs more "
                              f"pages than the cache has ({self.pool.total})")
         request_id = request_id or f"req-{next(self._ids)}"
-        if request_id in self._by_id:
+        if request_id in self._requests:
             raise ValueError(f"request_id={request_id!r} is already in the engine")
-        sequence = _Sequence(RequestOutput(request_id, prompt), params)
-        self._by_id[request_id] = sequence
-        self._waiting.append(sequence)
+        request = _Request(RequestOutput(request_id, prompt, logprobs=None if params.logprobs is None else []),
+                           params, Seq(request_id, list(prompt), len(prompt)))
+        if self.tokenizer is not None:
+            request.detokenizer, request.output.text = Detokenizer(self.tokenizer), ""
+        if params.json_schema is not None:
+            request.constraint = self._constraint(params.json_schema)
+        self._requests[request_id] = request
+        self.scheduler.waiting.append(request.seq)
         return request_id
+
+    def _constraint(self, schema: str):
+        if self.tokenizer is None:
+            raise ValueError("json_schema needs an Engine with a tokenizer")
+        from jaxpar.serving import structured  # an optional extra
+
+        return structured.constraint(schema, self.tokenizer, self.vocab_size, sorted(self.eos_ids))
 
     def abort(self, request_id: str) -> None:
         """Ends a request now (its pages go back); a finished or unknown id is ignored."""
-        sequence = self._by_id.get(request_id)
-        if sequence is not None and not sequence.output.finished:
-            if sequence in self._waiting:
-                self._waiting.remove(sequence)
-            self._finish(sequence, "abort")
+        request = self._requests.get(request_id)
+        if request is not None and not request.output.finished:
+            self._finish(request, "abort")
 
     def has_unfinished(self) -> bool:
-        return bool(self._waiting) or any(s is not None for s in self._slots)
+        return bool(self._requests)
 
     @property
     def running(self) -> int:
-        return sum(s is not None for s in self._slots)
+        return len(self.scheduler.running)
 
     @property
     def waiting(self) -> int:
-        return len(self._waiting)
+        return len(self.scheduler.waiting)
+
+    @property
+    def preemptions(self) -> int:
+        return self.scheduler.preemptions
+
+    @property
+    def prefix_queries(self) -> int:
+        """Prompt tokens of the requests admitted (the prefix cache's lookups)."""
+        return self.scheduler.prefix_queries
+
+    @property
+    def prefix_hits(self) -> int:
+        """Of those, the tokens read from the prefix cache."""
+        return self.scheduler.prefix_hits
 
     def generate(self, prompts: Sequence[Sequence[int] | str],
                  params: SamplingParams | Sequence[SamplingParams] = SamplingParams()) -> list[RequestOutput]:
@@ -310,68 +388,35 @@ class Engine:
 
     def output(self, request_id: str) -> RequestOutput:
         """An unfinished request's output, which grows as it runs (KeyError otherwise)."""
-        return self._by_id[request_id].output
+        return self._requests[request_id].output
+
+    # -------------------------------------------------------------- programs
 
     def warm_up_programs(self) -> list[Call]:
-        """Every program the engine runs (decode or the speculative round, prefill per
-        bucket, with a draft the draft's prefill too), as calls on rows that touch only
-        the null page: what ``warm_up`` compiles."""
-        G = self.max_batch
-        empty, zeros = [None] * G, np.zeros(G, np.int32)
+        """Every program a step can run (``Scheduler.shapes`` at every page width), as
+        calls on rows that touch only the null page: what ``warm_up`` compiles."""
         calls = []
-        for width in self.page_buckets:
-            tables = np.full((G, width), NULL_PAGE, np.int32)
-            for C in self.buckets:
-                row = (np.zeros(C, np.int32), np.zeros(C, np.int32), np.full(C, -1, np.int32), tables, zeros, empty)
-                calls.append(self._prefill_call(*row))
-                if self.draft is not None:
-                    calls.append(self._draft_prefill_call(*row[:4]))
-            calls.append(self._round_call(zeros, zeros, tables, zeros, empty) if self.draft is not None
-                         else self._decode_call(zeros, tables, zeros, empty))
+        for width in self.scheduler.page_buckets:
+            for rows, tokens in self.scheduler.shapes():
+                plan = Plan([], [], rows, tokens, width)
+                calls.append(self._step_call(plan, *self._arrays(plan)))
         return calls
 
     def warm_up(self, report: Callable[[tuple], None] | None = None) -> None:
         """Compiles every program the engine runs (``warm_up_programs``), so serving
         compiles nothing. Ahead of time: each is lowered and compiled, not run (a later
         call of the same shapes runs that executable; where JAX's persistent compilation
-        cache is on, a second start loads them from it). ``report(key)`` after each."""
-        for call in self.warm_up_programs():
+        cache is on, a second start loads them from it). ``report(key)`` after each. XLA
+        compiles on a thread per core (it does not hold the interpreter lock)."""
+        def compile_one(call: Call) -> None:
             with self._on_mesh():
                 call.program.lower(*call.args).compile()
             self.compiled_programs.add(call.key)
             if report is not None:
                 report(call.key)
 
-    # -------------------------------------------------------------- one step
-
-    def step(self) -> list[RequestOutput]:
-        """Admits, prefills one row, decodes one token per running sequence; returns the
-        outputs that changed (new tokens, or finished)."""
-        changed: dict[str, RequestOutput] = {}
-        self._admit()
-        for sequence in self._prefill():
-            changed[sequence.output.request_id] = sequence.output
-        for sequence in self._decode():
-            changed[sequence.output.request_id] = sequence.output
-        return list(changed.values())
-
-    def _admit(self) -> None:
-        if self.batching == "static" and self.running:
-            return
-        while self._waiting and None in self._slots:
-            sequence = self._waiting[0]
-            need = self._pages_needed(len(sequence.prompt), sequence.params.max_tokens)
-            if need > self.pool.free:
-                return  # first come, first served: nothing overtakes it
-            self._waiting.popleft()
-            sequence.pages = self.pool.take(need)
-            sequence.slot, sequence.admitted = self._slots.index(None), next(self._admissions)
-            self._slots[sequence.slot] = sequence
-
-    def _pages_needed(self, prompt: int, max_tokens: int) -> int:
-        """Pages for positions ``0 .. prompt + max_tokens - 2`` (the last token is never
-        written), and the speculative rounds' lookahead."""
-        return math.ceil((prompt + max_tokens - 1 + self.lookahead) / self.page_size)
+        with ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="jaxpar-compile") as threads:
+            list(threads.map(compile_one, self.warm_up_programs()))
 
     def _on_mesh(self):
         """The engine's mesh in force (programs trace and run on it), if it has one."""
@@ -383,144 +428,175 @@ class Engine:
         with self._on_mesh():
             return call.program(*call.args)
 
-    def _decode_call(self, tokens, tables, lengths, rows) -> Call:
-        return Call(("decode", len(rows), tables.shape[1]), programs.decode,
-                    (self.graphdef, self.execution, self.params, self.kv, tokens, tables, lengths,
-                     self._sampling(rows)))
-
-    def _round_call(self, prev, last, tables, lengths, rows) -> Call:
-        """One speculative round (``programs.speculative_round``)."""
-        return Call(("speculative_round", len(rows), tables.shape[1], self.gamma), programs.speculative_round,
+    def _step_call(self, plan: Plan, decode, packed, sampling) -> Call:
+        if self.draft is None:
+            return Call(("step", plan.rows, plan.tokens, plan.width), programs.step,
+                        (self.graphdef, self.execution, self.params, self.kv, decode, packed, sampling))
+        rounds = None
+        if decode is not None:  # a round feeds the draft the token before the last too
+            tokens, tables, lengths, prev = decode
+            rounds = (prev, tokens, tables, lengths)
+        return Call(("speculative_step", plan.rows, plan.tokens, plan.width, self.gamma), programs.speculative_step,
                     (self.graphdef, self.draft[0], self.execution, self.method, self.params, self.draft[1], self.kv,
-                     self.draft_kv, prev, last, tables, lengths, self._sampling(rows)))
+                     self.draft_kv, rounds, packed, sampling))
 
-    def _prefill_call(self, tokens, positions, index, tables, last, rows) -> Call:
-        return Call(("prefill", len(tokens), len(rows), tables.shape[1]), programs.prefill,
-                    (self.graphdef, self.execution, self.params, self.kv, tokens, positions, index, tables, last,
-                     self._sampling(rows)))
+    # -------------------------------------------------------------- one step
 
-    def _draft_prefill_call(self, tokens, positions, index, tables) -> Call:
-        """The prefill's row through the draft: its cache mirrors the model's (a GliDe
-        draft reads the model's pages of the row)."""
-        return Call(("draft_prefill", len(tokens), tables.shape[0], tables.shape[1]), programs.draft_prefill,
-                    (self.draft[0], self.graphdef, self.execution, self.draft[1], self.params, self.draft_kv, self.kv,
-                     tokens, positions, index, tables))
+    def step(self) -> list[RequestOutput]:
+        """Schedules, runs and applies one step; returns the outputs that changed (new
+        tokens, or finished)."""
+        plan = self.scheduler.schedule()
+        if plan is None:
+            return []
+        results = self._run(plan)
+        return self._apply(plan, *results)
 
-    def _width(self, positions: int) -> int:
-        """The page bucket that holds ``positions`` positions."""
-        return next(w for w in self.page_buckets if w * self.page_size >= positions)
-
-    def _table(self, sequence: _Sequence | None, width: int) -> np.ndarray:
+    def _table(self, seq: Seq | None, width: int) -> np.ndarray:
         row = np.full((width,), NULL_PAGE, np.int32)
-        if sequence is not None:
-            pages = sequence.pages[:width]
+        if seq is not None:
+            pages = seq.pages[:width]
             row[:len(pages)] = pages
         return row
 
-    def _prefill_program(self, tokens, positions, index, tables, last, rows):
-        """The packed row through the model and then, with a draft, through the draft:
-        the model's sampled tokens."""
-        sampled, self.kv = self._call(self._prefill_call(tokens, positions, index, tables, last, rows))
-        if self.draft is not None:
-            self.draft_kv = self._call(self._draft_prefill_call(tokens, positions, index, tables))
-        return sampled
+    def _arrays(self, plan: Plan):
+        """The step's ``(decode, packed, sampling)`` arrays (``programs.step``'s; with a
+        draft ``decode`` has the tokens before the last too)."""
+        decode = packed = None
+        rows = plan.decode + [None] * (plan.rows - len(plan.decode))
+        if plan.rows:
+            tokens = np.array([s.tokens[s.computed] if s else 0 for s in rows], np.int32)
+            lengths = np.array([s.computed if s else 0 for s in rows], np.int32)
+            tables = np.stack([self._table(s, plan.width) for s in rows])
+            decode = (tokens, tables, lengths)
+            if self.draft is not None:
+                decode += (np.array([s.tokens[s.computed - 1] if s else 0 for s in rows], np.int32),)
+        prefills = [s for s, _ in plan.chunks] + [None] * (self.scheduler.max_prefills - len(plan.chunks))
+        if plan.tokens:
+            C, G = plan.tokens, self.scheduler.max_prefills
+            tokens, positions, index = np.zeros(C, np.int32), np.zeros(C, np.int32), np.full(C, -1, np.int32)
+            tables, last = np.full((G, plan.width), NULL_PAGE, np.int32), np.zeros(G, np.int32)
+            at = 0
+            for g, (seq, n) in enumerate(plan.chunks):
+                start = seq.computed
+                tokens[at:at + n] = seq.tokens[start:start + n]
+                positions[at:at + n] = np.arange(start, start + n)
+                index[at:at + n] = g
+                tables[g], last[g] = self._table(seq, plan.width), at + n - 1
+                at += n
+            packed = (tokens, positions, index, tables, last)
+        else:
+            prefills = []
+        return decode, packed, self._sampling(rows + prefills)
 
-    def _sampling(self, sequences: list[_Sequence | None]):
-        """``(seeds, counts, temperature, top_p)`` per row; empty rows greedy."""
-        rows = [(s.params.seed, len(s.output.token_ids), s.params.temperature, s.params.top_p)
-                if s is not None else (0, 0, 0.0, 1.0) for s in sequences]
-        seeds, counts, temperature, top_p = zip(*rows)
-        return (jnp.asarray(seeds, jnp.uint32), jnp.asarray(counts, jnp.int32),
-                jnp.asarray(temperature, jnp.float32), jnp.asarray(top_p, jnp.float32))
+    def _sampling(self, seqs: list[Seq | None]) -> programs.Sampling:
+        """Each row's sampling (``programs.Sampling``); empty rows greedy."""
+        requests = [self._requests[s.request_id] if s is not None else None for s in seqs]
+        rows = [(r.params.seed, r.seq.generated, r.params.temperature, r.params.top_p, r.params.logprobs is not None)
+                if r is not None else (0, 0, 0.0, 1.0, False) for r in requests]
+        seeds, counts, temperature, top_p, logprobs = zip(*rows)
+        return programs.Sampling(np.asarray(seeds, np.uint32), np.asarray(counts, np.int32),
+                                 np.asarray(temperature, np.float32), np.asarray(top_p, np.float32),
+                                 self._bias(requests), np.asarray(logprobs, bool))
 
-    def _prefill(self) -> list[_Sequence]:
-        """One packed row of prompt chunks; the sequences whose prompts it completes get
-        their first token."""
-        pending = sorted((s for s in self._slots if s is not None and s.prefilled < len(s.prompt)),
-                         key=lambda s: s.admitted)
-        if not pending:
-            return []
-        G, budget = self.max_batch, self.prefill_chunk
-        chunks = []
-        for sequence in pending[:G]:
-            take = min(len(sequence.prompt) - sequence.prefilled, budget)
-            if take == 0:
-                break
-            chunks.append((sequence, take))
-            budget -= take
-        used = sum(take for _, take in chunks)
-        C = next(b for b in self.buckets if b >= used)
-        width = self._width(max(s.prefilled + take for s, take in chunks))
-        tokens, positions, index = (np.zeros(C, np.int32), np.zeros(C, np.int32), np.full(C, -1, np.int32))
-        tables, last = np.full((G, width), NULL_PAGE, np.int32), np.zeros(G, np.int32)
-        row = [None] * G
-        at = 0
-        for g, (sequence, take) in enumerate(chunks):
-            start = sequence.prefilled
-            tokens[at:at + take] = sequence.prompt[start:start + take]
-            positions[at:at + take] = np.arange(start, start + take)
-            index[at:at + take] = g
-            tables[g], last[g], row[g] = self._table(sequence, width), at + take - 1, sequence
-            at += take
-        next_tokens = np.asarray(self._prefill_program(tokens, positions, index, tables, last, row))
-        done = []
-        for g, (sequence, take) in enumerate(chunks):
-            sequence.prefilled += take
-            if sequence.prefilled == len(sequence.prompt):
-                self._append(sequence, int(next_tokens[g]))
-                done.append(sequence)
-        return done
+    def _bias(self, requests: list[_Request | None]):
+        """``[R, V]`` added to the rows' logits: the penalties and schema masks of the rows
+        that have them (zeros kept on the device when none has)."""
+        R = len(requests)
+        if not any(r is not None and r.params.biased for r in requests):
+            if R not in self._no_bias:  # placed where the programs read it: no transfer, no reshard
+                where = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
+                self._no_bias[R] = jax.device_put(np.zeros((R, self.vocab_size), np.float32), where)
+            return self._no_bias[R]
+        bias = np.zeros((R, self.vocab_size), np.float32)
+        for row, request in enumerate(requests):
+            if request is None or not request.params.biased:
+                continue
+            p = request.params
+            if request.counts and (p.presence_penalty or p.frequency_penalty):
+                ids = np.fromiter(request.counts.keys(), np.int64)
+                counts = np.fromiter(request.counts.values(), np.float32)
+                bias[row, ids] -= p.presence_penalty + p.frequency_penalty * counts
+            if request.constraint is not None:
+                bias[row, ~request.constraint.allowed()] = -np.inf
+        return bias
 
-    def _decode(self) -> list[_Sequence]:
-        """One token for every slot whose sequence has a generated token to extend."""
-        active = [s if s is not None and s.output.token_ids and not s.output.finished else None
-                  for s in self._slots]
-        if not any(active):
-            return []
-        tokens = np.array([s.output.token_ids[-1] if s else 0 for s in active], np.int32)
-        lengths = np.array([s.cached if s else 0 for s in active], np.int32)
-        stepped = [s for s in active if s is not None]
-        width = self._width(max(s.cached for s in stepped) + 1 + self.lookahead)
-        tables = np.stack([self._table(s, width) for s in active])
-        if self.draft is not None:
-            prev = np.array([(s.prompt + s.output.token_ids)[-2] if s else 0 for s in active], np.int32)
-            emitted, accepted, self.kv, self.draft_kv = self._call(self._round_call(prev, tokens, tables, lengths,
-                                                                                    active))
-            emitted, accepted = np.asarray(emitted), np.asarray(accepted)
-            for sequence in stepped:
-                self.rounds, self.accepted = self.rounds + 1, self.accepted + int(accepted[sequence.slot])
-                for token in emitted[sequence.slot, :accepted[sequence.slot] + 1]:
-                    self._append(sequence, int(token))
-                    if sequence.output.finished:
+    def _run(self, plan: Plan):
+        """The step's program: ``(emitted, accepted, sampled)`` as numpy (``emitted``,
+        ``accepted``: a draft's rounds, else None; ``sampled``: ``programs.Sampled`` for
+        the decode rows, then the packed sequences)."""
+        call = self._step_call(plan, *self._arrays(plan))
+        if self.draft is None:
+            sampled, self.kv = self._call(call)
+            return None, None, jax.tree.map(np.asarray, sampled)
+        emitted, accepted, sampled, self.kv, self.draft_kv = self._call(call)
+        return jax.tree.map(lambda x: None if x is None else np.asarray(x), (emitted, accepted, sampled))
+
+    def _apply(self, plan: Plan, emitted, accepted, sampled) -> list[RequestOutput]:
+        """The step's tokens appended; the outputs that changed."""
+        changed = []
+        for row, seq in enumerate(plan.decode):
+            request = self._requests[seq.request_id]
+            if emitted is None:
+                self.scheduler.computed(seq, 1)
+                self._append(request, *self._token(request, sampled, row))
+            else:
+                self.rounds, self.accepted = self.rounds + 1, self.accepted + int(accepted[row])
+                self.scheduler.computed(seq, int(accepted[row]) + 1)
+                for token in emitted[row, :accepted[row] + 1]:
+                    self._append(request, int(token))
+                    if request.output.finished:
                         break
-            return stepped
-        next_tokens, self.kv = self._call(self._decode_call(tokens, tables, lengths, active))
-        next_tokens = np.asarray(next_tokens)
-        for sequence in stepped:
-            self._append(sequence, int(next_tokens[sequence.slot]))
-        return stepped
+            changed.append(request.output)
+        first = plan.rows if self.draft is None else 0  # the packed rows' first in ``sampled``
+        for g, (seq, n) in enumerate(plan.chunks):
+            self.scheduler.computed(seq, n)
+            if seq.remaining == 0:  # its last chunk ran: its next token
+                request = self._requests[seq.request_id]
+                self._append(request, *self._token(request, sampled, first + g))
+                changed.append(request.output)
+        return changed
 
-    # -------------------------------------------------------------- endings
+    @staticmethod
+    def _token(request: _Request, sampled: programs.Sampled, row: int) -> tuple[int, Logprob | None]:
+        """Row ``row`` of ``sampled``: its token, and its ``Logprob`` where ``request`` asked."""
+        token, k = int(sampled.tokens[row]), request.params.logprobs
+        if k is None:
+            return token, None
+        top = tuple((int(i), float(lp)) for i, lp in zip(sampled.top_ids[row, :k], sampled.top_logprobs[row, :k]))
+        return token, Logprob(token, float(sampled.logprob[row]), top)
 
-    def _append(self, sequence: _Sequence, token: int) -> None:
-        out = sequence.output
+    # -------------------------------------------------------------- tokens and endings
+
+    def _append(self, request: _Request, token: int, logprob: Logprob | None = None) -> None:
+        """Appends ``token`` (and its ``logprob``) to ``request``; ends it where it ends."""
+        out = request.output
         out.token_ids.append(token)
-        if self.tokenizer is not None:
-            # an end token is not text (jaxpar-generate leaves it out too)
-            out.text = self.tokenizer.decode(out.token_ids[:-1] if token in self.eos_ids else out.token_ids)
-            for stop in sequence.params.stop:
-                if stop and stop in out.text:
-                    out.text = out.text[:out.text.index(stop)]
-                    return self._finish(sequence, "stop")
+        out.cached_tokens = request.seq.cached_tokens or 0
+        request.seq.tokens.append(token)
+        request.counts[token] += 1
+        if out.logprobs is not None:
+            out.logprobs.append(logprob)
+        if request.constraint is not None and token not in self.eos_ids:
+            request.constraint.advance(token)
+        if request.detokenizer is not None and token not in self.eos_ids:  # an end token is not text
+            start = max(0, len(out.text) - max((len(s) for s in request.params.stop), default=0))
+            out.text += request.detokenizer.add(token)
+            for stop in request.params.stop:
+                at = out.text.find(stop, start) if stop else -1
+                if at >= 0:
+                    out.text = out.text[:at]
+                    return self._finish(request, "stop", flush=False)
         if token in self.eos_ids:
-            return self._finish(sequence, "stop")
-        if len(out.token_ids) >= sequence.params.max_tokens:
-            return self._finish(sequence, "length")
+            return self._finish(request, "stop")
+        if len(out.token_ids) >= request.params.max_tokens:
+            return self._finish(request, "length")
 
-    def _finish(self, sequence: _Sequence, reason: str) -> None:
-        sequence.output.finish_reason = reason
-        del self._by_id[sequence.output.request_id]  # a server's finished requests must not pile up
-        if sequence.slot >= 0:
-            self._slots[sequence.slot] = None
-            self.pool.give_back(sequence.pages)
-            sequence.slot, sequence.pages = -1, []
+    def _finish(self, request: _Request, reason: str, flush: bool = True) -> None:
+        """``request`` ends with ``reason``; its text gets what an incomplete character
+        held back (unless a stop string cut it)."""
+        out = request.output
+        if request.detokenizer is not None and flush:
+            out.text += request.detokenizer.finish()
+        out.finish_reason = reason
+        del self._requests[out.request_id]  # a server's finished requests must not pile up
+        self.scheduler.finish(request.seq)

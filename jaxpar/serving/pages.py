@@ -29,7 +29,12 @@ the pages whole and each layer scatters into them in place):
   bucket) writes to the null page and is masked out. Always XLA's gather (an explicit
   mask, which ``dot_product_attention`` computes itself whatever the kernels).
 
-Host side: ``PagePool`` hands out page ids and takes them back.
+* ``StepView``: one engine step's row, both at once: ``B`` decode rows of one token
+  each (a ``DecodeView``) followed by a packed row of prompt chunks (a ``PrefillView``),
+  so one forward of the model serves the whole step (Sarathi-Serve's mixed batch).
+
+The host side (page ids, reference counts, the prefix cache) is
+``jaxpar.serving.page_pool``.
 """
 
 from __future__ import annotations
@@ -188,23 +193,35 @@ class PrefillView:
         return dot_product_attention(q, keys, values, causal=False, mask=mask[None]), pages
 
 
-class PagePool:
-    """Page ids ``1 .. pages - 1`` (0 is the null page), handed out and taken back."""
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepView:
+    """One layer's pages seen by one engine step's row ``q [1, B + C, N, H]``: first
+    ``B`` decode rows of one token each (``decode_tables [B, max_pages]``,
+    ``decode_lengths [B]``, as ``DecodeView``'s; None when ``B`` is 0), then ``C``
+    packed prompt tokens (``tables``, ``index``, ``positions``, as ``PrefillView``'s;
+    None when ``C`` is 0). Each part writes its tokens and attends as its view does."""
 
-    def __init__(self, pages: int):
-        if pages < 2:
-            raise ValueError(f"a paged KV cache needs at least 2 pages (one is the null page), got {pages}")
-        self.total = pages - 1
-        self._free = list(range(pages - 1, 0, -1))  # pop() hands out the lowest first
+    k: jax.Array
+    v: jax.Array
+    layer: jax.Array
+    decode_tables: jax.Array | None
+    decode_lengths: jax.Array | None
+    tables: jax.Array | None
+    index: jax.Array | None
+    positions: jax.Array | None
 
-    @property
-    def free(self) -> int:
-        return len(self._free)
-
-    def take(self, count: int) -> list[int]:
-        if count > len(self._free):
-            raise ValueError(f"{count} pages asked for, {len(self._free)} free")
-        return [self._free.pop() for _ in range(count)]
-
-    def give_back(self, pages: list[int]) -> None:
-        self._free.extend(reversed(pages))
+    def attend(self, q, k, v):
+        """``q [1, B + C, N, H]``, the new ``k``, ``v [1, B + C, K, H]`` -> (``[1, B + C,
+        N, H]``, the updated pages ``(k, v)``)."""
+        B = 0 if self.decode_tables is None else self.decode_tables.shape[0]
+        pages, outs = (self.k, self.v), []
+        if B:
+            view = DecodeView(*pages, self.layer, self.decode_tables, self.decode_lengths)
+            out, pages = view.attend(*(x[0, :B, None] for x in (q, k, v)))
+            outs.append(out[:, 0][None])
+        if self.tables is not None:
+            view = PrefillView(*pages, self.layer, self.tables, self.index, self.positions)
+            out, pages = view.attend(*(x[:, B:] for x in (q, k, v)))
+            outs.append(out)
+        return jnp.concatenate(outs, axis=1), pages

@@ -88,6 +88,18 @@ class Replicas:
         return sum(e.accepted for e in self.engines)
 
     @property
+    def preemptions(self) -> int:
+        return sum(e.preemptions for e in self.engines)
+
+    @property
+    def prefix_queries(self) -> int:
+        return sum(e.prefix_queries for e in self.engines)
+
+    @property
+    def prefix_hits(self) -> int:
+        return sum(e.prefix_hits for e in self.engines)
+
+    @property
     def compiled_programs(self) -> set[tuple]:
         """Each replica compiles the same shapes (on its own devices)."""
         return set().union(*(e.compiled_programs for e in self.engines))
