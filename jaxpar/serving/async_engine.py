@@ -18,9 +18,10 @@ the thread runs between steps, and each request's outputs come back through its 
   ``timeout`` seconds, abort what is left, stop the thread.
 
 ``metrics()`` returns what ``/metrics`` reports: requests running and waiting, KV pages
-free and total, generated tokens, and histograms of time to first token (from the
-request's arrival) and time per output token (a request's decode time over its tokens
-after the first, observed when it finishes).
+free and total, generated tokens, preemptions, prefix cache queries and hits (prompt
+tokens), and histograms of time to first token (from the request's arrival) and time
+per output token (a request's decode time over its tokens after the first, observed
+when it finishes).
 """
 
 from __future__ import annotations
@@ -78,6 +79,11 @@ class Metrics:
     pages_free: int = 0
     pages_total: int = 0
     generated_tokens: int = 0
+    # the engine's counters: running requests preempted for want of pages, and prompt
+    # tokens looked up in / found in the prefix cache
+    preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
     # requests ended, by finish_reason: "stop", "length", "abort" (a client gone, or
     # shutdown's timeout) and "error" (an engine step raised)
     finished: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -109,6 +115,13 @@ def _post(loop: asyncio.AbstractEventLoop, fn: Callable, *args) -> None:
         loop.call_soon_threadsafe(fn, *args)
     except RuntimeError:
         pass
+
+
+def _snapshot(output: RequestOutput) -> RequestOutput:
+    """A copy of ``output`` the engine's later steps leave alone (they append to its
+    lists) for a reader on another thread."""
+    return dataclasses.replace(output, token_ids=list(output.token_ids),
+                               logprobs=None if output.logprobs is None else list(output.logprobs))
 
 
 def _settle(future: asyncio.Future, error: BaseException | None) -> None:
@@ -299,7 +312,7 @@ class AsyncEngine:
                     if len(output.token_ids) > 1:
                         metrics.time_per_output_token.observe(
                             (now - tracked.first_token) / (len(output.token_ids) - 1))
-                tracked.last = dataclasses.replace(output, token_ids=list(output.token_ids))
+                tracked.last = _snapshot(output)
                 _post(tracked.loop, tracked.queue.put_nowait, tracked.last)
 
     def _fail_all(self, error: BaseException) -> None:
@@ -340,3 +353,5 @@ class AsyncEngine:
                 metrics.pages_free, metrics.pages_total = engine.pool.free, engine.pool.total
                 if engine.draft is not None:
                     metrics.speculative_rounds, metrics.accepted_drafts = engine.rounds, engine.accepted
+                metrics.preemptions = engine.preemptions
+                metrics.prefix_cache_queries, metrics.prefix_cache_hits = engine.prefix_queries, engine.prefix_hits
