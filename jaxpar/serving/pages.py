@@ -136,10 +136,19 @@ class DecodeView:
     def attend(self, q, k, v):
         """``q [B, T, N, H]``, the new ``k``, ``v [B, T, K, H]`` -> (``[B, T, N, H]``,
         the updated pages ``(k, v)``)."""
+        pages = self.store(k, v)
+        return self.read(q, pages), pages
+
+    def store(self, k, v):
+        """The pages ``(k, v)`` with the new ``k``, ``v [B, T, K, H]`` written."""
         B, T = k.shape[:2]
         positions = self.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)
         tables = jnp.broadcast_to(self.tables[:, None], (B, T, self.tables.shape[1]))
-        pages = _store(self, tables, positions, k, v)
+        return _store(self, tables, positions, k, v)
+
+    def read(self, q, pages):
+        """Attention of ``q [B, T, N, H]`` over ``pages`` (the new tokens already in)."""
+        T = q.shape[1]
         out = None
         if self.tree_mask is None:  # (a tree's mask is not handed to the paged kernel yet)
             out = kernel_ops.paged_decode_attention(q, *pages, self.layer, self.tables, self.lengths + T)
@@ -147,7 +156,7 @@ class DecodeView:
             keys, values = _read(self, pages)
             out = dot_product_attention(q, keys, values, causal=True, q_start=self.lengths,
                                         tree_mask=self.tree_mask)
-        return out, pages
+        return out
 
 
 def move(pages: jax.Array, tables: jax.Array, sources: jax.Array, targets: jax.Array) -> jax.Array:
@@ -182,15 +191,23 @@ class PrefillView:
     def attend(self, q, k, v):
         """``q [1, C, N, H]``, the new ``k``, ``v [1, C, K, H]`` -> (``[1, C, N, H]``,
         the updated pages ``(k, v)``)."""
+        pages = self.store(k, v)
+        return self.read(q, pages), pages
+
+    def store(self, k, v):
+        """The pages ``(k, v)`` with the row's ``k``, ``v [1, C, K, H]`` written (its
+        padding to the null page)."""
         valid = self.index >= 0
         token_tables = jnp.where(valid[:, None], self.tables[jnp.maximum(self.index, 0)], NULL_PAGE)
-        positions = jnp.where(valid, self.positions, 0)
-        pages = _store(self, token_tables, positions, k[0], v[0])
+        return _store(self, token_tables, jnp.where(valid, self.positions, 0), k[0], v[0])
+
+    def read(self, q, pages):
+        """Attention of the row's ``q [1, C, N, H]`` over its sequences' ``pages``."""
         keys, values = _read(self, pages)
         G, S = keys.shape[:2]  # the row's G sequences' pages side by side
         keys, values = side_by_side(keys), side_by_side(values)
-        mask = packed_mask(self.index, positions, G, S)
-        return dot_product_attention(q, keys, values, causal=False, mask=mask[None]), pages
+        mask = packed_mask(self.index, jnp.where(self.index >= 0, self.positions, 0), G, S)
+        return dot_product_attention(q, keys, values, causal=False, mask=mask[None])
 
 
 @jax.tree_util.register_dataclass
@@ -213,15 +230,16 @@ class StepView:
 
     def attend(self, q, k, v):
         """``q [1, B + C, N, H]``, the new ``k``, ``v [1, B + C, K, H]`` -> (``[1, B + C,
-        N, H]``, the updated pages ``(k, v)``)."""
+        N, H]``, the updated pages ``(k, v)``). Both parts write before either reads:
+        a read between two writes of the pages would make XLA copy them whole."""
         B = 0 if self.decode_tables is None else self.decode_tables.shape[0]
-        pages, outs = (self.k, self.v), []
+        pages, parts = (self.k, self.v), []
         if B:
             view = DecodeView(*pages, self.layer, self.decode_tables, self.decode_lengths)
-            out, pages = view.attend(*(x[0, :B, None] for x in (q, k, v)))
-            outs.append(out[:, 0][None])
+            pages = view.store(k[0, :B, None], v[0, :B, None])
+            parts.append((view, q[0, :B, None], lambda out: out[:, 0][None]))
         if self.tables is not None:
             view = PrefillView(*pages, self.layer, self.tables, self.index, self.positions)
-            out, pages = view.attend(*(x[:, B:] for x in (q, k, v)))
-            outs.append(out)
-        return jnp.concatenate(outs, axis=1), pages
+            pages = view.store(k[:, B:], v[:, B:])
+            parts.append((view, q[:, B:], lambda out: out))
+        return jnp.concatenate([shape(view.read(q, pages)) for view, q, shape in parts], axis=1), pages
