@@ -114,7 +114,7 @@ class Scheduler:
         self.max_batch, self.budget, self.max_prefills = max_batch, max_num_batched_tokens, max_prefills
         self.tokens_per_row, self.draft, self.static = tokens_per_row, draft, static
         self.rows_buckets = _powers(max_batch)
-        self.token_buckets = _powers(max_num_batched_tokens, min(16, max_num_batched_tokens))
+        self.token_buckets = _powers(max_num_batched_tokens, max(1, min(16, max_num_batched_tokens // 2)))
         widths = {max_pages}
         while (width := 16 * 4 ** (len(widths) - 1)) < max_pages:
             widths.add(width)
