@@ -60,6 +60,7 @@ from jaxpar.models.transformer import (
     ACT_BTV,
     MLP,
     Attention,
+    CacheView,
     KVCache,
     Norm,
     _param,
@@ -398,7 +399,7 @@ class GlideDraft(nnx.Module):
 
         def cached_layer(x, xs):
             state, tk, tv, k, v = xs
-            return nnx.merge(graphdef, state)(x, positions, None, tk, tv, cross_mask, (k, v, lengths))
+            return nnx.merge(graphdef, state)(x, positions, None, tk, tv, cross_mask, CacheView(k, v, lengths))
 
         x, (k, v) = jax.lax.scan(cached_layer, x, (layer_state, target_k, target_v, cache.k, cache.v))
         return self.logits(x, target, head), KVCache(k, v, lengths + T)

@@ -137,16 +137,13 @@ class Attention(nnx.Module):
             self.v_bias = _zeros(rngs, cfg, (K, H), ("kv_heads", "kv"))
             self.o_bias = _zeros(rngs, cfg, (D,), ("embed",))
 
-    def __call__(self, x, positions, segment_ids, cache=None, tree_mask=None):
+    def __call__(self, x, positions, segment_ids, cache=None):
         """x ``[B, T, D]`` -> ``[B, T, D]``.
 
-        With ``cache = (k, v, lengths)`` (``k``/``v`` ``[B, S_max, K, H]``, ``lengths``
-        ``[B]`` the slots each sequence has filled), sequence ``b``'s new keys/values are
-        written at slots ``lengths[b] + 0..T-1`` and its queries attend over the cache
-        (causally, or by ``tree_mask [B, T, T]`` among the new tokens). Returns
-        ``(y, (k, v))`` then. A ``cache`` with an ``attend(q, k, v) -> (out, new_cache)``
-        method (``jaxpar.serving``'s paged caches) stores the new keys/values and
-        attends itself; ``(y, new_cache)`` is returned.
+        With a ``cache`` (one layer's view of a KV cache: ``attend(q, k, v) -> (out,
+        new_cache)`` stores the new keys/values and attends over what it holds; the
+        contiguous ``CacheView`` and ``jaxpar.serving.pages``' paged views), returns
+        ``(y, new_cache)``.
         """
         cfg, dtype = self.cfg, self.cfg.compute_dtype
 
@@ -165,15 +162,10 @@ class Attention(nnx.Module):
             inv_freq = rope_frequencies(cfg)
             q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         q, k, v = checkpoint_name(q, "query"), checkpoint_name(k, "key"), checkpoint_name(v, "value")
-        if hasattr(cache, "attend"):
-            out, (k, v) = cache.attend(q, k, v)
+        if cache is not None:
+            out, cache = cache.attend(q, k, v)
         else:
-            q_start = None
-            if cache is not None:
-                cache_k, cache_v, q_start = cache
-                k, v = write_cache(cache_k, k, q_start), write_cache(cache_v, v, q_start)
-            out = dot_product_attention(q, k, v, causal=True, segment_ids=segment_ids, q_start=q_start,
-                                        tree_mask=tree_mask)
+            out = dot_product_attention(q, k, v, causal=True, segment_ids=segment_ids)
         out = checkpoint_name(constrain(out, ACT_BTNH), "attention")
         N, H, D = self.o.shape
         y = dense(out.reshape(*out.shape[:-2], N * H), self.o[...].astype(dtype).reshape(N * H, D),
@@ -181,7 +173,7 @@ class Attention(nnx.Module):
         if cfg.attention_bias:
             y = y + self.o_bias[...].astype(dtype)
         y = constrain(y, ACT_BTD)
-        return y if cache is None else (y, (k, v))
+        return y if cache is None else (y, cache)
 
 
 class MLP(nnx.Module):
@@ -230,9 +222,9 @@ class DecoderLayer(nnx.Module):
         self.mlp_norm = Norm(cfg, rngs=rngs)
         self.mlp = MLP(cfg, rngs=rngs)
 
-    def __call__(self, x, positions, segment_ids, cache=None, tree_mask=None):
+    def __call__(self, x, positions, segment_ids, cache=None):
         with jax.named_scope("attention"):
-            attn = self.attn(self.attn_norm(x), positions, segment_ids, cache, tree_mask)
+            attn = self.attn(self.attn_norm(x), positions, segment_ids, cache)
             attn, new_cache = attn if cache is not None else (attn, None)
             x = x + attn
         with jax.named_scope("mlp"):
@@ -298,6 +290,29 @@ class KVCache:
     k: jax.Array
     v: jax.Array
     lengths: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class CacheView:
+    """One layer of a ``KVCache`` as attention sees it: ``k``, ``v`` ``[B, S_max, K, H]``
+    and ``lengths [B]``. ``attend`` writes the new keys/values at slots ``lengths[b] +
+    0..T-1`` and attends over the slots filled, causally among the new tokens or by
+    ``tree_mask [B, T, T]`` (a token tree's: new token ``t`` sees new token ``j`` iff
+    ``tree_mask[b, t, j]``). The paged views of ``jaxpar.serving.pages`` keep the same
+    interface, so one model serves both caches."""
+
+    k: jax.Array
+    v: jax.Array
+    lengths: jax.Array
+    tree_mask: jax.Array | None = None
+
+    def attend(self, q, k, v):
+        """``q [B, T, N, H]``, the new ``k``, ``v [B, T, K, H]`` -> (``[B, T, N, H]``, the
+        layer's updated ``(k, v)``)."""
+        k, v = write_cache(self.k, k, self.lengths), write_cache(self.v, v, self.lengths)
+        out = dot_product_attention(q, k, v, causal=True, q_start=self.lengths, tree_mask=self.tree_mask)
+        return out, (k, v)
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_length: int) -> KVCache:
@@ -419,7 +434,7 @@ class Transformer(nnx.Module):
 
         def layer(x, xs):
             state, k, v = xs
-            return nnx.merge(graphdef, state)(x, positions, segment_ids, (k, v, lengths), tree_mask)
+            return nnx.merge(graphdef, state)(x, positions, segment_ids, CacheView(k, v, lengths, tree_mask))
 
         x, (k, v) = jax.lax.scan(layer, x, (layer_state, cache.k, cache.v))
         cache = KVCache(k, v, lengths + T)

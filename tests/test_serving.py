@@ -243,7 +243,7 @@ def test_speculative_rounds_are_lossless_per_sequence(model):
 
     sampled = SamplingParams(max_tokens=10, temperature=0.8, seed=3)
     by_itself = engine(model, draft=small, gamma=3).generate([prompts[2]], sampled)[0].token_ids
-    served = engine(model, draft=small, gamma=3)
+    served = engine(model, draft=small, gamma=3, page_size=16, max_context=240)  # one page bucket to compile
     served.warm_up()
     crowd = [SamplingParams(max_tokens=12, temperature=1.0, seed=s) for s in range(3)]
     outputs = []
