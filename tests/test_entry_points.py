@@ -149,11 +149,37 @@ def test_offload_benchmark(tmp_path):
 
 def test_serving_benchmark(tmp_path):
     """bench/serve.py at a tiny scale: both batching modes serve every request, every
-    request generates what it asked for (no end token), and the figures are numbers."""
+    request generates what it asked for (no end token), serving compiles nothing past
+    warm_up, and the figures are numbers; the chat-prefix load hits the prefix cache
+    with caching on only; the pressure load's pool is a quarter of the load's pages and
+    preempts; plot redraws both pictures from the JSON files."""
     bench = runpy.run_path(str(ROOT / "bench" / "serve.py"), run_name="bench_serve")
-    bench["main"](["engine", "--rates", "40", "--requests", "5", "--max-batch", "2", "--prompt-tokens", "3", "12",
-                   "--max-tokens", "2", "5", "--prefill-chunk", "16", "--json", str(tmp_path / "serve.json")])
+    common = ["--requests", "5", "--max-num-batched-tokens", "32", "--max-tokens", "2", "5"]
+    bench["main"](["engine", "--rates", "40", "--max-batch", "2", "--prompt-tokens", "3", "12", *common,
+                   "--json", str(tmp_path / "serve.json")])
     rows = json.loads((tmp_path / "serve.json").read_text())["rows"]
     assert [r["mode"] for r in rows] == ["continuous", "static"]
     assert rows[0]["output_tokens"] == rows[1]["output_tokens"] >= 2 * 5
-    assert all(r["requests"] == 5 and r["programs"] == 2 and r["ttft_p99_s"] > 0 for r in rows)
+    assert all(r["requests"] == 5 and r["programs"] == r["programs_warm"] and r["ttft_p99_s"] > 0 for r in rows)
+    assert all(r["max_batch"] == 2 and r["max_num_batched_tokens"] == 32 for r in rows)
+
+    bench["main"](["engine", "--load", "chat-prefix", "--rates", "40", "--system-tokens", "40", "--prompt-tokens",
+                   "3", "8", *common, "--json", str(tmp_path / "chat.json")])
+    chat = json.loads((tmp_path / "chat.json").read_text())
+    assert chat["meta"]["system_prompt_tokens"] == 40
+    assert [(r["mode"], r["prefix_caching"]) for r in chat["rows"]] == [("continuous", True), ("continuous", False)]
+    on, off = chat["rows"]
+    assert on["prefix_cache_hits"] > 0 and on["prefix_hit_rate"] > 0 and off["prefix_cache_hits"] == 0
+    assert on["output_tokens"] == off["output_tokens"]
+
+    bench["main"](["engine", "--load", "pressure", "--rates", "1000", "--prompt-tokens", "20", "40", *common,
+                   "--requests", "12", "--max-tokens", "16", "32", "--json", str(tmp_path / "pressure.json")])
+    pressure = json.loads((tmp_path / "pressure.json").read_text())
+    meta, (row,) = pressure["meta"], pressure["rows"]
+    assert meta["kv_fraction"] == 0.25 and meta["kv_pages"] == meta["kv_memory"] // meta["page_bytes"]
+    assert meta["kv_memory"] == int(0.25 * meta["load_pages"] * meta["page_bytes"])
+    assert row["kv_pages"] == meta["kv_pages"] and row["preemptions"] > 0 and row["requests"] == 12
+
+    bench["main"](["plot", *(str(tmp_path / f"{n}.json") for n in ("serve", "pressure", "chat")),
+                   "--png", str(tmp_path / "serve.png")])
+    assert (tmp_path / "serve.png").stat().st_size > 0 and (tmp_path / "serve_chat_prefix.png").stat().st_size > 0
