@@ -227,37 +227,23 @@ class Engine:
                              f"{self.tokens_per_row} tokens")
         self.max_pages = math.ceil((self.max_context + self.tokens_per_row - 1) / page_size)
         self.graphdef, self.params = nnx.split(model)
-        self.mesh, self.execution, kv_sharding, split = mesh, Execution(kernels=kernels), None, 1
-        if mesh is not None:
-            given, rules = rules, sharding_rules(cfg, mesh, rules)
-            self.execution = Execution(rules_lib.for_mesh(mesh, rules), kernels=kernels)
-            if draft is not None:  # one Execution traces both models: their rules must agree
-                draft_cfg = draft.cfg  # a GliDe draft's: the model's widths
-                theirs = rules_lib.for_mesh(mesh, sharding_rules(draft_cfg, mesh, given))
-                if theirs != self.execution.rules:
-                    raise ValueError(f"the draft's kv heads ({draft_cfg.kv_heads}) do not split over the mesh as "
-                                     f"the model's ({cfg.kv_heads}) do: serve this draft on one device")
-            self.params = jax.device_put(self.params, model_shardings(self.params, mesh, rules))
-            heads = rules_lib.logical_to_spec(ACT_BTKH[2:3], self.execution.rules)[0]
-            kv_sharding = NamedSharding(mesh, PartitionSpec(None, None, None, heads, None))
-            split = math.prod(mesh.shape[a] for a in rules_lib.as_tuple(heads))
+        kv_sharding, split = self._place(cfg, mesh, rules, draft, kernels)
+        d = None if draft is None else draft.cache_config() if isinstance(draft, GlideDraft) else draft.cfg
         per_page = page_bytes(cfg.layers, page_size, cfg.kv_heads, cfg.head_dim, cfg.compute_dtype) // split
-        if draft is not None:
-            d = draft.cache_config() if isinstance(draft, GlideDraft) else draft.cfg
+        if d is not None:
             per_page += page_bytes(d.layers, page_size, d.kv_heads, d.head_dim, d.compute_dtype)
         kv_pages = self._pool_size(config.kv_pages, config.kv_memory, per_page, max_batch)
         max_batch = max_batch or max(1, min(MAX_BATCH, kv_pages - 1, max_num_batched_tokens // self.tokens_per_row))
-        self.kv = init_pages(cfg.layers, kv_pages, page_size, cfg.kv_heads, cfg.head_dim, cfg.compute_dtype)
-        if kv_sharding is not None:
-            self.kv = jax.device_put(self.kv, kv_sharding)
+        self.kv = jax.device_put(init_pages(cfg.layers, kv_pages, page_size, cfg.kv_heads, cfg.head_dim,
+                                            cfg.compute_dtype), kv_sharding)
         self.draft, self.gamma, self.draft_kv = None, config.gamma, None
-        if draft is not None:
-            self.draft = nnx.split(draft)
-            self.draft_kv = init_pages(d.layers, kv_pages, page_size, d.kv_heads, d.head_dim, d.compute_dtype)
-            if mesh is not None:  # split as the model is
-                self.draft = (self.draft[0], jax.device_put(self.draft[1], model_shardings(self.draft[1], mesh,
-                                                                                           rules)))
-                self.draft_kv = jax.device_put(self.draft_kv, kv_sharding)
+        if draft is not None:  # its pages mirror the model's; on a mesh, split as the model is
+            graph, params = nnx.split(draft)
+            if mesh is not None:
+                params = jax.device_put(params, model_shardings(params, mesh, sharding_rules(cfg, mesh, rules)))
+            self.draft = (graph, params)
+            self.draft_kv = jax.device_put(init_pages(d.layers, kv_pages, page_size, d.kv_heads, d.head_dim,
+                                                      d.compute_dtype), kv_sharding)
         self.rounds = self.accepted = 0  # speculative rounds run per sequence, drafts accepted
         self.pool = PagePool(kv_pages, caching=config.prefix_caching)
         self.scheduler = Scheduler(self.pool, page_size=page_size, max_pages=self.max_pages, max_batch=max_batch,
@@ -269,6 +255,25 @@ class Engine:
         self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self._no_bias: dict[int, jax.Array] = {}  # rows -> zeros [rows, V] on the device
+
+    def _place(self, cfg, mesh, rules, draft, kernels: KernelOptions):
+        """The ``Execution`` the programs trace under and, on a ``mesh``, the parameters
+        placed by the training rules: ``(the pages' sharding or None, the devices the kv
+        heads split over)``."""
+        self.mesh, self.execution = mesh, Execution(kernels=kernels)
+        if mesh is None:
+            return None, 1
+        given, rules = rules, sharding_rules(cfg, mesh, rules)
+        self.execution = Execution(rules_lib.for_mesh(mesh, rules), kernels=kernels)
+        if draft is not None:  # one Execution traces both models: their rules must agree
+            theirs = rules_lib.for_mesh(mesh, sharding_rules(draft.cfg, mesh, given))  # a GliDe draft's: the model's widths
+            if theirs != self.execution.rules:
+                raise ValueError(f"the draft's kv heads ({draft.cfg.kv_heads}) do not split over the mesh as "
+                                 f"the model's ({cfg.kv_heads}) do: serve this draft on one device")
+        self.params = jax.device_put(self.params, model_shardings(self.params, mesh, rules))
+        heads = rules_lib.logical_to_spec(ACT_BTKH[2:3], self.execution.rules)[0]
+        split = math.prod(mesh.shape[a] for a in rules_lib.as_tuple(heads))
+        return NamedSharding(mesh, PartitionSpec(None, None, None, heads, None)), split
 
     @staticmethod
     def _method(model, draft, method, gamma, bins) -> speculative.Method | None:
