@@ -32,10 +32,8 @@ import contextlib
 import dataclasses
 import itertools
 import math
-import os
 from collections import Counter
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import jax
@@ -411,17 +409,15 @@ class Engine:
         """Compiles every program the engine runs (``warm_up_programs``), so serving
         compiles nothing. Ahead of time: each is lowered and compiled, not run (a later
         call of the same shapes runs that executable; where JAX's persistent compilation
-        cache is on, a second start loads them from it). ``report(key)`` after each. XLA
-        compiles on a thread per core (it does not hold the interpreter lock)."""
-        def compile_one(call: Call) -> None:
+        cache is on, a second start loads them from it). ``report(key)`` after each. One
+        at a time: compiling on several threads crashed JAX 0.10's persistent cache
+        write (a segfault in CI)."""
+        for call in self.warm_up_programs():
             with self._on_mesh():
                 call.program.lower(*call.args).compile()
             self.compiled_programs.add(call.key)
             if report is not None:
                 report(call.key)
-
-        with ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="jaxpar-compile") as threads:
-            list(threads.map(compile_one, self.warm_up_programs()))
 
     def _on_mesh(self):
         """The engine's mesh in force (programs trace and run on it), if it has one."""
