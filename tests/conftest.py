@@ -1,7 +1,9 @@
 """Every test sees 8 simulated CPU devices; a test that needs another count runs a
 subprocess through ``run_python``."""
 
+import gc
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
@@ -84,6 +86,22 @@ def pytest_unconfigure(config):
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable within a file
+
+
+
+@pytest.fixture(autouse=True, scope="module")
+def bounded_compiled_code():
+    """Before a module, a worker holding many memory mappings drops the programs it has
+    compiled (``jax.clear_caches``; modules load theirs again from the persistent cache).
+    XLA:CPU maps each program's machine code (about 200 mappings per serving step
+    program): past some 56,000 mappings, near Linux's ``vm.max_map_count`` of 65,530, a
+    clean-clone CI run's worker segfaulted compiling (and once serializing) the serving
+    engine's programs, with a null function pointer."""
+    maps = pathlib.Path("/proc/self/maps")
+    if maps.exists() and maps.read_text().count("\n") > 20_000:
+        jax.clear_caches()
+        gc.collect()
+    yield
 
 
 def rel_err(a, b) -> float:

@@ -61,20 +61,6 @@ KV_MEMORY = 25 * PAGE_BYTES
 SHARING = [PROMPTS[1][:200] + np.random.default_rng(7 + i).integers(2, 128, 20 + 30 * i).tolist() for i in range(2)]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def no_persistent_cache_writes():
-    """This module's programs are not written to the run's persistent compilation cache.
-    On a clean-clone CI run (2026-11-27) XLA:CPU's executable serialization segfaulted
-    twice (``put_executable_and_time``, a null function pointer) on an engine step program
-    with a draft, in an xdist worker that had compiled hundreds of programs before; in a
-    fresh process the same programs serialize (and cache) fine, and no other process of
-    the run reads these. JAX reads the threshold at each write."""
-    before = jax.config.jax_persistent_cache_min_compile_time_secs
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
-    yield
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
-
-
 def text_of(ids) -> str:
     """The word-level tokenizer's text of ``ids``."""
     return " ".join(f"t{i}" for i in ids)

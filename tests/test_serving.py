@@ -26,20 +26,6 @@ def model():
     return Transformer(CFG, rngs=nnx.Rngs(0))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def no_persistent_cache_writes():
-    """This module's programs are not written to the run's persistent compilation cache.
-    On a clean-clone CI run (2026-11-27) XLA:CPU's executable serialization segfaulted
-    twice (``put_executable_and_time``, a null function pointer) on an engine step program
-    with a draft, in an xdist worker that had compiled hundreds of programs before; in a
-    fresh process the same programs serialize (and cache) fine, and no other process of
-    the run reads these. JAX reads the threshold at each write."""
-    before = jax.config.jax_persistent_cache_min_compile_time_secs
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
-    yield
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
-
-
 def engine(model, **kw) -> Engine:
     """4 running at most, pages of 8 tokens, steps of up to 64 tokens: long prompts take
     several steps, and requests wait for room."""
