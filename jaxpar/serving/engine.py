@@ -215,7 +215,7 @@ class Engine:
         self.method = self._method(model, draft, config.method, config.gamma, config.bins)
         cfg = model.cfg
         self.tokenizer, self.eos_ids = tokenizer, frozenset(int(i) for i in eos_ids)
-        self.vocab_size, self.page_size, self.batching = cfg.vocab_size, page_size, config.batching
+        self.vocab_size, self.page_size = cfg.vocab_size, page_size
         self.max_context = config.max_context or cfg.max_position
         # a decode row computes one token, or a round's verified ones (which write past
         # what a request keeps: up to gamma, or the tree's nodes but the root)
