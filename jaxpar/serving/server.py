@@ -60,48 +60,30 @@ import asyncio
 import contextlib
 import dataclasses
 import hmac
-import json
-import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from jaxpar.serving.async_engine import AsyncEngine, EngineClosed, Histogram, QueueFull, RequestStream
-from jaxpar.serving.chat_template import ChatTemplate, TemplateRefused
+from jaxpar.serving.chat_template import ChatTemplate
 from jaxpar.serving.engine import RequestOutput, SamplingParams
+from jaxpar.serving.openai_requests import (MAX_COMPLETION_LOGPROBS, MAX_N, MAX_TOP_LOGPROBS, APIError,
+                                            _chat_logprobs, _chat_prompt, _check_common, _completion_logprobs,
+                                            _completion_prompts, _json_body, _max_tokens, _sampling, error_body)
+from jaxpar.serving.openai_responses import _CHAT, _COMPLETION, _events, _finish_reason, _Format, _merged, _usage
 
-if TYPE_CHECKING:  # annotations only
-    from jaxpar.serving.engine import Logprob
+# Requests are read (and errors shaped) in openai_requests.py, responses written in
+# openai_responses.py; the public names below include those re-exported from there.
+__all__ = ["MAX_COMPLETION_LOGPROBS", "MAX_N", "MAX_REQUEST_BYTES", "MAX_TOP_LOGPROBS", "APIError", "ServerState",
+           "chat_completions", "completions", "create_app", "error_body", "health", "metrics", "metrics_text",
+           "models"]
 
-MAX_N = 16  # choices per prompt
 MAX_REQUEST_BYTES = 1 << 20  # a request body's default limit (--max-request-bytes)
-MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' logprobs: OpenAI's legacy range
-MAX_TOP_LOGPROBS = 20  # /v1/chat/completions' top_logprobs
-
-_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
-          500: "server_error", 503: "server_error"}
-# Options jaxpar does not implement: refused when set to anything but their neutral value.
-_UNSUPPORTED = {"echo": (None, False), "best_of": (None, 1), "suffix": (None, ""), "logit_bias": (None, {}),
-                "tools": (None, [])}
-
-
-class APIError(Exception):
-    """An error response: ``status`` and OpenAI's error object."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"),
-                      "param": param, "code": code}}
 
 
 def _error_response(error: APIError) -> JSONResponse:
@@ -147,345 +129,7 @@ class ServerState:
         return self.tokenizer.decode([token_id])
 
 
-# ------------------------------------------------------------------ request fields
-
-
-async def _json_body(request: Request, limit: int) -> dict:
-    """The body, a JSON object. Over ``limit`` bytes: 413, refused on its
-    Content-Length before reading, or while reading one sent without it (chunked)."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise APIError(413, f"the request body is {int(declared)} bytes, over the server's limit of {limit} "
-                            "bytes (--max-request-bytes)", code="request_too_large")
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise APIError(413, f"the request body is over the server's limit of {limit} bytes "
-                                f"(--max-request-bytes): {len(body)} read before stopping",
-                           code="request_too_large")
-    try:
-        body = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise APIError(400, f"the request body must be a JSON object, not {type(body).__name__}")
-    return body
-
-
-def _number(body: dict, name: str, default, kind=(int, float)):
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, kind):
-        raise APIError(400, f"{name}={value!r} must be a number" if kind != int else
-                       f"{name}={value!r} must be an integer", name)
-    return value
-
-
-def _in_range(body: dict, name: str, default, low, high, kind=(int, float)):
-    """``body[name]`` (``default`` when absent or null), 400 unless in [low, high]."""
-    value = _number(body, name, default, kind)
-    if value is not None and not low <= value <= high:  # NaN too
-        raise APIError(400, f"{name}={value} must be in [{low}, {high}]", name)
-    return value
-
-
-def _check_common(body: dict, model_name: str) -> None:
-    """The model, and the options jaxpar does not implement."""
-    model = body.get("model")
-    if not isinstance(model, str) or not model:  # OpenAI requires it, and its clients always send it
-        raise APIError(400, f"the request names no model (model={model!r}); this server serves {model_name!r}",
-                       "model")
-    if model != model_name:
-        raise APIError(400, f"model {model!r} is not served here; this server serves {model_name!r}",
-                       "model", "model_not_found")
-    for name, neutral in _UNSUPPORTED.items():
-        if name in body and body[name] not in neutral:
-            raise APIError(400, f"{name}={body[name]!r} is not supported by jaxpar-serve", name)
-
-
-def _max_tokens(body: dict, prompt_lengths: list[int], context: int, default: int | None,
-                names: Sequence[str]) -> int:
-    """The first of ``names`` the body sets (chat has two), checked against the context;
-    ``default`` None: the rest of the context after the longest prompt."""
-    name = next((n for n in names if body.get(n) is not None), names[0])
-    longest = max(prompt_lengths)
-    if longest >= context:
-        raise APIError(400, f"the prompt is {longest} tokens: the model's context of {context} tokens "
-                            "leaves no room for a completion", "prompt", "context_length_exceeded")
-    max_tokens = _number(body, name, default or context - longest, int)
-    if max_tokens < 1:
-        raise APIError(400, f"{name}={max_tokens} must be at least 1", name)
-    if longest + max_tokens > context:
-        raise APIError(400, f"the prompt's {longest} tokens + {name}={max_tokens} are past the model's "
-                            f"context of {context} tokens", name, "context_length_exceeded")
-    return max_tokens
-
-
-def _stop(body: dict) -> tuple[str, ...]:
-    stop = body.get("stop")
-    stop = [stop] if isinstance(stop, str) else stop or []
-    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-        raise APIError(400, f"stop={body.get('stop')!r} must be a string or a list of strings", "stop")
-    return tuple(s for s in stop if s)
-
-
-def _seeds(body: dict) -> list[int]:
-    """One seed per choice (``n`` of them): ``seed + i`` (mod 2**32) for a seeded
-    request, as vLLM seeds parallel sampling (the same seed would make the choices
-    identical); else a random one each."""
-    n = _in_range(body, "n", 1, 1, MAX_N, int)
-    seed = _number(body, "seed", None, int)
-    if seed is None:
-        return [secrets.randbits(32) for _ in range(n)]
-    if not 0 <= seed < 2 ** 32:
-        raise APIError(400, f"seed={seed} must be in [0, 2**32)", "seed")
-    return [(seed + i) % 2 ** 32 for i in range(n)]
-
-
-def _json_schema(body: dict) -> str | None:
-    """``response_format`` as the JSON schema the engine constrains tokens to (None:
-    free text), by ``jaxpar.serving.structured.schema_of``; 400 when it refuses it."""
-    response_format = body.get("response_format")
-    if response_format is None:
-        return None
-    from jaxpar.serving.structured import schema_of  # imported by the requests that use it
-
-    try:
-        return schema_of(response_format)
-    except (ValueError, ImportError) as e:  # its message names the value, or the extra to install
-        raise APIError(400, str(e), "response_format") from None
-
-
-def _completion_logprobs(body: dict) -> int | None:
-    """/v1/completions' ``logprobs``: top tokens per token, 0 to 5; None: no logprobs."""
-    return _in_range(body, "logprobs", None, 0, MAX_COMPLETION_LOGPROBS, int)
-
-
-def _chat_logprobs(body: dict) -> int | None:
-    """/v1/chat/completions' ``logprobs: true`` with ``top_logprobs`` (0 to 20, default
-    0) top tokens per token; None: no logprobs."""
-    wanted = body.get("logprobs")
-    if wanted is not None and not isinstance(wanted, bool):
-        raise APIError(400, f"logprobs={wanted!r} must be true or false", "logprobs")
-    top = _in_range(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS, int)
-    if top is not None and not wanted:
-        raise APIError(400, f"top_logprobs={top} needs logprobs=true", "top_logprobs")
-    return (top or 0) if wanted else None
-
-
-def _sampling(body: dict, max_tokens: int, logprobs: int | None) -> list[SamplingParams]:
-    """The ``SamplingParams`` of each of a prompt's ``n`` choices, every value checked
-    (400 naming it)."""
-    temperature = _number(body, "temperature", 1.0)
-    if not temperature >= 0:
-        raise APIError(400, f"temperature={temperature} must be >= 0", "temperature")
-    top_p = _number(body, "top_p", 1.0)
-    if not 0 < top_p <= 1:
-        raise APIError(400, f"top_p={top_p} must be in (0, 1]", "top_p")
-    fields = dict(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p), stop=_stop(body),
-                  logprobs=logprobs, presence_penalty=float(_in_range(body, "presence_penalty", 0.0, -2, 2)),
-                  frequency_penalty=float(_in_range(body, "frequency_penalty", 0.0, -2, 2)),
-                  json_schema=_json_schema(body))
-    return [SamplingParams(seed=seed, **fields) for seed in _seeds(body)]
-
-
-def _is_ids(value) -> bool:
-    return isinstance(value, list) and bool(value) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in value)
-
-
-def _completion_prompts(body: dict, tokenizer) -> list[list[int]]:
-    """``prompt`` as token ids, one list per prompt."""
-    prompt = body.get("prompt")
-    if prompt is None:
-        raise APIError(400, "the request has no prompt", "prompt")
-    if isinstance(prompt, str) or _is_ids(prompt):
-        prompts = [prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_ids(p) for p in prompt):
-        prompts = prompt
-    else:
-        raise APIError(400, "prompt must be a non-empty string, a list of strings, a list of token ids "
-                            "or a list of lists of token ids", "prompt")
-    ids = []
-    for p in prompts:
-        if isinstance(p, str):
-            if not p:
-                raise APIError(400, "the prompt is empty", "prompt")
-            p = tokenizer.encode(p).ids
-            if not p:
-                raise APIError(400, "the prompt encodes to no tokens", "prompt")
-        ids.append(list(p))
-    return ids
-
-
-def _chat_messages(body: dict) -> list[dict]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise APIError(400, "messages must be a non-empty list of {role, content} objects", "messages")
-    for m in messages:
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise APIError(400, f"message {m!r} must be an object with a role", "messages")
-        if isinstance(m.get("content"), list):  # OpenAI's content parts: text only
-            if not all(isinstance(p, dict) and p.get("type") == "text" for p in m["content"]):
-                raise APIError(400, "only text content parts are supported", "messages")
-            m["content"] = "".join(p.get("text", "") for p in m["content"])
-    return messages
-
-
-def _chat_prompt(body: dict, template: ChatTemplate, tokenizer) -> list[int]:
-    """The messages rendered by the template, as token ids (the template wrote the
-    special tokens); 400 when the template refuses or fails on them."""
-    try:
-        text = template.render(_chat_messages(body))
-    except APIError:
-        raise
-    except TemplateRefused as e:
-        raise APIError(400, f"the chat template refused the messages: {e}", "messages") from None
-    except Exception as e:  # noqa: BLE001 - a template error is about these messages
-        raise APIError(400, f"the chat template failed on these messages: {e}", "messages") from None
-    prompt = tokenizer.encode(text, add_special_tokens=False).ids
-    if not prompt:
-        raise APIError(400, "the chat prompt encodes to no tokens", "messages")
-    return prompt
-
-
-# ------------------------------------------------------------------ responses
-
-
-def _usage(prompts: list[list[int]], outputs: list[RequestOutput]) -> dict:
-    """Each prompt's tokens once, every choice's completion tokens; cached tokens: per
-    prompt, the most any of its choices (``outputs`` in choice order) read from the
-    prefix cache."""
-    n = len(outputs) // len(prompts)
-    prompt_tokens = sum(len(p) for p in prompts)
-    completion_tokens = sum(len(o.token_ids) for o in outputs)
-    cached = sum(max(o.cached_tokens for o in outputs[i:i + n]) for i in range(0, len(outputs), n))
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
-
-
-def _visible(output: RequestOutput, stop: tuple[str, ...]) -> str:
-    """The text a stream may send so far: all of it once finished; before that, without
-    a trailing incomplete UTF-8 character and without a tail that could begin a stop
-    string (the engine cuts the text there if the stop string completes)."""
-    text = output.text or ""
-    if output.finished:
-        return text
-    text = text.rstrip("\ufffd")
-    hold = max((k for s in stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-    return text[:len(text) - hold]
-
-
-def _finish_reason(output: RequestOutput) -> str:
-    """The output's ``finish_reason``; 503 for one the shutdown aborted."""
-    if output.finish_reason == "abort":
-        raise APIError(503, "the server shut down before the request finished", code="shutting_down")
-    return output.finish_reason
-
-
-def _completion_logprobs_object(decode: Callable[[int], str], logprobs: Sequence[Logprob], offset: int) -> dict:
-    """OpenAI's legacy ``logprobs`` object of ``logprobs``; ``offset``: the text offset of
-    the first (the lengths of the token strings before it)."""
-    tokens = [decode(lp.token_id) for lp in logprobs]
-    starts = []
-    for token in tokens:
-        starts.append(offset)
-        offset += len(token)
-    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [{decode(t): p for t, p in lp.top} for lp in logprobs], "text_offset": starts}
-
-
-def _chat_logprobs_object(decode: Callable[[int], str], logprobs: Sequence[Logprob], offset: int) -> dict:
-    """Chat's ``logprobs`` object of ``logprobs`` (``offset`` unused: chat has none)."""
-    def token(token_id: int, logprob: float) -> dict:
-        text = decode(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-
-    return {"content": [{**token(lp.token_id, lp.logprob), "top_logprobs": [token(t, p) for t, p in lp.top]}
-                        for lp in logprobs]}
-
-
-class _Format(NamedTuple):
-    """How an endpoint writes its response: ``object`` (a chunk's is
-    ``object + ".chunk"``), its ids' prefix, a stream's first chunk of a choice (None:
-    none), a chunk ``(index, delta, finish_reason, logprobs)``, a choice ``(index,
-    text, finish_reason, logprobs)`` and a logprobs object ``(decode, logprobs,
-    text offset)``."""
-
-    object: str
-    id_prefix: str
-    first: Callable[[int], dict] | None
-    chunk: Callable[[int, str, str | None, dict | None], dict]
-    choice: Callable[[int, str, str, dict | None], dict]
-    logprobs: Callable[[Callable[[int], str], Sequence[Logprob], int], dict]
-
-
-_COMPLETION = _Format(
-    "text_completion", "cmpl", None,
-    lambda index, delta, reason, logprobs: {"index": index, "text": delta, "logprobs": logprobs,
-                                            "finish_reason": reason},
-    lambda index, text, reason, logprobs: {"index": index, "text": text, "logprobs": logprobs,
-                                           "finish_reason": reason},
-    _completion_logprobs_object)
-_CHAT = _Format(
-    "chat.completion", "chatcmpl",
-    lambda index: {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                   "finish_reason": None},
-    lambda index, delta, reason, logprobs: {"index": index, "delta": {"content": delta} if delta else {},
-                                            "logprobs": logprobs, "finish_reason": reason},
-    lambda index, text, reason, logprobs: {"index": index, "message": {"role": "assistant", "content": text},
-                                           "logprobs": logprobs, "finish_reason": reason},
-    _chat_logprobs_object)
-
-
-@dataclasses.dataclass
-class _Sent:
-    """What a stream has sent of one choice: its text, how many tokens' logprobs, and
-    the text offset after those tokens."""
-
-    text: str = ""
-    tokens: int = 0
-    offset: int = 0
-
-    def logprobs(self, output: RequestOutput, fmt: _Format, decode: Callable[[int], str]) -> dict | None:
-        """The logprobs object of ``output``'s tokens not sent yet (None: the request
-        asked for none), counted as sent."""
-        if output.logprobs is None:
-            return None
-        new = output.logprobs[self.tokens:len(output.token_ids)]
-        logprobs = fmt.logprobs(decode, new, self.offset)
-        self.tokens += len(new)
-        self.offset += sum(len(decode(lp.token_id)) for lp in new)
-        return logprobs
-
-
-async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """``(index, output)`` from every stream as they come, until all have finished;
-    closing it early closes (aborts) the streams still going."""
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(index, stream):
-        try:
-            async for output in stream:
-                queue.put_nowait((index, output))
-        except Exception as error:  # noqa: BLE001 - handed to the reader
-            queue.put_nowait((index, error))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        left = len(tasks)
-        while left:
-            index, output = await queue.get()
-            if isinstance(output, Exception):
-                raise output
-            left -= output.finished
-            yield index, output
-    finally:
-        for task, stream in zip(tasks, streams):
-            task.cancel()
-            await stream.aclose()  # a task cancelled before it ran never reaches its stream
+# ------------------------------------------------------------------ running a request
 
 
 async def _unless_disconnected(request: Request, work) -> bool:
@@ -508,10 +152,6 @@ async def _unless_disconnected(request: Request, work) -> bool:
         return False
     task.result()
     return True
-
-
-def _sse(data) -> str:
-    return f"data: {json.dumps(data) if not isinstance(data, str) else data}\n\n"
 
 
 async def _start(async_engine: AsyncEngine, requests: list[tuple[list[int], SamplingParams]]) -> list[RequestStream]:
@@ -561,38 +201,6 @@ async def _respond(request: Request, state: ServerState, body: dict, prompts: li
                                    None if o.logprobs is None else fmt.logprobs(state.decode, o.logprobs, 0))
                         for i, o in enumerate(finals)],
             "usage": _usage(prompts, finals)}
-
-
-async def _events(state: ServerState, head: dict, merged, prompts: list[list[int]], n: int, fmt: _Format,
-                  stop: tuple[str, ...], include_usage: bool) -> AsyncIterator[str]:
-    """The server-sent events of a streamed response: each choice's first chunk (chat:
-    the role), then a chunk per output that adds text or finishes (with the logprobs of
-    the tokens it adds), the usage chunk if asked, ``[DONE]``."""
-    sent = [_Sent() for _ in range(len(prompts) * n)]
-    finals: list[RequestOutput] = [None] * len(sent)
-
-    def chunk(choice: dict) -> str:
-        return _sse({**head, "object": f"{fmt.object}.chunk", "choices": [choice]})
-
-    try:
-        if fmt.first is not None:
-            for index in range(len(sent)):
-                yield chunk(fmt.first(index))
-        async for index, output in merged:
-            _finish_reason(output)
-            text = _visible(output, stop)
-            delta, sent[index].text = text[len(sent[index].text):], text
-            if delta or output.finished:
-                logprobs = sent[index].logprobs(output, fmt, state.decode)
-                yield chunk(fmt.chunk(index, delta, output.finish_reason, logprobs))
-            finals[index] = output
-        if include_usage:
-            yield _sse({**head, "object": f"{fmt.object}.chunk", "choices": [], "usage": _usage(prompts, finals)})
-    except APIError as error:
-        yield _sse(error_body(error.status, error.message, error.param, error.code))
-    finally:
-        await merged.aclose()
-    yield _sse("[DONE]")
 
 
 # ------------------------------------------------------------------ metrics
