@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpar.inference.drafting import draft_forward, reads_features
+from jaxpar.inference.drafting import as_draft
 from jaxpar.models.transformer import init_cache
 from jaxpar.train.runs import load_glide_draft, load_model
 
@@ -35,13 +35,13 @@ from jaxpar.train.runs import load_glide_draft, load_model
 @functools.partial(jax.jit, static_argnums=(0, 3))
 def _prefill(graph, params, tokens, length):
     target, _ = nnx.merge(graph, params)
-    return target(tokens, cache=init_cache(target.cfg, tokens.shape[0], length))[1]
+    return target.decode(tokens, init_cache(target.cfg, tokens.shape[0], length)).cache
 
 
 @functools.partial(jax.jit, static_argnums=0)
 def _target_pass(graph, params, tokens, cache):
     target, _ = nnx.merge(graph, params)
-    logits, cache = target(tokens, cache=cache)
+    logits, cache, _ = target.decode(tokens, cache)
     return jnp.argmax(logits, -1), cache
 
 
@@ -49,9 +49,11 @@ def _target_pass(graph, params, tokens, cache):
 def _draft_step(graph, params, tokens, draft_cache, cache, head):
     target, draft = nnx.merge(graph, params)
     features = None  # a draft that reads the target's features is timed with zeros for them
-    if reads_features(draft):
+    kind = as_draft(draft)
+    if kind.reads_features:
         features = jnp.zeros((*tokens.shape, target.cfg.dim), target.cfg.compute_dtype)
-    logits, draft_cache = draft_forward(draft, target, tokens, draft_cache, cache, head, features)
+    positions = draft_cache.lengths[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
+    logits, draft_cache = kind.forward(target, tokens, positions, draft_cache, cache, head, features)
     return jnp.argmax(logits, -1), draft_cache
 
 

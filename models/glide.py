@@ -38,7 +38,8 @@ stays over every token.
 Training (``jaxpar-train glide``) feeds the target's teacher-forced keys/values of a
 whole row with ``cross_block_mask``: a draft query sees the target's keys of the blocks
 before its own, as at inference the target has verified the tokens before the ``gamma``
-the draft proposes. Inference gives the target's cache with ``inference_cross_mask``.
+the draft proposes. Inference reads the target's cache through its ``Cache.cross``
+(``jaxpar.models.transformer``), whose mask ``inference_cross_mask`` is for a whole cache.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ from jaxpar.models.transformer import (
     ACT_BTV,
     MLP,
     Attention,
-    CacheView,
+    Decoded,
     KVCache,
     Norm,
     _param,
@@ -333,21 +334,13 @@ class GlideDraft(nnx.Module):
         """An empty draft cache (``init_cache(self.cache_config(), ...)``)."""
         return init_cache(self.cache_config(), batch, max_length)
 
-    def __call__(
-        self,
-        tokens: jax.Array,
-        target,
-        target_k: jax.Array,
-        target_v: jax.Array,
-        cross_mask: jax.Array,
-        *,
-        positions: jax.Array,
-        segment_ids: jax.Array | None = None,
-        cache: KVCache | None = None,
-        head: jax.Array | None = None,
-        features: jax.Array | None = None,
-    ):
-        """Args:
+    def __call__(self, tokens: jax.Array, target, target_k: jax.Array, target_v: jax.Array,
+                 cross_mask: jax.Array, *, positions: jax.Array, segment_ids: jax.Array | None = None,
+                 head: jax.Array | None = None, features: jax.Array | None = None) -> jax.Array:
+        """The draft over whole rows (training): logits ``[B, T, V]`` in the compute dtype
+        (``[B, T, N]`` over a ``vocab`` of ``N`` tokens). ``decode`` continues a cache.
+
+        Args:
           tokens: int ``[B, T]``.
           target: the target ``Transformer`` (or anything with its ``embed_tokens(tokens,
             positions)`` and ``head_weight()``): only its embedding and LM head are used.
@@ -355,20 +348,41 @@ class GlideDraft(nnx.Module):
             ``target_layers()`` (keys rotated at their positions: what ``KVCache.k``
             holds), used as they are.
           cross_mask: bool ``[B, T, S]``, which target keys each draft query sees
-            (``cross_block_mask`` in training, ``inference_cross_mask`` with a cache).
+            (``cross_block_mask`` in training; a ``Cache``'s ``cross`` at inference).
           positions: int ``[B, T]`` absolute positions.
           segment_ids: int ``[B, T]`` document ids of packed training rows (the
-            self-attention's), or None; not with a cache.
-          cache: the draft's own ``KVCache`` (``self.init_cache``) or None.
+            self-attention's), or None.
           head: ``self.head(target)``, when the caller computed it once for many calls
             (a decoding loop's draft steps); None: computed here.
           features: ``[B, T, D]`` the target's feature each token reads (a draft with
             ``features``, and only there): zeros where there is none.
-
-        Returns:
-          logits ``[B, T, V]`` in the compute dtype (``[B, T, N]`` over a ``vocab`` of
-          ``N`` tokens); with a cache, ``(logits, cache)`` with every length advanced by ``T``.
         """
+        x = self._inputs(tokens, positions, target, target_k, target_v, cross_mask, features)
+        graphdef, layer_state = nnx.split(self.layers)
+
+        def layer(x, xs):
+            state, k, v = xs
+            return nnx.merge(graphdef, state)(x, positions, segment_ids, k, v, cross_mask), None
+
+        x = jax.lax.scan(_remat(layer, self.cfg), x, (layer_state, target_k, target_v))[0]
+        return self.logits(x, target, head)
+
+    def decode(self, tokens: jax.Array, target, target_k: jax.Array, target_v: jax.Array, cross_mask: jax.Array,
+               cache, *, positions: jax.Array, head: jax.Array | None = None,
+               features: jax.Array | None = None) -> Decoded:
+        """The draft over ``tokens [B, T]`` continuing its own ``cache`` (any ``Cache`` of
+        ``cache_config()``'s layout: ``init_cache`` or pages), the other arguments as
+        ``__call__``'s (``target_k``, ``target_v``, ``cross_mask``: the target cache's
+        ``cross(target_layers(), positions)``). ``Decoded``."""
+        x = self._inputs(tokens, positions, target, target_k, target_v, cross_mask, features)
+        x, cache = cache.run(self.layers, x,
+                             lambda layer, x, view, kv: layer(x, positions, None, *kv, cross_mask, view),
+                             xs=(target_k, target_v))
+        return Decoded(self.logits(x, target, head), cache, self.final_norm(x))
+
+    def _inputs(self, tokens, positions, target, target_k, target_v, cross_mask, features) -> jax.Array:
+        """The checked arguments' residual stream ``[B, T, D]``: the target's embedding,
+        fused with the target's ``features`` for a draft that reads them."""
         B, T = tokens.shape
         L_d, S = self.num_layers, target_k.shape[2]
         for name, kv in (("target_k", target_k), ("target_v", target_v)):
@@ -376,8 +390,6 @@ class GlideDraft(nnx.Module):
                 raise ValueError(f"{name} {kv.shape} must be [L_d={L_d}, B={B}, S, K, H]")
         if cross_mask.shape != (B, T, S):
             raise ValueError(f"cross_mask {cross_mask.shape} must be [B, T, S] = {(B, T, S)}")
-        if cache is not None and segment_ids is not None:
-            raise ValueError("segment_ids (packed training rows) do not go with a cache")
         if (features is not None) != self.features:
             raise ValueError("this GliDe draft reads the target's features: pass features [B, T, D]"
                              if self.features else "this GliDe draft reads no target features")
@@ -387,22 +399,7 @@ class GlideDraft(nnx.Module):
                 raise ValueError(f"features {features.shape} must be [B, T, D] = {x.shape}")
             both = jnp.concatenate([x, self.feature_norm(features.astype(x.dtype))], axis=-1)  # [B, T, 2D]
             x = constrain(both @ self.fuse[...].astype(x.dtype).reshape(2 * x.shape[-1], -1), ACT_BTD)
-        graphdef, layer_state = nnx.split(self.layers)
-        if cache is None:
-            def layer(x, xs):
-                state, k, v = xs
-                return nnx.merge(graphdef, state)(x, positions, segment_ids, k, v, cross_mask), None
-
-            x = jax.lax.scan(_remat(layer, self.cfg), x, (layer_state, target_k, target_v))[0]
-            return self.logits(x, target, head)
-        lengths = jnp.broadcast_to(cache.lengths, (B,))
-
-        def cached_layer(x, xs):
-            state, tk, tv, k, v = xs
-            return nnx.merge(graphdef, state)(x, positions, None, tk, tv, cross_mask, CacheView(k, v, lengths))
-
-        x, (k, v) = jax.lax.scan(cached_layer, x, (layer_state, target_k, target_v, cache.k, cache.v))
-        return self.logits(x, target, head), KVCache(k, v, lengths + T)
+        return x
 
     def head(self, target) -> jax.Array:
         """The draft's LM head, ``[D, V]`` (``[D, N]`` over a ``vocab`` of ``N`` tokens):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -279,17 +280,96 @@ def _remat(fn, cfg: ModelConfig):
     return jax.checkpoint(named, policy=policy, prevent_cse=False)
 
 
+class Decoded(NamedTuple):
+    """What a forward over a cache returns (``Transformer.decode``,
+    ``GlideDraft.decode``): ``logits [B, R, V]`` (``R``: every token's, or the
+    ``logits_at`` chosen), the cache with the new tokens in (every length advanced by
+    ``T``), and ``features [B, R, D]``, the final-normed last hidden state the logits
+    were projected from (a GliDe draft's ``features`` input; unused, XLA drops it)."""
+
+    logits: jax.Array
+    cache: "Cache"
+    features: jax.Array
+
+
+class Cache(Protocol):
+    """What a model's forward continues: ``KVCache`` (contiguous, per sequence) here, and
+    the paged caches of ``jaxpar.serving.pages``. One interface, so one model, one
+    draft and one speculative round (``jaxpar.inference.speculative``) serve both.
+
+    ``run(layers, x, call, tree_mask=None, xs=None) -> (x, cache)``: the stacked
+    ``layers`` scanned over the residual stream ``x [B, T, D]``, layer ``i`` called as
+    ``call(layer, x, view, xs_i)`` with ``view`` this cache's view of layer ``i`` (its
+    ``attend(q, k, v) -> (out, updated)`` writes the new keys/values and attends over the
+    cached ones, causally among the new tokens or by ``tree_mask [B, T, T]``) and
+    ``xs_i`` layer ``i``'s slice of ``xs`` (a GliDe draft's cross-attention inputs);
+    returns the cache with every length advanced by ``T``.
+    ``lengths``: int32 ``[B]``, the tokens each row has cached (where a new token's
+    position defaults from). ``with_lengths(n)``: the same entries, lengths ``n`` (a
+    rollback). ``move(sources, targets)``: the entries at positions ``sources [B, n]``
+    copied to ``targets [B, n]``, all read before any is written (a token tree's
+    accepted path put in place). ``cross(layers, positions) -> (k, v, mask)``: the keys
+    and values of target layers ``layers`` (a ``range``), ``[L', B, S, K, H]``, and
+    which of them a query at ``positions [B, T]`` may read, bool ``[B, T, S]`` (its own
+    sequence's keys up to its position, of those cached): a GliDe draft's
+    cross-attention inputs.
+    """
+
+    lengths: jax.Array
+
+    def run(self, layers, x, call, tree_mask=None, xs=None) -> tuple[jax.Array, "Cache"]: ...
+
+    def with_lengths(self, lengths: jax.Array) -> "Cache": ...
+
+    def move(self, sources: jax.Array, targets: jax.Array) -> "Cache": ...
+
+    def cross(self, layers: range, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]: ...
+
+
+def cross_mask(positions: jax.Array, lengths: jax.Array, S: int) -> jax.Array:
+    """bool ``[B, T, S]``: a query at ``positions [B, T]`` sees cached keys ``<=`` its
+    position among each row's first ``lengths [B]`` (those verified)."""
+    keys = jnp.arange(S, dtype=jnp.int32)[None, None, :]
+    return (keys <= positions[:, :, None]) & (keys < lengths[:, None, None])
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
     """Keys/values of every layer, preallocated: ``k``, ``v`` ``[L, B, S_max, K, H]``
     (keys rotated at their positions); sequence ``b`` has filled slots
     ``0..lengths[b]-1`` (``lengths`` int32 ``[B]``). Slots past a length are never read,
-    so rolling a sequence back is setting its length."""
+    so rolling a sequence back is setting its length. A ``Cache``."""
 
     k: jax.Array
     v: jax.Array
     lengths: jax.Array
+
+    def run(self, layers, x, call, tree_mask=None, xs=None):
+        B, T = x.shape[:2]
+        lengths = jnp.broadcast_to(self.lengths, (B,))
+        graphdef, layer_state = nnx.split(layers)
+
+        def layer(x, inputs):
+            state, k, v, extra = inputs
+            return call(nnx.merge(graphdef, state), x, CacheView(k, v, lengths, tree_mask), extra)
+
+        x, (k, v) = jax.lax.scan(layer, x, (layer_state, self.k, self.v, xs))
+        return x, KVCache(k, v, lengths + T)
+
+    def with_lengths(self, lengths):
+        return dataclasses.replace(self, lengths=lengths)
+
+    def move(self, sources, targets):
+        def move(x):  # [L, B, S, K, H]
+            moved = jnp.take_along_axis(x, sources[None, :, :, None, None], axis=2)
+            return x.at[:, jnp.arange(x.shape[1])[:, None], targets].set(moved)
+
+        return KVCache(move(self.k), move(self.v), self.lengths)
+
+    def cross(self, layers, positions):
+        k, v = self.k[layers.start:layers.stop], self.v[layers.start:layers.stop]
+        return k, v, cross_mask(positions, self.lengths, k.shape[2])
 
 
 @jax.tree_util.register_dataclass
@@ -387,59 +467,49 @@ class Transformer(nnx.Module):
         if not cfg.tie_embeddings:
             self.lm_head = _param(rngs, cfg, (cfg.dim, cfg.vocab_size), ("embed", "vocab"))
 
-    def __call__(
-        self,
-        tokens: jax.Array,
-        *,
-        positions: jax.Array | None = None,
-        segment_ids: jax.Array | None = None,
-        cache: KVCache | None = None,
-        tree_mask: jax.Array | None = None,
-        with_features: bool = False,
-        head: jax.Array | None = None,
-    ):
-        """Args:
-          tokens: int ``[B, T]``.
+    def __call__(self, tokens: jax.Array, *, positions: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None, head: jax.Array | None = None) -> jax.Array:
+        """int ``[B, T]`` tokens -> logits ``[B, T, V]`` in the compute dtype (no cache:
+        training, scoring; ``decode`` continues a cache).
+
+        Args:
           positions: int ``[B, T]`` position of each token in its document (default
-            ``0..T-1``, or ``cache.lengths[b] + 0..T-1`` with a cache); packed
-            sequences restart it at each document.
+            ``0..T-1``); packed sequences restart it at each document.
           segment_ids: int ``[B, T]`` document ids of packed sequences, or None.
-          cache: a ``KVCache`` (``init_cache``): each sequence's tokens continue its
-            cached prefix; their keys/values are written at its next slots.
-          tree_mask: bool ``[B, T, T]`` with a cache: ``tree_mask[b, t, j]`` lets new
-            token ``t`` see new token ``j`` (a token tree verified in one pass; give
-            each token its depth through ``positions``). Default causal.
-          with_features: also return the final-normed last hidden state ``[B, T, D]``
-            (what the LM head multiplies; a GliDe draft's ``features`` input).
           head: ``head_weight()`` computed once by the caller for many calls, or None
             (computed here). A decoding loop's verification passes a tied embedding's
             transpose made once before the loop: XLA:CPU multiplies 4 rows by a
             ``[D, V]`` copy in 5.6 ms, by the ``[V, D]`` table's transpose in 7.5 ms
             (SmolLM2's 49,152 x 576; one row is no faster).
-
-        Returns:
-          logits ``[B, T, V]`` in the compute dtype; with a cache, ``(logits, cache)``
-          with every length advanced by ``T``; ``with_features``: the features last
-          (``(logits, features)``, ``(logits, cache, features)``).
         """
-        if cache is None:
-            x = self.features(tokens, positions=positions, segment_ids=segment_ids)
-            return (self.logits(x, head), self.final_norm(x)) if with_features else self.logits(x, head)
+        return self.logits(self.features(tokens, positions=positions, segment_ids=segment_ids), head)
+
+    def decode(self, tokens: jax.Array, cache: Cache, *, positions: jax.Array | None = None,
+               segment_ids: jax.Array | None = None, tree_mask: jax.Array | None = None,
+               head: jax.Array | None = None, logits_at: jax.Array | None = None) -> Decoded:
+        """``tokens [B, T]`` continuing ``cache`` (any ``Cache``: each row's tokens follow
+        its cached prefix; their keys/values are written at its next slots). ``Decoded``.
+
+        Args:
+          positions: int ``[B, T]`` (default ``cache.lengths[b] + 0..T-1``).
+          segment_ids: as ``__call__``'s (a teacher's packed rows over a fresh cache).
+          tree_mask: bool ``[B, T, T]``: ``tree_mask[b, t, j]`` lets new token ``t`` see
+            new token ``j`` (a token tree verified in one pass; give each token its depth
+            through ``positions``). Default causal.
+          head: as ``__call__``'s.
+          logits_at: int ``[B, R]``: the logits (and features) only at these of the ``T``
+            tokens (a packed row's last token per sequence: the vocabulary projection of
+            the others is not computed). Default every token.
+        """
         B, T = tokens.shape
-        lengths = jnp.broadcast_to(cache.lengths, (B,))
         if positions is None:
-            positions = lengths[:, None] + jnp.arange(T, dtype=jnp.int32)
+            positions = jnp.broadcast_to(cache.lengths, (B,))[:, None] + jnp.arange(T, dtype=jnp.int32)
         x = self.embed_tokens(tokens, positions)
-        graphdef, layer_state = nnx.split(self.layers)
-
-        def layer(x, xs):
-            state, k, v = xs
-            return nnx.merge(graphdef, state)(x, positions, segment_ids, CacheView(k, v, lengths, tree_mask))
-
-        x, (k, v) = jax.lax.scan(layer, x, (layer_state, cache.k, cache.v))
-        cache = KVCache(k, v, lengths + T)
-        logits = self.logits(x, head)
-        return (logits, cache, self.final_norm(x)) if with_features else (logits, cache)
+        x, cache = cache.run(self.layers, x, lambda layer, x, view, _: layer(x, positions, segment_ids, view),
+                             tree_mask)
+        if logits_at is not None:
+            x = jnp.take_along_axis(x, logits_at[..., None], axis=1)
+        return Decoded(self.logits(x, head), cache, self.final_norm(x))
 
     def features(self, tokens: jax.Array, *, positions: jax.Array | None = None,
                  segment_ids: jax.Array | None = None) -> jax.Array:

@@ -38,10 +38,10 @@ def test_cached_logits_equal_full_forward(rng, impl):
     with use_execution(kernels=KernelOptions(attention=impl)):
         full = model(tokens)
         cache = init_cache(CFG, 2, 16)
-        first, cache = model(tokens[:, :6], cache=cache)
+        first, cache, _ = model.decode(tokens[:, :6], cache)
         stepped = [first]
         for i in range(6, 10):
-            logits, cache = model(tokens[:, i : i + 1], cache=cache)
+            logits, cache, _ = model.decode(tokens[:, i : i + 1], cache)
             stepped.append(logits)
     np.testing.assert_array_equal(cache.lengths, [10, 10])
     assert rel_err(jnp.concatenate(stepped, axis=1), full) < 1e-5

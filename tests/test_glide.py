@@ -44,14 +44,16 @@ def models(cfg, layers, rng, features=False):
 def target_cache(target, tokens):
     """The target's keys/values of ``tokens [B, S]``: ``[L, B, S, K, H]`` each."""
     B, S = tokens.shape
-    _, cache = target(tokens, cache=init_cache(target.cfg, B, S))
+    cache = target.decode(tokens, init_cache(target.cfg, B, S)).cache
     return cache.k, cache.v
 
 
 @nnx.jit
 def forward(draft, target, tokens, k, v, mask, positions, cache=None, features=None):
     """The draft's call, jitted: one program per shape rather than one per operation."""
-    return draft(tokens, target, k, v, mask, positions=positions, cache=cache, features=features)
+    if cache is None:
+        return draft(tokens, target, k, v, mask, positions=positions, features=features)
+    return draft.decode(tokens, target, k, v, mask, cache, positions=positions, features=features)[:2]
 
 
 # The model ------------------------------------------------------------------------------

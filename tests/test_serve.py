@@ -284,10 +284,11 @@ def test_concurrent_requests_get_their_tokens_alone(served):
 
 @pytest.mark.slow
 def test_concurrent_requests_on_tensor_parallel_replicas_with_a_glide_draft(hf_dir):
-    """The 48 requests again (other lengths) on a server of two replicas (mesh.data=2),
-    each tensor-parallel (mesh.tensor=2: model and draft split) with a GliDe draft
-    (random: some of its proposals accepted, most not, which is what tests the rounds):
-    each request its tokens decoded alone, no compiles, every page free; /metrics
+    """The 48 requests again (other lengths), one with ``n=2`` and one with logprobs, on a
+    server of two replicas (mesh.data=2), each tensor-parallel (mesh.tensor=2: model and
+    draft split) with a GliDe draft (random: some of its proposals accepted, most not,
+    which is what tests the rounds): each request its tokens decoded alone, no compiles,
+    every page free; /metrics
     counts the rounds. Prefill rows of 16 tokens, one bucket (the served fixture's two
     are tested above): each bucket costs a warm-up compile per replica, most of this
     test's time."""
@@ -298,9 +299,17 @@ def test_concurrent_requests_on_tensor_parallel_replicas_with_a_glide_draft(hf_d
                                 draft=GlideDraft(CFG, 1, rngs=nnx.Rngs(3))) for mesh in serve.meshes(2, 2)])
     for served in serving(hf_dir, engine=replicas):
         mixed = cases(1)
-        results, compiles = requests_at_once(served, mixed)
+        twins = dict(model=NAME, prompt=PROMPTS[9], max_tokens=30, n=2, temperature=0)
+        logprobs = dict(model=NAME, prompt=PROMPTS[10], max_tokens=30, logprobs=2, temperature=0)
+        results, compiles = requests_at_once(served, mixed, lambda client: client.completions.create(**twins),
+                                             lambda client: client.completions.create(**logprobs))
         assert compiles == 0
-        check_completions(served, mixed, results)
+        check_completions(served, mixed, results[:len(mixed)])
+        twins_out, logprobs_out = results[-2:]
+        for choice in (*twins_out.choices, *logprobs_out.choices):  # n=2 and logprobs through the rounds
+            prompt = PROMPTS[9] if choice in twins_out.choices else PROMPTS[10]
+            assert choice.text == text_of(t for t in served.reference(prompt, 30) if t not in served.eos)
+        assert len(logprobs_out.choices[0].logprobs.token_logprobs) == logprobs_out.usage.completion_tokens
         pages_all_free(served)
         metrics = served.metrics()
     assert [e.mesh.shape for e in replicas.engines] == [{"tensor": 2}] * 2

@@ -257,8 +257,11 @@ def rounds_as_the_dense_decoders(served: Engine, model, draft, method: str, prom
     and checks each sequence's tokens against plain greedy decoding and
     ``speculative_generate(method=...)`` (a ragged batch: each sequence decoded as
     alone, jaxpar.inference's own tests), and the engine's rounds and accepted drafts
-    against the dense decoder's; every page back after. Returns the outputs."""
-    outputs = served.generate(prompts, SamplingParams(max_tokens=24))
+    against the dense decoder's (one round: ``speculate``); the second request's
+    logprobs (from the round's verification pass) against the model's ``log_softmax``;
+    every page back after. Returns the outputs."""
+    asked = [SamplingParams(max_tokens=24, logprobs=3 if b == 1 else None) for b in range(len(prompts))]
+    outputs = served.generate(prompts, asked)
     dense = speculative_generate(model, prompts, draft=draft, method=method, gamma=3, max_new_tokens=24)
     plain = list(generate(model, prompts, max_new_tokens=24))
     for b, out in enumerate(outputs):
@@ -266,7 +269,22 @@ def rounds_as_the_dense_decoders(served: Engine, model, draft, method: str, prom
     rounds = int(dense.rounds.sum())  # accepted drafts: every round's tokens but the target's own
     assert (served.rounds, served.accepted) == (rounds, int(dense.emitted.sum()) - rounds)
     assert served.pool.free == served.pool.total
+    check_logprobs(model, prompts[1], outputs[1], 3)
     return outputs
+
+
+def check_logprobs(model, prompt, out, k: int) -> None:
+    """``out``'s logprobs and top ``k`` are ``log_softmax`` of the model's dense logits
+    over the prompt and the tokens before each (float32, 1e-5)."""
+    logits = dense_logits(model, list(prompt) + out.token_ids)
+    logp = np.asarray(jax.nn.log_softmax(logits[len(prompt) - 1:-1], axis=-1))
+    assert [lp.token_id for lp in out.logprobs] == out.token_ids
+    np.testing.assert_allclose([lp.logprob for lp in out.logprobs], logp[np.arange(len(out.token_ids)), out.token_ids],
+                               rtol=1e-5, atol=1e-5)
+    for row, lp in zip(logp, out.logprobs):
+        top = np.argsort(-row)[:k]
+        assert [i for i, _ in lp.top] == top.tolist()
+        np.testing.assert_allclose([v for _, v in lp.top], row[top], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow
@@ -400,15 +418,8 @@ def test_logprobs_are_the_models_log_softmax_and_penalties_lower_repeats(model):
     asked = SamplingParams(max_tokens=6, logprobs=5)
     out = engine(model).generate([others[0], prompt, *others[1:]], [SamplingParams(max_tokens=9), asked,
                                                                     SamplingParams(max_tokens=4)] + [asked])[1]
-    logits = dense_logits(model, prompt + out.token_ids)
-    logp = np.asarray(jax.nn.log_softmax(logits[len(prompt) - 1:-1], axis=-1))
-    assert [lp.token_id for lp in out.logprobs] == out.token_ids
-    np.testing.assert_allclose([lp.logprob for lp in out.logprobs], logp[np.arange(6), out.token_ids],
-                               rtol=1e-5, atol=1e-5)
-    for row, lp in zip(logp, out.logprobs):
-        top = np.argsort(-row)[:5]
-        assert [i for i, _ in lp.top] == top.tolist()
-        np.testing.assert_allclose([v for _, v in lp.top], row[top], rtol=1e-5, atol=1e-5)
+    assert len(out.token_ids) == 6
+    check_logprobs(model, prompt, out, 5)
 
     penalized = SamplingParams(max_tokens=10, presence_penalty=1.5, frequency_penalty=0.7)
     tokens = []

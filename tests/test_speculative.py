@@ -23,6 +23,22 @@ from scipy import stats
 CFG = ModelConfig(vocab_size=64, dim=32, layers=2, heads=4, kv_heads=2, head_dim=8, mlp_dim=48, init_std=0.3)
 
 
+def propose(method, target: Transformer, draft, state, skip=None):
+    """A greedy round's draft chain from ``state``: ``speculative.propose`` as the round
+    runs it (its window, the draft's forward reading the target's cache)."""
+    from jaxpar.inference import speculative
+    from jaxpar.inference.sampling import Rows
+
+    kind, n = drafting.as_draft(draft), state.target_cache.lengths
+
+    def step(tokens, cache, features):
+        positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
+        return kind.forward(target, tokens, positions, cache, state.target_cache, None, features)
+
+    return speculative.propose(method, step, n, speculative.state_window(method, state), state.draft_cache,
+                               Rows.uniform(n.shape[0], 0.0, 1.0, jax.random.key(1)), state.features, skip)
+
+
 def perturbed(model: Transformer, scale: float, rng) -> Transformer:
     """A copy of ``model`` with every weight moved by relative noise ``scale``: a draft
     that agrees with the target often but not always (so rounds accept 0..gamma)."""
@@ -188,7 +204,7 @@ def test_the_state_carries_the_targets_features_of_the_last_two_tokens(models, r
         for b in range(3):
             sequence = np.concatenate([prompt[b, :lengths[b]], np.asarray(state.out[b, :int(state.count[b]) - 1])])
             assert len(sequence) == n[b]
-            _, features = target(jnp.asarray(sequence[None]), with_features=True)
+            features = target.final_norm(target.features(jnp.asarray(sequence[None])))
             want = np.stack([np.asarray(features[0, i]) if i >= 0 else np.zeros(CFG.dim) for i in (n[b] - 2, n[b] - 1)])
             assert rel_err(np.asarray(state.features[b]), want) < 1e-5, (round_index, b)
         before = np.asarray(state.emitted)
@@ -218,9 +234,7 @@ def test_a_features_draft_proposes_from_the_last_verified_tokens_feature(rng):
     state = prefill(graph, params, rng.integers(0, CFG.vocab_size, (2, 6)).astype(np.int32),
                     np.array([6, 3], np.int32), jax.random.key(0))
     for _ in range(3):
-        step = lambda tokens, cache, features: drafting.draft_forward(  # noqa: E731
-            draft, target, tokens, cache, state.target_cache, None, features)
-        drafts, _, _ = speculative.propose(method, step, state, state.draft_cache, jax.random.key(1))
+        drafts, _, _ = propose(method, target, draft, state)
         np.testing.assert_array_equal(drafts, np.repeat(np.asarray(state.last)[:, None], 3, axis=1))
         state = round_(graph, params, state)
 
@@ -383,10 +397,10 @@ def test_tree_pass_equals_each_branch_run_alone(models, rng):
     prompt = jnp.asarray(rng.integers(0, CFG.vocab_size, (B, P)))
     tree = jnp.asarray(rng.integers(0, CFG.vocab_size, (B, layout.size)))
     cache = init_cache(CFG, B, 16)
-    _, cache = target(prompt, cache=cache)
+    cache = target.decode(prompt, cache).cache
     positions = P + jnp.broadcast_to(jnp.asarray(layout.depths), (B, layout.size))
     mask = jnp.broadcast_to(jnp.asarray(layout.mask), (B, layout.size, layout.size))
-    logits, _ = target(tree, positions=positions, cache=cache, tree_mask=mask)
+    logits = target.decode(tree, cache, positions=positions, tree_mask=mask).logits
     for node in range(layout.size):
         branch = np.flatnonzero(layout.mask[node])  # its ancestors and itself, in depth order
         alone = last_logits(target, jnp.concatenate([prompt, tree[:, branch]], axis=1))
@@ -433,20 +447,21 @@ def test_two_chains_keep_the_longer_and_its_cache(models, rng):
     right = ref[:, 1:gamma + 1]
     drafts = np.stack([wrong[0, 1:4], right[1], [right[2, 0], wrong[2, 2], right[2, 2]]])
     copied = np.stack([right[0], [right[1, 0], wrong[1, 2], right[1, 2]], [right[2, 0], right[2, 1], wrong[2, 3]]])
-    cache, path_tokens, accepted, nxt, _ = verification.verify_two_chains(
-        target, state, jnp.asarray(drafts), jnp.asarray(copied), jnp.ones((3, gamma), bool))
+    cache, path_tokens, accepted, nxt, _, _ = verification.verify_two_chains(
+        target, state.target_cache, state.last, jnp.asarray(drafts), jnp.asarray(copied), jnp.ones((3, gamma), bool), False)
     assert accepted.tolist() == [3, 3, 2]  # the copy, the draft (the copy has 1), the copy (the draft has 1)
     np.testing.assert_array_equal(path_tokens, np.stack([copied[0], drafts[1], copied[2]]))
     np.testing.assert_array_equal(nxt, ref[np.arange(3), np.asarray(accepted) + 1])
     # no valid copied token: the draft's chain, whatever the copied tokens say
-    assert verification.verify_two_chains(target, state, jnp.asarray(wrong[:, 1:4]), jnp.asarray(right),
-                                         jnp.zeros((3, gamma), bool))[2].tolist() == [0, 0, 0]
+    assert verification.verify_two_chains(target, state.target_cache, state.last, jnp.asarray(wrong[:, 1:4]),
+                                         jnp.asarray(right), jnp.zeros((3, gamma), bool), False
+                                         ).accepted.tolist() == [0, 0, 0]
     for b in range(3):
         a = int(accepted[b])
         chain = jnp.asarray(np.concatenate([[ref[b, 0]], np.asarray(path_tokens[b, :a])])[None])
         alone = init_cache(CFG, 1, 16)
-        _, alone = target(jnp.asarray(prompt[b:b + 1]), cache=alone)
-        _, alone = target(chain, cache=alone)
+        alone = target.decode(jnp.asarray(prompt[b:b + 1]), alone).cache
+        alone = target.decode(chain, alone).cache
         assert rel_err(cache.k[:, b, 6:7 + a], alone.k[:, 0, 6:7 + a]) < 1e-5
         assert rel_err(cache.v[:, b, 6:7 + a], alone.v[:, 0, 6:7 + a]) < 1e-5
 
@@ -478,16 +493,14 @@ def test_the_drafts_first_step_rewrites_its_cache_from_the_verified_tokens(model
         stale = jnp.asarray((slots[None, :] >= n[:, None] - gamma) & (slots[None, :] < n[:, None]))[None, :, :, None, None]
         noise = lambda x: jnp.where(stale, jnp.asarray(rng.standard_normal(x.shape), x.dtype), x)  # noqa: E731
         dcache = dataclasses.replace(state.draft_cache, k=noise(state.draft_cache.k), v=noise(state.draft_cache.v))
-        step = lambda tokens, cache, features: drafting.draft_forward(  # noqa: E731
-            draft, target, tokens, cache, state.target_cache, None, features)
-        drafts, _, cache = speculative.propose(method_, step, state, dcache, jax.random.key(1),
-                                               jnp.asarray(True) if skip else None)
+        drafts, _, cache = propose(method_, target, draft, dataclasses.replace(state, draft_cache=dcache),
+                                   jnp.asarray(True) if skip else None)
         for b in range(2):
             sequence = state.history[b:b + 1, :n[b] + 1]
-            empty = drafting.draft_cache(draft, 1, dcache.k.shape[2])
-            want = drafting.draft_prefill(draft, target, sequence, jnp.asarray(n[b:b + 1]), empty,
-                                             jax.tree.map(lambda x: x[:, b:b + 1] if x.ndim == 5 else x[b:b + 1],
-                                                          state.target_cache))
+            kind = drafting.as_draft(draft)
+            empty = drafting.draft_cache(kind, 1, dcache.k.shape[2])
+            alone = jax.tree.map(lambda x: x[:, b:b + 1] if x.ndim == 5 else x[b:b + 1], state.target_cache)
+            want = kind.forward(target, sequence, jnp.arange(n[b] + 1)[None], empty, alone)[1]
             assert rel_err(cache.k[:, b, :n[b] + 1], want.k[:, 0, :n[b] + 1]) < 1e-5
             assert rel_err(cache.v[:, b, :n[b] + 1], want.v[:, 0, :n[b] + 1]) < 1e-5
         if skip:  # the draft's steps after the first did not run
@@ -534,16 +547,16 @@ def test_the_runner_up_is_kept_where_the_chains_first_token_is_wrong(models, rng
     logits[0, right[0, 0]] = 10.0  # the draft's best, which the chain does not start with: right
     logits[1, right[1, 0]], logits[1, wrong[1, 1]] = 10.0, 9.0  # the chain's first is its best: the runner-up
     logits[2, wrong[2, 2]] = 10.0  # wrong, and not the chain's first either
-    cache, path_tokens, accepted, nxt, _ = verification.verify_with_runner_up(
-        target, state, jnp.asarray(chain), jnp.asarray(logits))
+    cache, path_tokens, accepted, nxt, _, _ = verification.verify_with_runner_up(
+        target, state.target_cache, state.last, jnp.asarray(chain), jnp.asarray(logits), False)
     assert accepted.tolist() == [1, 2, 0]
     np.testing.assert_array_equal(np.asarray(path_tokens)[:, 0], [right[0, 0], right[1, 0], wrong[2, 1]])
     np.testing.assert_array_equal(nxt, ref[np.arange(3), np.asarray(accepted) + 1])
     for b in range(2):
         a = int(accepted[b])
         kept = jnp.asarray(np.concatenate([[ref[b, 0]], np.asarray(path_tokens[b, :a])])[None])
-        _, alone = target(jnp.asarray(prompt[b:b + 1]), cache=init_cache(CFG, 1, 16))
-        _, alone = target(kept, cache=alone)
+        alone = target.decode(jnp.asarray(prompt[b:b + 1]), init_cache(CFG, 1, 16)).cache
+        alone = target.decode(kept, alone).cache
         assert rel_err(cache.k[:, b, 6:7 + a], alone.k[:, 0, 6:7 + a]) < 1e-5
         assert rel_err(cache.v[:, b, 6:7 + a], alone.v[:, 0, 6:7 + a]) < 1e-5
 

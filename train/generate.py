@@ -36,7 +36,7 @@ import numpy as np
 from jaxpar.inference import speculative
 from jaxpar.inference.decoding import DEFAULT_BINS, METHODS, speculative_stream
 from jaxpar.inference.speculative import LOOKUPS
-from jaxpar.models import GlideDraft
+from jaxpar.inference.drafting import as_draft
 from jaxpar.models.gguf import is_gguf
 from jaxpar.inference.speculative import Method
 from jaxpar.train.command import CommandParser, add_compile_cache_flags, compile_cache_from_args
@@ -165,7 +165,7 @@ def main(argv=None) -> int:
             check_same_tokenizer(args.run_dir, args.draft)
             draft = load_draft(args.draft)
         method = args.method or ("ar" if draft is None else
-                                 "glide" if isinstance(draft, GlideDraft) else "speculative")
+                                 as_draft(draft).method)
         speculative.check(Method(method, args.gamma, tuple(args.bins), args.temperature, args.top_p),
                           target, draft)
         prompt = np.asarray([tokenizer.encode(args.prompt).ids], np.int32)

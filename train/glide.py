@@ -190,9 +190,8 @@ def teacher(target: Transformer, cfg: Config, sharding=None, *, outputs: str | N
     def forward(state, batch: Batch) -> Batch:
         model = nnx.merge(graphdef, state)
         B, T = batch["inputs"].shape
-        logits, cache, features = model(batch["inputs"], positions=batch["positions"],
-                                        segment_ids=batch["segment_ids"], cache=init_cache(model.cfg, B, T),
-                                        with_features=True)
+        logits, cache, features = model.decode(batch["inputs"], init_cache(model.cfg, B, T),
+                                               positions=batch["positions"], segment_ids=batch["segment_ids"])
         layers = lambda x: jnp.moveaxis(x[start:], 0, 2)  # [L, B, T, K, H] -> [B, T, L_d, K, H]
         out = dict(batch, target_k=layers(cache.k), target_v=layers(cache.v))
         if cfg.glide.features:

@@ -41,7 +41,7 @@ Cache bookkeeping, with ``n`` a sequence's target cache length: the target cache
 the ``n`` tokens before ``last``; a round writes ``[last, ...]`` at slots ``n..`` and the
 new length is ``n + accepted + 1``, so rollback is the length alone and the accepted
 prefix is never recomputed. The draft's first step of a round is over a window of the
-sequence's last tokens (``State.history``, ending at ``last``; ``draft_window``): for a
+sequence's last tokens (ending at ``last``; ``draft_window``, ``state_window``): for a
 chain of the draft's own ``[n - 1, n]``, whose earlier accepted tokens its cache holds
 already; where a round can keep tokens the draft did not propose (CaPE's siblings, a
 copied chain, the runner-up, a round whose draft steps were skipped) the last
@@ -55,12 +55,18 @@ computed there), and its window is the last two tokens: ``n - 1`` reads the firs
 verified), as ``jaxpar.models.glide.feature_sources`` trains it. That window leaves the
 draft's own entries at earlier slots where a round kept tokens it did not propose (a
 draft's approximation; the tokens stay exact).
+
+One round, two callers: ``speculate`` is the round's work (propose, verify, accept) over
+any ``Cache`` (``jaxpar.models.transformer``) and any draft (``jaxpar.inference.drafting
+.Draft``), with each row's sampling (``jaxpar.inference.sampling.Rows``). The dense loop
+(``make_round``, over ``KVCache``) and the serving engine's step
+(``jaxpar.serving.programs``, over pages, each row with its own seed and temperature)
+both run it, so they give the same tokens and accepted counts for the same draft.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -69,13 +75,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.inference import prompt_lookup, token_tree
-from jaxpar.inference.drafting import (check_glide_target, draft_cache, draft_forward, draft_prefill, features_at,
-                                       reads_features)
-from jaxpar.inference.sampling import draw, probabilities
-from jaxpar.inference.verification import (target_pass, verify_chain, verify_select, verify_tree, verify_two_chains,
+from jaxpar.inference.drafting import Draft, Glide, as_draft, check_glide_target, draft_cache, features_at
+from jaxpar.inference.sampling import Rows
+from jaxpar.inference.verification import (Verified, verify_chain, verify_select, verify_tree, verify_two_chains,
                                            verify_with_runner_up)
-from jaxpar.models.glide import GlideDraft
-from jaxpar.models.transformer import KVCache, Transformer, init_cache, write_cache
+from jaxpar.models.transformer import Cache, KVCache, Transformer, init_cache, write_cache
 from jaxpar.placement.execution import jit
 
 METHODS = ("ar", "speculative", "glide", "cape")
@@ -177,13 +181,14 @@ def check(method: Method, target: Transformer, draft) -> None:
     if draft.cfg.vocab_size != target.cfg.vocab_size:
         raise ValueError(f"the draft's vocabulary ({draft.cfg.vocab_size} tokens) differs from the "
                          f"target's ({target.cfg.vocab_size}); a draft must share the target's tokenizer")
-    if method.name == "glide" and not isinstance(draft, GlideDraft):
+    kind = as_draft(draft)
+    if method.name == "glide" and not isinstance(kind, Glide):
         raise ValueError("method 'glide' needs a GliDe draft (jaxpar-train glide); this draft is an "
                          "independent model: use method 'speculative'")
-    if method.name == "speculative" and isinstance(draft, GlideDraft):
+    if method.name == "speculative" and isinstance(kind, Glide):
         raise ValueError("method 'speculative' takes an independent draft model; a GliDe draft "
                          "runs with method 'glide' or 'cape'")
-    if isinstance(draft, GlideDraft):
+    if isinstance(kind, Glide):
         check_glide_target(draft, target)
     if method.lookup not in ("", *LOOKUPS):
         raise ValueError(f"lookup={method.lookup!r} must be one of {', '.join(LOOKUPS)} (or none)")
@@ -203,54 +208,55 @@ def check(method: Method, target: Transformer, draft) -> None:
                          "for sampling use 'glide' or 'speculative', which are lossless")
 
 
-def _choose(method: Method, logits: jax.Array, key: jax.Array) -> jax.Array:
-    if method.greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return draw(key, probabilities(logits, method.temperature, method.top_p))
-
-
-def draft_window(method: Method, state: State) -> int:
-    """How many of the last tokens a round's first draft step feeds: a round's largest
-    advance (``tokens_per_round``) where a round can keep tokens the draft did not
-    propose (CaPE's siblings, a copied chain, the runner-up); 2 for a chain of the
-    draft's own, whose accepted proposals its cache already holds, and for a draft that
-    reads features (the state carries two)."""
-    if state.features is not None or (method.name != "cape" and not method.lookup and not method.runner_up):
+def draft_window(method: Method, with_features: bool = False) -> int:
+    """How many of a sequence's last tokens (ending at ``last``) a round's first draft
+    step feeds: a round's largest advance (``tokens_per_round``) where a round can keep
+    tokens the draft did not propose (CaPE's siblings, a copied chain, the runner-up);
+    2 for a chain of the draft's own, whose accepted proposals its cache already holds,
+    and for a draft that reads features (``with_features``: the state carries two)."""
+    if with_features or (method.name != "cape" and not method.lookup and not method.runner_up):
         return 2
     return method.tokens_per_round
 
 
-def propose(method: Method, step: Callable, state: State, cache: KVCache, key: jax.Array,
-            skip: jax.Array | None = None):
-    """The draft's chain of ``gamma`` tokens: ``(tokens [B, gamma], logits [B, gamma, V],
-    cache)``, token ``i`` drawn from ``logits[:, i]`` (greedy or sampled). ``step(tokens,
-    cache, features)``: the draft's forward, first over the window (``draft_window``
-    tokens of ``state.history`` ending at ``last``; from slot 0 while ``n`` is shorter),
-    given ``state.features``, then over each proposal with the last of them (None
-    without features). ``skip``: a bool scalar; where True only the window runs (it
-    updates the cache; the tokens and logits after the first are zeros)."""
-    n = state.target_cache.lengths
-    W = draft_window(method, state)
-    start = jnp.maximum(n - (W - 1), 0)
-    window = jnp.take_along_axis(state.history, start[:, None] + jnp.arange(W, dtype=jnp.int32), axis=1)
-    features = state.features
-    latest = None if features is None else features[:, 1:]  # the last verified position's
-    logits, cache = step(window, dataclasses.replace(cache, lengths=start), features)
-    cache = dataclasses.replace(cache, lengths=n + 1)  # slots past last: the proposals' to write
-    key, sub = jax.random.split(key)
-    first = jnp.take_along_axis(logits, (n - start)[:, None, None], axis=1)[:, 0]
-    token = _choose(method, first, sub)
+def window_start(lengths: jax.Array, width: int) -> jax.Array:
+    """Where a window of ``width`` tokens ending at position ``lengths [B]`` starts (from
+    slot 0 while a sequence is shorter: its tail past ``last`` is then padding, written
+    to the draft's cache where the proposals overwrite it)."""
+    return jnp.maximum(lengths - (width - 1), 0)
 
-    def body(carry, _):
-        cache, token, key = carry
+
+def state_window(method: Method, state: State) -> jax.Array:
+    """The dense decoder's draft window: the last ``draft_window`` tokens of each
+    sequence in ``state.history`` (from ``window_start``), ``[B, W]``."""
+    n, W = state.target_cache.lengths, draft_window(method, state.features is not None)
+    return jnp.take_along_axis(state.history, window_start(n, W)[:, None] + jnp.arange(W, dtype=jnp.int32), axis=1)
+
+
+def propose(method: Method, step: Callable, n: jax.Array, window: jax.Array, cache: Cache, rows: Rows,
+            features: jax.Array | None = None, skip: jax.Array | None = None):
+    """The draft's chain of ``gamma`` tokens: ``(tokens [B, gamma], logits [B, gamma, V],
+    cache)``, token ``i`` drawn from ``logits[:, i]`` (``rows.choose(..., i)``).
+    ``step(tokens, cache, features)``: the draft's forward, first over ``window [B, W]``
+    (the sequence's tokens from ``window_start(n, W)``, ``last`` at ``n``) given
+    ``features`` (the target's at ``n - 2``, ``n - 1``, or None), then over each proposal
+    with the last of them. ``skip``: a bool scalar; where True only the window runs (it
+    updates the cache; the tokens and logits after the first are zeros)."""
+    start = window_start(n, window.shape[1])
+    latest = None if features is None else features[:, 1:]  # the last verified position's
+    logits, cache = step(window, cache.with_lengths(start), features)
+    cache = cache.with_lengths(n + 1)  # slots past last: the proposals' to write
+    first = jnp.take_along_axis(logits, (n - start)[:, None, None], axis=1)[:, 0]
+    token = rows.choose(first, 0)
+
+    def body(carry, i):
+        cache, token = carry
         logits, cache = step(token[:, None], cache, latest)
-        key, sub = jax.random.split(key)
-        nxt = _choose(method, logits[:, 0], sub)
-        return (cache, nxt, key), (logits[:, 0], nxt)
+        nxt = rows.choose(logits[:, 0], i)
+        return (cache, nxt), (logits[:, 0], nxt)
 
     def steps(cache):
-        (cache, _, _), (rest_logits, rest) = jax.lax.scan(body, (cache, token, key), None,
-                                                          length=method.gamma - 1)
+        (cache, _), (rest_logits, rest) = jax.lax.scan(body, (cache, token), jnp.arange(1, method.gamma))
         return cache, rest_logits, rest
 
     def none(cache):
@@ -262,6 +268,68 @@ def propose(method: Method, step: Callable, state: State, cache: KVCache, key: j
     tokens = jnp.concatenate([token[:, None], rest.T], axis=1)
     logits = jnp.concatenate([first[:, None], jnp.swapaxes(rest_logits, 0, 1)], axis=1)
     return tokens, logits, cache
+
+
+def speculate(method: Method, target: Transformer, draft: Draft, rows: Rows, target_cache: Cache,
+              draft_cache: Cache, window: jax.Array, *, history: jax.Array | None = None,
+              features: jax.Array | None = None, draft_head: jax.Array | None = None,
+              target_head: jax.Array | None = None) -> tuple[Verified, Cache]:
+    """One speculative round for ``B`` rows, whatever runs it (the dense decoder's
+    ``make_round``, the serving engine's step) and whatever caches (any ``Cache``): the
+    draft proposes (``propose`` over ``window``, the last ``draft_window`` tokens), the
+    target verifies in one pass, each row accepts its own prefix.
+
+    ``target_cache``'s lengths ``n [B]``: the tokens before ``last`` (``window``'s token
+    at ``n``); ``rows``: each row's sampling; ``history [B, S]``: each sequence by
+    position (the ``lookup`` methods' source; None without); ``features``: ``[B, 2, D]``
+    for a draft that reads them, else None; ``draft_head``, ``target_head``: the heads
+    made once for many rounds (``loop_heads``; None: made here). Returns ``(Verified,
+    draft cache)``; the target cache's lengths are the caller's to move (``n + accepted
+    + 1``)."""
+    verifier = target if target_head is None else _with_head(target, target_head)
+    with_features = features is not None
+    n = target_cache.lengths
+    last = jnp.take_along_axis(window, (n - window_start(n, window.shape[1]))[:, None], axis=1)[:, 0]
+    with jax.named_scope("draft"):  # the named scopes label a round's parts in profiles
+        head = draft.head(target) if draft_head is None else draft_head  # once a round, not once a step
+
+        def step(tokens, cache, features):
+            positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
+            return draft.forward(target, tokens, positions, cache, target_cache, head, features)
+
+        skip = None
+        if method.lookup == "select":  # the copied chain where the last two tokens occurred before
+            copied, copied_valid = prompt_lookup.chain(history, n, method.copied, 2)
+            use_copy = copied_valid[:, 0]
+            skip = use_copy.all()  # every sequence takes the copy: the draft's first step only
+        drafts, draft_logits, draft_cache = propose(method, step, n, window, draft_cache, rows, features, skip)
+    with jax.named_scope("verify"):
+        if method.name == "cape":
+            verified = verify_tree(method, verifier, target_cache, last, drafts, draft_logits, rows, with_features)
+        elif method.lookup == "tree":
+            copied, copied_valid = prompt_lookup.chain(history, n, method.gamma)
+            verified = verify_two_chains(verifier, target_cache, last, drafts, copied, copied_valid, with_features)
+        elif method.runner_up:  # the chain (or the copy where taken) and one more first token
+            chain = drafts if method.lookup != "select" else jnp.where(use_copy[:, None],
+                                                                       copied[:, :method.gamma], drafts)
+            verified = verify_with_runner_up(verifier, target_cache, last, chain, draft_logits[:, 0], with_features)
+        elif method.lookup == "select":
+            chain = jnp.where(use_copy[:, None], copied[:, :method.gamma], drafts)
+            verified = verify_select(method, verifier, target_cache, last, chain, copied, use_copy, rows,
+                                     with_features)
+        else:
+            verified = verify_chain(verifier, target_cache, last, drafts, draft_logits, rows, with_features)
+    return verified, draft_cache
+
+
+class _with_head:
+    """``target`` whose passes take ``head`` (``Transformer.decode``'s), made once."""
+
+    def __init__(self, target: Transformer, head: jax.Array):
+        self.target, self.head = target, head
+
+    def decode(self, *args, **kwargs):
+        return self.target.decode(*args, head=self.head, **kwargs)
 
 
 # -------------------------------------------------------------------------- rounds
@@ -321,57 +389,27 @@ def _next_features(state: State, path_features: jax.Array, accepted: jax.Array) 
 def make_round(method: Method, target: Transformer, draft, eos_ids: tuple[int, ...],
                draft_head: jax.Array | None = None, target_head: jax.Array | None = None
                ) -> Callable[[State], State]:
-    """One decoding round ``State -> State`` for ``method`` (traced inside ``jit``); a
-    sequence is done after emitting any of ``eos_ids``. ``draft_head``: a GliDe draft's
-    ``head(target)``, and ``target_head`` the target's ``head_weight()`` for its
-    verification passes, computed once by the caller for every round (None: in each)."""
-    verifier = target if target_head is None else functools.partial(target, head=target_head)  # the passes' target
-
+    """One decoding round ``State -> State`` for ``method`` (traced inside ``jit``): ``ar``'s
+    one target step, or ``speculate``'s round; a sequence is done after emitting any of
+    ``eos_ids``. ``draft_head``: the draft's ``head(target)``, and ``target_head`` the
+    target's ``head_weight()`` for its verification passes, made once by the caller for
+    every round (None: in each)."""
     def round_(state: State) -> State:
-        key, draft_key, accept_key = jax.random.split(state.key, 3)
-        # The named scopes (draft, verify, finish) label a round's parts in profiles.
+        key, round_key = jax.random.split(state.key)
+        rows = Rows.uniform(state.last.shape[0], method.temperature, method.top_p, round_key)
         if method.name == "ar":
             with jax.named_scope("verify"):
-                logits, cache = target(state.last[:, None], cache=state.target_cache)
-                token = _choose(method, logits[:, 0], accept_key)
+                logits, cache, _ = target.decode(state.last[:, None], state.target_cache)
+                token = rows.choose(logits[:, 0], 0)
             no_drafts = jnp.zeros((token.shape[0], 0), jnp.int32)
             with jax.named_scope("finish"):
                 return _finish(method, state, cache, no_drafts, jnp.zeros_like(token), token, None, key, eos_ids)
-
-        with jax.named_scope("draft"):
-            head = draft_head
-            if head is None and isinstance(draft, GlideDraft):
-                head = draft.head(target)  # once a round, not once a draft step
-
-            def step(tokens, cache, features):
-                return draft_forward(draft, target, tokens, cache, state.target_cache, head, features)
-
-            skip = None
-            if method.lookup == "select":  # the copied chain where the last two tokens occurred before
-                copied, copied_valid = prompt_lookup.chain(state.history, state.target_cache.lengths, method.copied, 2)
-                use_copy = copied_valid[:, 0]
-                skip = use_copy.all()  # every sequence takes the copy: the draft's first step only
-            drafts, draft_logits, dcache = propose(method, step, state, state.draft_cache, draft_key, skip)
-            chain = drafts if method.lookup != "select" else jnp.where(use_copy[:, None], copied[:, :method.gamma],
-                                                                       drafts)  # the copy where taken
-        with jax.named_scope("verify"):
-            if method.name == "cape":
-                cache, path_tokens, accepted, nxt, features = verify_tree(method, verifier, state, drafts, draft_logits)
-            elif method.lookup == "tree":
-                copied, copied_valid = prompt_lookup.chain(state.history, state.target_cache.lengths, method.gamma)
-                cache, path_tokens, accepted, nxt, features = verify_two_chains(verifier, state, drafts, copied,
-                                                                                copied_valid)
-            elif method.runner_up:  # the chain and one more first token
-                cache, path_tokens, accepted, nxt, features = verify_with_runner_up(verifier, state, chain,
-                                                                                    draft_logits[:, 0])
-            elif method.lookup == "select":
-                cache, path_tokens, accepted, nxt, features = verify_select(method, verifier, state, chain, copied,
-                                                                            use_copy)
-            else:
-                cache, accepted, nxt, features = verify_chain(method, verifier, state, drafts, draft_logits, accept_key)
-                path_tokens = drafts
+        verified, dcache = speculate(method, target, as_draft(draft), rows, state.target_cache, state.draft_cache,
+                                     state_window(method, state), history=state.history, features=state.features,
+                                     draft_head=draft_head, target_head=target_head)
         with jax.named_scope("finish"):
-            return _finish(method, state, cache, path_tokens, accepted, nxt, dcache, key, eos_ids, features)
+            return _finish(method, state, verified.cache, verified.path_tokens, verified.accepted, verified.next,
+                           dcache, key, eos_ids, verified.features)
 
     return round_
 
@@ -382,21 +420,24 @@ def prefill(method: Method, target: Transformer, draft, prompt: jax.Array, lengt
     ``lengths[b]`` tokens; the rest is padding), and the target's first token."""
     B, P = prompt.shape
     max_length = P + max_new_tokens + method.tokens_verified
-    with_features = method.name != "ar" and reads_features(draft)
-    logits, cache, features = target_pass(target, prompt, init_cache(target.cfg, B, max_length), with_features)
-    cache = dataclasses.replace(cache, lengths=lengths)
+    logits, cache, features = target.decode(prompt, init_cache(target.cfg, B, max_length))
+    cache = cache.with_lengths(lengths)
     key, sub = jax.random.split(key)
     last_logits = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
-    first = _choose(method, last_logits, sub)
+    first = Rows.uniform(B, method.temperature, method.top_p, sub).choose(last_logits, 0)
     dcache = None
-    if method.name != "ar":
-        dcache = draft_prefill(draft, target, prompt, lengths, draft_cache(draft, B, max_length), cache, features)
+    kind = None if method.name == "ar" else as_draft(draft)
+    with_features = kind is not None and kind.reads_features
+    if kind is not None:  # the draft over the prompt: a query at t reads the target's keys <= t
+        positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
+        fed = features_at(features, positions - 1) if with_features else None  # the target's at t - 1
+        dcache = kind.forward(target, prompt, positions, draft_cache(kind, B, max_length), cache, None, fed)[1]
     out = jnp.zeros((B, max_new_tokens + method.tokens_per_round), jnp.int32).at[:, 0].set(first)
     count = jnp.ones((B,), jnp.int32)
     done = (count >= max_new_tokens) | is_eos(first, eos_ids)
     zeros = jnp.zeros((B,), jnp.int32)
-    if features is not None:  # the target's at n - 2 and n - 1
-        features = features_at(features, lengths[:, None] + jnp.arange(-2, 0, dtype=jnp.int32))
+    # the target's features at n - 2 and n - 1, for a draft that reads them
+    features = features_at(features, lengths[:, None] + jnp.arange(-2, 0, dtype=jnp.int32)) if with_features else None
     history = None
     if method.name != "ar":  # room for every round's writes past the last position kept
         history = jnp.zeros((B, P + max_new_tokens + 2 * method.tokens_per_round), jnp.int32)
@@ -405,17 +446,16 @@ def prefill(method: Method, target: Transformer, draft, prompt: jax.Array, lengt
 
 
 def loop_heads(method: Method, target: Transformer, draft) -> tuple[jax.Array | None, jax.Array | None]:
-    """``(draft_head, target_head)`` for ``make_round``, made once for many rounds: a GliDe
-    draft's ``head(target)``, and a tied target's ``head_weight()`` as a ``[D, V]`` copy,
-    which its passes over several tokens multiply faster (``Transformer.__call__``;
-    ``ar``'s one row is not faster: None there). They depend on the weights alone, so
-    ``jaxpar.inference.decoding`` keeps them with the model across generations: made in
-    each, SmolLM2's 113 MB copy took 70 to 77 ms, about 5% of a 64-token generation on a
-    2-core CPU."""
+    """``(draft_head, target_head)`` for ``make_round``, made once for many rounds: the
+    draft's ``head(target)`` (a GliDe draft's; None for an independent one), and a tied
+    target's ``head_weight()`` as a ``[D, V]`` copy, which its passes over several tokens
+    multiply faster (``Transformer.__call__``; ``ar``'s one row is not faster: None
+    there). They depend on the weights alone, so ``jaxpar.inference.decoding`` keeps
+    them with the model across generations: made in each, SmolLM2's 113 MB copy took 70
+    to 77 ms, about 5% of a 64-token generation on a 2-core CPU."""
     if method.name == "ar":
         return None, None
-    draft_head = draft.head(target) if isinstance(draft, GlideDraft) else None
-    return draft_head, (target.head_weight() if target.cfg.tie_embeddings else None)
+    return as_draft(draft).head(target), (target.head_weight() if target.cfg.tie_embeddings else None)
 
 
 class Programs(NamedTuple):

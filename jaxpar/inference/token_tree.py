@@ -22,7 +22,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpar.models.transformer import KVCache, write_cache
 
 # CaPE's default widths by confidence decile: bins[floor(10 c)] for c in [0, 1].
 DEFAULT_BINS = (8, 8, 8, 6, 6, 6, 4, 4, 2, 2, 2)
@@ -137,19 +136,13 @@ def two_chains_mask(first: int, second: int) -> np.ndarray:
     return mask
 
 
-def compact(cache: KVCache, starts: jax.Array, path: jax.Array) -> KVCache:
-    """Moves the accepted path's keys/values into place.
+def compact(cache, starts: jax.Array, path: jax.Array):
+    """Moves the accepted path's keys/values into place, in any ``Cache``.
 
     The verification pass wrote node ``j``'s entries at slot ``starts[b] + j``; the
-    path's node at depth ``i`` belongs at slot ``starts[b] + i``. Gathers
-    ``path [B, P]``'s entries (every layer) and writes them at ``starts + 0..P-1``;
-    lengths are left to the caller (``starts + accepted + 1``). Since ``path[i] >= i``,
-    no entry is overwritten before it is read.
+    path's node at depth ``i`` belongs at slot ``starts[b] + i``. Moves ``path [B, P]``'s
+    entries (every layer) to ``starts + 0..P-1`` (``Cache.move``: all read before any is
+    written); lengths are left to the caller (``starts + accepted + 1``).
     """
-    slots = starts[:, None] + path  # [B, P]
-
-    def move(x):  # [L, B, S, K, H]
-        gathered = jnp.take_along_axis(x, slots[None, :, :, None, None], axis=2)
-        return jax.vmap(write_cache, in_axes=(0, 0, None))(x, gathered, starts)
-
-    return KVCache(move(cache.k), move(cache.v), cache.lengths)
+    depths = jnp.arange(path.shape[1], dtype=jnp.int32)[None, :]
+    return cache.move(starts[:, None] + path, starts[:, None] + depths)

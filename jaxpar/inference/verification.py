@@ -1,23 +1,29 @@
 """The target's side of a speculative round: its pass over what the draft proposed (a
 chain, two chains from ``last``, CaPE's tree), the acceptance rules, and keeping the
-accepted path's cache entries. ``jaxpar.inference.speculative`` runs the rounds (its
-``Method`` and ``State``); ``jaxpar.inference.drafting`` is the draft's side.
+accepted path's cache entries. Every pass continues the target's cache through its
+``Cache`` interface (``Transformer.decode``), contiguous or paged alike.
+``jaxpar.inference.speculative`` runs the rounds (``speculate``);
+``jaxpar.inference.drafting`` is the draft's side; the sampling rule and the rows'
+settings are ``jaxpar.inference.sampling``'s.
+
+Each pass returns ``Verified``; ``with_features``: the target's features along the kept
+path (for a draft that reads them), else None.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.inference import token_tree
-from jaxpar.inference.sampling import draw, probabilities
-from jaxpar.models.transformer import KVCache, Transformer
+from jaxpar.inference.sampling import Rows
+from jaxpar.models.transformer import Cache, Transformer
 
 if TYPE_CHECKING:
-    from jaxpar.inference.speculative import Method, State
+    from jaxpar.inference.speculative import Method
 
 
 def accept_greedy(drafts: jax.Array, target_logits: jax.Array):
@@ -29,58 +35,38 @@ def accept_greedy(drafts: jax.Array, target_logits: jax.Array):
     return accepted, jnp.take_along_axis(choice, accepted[:, None], axis=1)[:, 0]
 
 
-def accept_sampled(drafts: jax.Array, draft_probs: jax.Array, target_probs: jax.Array, key):
-    """The speculative-sampling rule: ``(accepted [B], next [B])``.
-
-    drafts ``[B, gamma]`` drawn from ``draft_probs [B, gamma, V]``; ``target_probs
-    [B, gamma + 1, V]`` after ``[last, d_1..d_gamma]``. ``d_i`` is kept with probability
-    ``min(1, p(d_i) / q(d_i))``; the first rejection draws from ``norm(max(0, p - q))``
-    at that depth, and when all are kept the bonus token is drawn from ``p`` after
-    ``d_gamma``.
-    """
-    B, gamma = drafts.shape
-    key_accept, key_next = jax.random.split(key)
-    p = jnp.take_along_axis(target_probs[:, :-1], drafts[..., None], axis=-1)[..., 0]
-    q = jnp.take_along_axis(draft_probs, drafts[..., None], axis=-1)[..., 0]
-    keep = jax.random.uniform(key_accept, (B, gamma)) * q < p
-    accepted = jnp.cumprod(keep, axis=1).sum(axis=1).astype(jnp.int32)
-    q_padded = jnp.concatenate([draft_probs, jnp.zeros_like(draft_probs[:, :1])], axis=1)
-    at = accepted[:, None, None]
-    p_at = jnp.take_along_axis(target_probs, at, axis=1)[:, 0]
-    residual = jnp.maximum(p_at - jnp.take_along_axis(q_padded, at, axis=1)[:, 0], 0.0)
-    # p == q leaves no residual mass, but then a rejection has probability 0 too.
-    residual = jnp.where(residual.sum(-1, keepdims=True) > 0, residual, p_at)
-    return accepted, draw(key_next, residual)
-
-
 # ------------------------------------------------------------------- target passes
 
 
-def target_pass(target: Transformer, tokens: jax.Array, cache: KVCache, with_features: bool, **kwargs):
-    """The target over ``tokens [B, T]`` continuing ``cache``: ``(logits, cache,
-    features)``, ``features [B, T, D]`` when ``with_features`` (for a draft that reads
-    them), else None."""
-    out = target(tokens, cache=cache, with_features=with_features, **kwargs)
-    return out if with_features else (*out, None)
+class Verified(NamedTuple):
+    """A round's verification: the target's ``cache`` (the accepted path's entries in
+    place, lengths not yet moved), ``path_tokens [B, >= gamma]`` (a row emits its first
+    ``accepted [B]`` and then ``next [B]``), ``features`` the target's along the path,
+    root first, ``[B, >= gamma + 1, D]`` (None unless asked), and ``logits`` the
+    target's along it, ``[B, >= gamma + 1, V]``: emitted token ``i``'s distribution is
+    ``logits[:, i]`` (its logprobs)."""
+
+    cache: Cache
+    path_tokens: jax.Array
+    accepted: jax.Array
+    next: jax.Array
+    features: jax.Array | None
+    logits: jax.Array
 
 
-def _tree_pass(target: Transformer, state: State, tokens: jax.Array, depths: np.ndarray, mask: np.ndarray):
+def _tree_pass(target: Transformer, cache: Cache, tokens: jax.Array, depths: np.ndarray, mask: np.ndarray):
     """The target over a token tree ``tokens [B, N]`` (root ``last``; node depths ``[N]``,
-    its mask ``[N, N]``) in one pass: ``(target_next [B, N], cache, features)``, the
-    target's greedy token after each node, and its features when the state carries them."""
+    its mask ``[N, N]``) in one pass: ``Decoded`` (logits ``[B, N, V]``)."""
     B, N = tokens.shape
-    positions = state.target_cache.lengths[:, None] + jnp.asarray(depths)[None, :]
-    logits, cache, features = target_pass(target, tokens, state.target_cache, state.features is not None,
-                                           positions=positions,
-                                           tree_mask=jnp.broadcast_to(jnp.asarray(mask), (B, N, N)))
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache, features
+    positions = cache.lengths[:, None] + jnp.asarray(depths)[None, :]
+    return target.decode(tokens, cache, positions=positions, tree_mask=jnp.broadcast_to(jnp.asarray(mask), (B, N, N)))
 
 
-def _keep_path(state: State, cache: KVCache, path: jax.Array, features: jax.Array | None):
-    """A tree pass's ``cache`` with the accepted ``path [B, gamma + 1]``'s entries moved
-    into place, and the tree's ``features`` along it (None stays None)."""
-    kept = None if features is None else jnp.take_along_axis(features, path[..., None], axis=1)
-    return token_tree.compact(cache, state.target_cache.lengths, path), kept
+def _keep_path(old: Cache, cache: Cache, path: jax.Array, features: jax.Array, with_features: bool):
+    """A tree pass's ``cache`` with the accepted ``path [B, P]``'s entries moved into
+    place (``token_tree.compact``), and the tree's ``features`` along it (or None)."""
+    kept = jnp.take_along_axis(features, path[..., None], axis=1) if with_features else None
+    return token_tree.compact(cache, old.lengths, path), kept
 
 
 def _pad(x: jax.Array, length: int) -> jax.Array:
@@ -88,33 +74,29 @@ def _pad(x: jax.Array, length: int) -> jax.Array:
     return jnp.pad(x, [(0, 0), (0, length - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
 
 
-def verify_chain(method: Method, target: Transformer, state: State, drafts, draft_logits, key):
-    """The target over ``[last, d_1..d_gamma]`` in one pass; ``(cache, accepted, next,
-    features)`` by exact match (greedy) or the speculative-sampling rule, ``features``
-    the target's over the chain ``[B, gamma + 1, D]`` when the state carries them (else
-    None)."""
-    chain = jnp.concatenate([state.last[:, None], drafts], axis=1)
-    logits, cache, features = target_pass(target, chain, state.target_cache, state.features is not None)
-    if method.greedy:
-        return (cache, *accept_greedy(drafts, logits), features)
-    probs = lambda l: probabilities(l, method.temperature, method.top_p)
-    return (cache, *accept_sampled(drafts, probs(draft_logits), probs(logits), key), features)
+def verify_chain(target: Transformer, cache: Cache, last, drafts, draft_logits, rows: Rows,
+                 with_features: bool) -> Verified:
+    """The target over ``[last, d_1..d_gamma]`` in one pass, each row accepting by exact
+    match (greedy) or the speculative-sampling rule (``rows``)."""
+    logits, cache, features = target.decode(jnp.concatenate([last[:, None], drafts], axis=1), cache)
+    accepted, nxt = rows.accept(drafts, draft_logits, logits, accept_greedy(drafts, logits))
+    return Verified(cache, drafts, accepted, nxt, features if with_features else None, logits)
 
 
-def verify_two_chains(target: Transformer, state: State, first, second, second_valid):
+def verify_two_chains(target: Transformer, cache: Cache, last, first, second, second_valid,
+                      with_features: bool) -> Verified:
     """Two chains from ``last`` in one target pass over ``[last, first, second]``
     (``token_tree.two_chains_mask``): ``first [B, gamma]`` (the draft's) and ``second [B,
     k]``, ``k <= gamma`` (a copied chain, the runner-up; its ``second_valid``). Keeps the
-    chain with more accepted tokens (the first on a tie) and compacts its cache entries:
-    ``(cache, path_tokens [B, gamma], accepted, next, features)``, a kept second chain's
-    path tokens followed by the first's past ``k`` (never emitted: it accepted at most
-    ``k``), ``features`` the target's along the kept path when the state carries them
-    (else None)."""
+    chain with more accepted tokens (the first on a tie) and compacts its cache entries;
+    the path tokens of a kept second chain are followed by the first's past ``k`` (never
+    emitted: it accepted at most ``k``). Greedy."""
     B, gamma = first.shape
     k = second.shape[1]
-    tokens = jnp.concatenate([state.last[:, None], first, second], axis=1)
+    tokens = jnp.concatenate([last[:, None], first, second], axis=1)
     depths = np.concatenate([[0], np.arange(1, gamma + 1), np.arange(1, k + 1)]).astype(np.int32)
-    target_next, cache, features = _tree_pass(target, state, tokens, depths, token_tree.two_chains_mask(gamma, k))
+    logits, new_cache, features = _tree_pass(target, cache, tokens, depths, token_tree.two_chains_mask(gamma, k))
+    target_next = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def accepted_along(nodes, valid):  # nodes: a chain's node indices
         parents = np.concatenate([[0], nodes[:-1]])
@@ -130,21 +112,23 @@ def verify_two_chains(target: Transformer, state: State, first, second, second_v
     path = jnp.concatenate([jnp.zeros((B, 1), jnp.int32),
                             jnp.where(use_second[:, None], second_path[None, :], first_nodes[None, :])], axis=1)
     nxt = jnp.take_along_axis(target_next, jnp.take_along_axis(path, accepted[:, None], axis=1), axis=1)[:, 0]
-    cache, features = _keep_path(state, cache, path, features)
+    new_cache, features = _keep_path(cache, new_cache, path, features, with_features)
     second_tokens = jnp.concatenate([second, first[:, k:]], axis=1)
-    return cache, jnp.where(use_second[:, None], second_tokens, first), accepted, nxt, features
+    return Verified(new_cache, jnp.where(use_second[:, None], second_tokens, first), accepted, nxt, features,
+                    jnp.take_along_axis(logits, path[..., None], axis=1))
 
 
-def verify_select(method: Method, target: Transformer, state: State, chain, copied, use_copy):
+def verify_select(method: Method, target: Transformer, cache: Cache, last, chain, copied, use_copy, rows: Rows,
+                  with_features: bool) -> Verified:
     """``select``: ``chain [B, gamma]`` (the first ``gamma`` tokens of ``copied [B,
     method.copied]`` where ``use_copy [B]``, else the draft's) verified as a chain; where
     every sequence takes the copy and it is longer (``lookup_tokens``), all of it, a
-    longer pass (``lax.cond``). ``(cache, path_tokens, accepted, next, features)``, the
-    path and the features (None without) padded to the copy's length."""
+    longer pass (``lax.cond``). The path and the features padded to the copy's length.
+    Greedy."""
     def verified(tokens):
-        cache, accepted, nxt, features = verify_chain(method, target, state, tokens, None, None)
-        features = None if features is None else _pad(features, method.copied + 1)
-        return cache, _pad(tokens, method.copied), accepted, nxt, features
+        v = verify_chain(target, cache, last, tokens, None, rows, with_features)
+        return v._replace(path_tokens=_pad(tokens, method.copied), logits=_pad(v.logits, method.copied + 1),
+                          features=None if v.features is None else _pad(v.features, method.copied + 1))
 
     if method.copied == method.gamma:
         return verified(chain)
@@ -161,28 +145,34 @@ def runner_up(first_logits: jax.Array, chain_first: jax.Array) -> jax.Array:
     return jnp.where(best != chain_first, best, jnp.argmax(others, axis=-1).astype(jnp.int32))
 
 
-def verify_with_runner_up(target: Transformer, state: State, chain, first_logits):
+def verify_with_runner_up(target: Transformer, cache: Cache, last, chain, first_logits,
+                          with_features: bool) -> Verified:
     """A chain ``[B, gamma]`` and one more candidate for its first token (``runner_up``
     of the draft's ``first_logits [B, V]``), verified as two chains, the second of one
     token (``verify_two_chains``): the chain's accepted prefix, or, where the chain's
     first token is wrong and the other is right, that token and the target's after it
-    (two tokens where the chain alone gives one). ``(cache, path_tokens [B, gamma],
-    accepted, next, features)``."""
+    (two tokens where the chain alone gives one). Greedy."""
     other = runner_up(first_logits, chain[:, 0])[:, None]
-    return verify_two_chains(target, state, chain, other, jnp.ones(other.shape, bool))
+    return verify_two_chains(target, cache, last, chain, other, jnp.ones(other.shape, bool), with_features)
 
 
-def verify_tree(method: Method, target: Transformer, state: State, drafts, draft_logits):
+def verify_tree(method: Method, target: Transformer, cache: Cache, last, drafts, draft_logits, rows: Rows,
+                with_features: bool) -> Verified:
     """CaPE: the draft's chain widened by its confidence into ``method.tree``, verified
-    in one target pass with the tree mask, the accepted path's cache entries compacted;
-    ``(cache, path_tokens [B, gamma], accepted, next, features)``, ``features`` the
-    target's along the path ``[B, gamma + 1, D]`` when the state carries them."""
+    in one target pass with the tree mask; greedy rows walk the tree, sampling rows take
+    the chain (its nodes see what the chain alone would) by the speculative-sampling
+    rule; the accepted path's cache entries are compacted into place."""
     layout = method.tree
     confidence = jax.nn.softmax(draft_logits.astype(jnp.float32), axis=-1).max(-1)  # [B, gamma]
     top = jax.lax.top_k(draft_logits, layout.width)[1].at[:, :, 0].set(drafts)
-    tokens = layout.tokens(state.last, top)
+    tokens = layout.tokens(last, top)
     valid = layout.valid(token_tree.widths(confidence, method.bins))
-    target_next, cache, features = _tree_pass(target, state, tokens, layout.depths, layout.mask)
+    logits, new_cache, features = _tree_pass(target, cache, tokens, layout.depths, layout.mask)
+    target_next = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     path, accepted, nxt = token_tree.verify_greedy(layout, tokens, valid, target_next)
-    cache, features = _keep_path(state, cache, path, features)
-    return cache, jnp.take_along_axis(tokens, path[:, 1:], axis=1), accepted, nxt, features
+    chain = jnp.asarray([0] + [layout.node(i, 0) for i in range(1, method.gamma + 1)], jnp.int32)
+    accepted, nxt = rows.accept(drafts, draft_logits, logits[:, chain], (accepted, nxt))
+    path = jnp.where(rows.sampling()[:, None], chain[None, :], path)
+    new_cache, features = _keep_path(cache, new_cache, path, features, with_features)
+    return Verified(new_cache, jnp.take_along_axis(tokens, path[:, 1:], axis=1), accepted, nxt, features,
+                    jnp.take_along_axis(logits, path[..., None], axis=1))

@@ -4,12 +4,16 @@
 ``Engine.generate(prompts, SamplingParams(...))`` runs an offline batch, ``add_request``
 / ``step`` / ``abort`` drive it one iteration at a time. ``scheduler.py`` decides each
 step (decode rows, prompt chunks, admissions, preemption) over ``page_pool.py``'s page
-ids and prefix cache; ``pages.py`` holds the paged cache on the device and the views the
-model's attention reads it through, ``programs.py`` the compiled step programs;
+ids and prefix cache; ``pages.py`` holds the paged cache on the device (``PagedCache``,
+``StepCache``: the model's ``Cache`` interface over pages) and the views the model's
+attention reads it through, ``programs.py`` the compiled step programs (a draft's round
+is ``jaxpar.inference.speculative.speculate``, the dense decoder's);
 ``detokenize.py`` grows a sequence's text token by token, ``structured.py`` turns a JSON
-schema into each step's token mask (llguidance, the ``structured`` extra). ``async_engine.py`` runs an engine on a thread of
-its own for asyncio callers (``AsyncEngine``), ``server.py`` is the OpenAI-compatible
-FastAPI app ``jaxpar-serve`` runs (imported on its own: it needs fastapi), and
+schema into each step's token mask (llguidance, the ``structured`` extra).
+``async_engine.py`` runs an engine on a thread of its own for asyncio callers
+(``AsyncEngine``), ``server.py`` is the OpenAI-compatible FastAPI app ``jaxpar-serve``
+runs (imported on its own: it needs fastapi), reading requests with
+``openai_requests.py`` and writing responses with ``openai_responses.py``, and
 ``chat_template.py`` renders Hugging Face chat templates for it and for anyone else,
 without the web stack.
 """

@@ -43,13 +43,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.inference import drafting, speculative, token_tree
 from jaxpar.kernels import KernelOptions
-from jaxpar.models.glide import GlideDraft
 from jaxpar.models.transformer import ACT_BTKH, sharding_rules
 from jaxpar.offload.budget import free_memory
 from jaxpar.placement import rules as rules_lib
 from jaxpar.placement.execution import Execution
 from jaxpar.placement.sharding import model_shardings
-from jaxpar.serving import programs
+from jaxpar.serving import code_maps, programs
 from jaxpar.serving.config import CPU_KV_MEMORY, MAX_BATCH, ServingConfig
 from jaxpar.serving.detokenize import Detokenizer
 from jaxpar.serving.page_pool import PagePool
@@ -195,8 +194,10 @@ class Engine:
         ``"cape"`` (either draft; its chain widened into a token tree of ``bins`` widths
         by its confidence, verified in one pass, for greedy requests; sampling requests
         verify the chain). On a ``mesh`` the draft is split as the model is (its kv heads
-        must split alike: a GliDe draft's always do). With a draft, requests may not ask
-        for logprobs, penalties or a schema yet.
+        must split alike: a GliDe draft's always do). With a draft, a request's logprobs
+        are the model's at each emitted token in the round's verification pass; it may
+        not ask for penalties or a schema yet (their bias changes with every token a
+        round proposes).
       mesh, rules: serve on ``mesh`` (``mesh.tensor=k`` splits the weights and the
         pages' kv heads over ``k`` devices, ``jaxpar.models.transformer.sharding_rules``
         as training does: kv heads replicated where ``k`` outnumbers them); ``model``'s
@@ -226,7 +227,7 @@ class Engine:
         self.max_pages = math.ceil((self.max_context + self.tokens_per_row - 1) / page_size)
         self.graphdef, self.params = nnx.split(model)
         kv_sharding, split = self._place(cfg, mesh, rules, draft, kernels)
-        d = None if draft is None else draft.cache_config() if isinstance(draft, GlideDraft) else draft.cfg
+        d = None if draft is None else drafting.as_draft(draft).cache_config()
         per_page = page_bytes(cfg.layers, page_size, cfg.kv_heads, cfg.head_dim, cfg.compute_dtype) // split
         if d is not None:
             per_page += page_bytes(d.layers, page_size, d.kv_heads, d.head_dim, d.compute_dtype)
@@ -280,10 +281,11 @@ class Engine:
             if method is not None:
                 raise ValueError(f"method={method!r} needs a draft model")
             return None
-        name = method or ("glide" if isinstance(draft, GlideDraft) else "speculative")
+        kind = drafting.as_draft(draft)
+        name = method or kind.method
         chosen = speculative.Method(name, gamma, token_tree.check_bins(bins))
         speculative.check(chosen, model, draft)
-        if drafting.reads_features(draft):
+        if kind.reads_features:
             raise ValueError("jaxpar-serve does not yet run a GliDe draft that reads the target's features "
                              "(glide.features=true); decode it with jaxpar-generate or "
                              "jaxpar.inference.decoding")
@@ -307,8 +309,8 @@ class Engine:
         token outside the vocabulary, bad sampling values, a prompt + ``max_tokens``
         past ``max_context`` or the page pool, or the id of a request still unfinished."""
         params.check()
-        if self.draft is not None and (params.logprobs is not None or params.biased):
-            raise ValueError("logprobs, penalties and json_schema are not supported with speculative decoding "
+        if self.draft is not None and params.biased:
+            raise ValueError("penalties and json_schema are not supported with speculative decoding "
                              "(a draft) yet")
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -405,14 +407,28 @@ class Engine:
                 calls.append(self._step_call(plan, *self._arrays(plan)))
         return calls
 
-    def warm_up(self, report: Callable[[tuple], None] | None = None) -> None:
+    @property
+    def maps_per_program(self) -> int:
+        """The memory mappings XLA:CPU adds per compiled program of this engine
+        (``jaxpar.serving.code_maps``): a speculative step's are about three times a
+        plain step's."""
+        return code_maps.MAPS_PER_PROGRAM if self.draft is None else code_maps.MAPS_PER_SPECULATIVE_PROGRAM
+
+    def warm_up(self, report: Callable[[tuple], None] | None = None, *, check_maps: bool = True) -> None:
         """Compiles every program the engine runs (``warm_up_programs``), so serving
         compiles nothing. Ahead of time: each is lowered and compiled, not run (a later
         call of the same shapes runs that executable; where JAX's persistent compilation
         cache is on, a second start loads them from it). ``report(key)`` after each. One
         at a time: compiling on several threads crashed JAX 0.10's persistent cache
-        write (a segfault in CI)."""
-        for call in self.warm_up_programs():
+        write (a segfault in CI). First, on a CPU, whether the programs' code fits the
+        process's memory-map limit (``code_maps.check_code_mappings``: ValueError, one
+        line, where it would not; ``check_maps=False``: the caller checked).
+        """
+        calls = self.warm_up_programs()
+        if check_maps:
+            code_maps.check_code_mappings(len(calls), platform=jax.default_backend(),
+                                          maps_per_program=self.maps_per_program)
+        for call in calls:
             with self._on_mesh():
                 call.program.lower(*call.args).compile()
             self.compiled_programs.add(call.key)
@@ -434,9 +450,9 @@ class Engine:
             return Call(("step", plan.rows, plan.tokens, plan.width), programs.step,
                         (self.graphdef, self.execution, self.params, self.kv, decode, packed, sampling))
         rounds = None
-        if decode is not None:  # a round feeds the draft the token before the last too
-            tokens, tables, lengths, prev = decode
-            rounds = (prev, tokens, tables, lengths)
+        if decode is not None:  # a round feeds the draft a window of the last tokens
+            _, tables, lengths, window = decode
+            rounds = (window, tables, lengths)
         return Call(("speculative_step", plan.rows, plan.tokens, plan.width, self.gamma), programs.speculative_step,
                     (self.graphdef, self.draft[0], self.execution, self.method, self.params, self.draft[1], self.kv,
                      self.draft_kv, rounds, packed, sampling))
@@ -470,7 +486,7 @@ class Engine:
             tables = np.stack([self._table(s, plan.width) for s in rows])
             decode = (tokens, tables, lengths)
             if self.draft is not None:
-                decode += (np.array([s.tokens[s.computed - 1] if s else 0 for s in rows], np.int32),)
+                decode += (np.stack([self._window(s) for s in rows]),)
         prefills = [s for s, _ in plan.chunks] + [None] * (self.scheduler.max_prefills - len(plan.chunks))
         if plan.tokens:
             C, G = plan.tokens, self.scheduler.max_prefills
@@ -488,6 +504,17 @@ class Engine:
         else:
             prefills = []
         return decode, packed, self._sampling(rows + prefills)
+
+    def _window(self, seq: Seq | None) -> np.ndarray:
+        """A round's draft window for ``seq`` (``speculative.draft_window`` tokens ending
+        at its last, from ``window_start``; zeros past the last, or for no sequence)."""
+        W = speculative.draft_window(self.method)
+        row = np.zeros(W, np.int32)
+        if seq is not None:
+            start = max(seq.computed - (W - 1), 0)
+            got = seq.tokens[start:seq.computed + 1]
+            row[:len(got)] = got
+        return row
 
     def _sampling(self, seqs: list[Seq | None]) -> programs.Sampling:
         """Each row's sampling (``programs.Sampling``); empty rows greedy."""
@@ -523,8 +550,9 @@ class Engine:
 
     def _run(self, plan: Plan):
         """The step's program: ``(emitted, accepted, sampled)`` as numpy (``emitted``,
-        ``accepted``: a draft's rounds, else None; ``sampled``: ``programs.Sampled`` for
-        the decode rows, then the packed sequences)."""
+        ``accepted``: a draft's rounds, ``programs.Sampled [B, gamma + 1]`` and ``[B]``,
+        else None; ``sampled``: ``programs.Sampled`` for the decode rows, then the
+        packed sequences)."""
         call = self._step_call(plan, *self._arrays(plan))
         if self.draft is None:
             sampled, self.kv = self._call(call)
@@ -543,8 +571,8 @@ class Engine:
             else:
                 self.rounds, self.accepted = self.rounds + 1, self.accepted + int(accepted[row])
                 self.scheduler.computed(seq, int(accepted[row]) + 1)
-                for token in emitted[row, :accepted[row] + 1]:
-                    self._append(request, int(token))
+                for slot in range(int(accepted[row]) + 1):
+                    self._append(request, *self._token(request, emitted, (row, slot)))
                     if request.output.finished:
                         break
             changed.append(request.output)
@@ -558,12 +586,13 @@ class Engine:
         return changed
 
     @staticmethod
-    def _token(request: _Request, sampled: programs.Sampled, row: int) -> tuple[int, Logprob | None]:
-        """Row ``row`` of ``sampled``: its token, and its ``Logprob`` where ``request`` asked."""
+    def _token(request: _Request, sampled: programs.Sampled, row) -> tuple[int, Logprob | None]:
+        """Row ``row`` of ``sampled`` (an index, or ``(row, slot)`` of a round's): its
+        token, and its ``Logprob`` where ``request`` asked."""
         token, k = int(sampled.tokens[row]), request.params.logprobs
         if k is None:
             return token, None
-        top = tuple((int(i), float(lp)) for i, lp in zip(sampled.top_ids[row, :k], sampled.top_logprobs[row, :k]))
+        top = tuple((int(i), float(lp)) for i, lp in zip(sampled.top_ids[row][:k], sampled.top_logprobs[row][:k]))
         return token, Logprob(token, float(sampled.logprob[row]), top)
 
     # -------------------------------------------------------------- tokens and endings

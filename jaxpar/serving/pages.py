@@ -43,7 +43,9 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
+from jaxpar.models.transformer import cross_mask
 from jaxpar.ops import kernel_ops
 from jaxpar.ops.attention import dot_product_attention
 
@@ -243,3 +245,90 @@ class StepView:
             pages = view.store(k[:, B:], v[:, B:])
             parts.append((view, q[:, B:], lambda out: out))
         return jnp.concatenate([shape(view.read(q, pages)) for view, q, shape in parts], axis=1), pages
+
+
+# ------------------------------------------------------------------ the model's caches
+
+
+def _run(pages: KVPages, layers, x, call, view, xs):
+    """``Cache.run`` over pages: ``layers`` scanned over ``x``, layer ``i`` through
+    ``view(k, v, i)``; the pages ride in the scan's carry, whole, so each layer's writes
+    land in place. ``(x, pages)``."""
+    graphdef, layer_state = nnx.split(layers)
+
+    def layer(carry, inputs):
+        x, k, v = carry
+        state, i, extra = inputs
+        x, (k, v) = call(nnx.merge(graphdef, state), x, view(k, v, i), extra)
+        return (x, k, v), None
+
+    count = jax.tree.leaves(layer_state)[0].shape[0]
+    (x, k, v), _ = jax.lax.scan(layer, (x, pages.k, pages.v), (layer_state, jnp.arange(count), xs))
+    return x, KVPages(k, v)
+
+
+def _gathered(pages: KVPages, layers: range, tables: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Layers ``layers`` of ``pages`` read through ``tables [R, max_pages]``: ``(k, v)``
+    ``[L', R, max_pages * S_p, K, H]``."""
+    return tuple(jnp.stack([gather(p, i, tables) for i in layers]) for p in (pages.k, pages.v))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedCache:
+    """``pages`` as ``B`` rows continue them (``jaxpar.models.transformer.Cache``): row
+    ``b`` reads and writes through ``tables[b]`` (``[B, max_pages]``) and has
+    ``lengths[b]`` tokens cached. Two models' pages (a draft's beside the target's) share
+    the tables."""
+
+    pages: KVPages
+    tables: jax.Array
+    lengths: jax.Array
+
+    def run(self, layers, x, call, tree_mask=None, xs=None):
+        view = lambda k, v, i: DecodeView(k, v, i, self.tables, self.lengths, tree_mask)  # noqa: E731
+        x, pages = _run(self.pages, layers, x, call, view, xs)
+        return x, PagedCache(pages, self.tables, self.lengths + x.shape[1])
+
+    def with_lengths(self, lengths):
+        return dataclasses.replace(self, lengths=lengths)
+
+    def move(self, sources, targets):
+        return dataclasses.replace(self, pages=KVPages(*(move(p, self.tables, sources, targets)
+                                                         for p in (self.pages.k, self.pages.v))))
+
+    def cross(self, layers, positions):
+        k, v = _gathered(self.pages, layers, self.tables)
+        return k, v, cross_mask(positions, self.lengths, k.shape[2])
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepCache:
+    """``pages`` as one engine step's row continues them (``Cache``'s ``run`` and
+    ``cross``: a step's row is never rolled back; ``StepView``'s fields): ``decode_tables [B, max_pages]`` and ``decode_lengths [B]`` for its ``B``
+    decode rows of one token (None for none), then a packed row of prompt chunks,
+    ``tables [G, max_pages]``, each token's sequence ``index [C]`` and ``positions [C]``
+    (None for none). The model runs it as one row ``[1, B + C]``, positions given. A
+    packed row alone (no decode rows) is also a GliDe draft's prefill, whose
+    ``cross`` reads the row's ``G`` sequences' target pages side by side."""
+
+    pages: KVPages
+    decode_tables: jax.Array | None
+    decode_lengths: jax.Array | None
+    tables: jax.Array | None
+    index: jax.Array | None
+    positions: jax.Array | None
+
+    def run(self, layers, x, call, tree_mask=None, xs=None):
+        fields = (self.decode_tables, self.decode_lengths, self.tables, self.index, self.positions)
+        x, pages = _run(self.pages, layers, x, call, lambda k, v, i: StepView(k, v, i, *fields), xs)
+        return x, dataclasses.replace(self, pages=pages)
+
+    def cross(self, layers, positions):
+        """The packed row's (no decode rows): its sequences' pages side by side, ``[L',
+        1, G * S, K, H]``, each token reading its own sequence's up to its position."""
+        k, v = _gathered(self.pages, layers, self.tables)
+        G, S = k.shape[1:3]
+        flat = lambda x: x.reshape(x.shape[0], 1, G * S, *x.shape[3:])  # noqa: E731
+        return flat(k), flat(v), packed_mask(self.index, self.positions, G, S)[None]

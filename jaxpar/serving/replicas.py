@@ -21,6 +21,9 @@ import itertools
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+import jax
+
+from jaxpar.serving import code_maps
 from jaxpar.serving.engine import Engine, RequestOutput, SamplingParams
 
 
@@ -110,8 +113,12 @@ class Replicas:
 
     def warm_up(self, report=None) -> None:
         """Every replica compiles its programs, at once (``report`` is called from their
-        threads)."""
-        list(self._threads.map(lambda e: e.warm_up(report), self.engines))
+        threads), once their code is known to fit the process's memory-map limit
+        together (``Engine.warm_up``)."""
+        code_maps.check_code_mappings(sum(len(e.warm_up_programs()) for e in self.engines),
+                                      platform=jax.default_backend(),
+                                      maps_per_program=max(e.maps_per_program for e in self.engines))
+        list(self._threads.map(lambda e: e.warm_up(report, check_maps=False), self.engines))
 
     def step(self) -> list[RequestOutput]:
         """One step of every replica with work, at once; their changed outputs."""
