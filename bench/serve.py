@@ -127,63 +127,42 @@ compilation cache in ~20 s; each rate then takes 30-70 s)::
         bench/results/serve_pressure.json bench/results/serve_chat_prefix.json \
         --png bench/figures/serve_latency_throughput.png \
         --prefix-png bench/figures/serve_chat_prefix.png
+
+The parts, beside this file (which keeps the command line and runs the loads against
+each server, mode and rate): ``serve_load.py``, the requests and their measurement
+(engine loop, streamed HTTP client, ``/metrics``, the figures); ``serve_servers.py``,
+the servers (jaxpar-serve's and the baseline's command lines, starting one, warming a
+peer) and the peers' model files (``hf``, ``gguf-f32``); ``serve_plots.py``, the
+pictures. This file puts ``bench/`` on ``sys.path`` to import them (as
+``bench/glide_curve.py`` does), so it also runs under ``runpy.run_path`` and importlib.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
-import math
 import os
 import pathlib
 import platform
-import re
-import shlex
-import subprocess
 import sys
-import sysconfig
-import threading
-import time
-from typing import NamedTuple
 
 import jax
 import numpy as np
 from flax import nnx
 
-from jaxpar.serving import Engine, SamplingParams
-from jaxpar.serving.pages import page_bytes
+from jaxpar.serving import Engine
 
-MODES = ("continuous", "static")
+sys.path.insert(0, str(pathlib.Path(__file__).parent))  # bench/: this script's parts (also under runpy, importlib)
+from serve_load import (corpus_ids, kv_budget, make_requests, metrics_delta, read_metrics, run,  # noqa: E402
+                        run_http, system_prompt)
+from serve_plots import draw_all, series_label  # noqa: E402
+from serve_servers import (MODES, Variant, server_command, start_server, warm_peer, write_f32_gguf,  # noqa: E402
+                           write_hf)
+
 LOADS = ("plain", "chat-prefix", "pressure")
 BASELINE_LABEL = "jaxpar-serve c7e2829 (pages reserved whole)"
-# /metrics counters read before and after each rate: the row's key, the metric's name
-METRICS = {"preemptions": "jaxpar_preemptions_total", "prefix_cache_queries": "jaxpar_prefix_cache_queries_total",
-           "prefix_cache_hits": "jaxpar_prefix_cache_hits_total"}
 TEMPLATE_TOKENS = 64  # room for a chat template's own tokens in --max-context
-
-
-class Request(NamedTuple):
-    """One request of a load: ``arrival`` (seconds at rate 1), its ``prompt`` ids (a
-    chat request's system ids then its user ids, ``system`` of them the system's) and
-    ``max_tokens``."""
-
-    arrival: float
-    prompt: list[int]
-    max_tokens: int
-    system: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class Variant:
-    """A server (or the in-process engine) set up one way: its label, batching mode,
-    prefix caching (None: the server's default) and whether it is the older release."""
-
-    server: str
-    mode: str
-    prefix_caching: bool | None = None
-    baseline: bool = False
 
 
 def load(args):
@@ -197,248 +176,6 @@ def load(args):
     from jaxpar.train.config import load_config
 
     return Transformer(load_config(args.config, []).model, rngs=nnx.Rngs(0)), None
-
-
-def corpus_text(limit: int = 2_000_000) -> str:
-    """The standard library's source, up to ``limit`` characters, in a fixed order."""
-    text, root = [], pathlib.Path(sysconfig.get_paths()["stdlib"])
-    for path in sorted(root.glob("*.py")):
-        text.append(path.read_text(errors="replace"))
-        if sum(map(len, text)) > limit:
-            break
-    return "".join(text)
-
-
-def corpus_ids(vocab: int, tokenizer) -> np.ndarray:
-    """``corpus_text`` as token ids (bytes modulo ``vocab`` without a tokenizer)."""
-    text = corpus_text()
-    if tokenizer:
-        return np.asarray(tokenizer.encode(text).ids)
-    return np.frombuffer(text.encode(), np.uint8).astype(np.int64) % vocab
-
-
-def system_prompt(ids: np.ndarray, tokens: int, tokenizer) -> tuple[list[int], str | None]:
-    """The chat load's system prompt: ``(ids, text)``, the corpus' first ``tokens``
-    tokens (with a tokenizer: their text, and its ids as the tokenizer reads it back)."""
-    if tokenizer is None:
-        return ids[:tokens].astype(int).tolist(), None
-    text = tokenizer.decode(ids[:tokens].astype(int).tolist())
-    return list(tokenizer.encode(text).ids), text
-
-
-def make_requests(args, ids: np.ndarray, system: list[int], rng) -> list[Request]:
-    """``args.requests`` requests at rate 1 (the arrival times are scaled per rate);
-    with ``system`` (the chat load) each prompt is it, then a slice of its own."""
-    arrivals = np.cumsum(rng.exponential(1.0, args.requests))
-    low = args.system_tokens if system else 0  # the user slices come from past the system prompt
-    out = []
-    for arrival in arrivals:
-        n = int(rng.integers(args.prompt_tokens[0], args.prompt_tokens[1] + 1))
-        start = int(rng.integers(low, len(ids) - n))
-        out.append(Request(float(arrival - arrivals[0]), list(system) + ids[start:start + n].astype(int).tolist(),
-                           int(rng.integers(args.max_tokens[0], args.max_tokens[1] + 1)), len(system)))
-    return out
-
-
-def whole_pages(requests: list[Request], page_size: int) -> int:
-    """The pages the whole load reserves at once: each request's prompt and
-    ``max_tokens``, rounded up to pages."""
-    return sum(math.ceil((len(r.prompt) + r.max_tokens) / page_size) for r in requests)
-
-
-def kv_budget(args, cfg, requests: list[Request]) -> dict:
-    """``--kv-fraction``'s pool: the load's whole pages, a page's bytes (the model's
-    config, its compute dtype), and ``kv_memory`` bytes, the fraction of their product
-    (checked to hold the largest request and the null page)."""
-    per_page = page_bytes(cfg.layers, args.page_size, cfg.kv_heads, cfg.head_dim, cfg.compute_dtype)
-    pages = whole_pages(requests, args.page_size)
-    kv_memory = int(args.kv_fraction * pages * per_page)
-    largest = max(math.ceil((len(r.prompt) + r.max_tokens) / args.page_size) for r in requests)
-    if kv_memory // per_page < largest + 1:
-        raise ValueError(f"--kv-fraction {args.kv_fraction} leaves {kv_memory // per_page} pages, fewer than the "
-                         f"largest request's {largest} and the null page: raise it or --requests")
-    return {"kv_fraction": args.kv_fraction, "load_pages": pages, "page_bytes": per_page, "kv_memory": kv_memory,
-            "kv_pages": kv_memory // per_page}
-
-
-def summary(arrived: dict, first: dict, last: dict) -> dict:
-    """The figures of one run from per-request times: ``arrived`` / ``first`` (seconds
-    from the run's start), ``last`` ``(seconds, output tokens)``."""
-    ttft = [first[r] - arrived[r] for r in arrived]
-    tpot = [(last[r][0] - first[r]) / (last[r][1] - 1) for r in arrived if last[r][1] > 1]
-    tokens = sum(n for _, n in last.values())
-    span = max(t for t, _ in last.values())
-    pct = lambda xs, q: float(np.percentile(xs, q)) if xs else float("nan")  # noqa: E731
-    return {"requests": len(arrived), "output_tokens": tokens, "seconds": span,
-            "requests_per_s": len(arrived) / span, "output_tokens_per_s": tokens / span,
-            "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
-            "tpot_p50_s": pct(tpot, 50), "tpot_p99_s": pct(tpot, 99)}
-
-
-def hit_rate(row: dict) -> dict:
-    """``prefix_hit_rate``: hits over queries (tokens), None where none were made."""
-    queries = row.get("prefix_cache_queries")
-    return {"prefix_hit_rate": row["prefix_cache_hits"] / queries if queries else None}
-
-
-def run(engine: Engine, requests: list[Request], rate: float) -> dict:
-    """The requests through ``engine`` at ``rate`` requests/s: per-request timings."""
-    pending = [(r.arrival / rate, r.prompt, r.max_tokens) for r in requests]
-    arrived, first, last, used = {}, {}, {}, []
-    before = {key: getattr(engine, key) for key in ("preemptions", "prefix_queries", "prefix_hits")}
-    t0 = time.perf_counter()
-    while pending or engine.has_unfinished():
-        now = time.perf_counter() - t0
-        while pending and pending[0][0] <= now:
-            arrival, prompt, m = pending.pop(0)
-            rid = engine.add_request(prompt, SamplingParams(max_tokens=m))
-            arrived[rid] = arrival
-        if not engine.has_unfinished():
-            time.sleep(max(pending[0][0] - now, 0))
-            continue
-        outputs = engine.step()
-        now = time.perf_counter() - t0
-        used.append(1 - engine.pool.free / engine.pool.total)
-        for out in outputs:
-            first.setdefault(out.request_id, now)
-            if out.finished:
-                last[out.request_id] = (now, len(out.token_ids))
-    row = {"rate": rate, **summary(arrived, first, last), "kv_utilisation": float(np.mean(used)), "steps": len(used),
-           "preemptions": engine.preemptions - before["preemptions"],
-           "prefix_cache_queries": engine.prefix_queries - before["prefix_queries"],
-           "prefix_cache_hits": engine.prefix_hits - before["prefix_hits"]}
-    return {**row, **hit_rate(row)}
-
-
-async def _one(client, url: str, body: dict, chat: bool, t0: float, times: dict, key: int):
-    """One streamed completion (``/completions``, or ``/chat/completions`` when
-    ``chat``); records its first and last token times, token count and usage."""
-    first, count, chunks, usage = None, None, 0, {}
-    path = "/chat/completions" if chat else "/completions"
-    async with client.stream("POST", url + path, json=body) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"{url}{path}: HTTP {response.status_code}: {(await response.aread())[:300]!r}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-                count = usage.get("completion_tokens")
-            texts = ((c.get("delta") or {}).get("content") if chat else c.get("text")
-                     for c in chunk.get("choices") or ())
-            if any(texts):
-                chunks += 1
-                first = first or time.perf_counter() - t0
-    times["first"][key] = first if first is not None else time.perf_counter() - t0
-    times["last"][key] = (time.perf_counter() - t0, count if count is not None else chunks)
-    times["usage"][key] = usage
-
-
-def request_body(request: Request, model: str, tokenizer, system_text: str | None) -> tuple[dict, bool]:
-    """``(body, chat)``: the request as a streamed greedy OpenAI request."""
-    body = {"model": model, "max_tokens": request.max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
-    if not request.system:
-        return {**body, "prompt": tokenizer.decode(request.prompt)}, False
-    user = tokenizer.decode(request.prompt[request.system:])
-    return {**body, "messages": [{"role": "system", "content": system_text}, {"role": "user", "content": user}]}, True
-
-
-def run_http(url: str, model: str, tokenizer, requests: list[Request], rate: float,
-             system_text: str | None = None) -> dict:
-    """The requests, as text, to the server at ``url`` at ``rate`` requests/s."""
-    import asyncio
-
-    import httpx
-
-    async def main():
-        times = {"arrived": {}, "first": {}, "last": {}, "usage": {}}
-        async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=1000)) as client:
-            t0 = time.perf_counter()
-            tasks = []
-            for key, request in enumerate(requests):
-                await asyncio.sleep(max(request.arrival / rate - (time.perf_counter() - t0), 0))
-                times["arrived"][key] = time.perf_counter() - t0
-                body, chat = request_body(request, model, tokenizer, system_text)
-                tasks.append(asyncio.create_task(_one(client, url, body, chat, t0, times, key)))
-            await asyncio.gather(*tasks)
-        return times
-
-    times = asyncio.run(main())
-    row = {"rate": rate, **summary(times["arrived"], times["first"], times["last"])}
-    usages = list(times["usage"].values())
-    if usages and all("prompt_tokens" in u for u in usages):
-        row["prompt_tokens_mean"] = float(np.mean([u["prompt_tokens"] for u in usages]))
-        cached = [(u.get("prompt_tokens_details") or {}).get("cached_tokens") for u in usages]
-        if all(c is not None for c in cached):
-            row["cached_tokens_mean"] = float(np.mean(cached))
-    return row
-
-
-def warm_peer(url: str, model: str) -> None:
-    """One short request to another server before it is timed (``transformers serve``
-    loads its model at the first request)."""
-    import httpx
-
-    body = {"model": model, "prompt": "def main():", "max_tokens": 4, "temperature": 0}
-    response = httpx.post(url + "/completions", json=body, timeout=600)
-    if response.status_code != 200:
-        raise RuntimeError(f"{url}/completions: HTTP {response.status_code}: {response.text[:300]}")
-
-
-def read_metrics(url: str) -> dict:
-    """The server's ``/metrics`` counters of ``METRICS`` (None where it has none: an
-    older jaxpar-serve)."""
-    import httpx
-
-    text = httpx.get(re.sub(r"/v1/?$", "", url) + "/metrics", timeout=30).text
-    values = dict(re.findall(r"^(\w+) (\S+)$", text, re.M))
-    return {key: float(values[name]) if name in values else None for key, name in METRICS.items()}
-
-
-def metrics_delta(before: dict, after: dict) -> dict:
-    """The counters' differences over a rate, and the hit rate."""
-    row = {key: None if after[key] is None else int(after[key] - before[key]) for key in METRICS}
-    return {**row, **hit_rate(row)} if row["prefix_cache_hits"] is not None else {**row, "prefix_hit_rate": None}
-
-
-def server_command(args, variant: Variant, max_context: int, kv_memory: int | None) -> list[str]:
-    """The command line that starts ``variant`` on ``--port 0``: this checkout's
-    jaxpar-serve with its flags, or ``--baseline-serve`` with only the flags the older
-    release knows."""
-    common = [args.model, "--port", "0", "--batching", variant.mode, "--page-size", str(args.page_size),
-              "--model-name", "bench", "--max-queue", "100000", "--max-context", str(max_context)]
-    if kv_memory:
-        common += ["--kv-memory", str(kv_memory)]
-    if variant.baseline:
-        return [*shlex.split(args.baseline_serve), *common, "--max-batch", str(args.baseline_max_batch),
-                *args.overrides]
-    command = [sys.executable, "-m", "jaxpar.train.serve", *common, *args.overrides]
-    if args.max_batch:
-        command += ["--max-batch", str(args.max_batch)]
-    if args.max_num_batched_tokens:
-        command += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    if variant.prefix_caching is not None:
-        command += ["--prefix-caching" if variant.prefix_caching else "--no-prefix-caching"]
-    if args.draft:
-        command += ["--draft", args.draft] + (["--method", args.method] if args.method else [])
-    return command
-
-
-def start_server(command: list[str]) -> tuple[subprocess.Popen, str, float]:
-    """``(process, url, seconds to listen)``: ``command`` started, once it listens; its
-    stderr drained from then on (a full pipe would stall it)."""
-    t0 = time.perf_counter()
-    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
-    lines = []
-    while not (match := re.search(r" on (http://\S+/v1) ", lines[-1] if lines else "")):
-        lines.append(process.stderr.readline())
-        if not lines[-1]:
-            process.wait(timeout=60)
-            raise RuntimeError(f"{shlex.join(command)} ended before listening:\n" + "".join(lines[-40:]))
-    threading.Thread(target=lambda: [None for _ in process.stderr], daemon=True).start()
-    return process, match[1], time.perf_counter() - t0
 
 
 def serve_rate(args, variant: Variant, tokenizer, requests, rate: float, max_context: int, kv_memory,
@@ -471,151 +208,6 @@ def variants(args) -> list[Variant]:
     return out
 
 
-def series_label(row: dict) -> str:
-    """The plain name of a row's series: ``jaxpar-serve, continuous batching``; another
-    server by its ``--against-label`` and, when given, ``--against-mode``; then prefix
-    caching (the chat load, or where it was off) and a cut KV pool."""
-    mode, label = row.get("mode"), row["server"]
-    if mode in MODES:
-        label += f", {mode} batching"
-    elif mode and mode != "its own":
-        label += f", {mode}"
-    if row.get("prefix_caching") is False:
-        label += ", no prefix caching"
-    elif row.get("prefix_caching") and row.get("load") == "chat-prefix":
-        label += ", prefix caching"
-    if row.get("kv_fraction"):
-        label += f", KV pool at {row['kv_fraction']:.0%} of the load's"
-    return label + row.get("series_note", "")
-
-
-def title(meta: dict) -> str:
-    """The picture's title from a run's ``meta``."""
-    parts = [pathlib.Path(meta["model"]).name]
-    if meta.get("requests"):
-        parts.append(f"{meta['requests']} requests per rate")
-    if meta.get("load") == "chat-prefix" and meta.get("system_prompt_tokens"):
-        parts.append(f"a shared {meta['system_prompt_tokens']}-token system prompt")
-    if meta.get("max_batch"):
-        parts.append(f"{meta['max_batch']} slots")
-    return ", ".join(parts + [meta["machine"], meta["date"]])
-
-
-def draw(rows: list[dict], png: pathlib.Path, title: str) -> None:
-    """p99 time to first token and median time per output token against output tokens/s:
-    a line per series (colour and line style), a marker per offered rate."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.lines import Line2D
-    from matplotlib.ticker import FuncFormatter
-
-    fig, axes = plt.subplots(1, 2, figsize=(12, 5.4))
-    series = list(dict.fromkeys(series_label(r) for r in rows))
-    rates = sorted({r["rate"] for r in rows})
-    markers = dict(zip(rates, "osD^vP*X"))
-    styles = ["-", "--", "-.", ":"]
-    panels = ((axes[0], "ttft_p99_s", 1, "p99 time to first token, s (log scale; lower is better)",
-               "waiting for the first token"),
-              (axes[1], "tpot_p50_s", 1e3, "median time per output token, ms (lower is better)",
-               "time per token once streaming"))
-    for i, name in enumerate(series):
-        mine = sorted((r for r in rows if series_label(r) == name), key=lambda r: r["rate"])
-        x = [r["output_tokens_per_s"] for r in mine]
-        for ax, key, scale, *_ in panels:
-            y = [r[key] * scale for r in mine]
-            ax.plot(x, y, color=f"C{i}", linestyle=styles[i % len(styles)], linewidth=1.6, zorder=2)
-            for r, yi in zip(mine, y):
-                ax.plot(r["output_tokens_per_s"], yi, marker=markers[r["rate"]], color=f"C{i}", markersize=8,
-                        markeredgecolor="white", markeredgewidth=0.8, linestyle="none", zorder=3)
-    for ax, _, _, label, what in panels:
-        ax.set_xlabel("output tokens/s (higher is better \u2192)")
-        ax.set_ylabel(label)
-        ax.set_title(f"{what} (better: down and to the right \u2198)", fontsize=10)
-        ax.grid(alpha=0.3, which="both")
-    axes[0].set_yscale("log")
-    axes[0].set_ylim(bottom=0.8 * min(r["ttft_p99_s"] for r in rows))  # a labelled tick below the lowest point
-    axes[0].yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-    axes[0].yaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}" if f"{v:.0e}"[0] in "25" else ""))
-    axes[1].set_ylim(bottom=0)
-    lines = [Line2D([], [], color=f"C{i}", linestyle=styles[i % len(styles)], linewidth=1.6, label=name)
-             for i, name in enumerate(series)]
-    points = [Line2D([], [], color="0.4", marker=markers[rate], linestyle="none", markersize=8,
-                     label=f"{rate:g} request{'s' if rate != 1 else ''}/s") for rate in rates]
-    rows_below = -(-len(series) // 2)
-    fig.legend(handles=lines, loc="lower center", ncol=2, fontsize=9, frameon=False, title="server, batching",
-               title_fontsize=9, bbox_to_anchor=(0.5, 0.0))
-    fig.legend(handles=points, loc="upper center", ncol=len(points), fontsize=9, frameon=False,
-               title="offered load (marker)", title_fontsize=9, bbox_to_anchor=(0.5, 0.955))
-    fig.suptitle(title, fontsize=10)
-    fig.set_figheight(5.4 + 0.16 * rows_below)
-    fig.tight_layout(rect=(0, 0.04 + 0.04 * rows_below, 1, 0.86))
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
-
-
-def draw_prefix(rows: list[dict], png: pathlib.Path, title: str) -> None:
-    """The chat-prefix load: p50 and p99 time to first token per offered rate, a bar per
-    series (prefix caching on and off, and any other server), each jaxpar pair's p50
-    ratio (off over on) above its bars."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    series = list(dict.fromkeys(series_label(r) for r in rows))
-    rates = sorted({r["rate"] for r in rows})
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))
-    width = 0.8 / len(series)
-    for ax, key, what in ((axes[0], "ttft_p50_s", "median"), (axes[1], "ttft_p99_s", "p99")):
-        top = 0.0
-        for i, name in enumerate(series):
-            by_rate = {r["rate"]: r for r in rows if series_label(r) == name}
-            xs = [j + (i - (len(series) - 1) / 2) * width for j, rate in enumerate(rates) if rate in by_rate]
-            ys = [by_rate[rate][key] for rate in rates if rate in by_rate]
-            ax.bar(xs, ys, width, color=f"C{i}", label=name)
-            top = max([top, *ys])
-        if key == "ttft_p50_s":
-            for j, rate in enumerate(rates):
-                on = [r for r in rows if r["rate"] == rate and r.get("prefix_caching") is True]
-                off = [r for r in rows if r["rate"] == rate and r.get("prefix_caching") is False]
-                if len(on) == 1 and len(off) == 1 and on[0][key] > 0:
-                    ax.annotate(f"off/on {off[0][key] / on[0][key]:.1f}x", (j, top * 1.02), ha="center", fontsize=8)
-        ax.set_xticks(range(len(rates)), [f"{rate:g}/s" for rate in rates])
-        ax.set_xlabel("offered load (requests/s)")
-        ax.set_ylabel(f"{what} time to first token, s (lower is better)")
-        ax.set_ylim(top=top * 1.12 if top else None)
-        ax.grid(alpha=0.3, axis="y")
-    axes[0].set_title("median; off / on above each rate", fontsize=10)
-    axes[1].set_title("p99", fontsize=10)
-    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=min(len(series), 2), fontsize=9,
-               frameon=False)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout(rect=(0, 0.05 + 0.045 * -(-len(series) // 2), 1, 1))
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
-
-
-def draw_all(rows: list[dict], metas: list[dict], png: pathlib.Path, prefix_png: pathlib.Path | None) -> list:
-    """The chat-prefix rows as ``draw_prefix`` (to ``prefix_png``; to ``png`` where
-    they are all the rows), the others as ``draw``: the paths written."""
-    chat = [r for r in rows if r.get("load") == "chat-prefix"]
-    other = [r for r in rows if r.get("load") != "chat-prefix"]
-    meta = lambda load: next((m for m in metas if (m.get("load") == "chat-prefix") == load), metas[0])  # noqa: E731
-    written = []
-    if other:
-        draw(other, png, title(meta(False)))
-        written.append(png)
-    if chat:
-        path = prefix_png or (png.with_name(png.stem + "_chat_prefix" + png.suffix) if other else png)
-        draw_prefix(chat, path, title(meta(True)))
-        written.append(path)
-    return written
-
-
 def _print(row: dict) -> None:
     kv = f"{row['kv_utilisation']:.1%}" if "kv_utilisation" in row else "-"
     pre = "-" if row.get("preemptions") is None else str(row["preemptions"])
@@ -623,52 +215,6 @@ def _print(row: dict) -> None:
     print(f"| {series_label(row)} | {row['rate']:g} | {row['output_tokens_per_s']:.1f} | "
           f"{row['requests_per_s']:.2f} | {row['ttft_p50_s']:.2f} / {row['ttft_p99_s']:.2f} | "
           f"{row['tpot_p50_s'] * 1e3:.1f} / {row['tpot_p99_s'] * 1e3:.1f} | {pre} | {hits} | {kv} |", flush=True)
-
-
-def write_hf(gguf: pathlib.Path, out: pathlib.Path) -> None:
-    """The GGUF file's model as a Hugging Face directory for ``transformers serve``:
-    ``to_hf`` of ``from_gguf`` (float32), its tokenizer, end and BOS tokens and chat
-    template (``tokenizer_config.json``), ``generation_config.json``."""
-    from jaxpar.models import from_gguf, to_hf
-    from jaxpar.models.gguf import gguf_metadata, gguf_tokenizer
-
-    to_hf(from_gguf(gguf), out, overwrite=True)
-    tokenizer, meta = gguf_tokenizer(gguf), gguf_metadata(gguf)
-    tokenizer.save(str(out / "tokenizer.json"))
-    eos = [tokenizer.id_to_token(i) for i in meta.eos_ids]
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": meta.context_length,
-              "eos_token": eos[0] if eos else None, "clean_up_tokenization_spaces": False,
-              "bos_token": None if meta.bos_id is None else tokenizer.id_to_token(meta.bos_id)}
-    if meta.chat_template:
-        config["chat_template"] = meta.chat_template
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
-    (out / "generation_config.json").write_text(json.dumps(
-        {"eos_token_id": list(meta.eos_ids), "bos_token_id": meta.bos_id, "do_sample": False}, indent=1))
-
-
-def write_f32_gguf(source: pathlib.Path, out: pathlib.Path) -> None:
-    """``source`` with every tensor dequantized to F32 (its metadata copied, the file
-    type set to ALL_F32): what llama.cpp then computes in float32, as jaxpar does."""
-    import gguf
-    from gguf.quants import dequantize
-
-    reader = gguf.GGUFReader(source)
-    arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
-    writer = gguf.GGUFWriter(out, arch)
-    for field in reader.fields.values():
-        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
-            continue
-        kind = field.types[0]
-        value = gguf.LlamaFileType.ALL_F32 if field.name == gguf.Keys.General.FILE_TYPE else field.contents()
-        writer.add_key_value(field.name, value, kind,
-                             sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
-    for tensor in reader.tensors:
-        w = np.asarray(dequantize(tensor.data, tensor.tensor_type), np.float32)
-        writer.add_tensor(tensor.name, w.reshape(tuple(reversed(tensor.shape.tolist()))))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
 
 
 def main(argv=None) -> None:

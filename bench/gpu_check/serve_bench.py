@@ -34,7 +34,12 @@ def serve_args(settings: dict) -> argparse.Namespace:
     return argparse.Namespace(model=None, config=settings["config"], requests=settings["requests"],
                               max_batch=settings["max_batch"], prompt_tokens=settings["prompt_tokens"],
                               max_tokens=settings["max_tokens"], page_size=16, max_num_batched_tokens=256, seed=0,
-                              overrides=[], draft=None, method=None)
+                              overrides=[], draft=None, method=None, system_tokens=0)
+
+
+def context(settings: dict) -> int:
+    """The longest prompt plus its most new tokens."""
+    return settings["prompt_tokens"][1] + settings["max_tokens"][1]
 
 
 def serve_row_text(r: dict) -> str:
@@ -55,10 +60,12 @@ def part_serve_http(ns, rec: Record) -> None:
     args = serve_args(settings)
     small = run_dir(ns.work, "small")
     tokenizer = load_tokenizer(small)
-    requests = serve.make_requests(args, tokenizer.get_vocab_size(), tokenizer, np.random.default_rng(0))
-    began = time.perf_counter()
-    process, url = serve.start_server(str(small), "continuous", args)
-    rec["start_s"] = round(time.perf_counter() - began, 1)  # load + compile every program
+    ids = serve.corpus_ids(tokenizer.get_vocab_size(), tokenizer)
+    requests = serve.make_requests(args, ids, [], np.random.default_rng(0))
+    args.model = str(small)
+    command = serve.server_command(args, serve.Variant("jaxpar-serve", "continuous"), context(settings), None)
+    process, url, started = serve.start_server(command)
+    rec["start_s"] = round(started, 1)  # load + compile every program
     try:
         rec["row"] = {"server": "jaxpar-serve (HTTP)", "mode": "continuous",
                       "model": f"{'tiny' if ns.smoke else 'small'}, the train part's run",
@@ -110,14 +117,13 @@ def part_serve(ns, rec: Record) -> None:
 
     serve = load_bench("serve")
     model, _ = serve.load(args)
-    requests = serve.make_requests(args, model.cfg.vocab_size, None, np.random.default_rng(0))
-    context = settings["prompt_tokens"][1] + settings["max_tokens"][1]
+    requests = serve.make_requests(args, serve.corpus_ids(model.cfg.vocab_size, None), [], np.random.default_rng(0))
     for mode in serve.MODES:
         if time_left() < (15 if ns.smoke else 30) and any(r["server"] == "jaxpar engine" for r in rec["rows"]):
             rec.setdefault("skipped", []).append(f"engine {mode}: time limit")
             continue
         began = time.perf_counter()
-        engine = serve.Engine(model, tokenizer=None, max_batch=settings["max_batch"], max_context=context,
+        engine = serve.Engine(model, tokenizer=None, max_batch=settings["max_batch"], max_context=context(settings),
                               page_size=args.page_size, max_num_batched_tokens=args.max_num_batched_tokens,
                               batching=mode)
         engine.warm_up()

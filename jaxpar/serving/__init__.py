@@ -2,7 +2,8 @@
 
 ``Engine(model, ...)`` owns the model, the pages and the requests (``engine.py``);
 ``Engine.generate(prompts, SamplingParams(...))`` runs an offline batch, ``add_request``
-/ ``step`` / ``abort`` drive it one iteration at a time. ``scheduler.py`` decides each
+/ ``step`` / ``abort`` drive it one iteration at a time (a request's parameters, output
+and state: ``requests.py``). ``scheduler.py`` decides each
 step (decode rows, prompt chunks, admissions, preemption) over ``page_pool.py``'s page
 ids and prefix cache; ``pages.py`` holds the paged cache on the device (``PagedCache``,
 ``StepCache``: the model's ``Cache`` interface over pages) and the views the model's

@@ -35,7 +35,8 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 
-from jaxpar.serving.engine import Engine, RequestOutput, SamplingParams
+from jaxpar.serving.engine import Engine
+from jaxpar.serving.requests import RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from fastapi import Request
 
 from jaxpar.serving.chat_template import ChatTemplate, TemplateRefused
-from jaxpar.serving.engine import SamplingParams
+from jaxpar.serving.requests import SamplingParams
 
 MAX_N = 16  # choices per prompt
 MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' logprobs: OpenAI's legacy range

@@ -14,11 +14,11 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from jaxpar.serving.async_engine import RequestStream
-from jaxpar.serving.engine import RequestOutput
+from jaxpar.serving.requests import RequestOutput
 from jaxpar.serving.openai_requests import APIError, error_body
 
 if TYPE_CHECKING:  # annotations only
-    from jaxpar.serving.engine import Logprob
+    from jaxpar.serving.requests import Logprob
     from jaxpar.serving.server import ServerState
 
 

@@ -24,7 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 import jax
 
 from jaxpar.serving import code_maps
-from jaxpar.serving.engine import Engine, RequestOutput, SamplingParams
+from jaxpar.serving.engine import Engine
+from jaxpar.serving.requests import RequestOutput, SamplingParams
 
 
 @dataclasses.dataclass(frozen=True)

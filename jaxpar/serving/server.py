@@ -71,7 +71,7 @@ from starlette.exceptions import HTTPException
 
 from jaxpar.serving.async_engine import AsyncEngine, EngineClosed, Histogram, QueueFull, RequestStream
 from jaxpar.serving.chat_template import ChatTemplate
-from jaxpar.serving.engine import RequestOutput, SamplingParams
+from jaxpar.serving.requests import RequestOutput, SamplingParams
 from jaxpar.serving.openai_requests import (MAX_COMPLETION_LOGPROBS, MAX_N, MAX_TOP_LOGPROBS, APIError,
                                             _chat_logprobs, _chat_prompt, _check_common, _completion_logprobs,
                                             _completion_prompts, _json_body, _max_tokens, _sampling, error_body)
