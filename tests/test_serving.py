@@ -230,7 +230,8 @@ def test_speculative_rounds_are_lossless_per_sequence(model):
     """A draft in the engine: every decode step is one round for the running batch, each
     sequence accepting its own prefix. Greedy: the tokens without a draft, with the model
     itself as its draft (every proposal accepted: the draft's cache must catch up on the
-    last one; rejections: the GliDe and CaPE tests); pages all back. Seeded sampling with
+    last one; rejections: the GliDe and CaPE tests); pages all back. A request with
+    penalties beside a plain one: its tokens without a draft (one a round). Seeded sampling with
     an unrelated small draft: a request's tokens alone equal those beside 3 others; after
     warm_up a mix compiles nothing."""
     small = Transformer(ModelConfig(vocab_size=CFG.vocab_size, dim=16, layers=1, heads=2, kv_heads=1,
@@ -240,6 +241,12 @@ def test_speculative_rounds_are_lossless_per_sequence(model):
     served = engine(model, draft=model, gamma=3)
     assert [o.token_ids for o in served.generate(prompts[:4], params[:4])] == reference
     assert served.pool.free == served.pool.total and served.accepted == 3 * served.rounds
+    # penalties (a bias that changes with every token): one token a round, the tokens without a draft
+    penalized = SamplingParams(max_tokens=8, presence_penalty=1.5, frequency_penalty=0.7)
+    alone_penalized = engine(model).generate([prompts[4]], penalized)[0].token_ids
+    mixed = served.generate([prompts[4], prompts[5]], [penalized, params[5]])
+    assert mixed[0].token_ids == alone_penalized and mixed[1].token_ids == alone(model, prompts[5], params[5])
+    assert alone_penalized != alone(model, prompts[4], SamplingParams(max_tokens=8))  # the penalties count
 
     sampled = SamplingParams(max_tokens=10, temperature=0.8, seed=3)
     by_itself = engine(model, draft=small, gamma=3).generate([prompts[2]], sampled)[0].token_ids

@@ -191,3 +191,28 @@ def test_the_engine_decodes_json_that_validates_beside_free_requests(smollm2):
     assert outputs[0].finish_reason == "stop" and outputs[0].token_ids[-1] in eos
     jsonschema.validate(json.loads(outputs[0].text), FLAT)
     assert outputs[1].token_ids == alone
+
+
+@pytest.mark.slow
+def test_a_schema_request_beside_a_glide_drafts_rounds(smollm2):
+    """With a GliDe draft: the schema request takes one token a round (its mask holds for
+    one) and gives JSON that validates, ended by an end token, beside a free request
+    whose rounds give it the tokens it gets without a draft."""
+    from flax import nnx
+
+    from jaxpar.models import GlideDraft, ModelConfig, Transformer
+    from jaxpar.serving import Engine, SamplingParams
+
+    tok, eos = smollm2
+    cfg = ModelConfig(vocab_size=49152, dim=16, layers=1, heads=2, kv_heads=1, head_dim=8, mlp_dim=32,
+                      max_position=256)
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    settings = dict(tokenizer=tok, eos_ids=eos, max_context=256, max_num_batched_tokens=32, max_batch=2)
+    free = SamplingParams(max_tokens=12)
+    alone = Engine(model, **settings).generate(["Hello there"], free)[0].token_ids
+    engine = Engine(model, draft=GlideDraft(cfg, 1, rngs=nnx.Rngs(1)), gamma=3, **settings)
+    schema = SamplingParams(max_tokens=120, json_schema=structured.schema_of(json_schema(FLAT)))
+    outputs = engine.generate(["Give me JSON", "Hello there"], [schema, free])
+    assert outputs[0].finish_reason == "stop" and outputs[0].token_ids[-1] in eos
+    jsonschema.validate(json.loads(outputs[0].text), FLAT)
+    assert outputs[1].token_ids == alone and engine.rounds > 0

@@ -107,9 +107,10 @@ class Engine:
         by its confidence, verified in one pass, for greedy requests; sampling requests
         verify the chain). On a ``mesh`` the draft is split as the model is (its kv heads
         must split alike: a GliDe draft's always do). With a draft, a request's logprobs
-        are the model's at each emitted token in the round's verification pass; it may
-        not ask for penalties or a schema yet (their bias changes with every token a
-        round proposes).
+        are the model's at each emitted token in the round's verification pass; a
+        request with penalties or a schema takes one token a round, the model's own with
+        its bias (the bias changes with every token: drafts verified without it could
+        not be kept), beside the others' rounds.
       mesh, rules: serve on ``mesh`` (``mesh.tensor=k`` splits the weights and the
         pages' kv heads over ``k`` devices, ``jaxpar.models.transformer.sharding_rules``
         as training does: kv heads replicated where ``k`` outnumbers them); ``model``'s
@@ -221,9 +222,6 @@ class Engine:
         token outside the vocabulary, bad sampling values, a prompt + ``max_tokens``
         past ``max_context`` or the page pool, or the id of a request still unfinished."""
         params.check()
-        if self.draft is not None and params.biased:
-            raise ValueError("penalties and json_schema are not supported with speculative decoding "
-                             "(a draft) yet")
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs an Engine with a tokenizer")
@@ -431,12 +429,12 @@ class Engine:
     def _sampling(self, seqs: list[Seq | None]) -> programs.Sampling:
         """Each row's sampling (``programs.Sampling``); empty rows greedy."""
         requests = [self._requests[s.request_id] if s is not None else None for s in seqs]
-        rows = [(r.params.seed, r.seq.generated, r.params.temperature, r.params.top_p, r.params.logprobs is not None)
-                if r is not None else (0, 0, 0.0, 1.0, False) for r in requests]
-        seeds, counts, temperature, top_p, logprobs = zip(*rows)
+        rows = [(r.params.seed, r.seq.generated, r.params.temperature, r.params.top_p, r.params.logprobs is not None,
+                 r.params.biased) if r is not None else (0, 0, 0.0, 1.0, False, False) for r in requests]
+        seeds, counts, temperature, top_p, logprobs, biased = zip(*rows)
         return programs.Sampling(np.asarray(seeds, np.uint32), np.asarray(counts, np.int32),
                                  np.asarray(temperature, np.float32), np.asarray(top_p, np.float32),
-                                 self._bias(requests), np.asarray(logprobs, bool))
+                                 self._bias(requests), np.asarray(logprobs, bool), np.asarray(biased, bool))
 
     def _bias(self, requests: list[_Request | None]):
         """``[R, V]`` added to the rows' logits: the penalties and schema masks of the rows

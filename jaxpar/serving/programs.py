@@ -52,7 +52,9 @@ class Sampling:
     """How each of ``R`` rows samples: ``seeds`` uint32, ``counts`` int32 (tokens the
     request has generated), ``temperature``, ``top_p`` float32 ``[R]``; ``bias`` float32
     ``[R, V]`` added to the logits before sampling; ``logprobs`` bool ``[R]``: the row
-    wants its logprobs."""
+    wants its logprobs; ``biased`` bool ``[R]``: its bias changes with every token it
+    takes (penalties, a schema's mask), so a speculative round gives it one token, the
+    model's own after ``last`` with the bias, and none of the draft's."""
 
     seeds: jax.Array
     counts: jax.Array
@@ -60,6 +62,7 @@ class Sampling:
     top_p: jax.Array
     bias: jax.Array
     logprobs: jax.Array
+    biased: jax.Array
 
     def rows(self, start: int, stop: int) -> "Sampling":
         return jax.tree.map(lambda x: x[start:stop], self)
@@ -150,18 +153,25 @@ def _round(target, draft, method: Method, target_pages: KVPages, draft_pages: KV
 
     ``window [B, W]``: each row's last ``draft_window`` tokens ending at ``last``, from
     ``window_start(lengths, W)``; ``lengths [B]``: the tokens cached before ``last``.
+    A ``biased`` row (penalties, a schema) takes no drafts: its one token is the model's
+    after ``last`` with its bias (draw ``gamma + 1`` of its key), as without a draft.
     Returns ``(Sampled [B, gamma + 1], accepted [B], target pages, draft pages)``: a row
     emits ``tokens[b, :accepted[b] + 1]``, each with its logprobs (the model's
     ``log_softmax`` at its position in the verification pass, where the row asked).
     """
-    verified, draft_cache = speculate(method, target, as_draft(draft), sampling.as_rows(), PagedCache(target_pages, tables, lengths),
+    rows = sampling.as_rows()
+    verified, draft_cache = speculate(method, target, as_draft(draft), rows, PagedCache(target_pages, tables, lengths),
                                       PagedCache(draft_pages, tables, lengths), window)
+    # a biased row: no drafts, the model's own token after last (its bias holds for one token)
+    own = rows.choose(verified.logits[:, 0] + sampling.bias, method.gamma + 1)
+    accepted = jnp.where(sampling.biased, 0, verified.accepted)
+    nxt = jnp.where(sampling.biased, own, verified.next)
     path = verified.path_tokens[:, :method.gamma]
     slot = jnp.arange(method.gamma + 1)[None, :]
     padded = jnp.concatenate([path, jnp.zeros_like(path[:, :1])], 1)
-    emitted = jnp.where(slot < verified.accepted[:, None], padded, verified.next[:, None])
+    emitted = jnp.where(slot < accepted[:, None], padded, nxt[:, None])
     emitted = _with_logprobs(verified.logits[:, :method.gamma + 1], emitted, sampling.logprobs)
-    return emitted, verified.accepted, verified.cache.pages, draft_cache.pages
+    return emitted, accepted, verified.cache.pages, draft_cache.pages
 
 
 def _draft_prefill(draft, target, draft_pages: KVPages, target_pages: KVPages, packed):
