@@ -12,38 +12,38 @@ from jaxpar.serving.code_maps import (HEADROOM, MAPS_PER_PROGRAM, MAPS_PER_SPECU
 
 
 def test_constants():
-    assert MAPS_PER_PROGRAM == 300 and MAPS_PER_SPECULATIVE_PROGRAM == 950 and HEADROOM == 0.9
+    assert MAPS_PER_PROGRAM == 360 and MAPS_PER_SPECULATIVE_PROGRAM == 1050 and HEADROOM == 0.9
 
 
 def test_fits():
-    # 1,000 + 100 * 300 = 31,000 <= 0.9 * 65,530 = 58,977
+    # 1,000 + 100 * 360 = 37,000 <= 0.9 * 65,530 = 58,977
     assert estimate_error(1_000, 100, 65_530) is None
     assert estimate_error(1_000, 0, 100) is None  # nothing to compile: nothing to refuse
-    # exactly at 90%: 577 + 195 * 300 = 59,077 = int(0.9 * 65,641) allowed
-    assert int(65_641 * 0.9) == 59_076 and estimate_error(576, 195, 65_641) is None
+    # exactly at 90%: 36 + 164 * 360 = 59,076 = int(0.9 * 65,641) allowed
+    assert int(65_641 * 0.9) == 59_076 and estimate_error(36, 164, 65_641) is None
 
 
 def test_one_past_headroom():
-    assert estimate_error(577, 195, 65_641) is not None  # 59,077 > 59,076
+    assert estimate_error(37, 164, 65_641) is not None  # 59,077 > 59,076
 
 
 def test_refuses_with_the_numbers():
     # 138 programs at --max-context 2048, twice (a draft or two replicas): 276.
-    # 900 + 276 * 300 = 83,700 > 58,977; suggested 2 * 83,700 = 167,400 -> 196,608
+    # 900 + 276 * 360 = 100,260 > 58,977; suggested 2 * 100,260 = 200,520 -> 262,144
     error = estimate_error(900, 276, 65_530)
     assert "\n" not in error
-    for part in ("276 programs", "83,700", "900 now", "~300", "vm.max_map_count=65,530", "58,977", "90%",
+    for part in ("276 programs", "100,260", "900 now", "~360", "vm.max_map_count=65,530", "58,977", "90%",
                  "--max-context", "--max-num-batched-tokens", "--max-batch", "replicas",
-                 "sysctl -w vm.max_map_count=196608"):
+                 "sysctl -w vm.max_map_count=262144"):
         assert part in error, part
 
 
 def test_speculative_programs():
     # SmolLM2 with a draft at --max-context 2048: 105 speculative_step programs.
-    # 1,000 + 105 * 300 = 32,500 fits; 1,000 + 105 * 950 = 100,750 > 58,977 -> 262,144
+    # 1,000 + 105 * 360 = 38,800 fits; 1,000 + 105 * 1,050 = 111,250 > 58,977 -> 262,144
     assert estimate_error(1_000, 105, 65_530) is None
     error = estimate_error(1_000, 105, 65_530, MAPS_PER_SPECULATIVE_PROGRAM)
-    for part in ("105 programs", "100,750", "1,000 now", "~950", "sysctl -w vm.max_map_count=262144"):
+    for part in ("105 programs", "111,250", "1,000 now", "~1050", "sysctl -w vm.max_map_count=262144"):
         assert part in error, part
 
 
@@ -57,10 +57,10 @@ def test_suggested_limit():
 def test_check_raises_on_cpu(monkeypatch):
     monkeypatch.setattr(code_maps, "current_mappings", lambda: 900)
     monkeypatch.setattr(code_maps, "map_limit", lambda: 65_530)
-    with pytest.raises(ValueError, match=r"276 programs .*83,700 .*vm.max_map_count=65,530"):
+    with pytest.raises(ValueError, match=r"276 programs .*100,260 .*vm.max_map_count=65,530"):
         check_code_mappings(276, platform="cpu")
-    assert check_code_mappings(100, platform="cpu") is None  # 30,900
-    with pytest.raises(ValueError, match=r"100 programs .*95,900 "):  # 900 + 100 * 950
+    assert check_code_mappings(100, platform="cpu") is None  # 36,900
+    with pytest.raises(ValueError, match=r"100 programs .*105,900 "):  # 900 + 100 * 1,050
         check_code_mappings(100, platform="cpu", maps_per_program=MAPS_PER_SPECULATIVE_PROGRAM)
 
 

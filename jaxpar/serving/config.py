@@ -44,7 +44,7 @@ class ServingConfig:
     prefix_caching: bool = _setting(
         True, "reuse the KV pages of a cached prompt prefix (full pages keyed by their tokens; freed pages stay "
         "cached until needed)")
-    max_prefills: int = _setting(8, "the most prompts with a chunk in one step (%(default)s)")
+    max_prefills: int = _setting(4, "the most prompts with a chunk in one step (%(default)s)")
     batching: str = _setting("continuous", "static: admit only into an empty batch, the baseline "
                              "bench/serve.py compares with (%(default)s)", choices=("continuous", "static"))
     method: str | None = _setting(

@@ -108,7 +108,7 @@ class Scheduler:
     """
 
     def __init__(self, pool: PagePool, *, page_size: int, max_pages: int, max_batch: int,
-                 max_num_batched_tokens: int, max_prefills: int = 8, tokens_per_row: int = 1, draft: bool = False,
+                 max_num_batched_tokens: int, max_prefills: int, tokens_per_row: int = 1, draft: bool = False,
                  static: bool = False):
         self.pool, self.page_size, self.max_pages = pool, page_size, max_pages
         self.max_batch, self.budget, self.max_prefills = max_batch, max_num_batched_tokens, max_prefills
