@@ -183,6 +183,7 @@ def serve_rate(args, variant: Variant, tokenizer, requests, rate: float, max_con
     """One rate against a fresh server set up as ``variant``: its row."""
     process, url, started = start_server(server_command(args, variant, max_context, kv_memory))
     try:
+        warm_peer(url, "bench")  # one short request first, as the peer had (warm_peer): the server's first-request costs
         before = read_metrics(url)
         row = run_http(url, "bench", tokenizer, requests, rate, system_text)
         row.update(metrics_delta(before, read_metrics(url)), start_s=started)

@@ -74,8 +74,9 @@ def start_server(command: list[str]) -> tuple[subprocess.Popen, str, float]:
 
 
 def warm_peer(url: str, model: str) -> None:
-    """One short request to another server before it is timed (``transformers serve``
-    loads its model at the first request)."""
+    """One short request to a server before it is timed (``transformers serve`` loads its
+    model at the first request; every server pays first-request costs: jaxpar-serve's
+    are about 0.3 s, which a 32-request p99 would otherwise report)."""
     import httpx
 
     body = {"model": model, "prompt": "def main():", "max_tokens": 4, "temperature": 0}
