@@ -1,0 +1,9 @@
+"""Training on unequal hardware (issue 39): devices of unequal speed and memory.
+
+``allocation``: Sky Computing's uneven pipeline stages, the contiguous layer ranges per
+pipeline rank that minimise the slowest stage's time within each rank's memory.
+"""
+
+from jaxpar.hetero.allocation import allocate, even_split, stage_times
+
+__all__ = ["allocate", "even_split", "stage_times"]
