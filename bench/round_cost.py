@@ -52,8 +52,7 @@ def _draft_step(graph, params, tokens, draft_cache, cache, head):
     kind = as_draft(draft)
     if kind.reads_features:
         features = jnp.zeros((*tokens.shape, target.cfg.dim), target.cfg.compute_dtype)
-    positions = draft_cache.lengths[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
-    logits, draft_cache = kind.forward(target, tokens, positions, draft_cache, cache, head, features)
+    logits, draft_cache = kind.forward(target, tokens, draft_cache, cache, head, features)
     return jnp.argmax(logits, -1), draft_cache
 
 

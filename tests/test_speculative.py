@@ -32,8 +32,7 @@ def propose(method, target: Transformer, draft, state, skip=None):
     kind, n = drafting.as_draft(draft), state.target_cache.lengths
 
     def step(tokens, cache, features):
-        positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
-        return kind.forward(target, tokens, positions, cache, state.target_cache, None, features)
+        return kind.forward(target, tokens, cache, state.target_cache, None, features)
 
     return speculative.propose(method, step, n, speculative.state_window(method, state), state.draft_cache,
                                Rows.uniform(n.shape[0], 0.0, 1.0, jax.random.key(1)), state.features, skip)
@@ -500,7 +499,7 @@ def test_the_drafts_first_step_rewrites_its_cache_from_the_verified_tokens(model
             kind = drafting.as_draft(draft)
             empty = drafting.draft_cache(kind, 1, dcache.k.shape[2])
             alone = jax.tree.map(lambda x: x[:, b:b + 1] if x.ndim == 5 else x[b:b + 1], state.target_cache)
-            want = kind.forward(target, sequence, jnp.arange(n[b] + 1)[None], empty, alone)[1]
+            want = kind.forward(target, sequence, empty, alone, positions=jnp.arange(n[b] + 1)[None])[1]
             assert rel_err(cache.k[:, b, :n[b] + 1], want.k[:, 0, :n[b] + 1]) < 1e-5
             assert rel_err(cache.v[:, b, :n[b] + 1], want.v[:, 0, :n[b] + 1]) < 1e-5
         if skip:  # the draft's steps after the first did not run

@@ -45,6 +45,13 @@ def features_at(features: jax.Array, index: jax.Array) -> jax.Array:
     return jnp.where((index >= 0)[..., None], picked, 0).astype(features.dtype)
 
 
+def _positions(tokens: jax.Array, cache: Cache, positions: jax.Array | None) -> jax.Array:
+    """``positions``, or each row's next ones after its cached tokens."""
+    if positions is not None:
+        return positions
+    return cache.lengths[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
+
+
 @dataclasses.dataclass(frozen=True)
 class Independent:
     """An independent draft model (a ``Transformer``)."""
@@ -53,10 +60,6 @@ class Independent:
     method = "speculative"  # the decoding method it runs by default
     reads_features = False
 
-    @property
-    def cfg(self) -> ModelConfig:
-        return self.model.cfg
-
     def cache_config(self) -> ModelConfig:
         """The layout of its own cache (``init_cache``'s, or pages')."""
         return self.model.cfg
@@ -64,11 +67,11 @@ class Independent:
     def head(self, target: Transformer) -> None:
         return None
 
-    def forward(self, target: Transformer, tokens: jax.Array, positions: jax.Array, cache: Cache,
-                target_cache: Cache, head=None, features=None) -> tuple[jax.Array, Cache]:
-        """The draft over ``tokens [B, T]`` at ``positions [B, T]`` continuing its
-        ``cache``: ``(logits [B, T, V], cache)``."""
-        logits, cache, _ = self.model.decode(tokens, cache, positions=positions)
+    def forward(self, target: Transformer, tokens: jax.Array, cache: Cache, target_cache: Cache, head=None,
+                features=None, positions: jax.Array | None = None) -> tuple[jax.Array, Cache]:
+        """The draft over ``tokens [B, T]`` continuing its ``cache``: ``(logits [B, T,
+        V], cache)``; ``positions [B, T]`` default ``cache.lengths[b] + 0..T-1``."""
+        logits, cache, _ = self.model.decode(tokens, cache, positions=_positions(tokens, cache, positions))
         return logits, cache
 
 
@@ -78,10 +81,6 @@ class Glide:
 
     model: GlideDraft
     method = "glide"
-
-    @property
-    def cfg(self) -> ModelConfig:
-        return self.model.cfg
 
     @property
     def reads_features(self) -> bool:
@@ -94,8 +93,8 @@ class Glide:
         """Its LM head (``GlideDraft.head``), made once for a round's steps."""
         return self.model.head(target)
 
-    def forward(self, target: Transformer, tokens: jax.Array, positions: jax.Array, cache: Cache,
-                target_cache: Cache, head=None, features=None) -> tuple[jax.Array, Cache]:
+    def forward(self, target: Transformer, tokens: jax.Array, cache: Cache, target_cache: Cache, head=None,
+                features=None, positions: jax.Array | None = None) -> tuple[jax.Array, Cache]:
         """As ``Independent.forward``; a query at position ``p`` also reads the target's
         keys up to ``p`` of those ``target_cache`` holds (``Cache.cross``: over a prompt
         the first, causal block of its training mask; in a round every verified key);
@@ -108,6 +107,7 @@ class Glide:
         distribution ``q`` is zero elsewhere, which the speculative-sampling rule takes
         as it is (``q(d) > 0`` for every proposal ``d``, and the residual ``max(0, p -
         q)`` is ``p`` outside), so decoding stays lossless."""
+        positions = _positions(tokens, cache, positions)
         k, v, mask = target_cache.cross(self.model.target_layers(), positions)
         logits, cache, _ = self.model.decode(tokens, target, k, v, mask, cache, positions=positions, head=head,
                                              features=features)

@@ -294,8 +294,7 @@ def speculate(method: Method, target: Transformer, draft: Draft, rows: Rows, tar
         head = draft.head(target) if draft_head is None else draft_head  # once a round, not once a step
 
         def step(tokens, cache, features):
-            positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
-            return draft.forward(target, tokens, positions, cache, target_cache, head, features)
+            return draft.forward(target, tokens, cache, target_cache, head, features)
 
         skip = None
         if method.lookup == "select":  # the copied chain where the last two tokens occurred before
@@ -431,7 +430,7 @@ def prefill(method: Method, target: Transformer, draft, prompt: jax.Array, lengt
     if kind is not None:  # the draft over the prompt: a query at t reads the target's keys <= t
         positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
         fed = features_at(features, positions - 1) if with_features else None  # the target's at t - 1
-        dcache = kind.forward(target, prompt, positions, draft_cache(kind, B, max_length), cache, None, fed)[1]
+        dcache = kind.forward(target, prompt, draft_cache(kind, B, max_length), cache, None, fed, positions)[1]
     out = jnp.zeros((B, max_new_tokens + method.tokens_per_round), jnp.int32).at[:, 0].set(first)
     count = jnp.ones((B,), jnp.int32)
     done = (count >= max_new_tokens) | is_eos(first, eos_ids)

@@ -182,7 +182,8 @@ def _draft_prefill(draft, target, draft_pages: KVPages, target_pages: KVPages, p
     row."""
     tokens, positions, index, tables, _ = packed
     row = lambda pages: StepCache(pages, None, None, tables, index, positions)  # noqa: E731
-    return as_draft(draft).forward(target, tokens[None], positions[None], row(draft_pages), row(target_pages))[1].pages
+    return as_draft(draft).forward(target, tokens[None], row(draft_pages), row(target_pages),
+                                   positions=positions[None])[1].pages
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(6, 7))
