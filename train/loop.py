@@ -10,13 +10,18 @@ checkpoint from both, so each step is logged once), ``tokenizer.json`` and
 ``checkpoints/`` (orbax; unreadable ones moved to ``checkpoints/corrupt/<step>``). The
 run dir is made only once the run can start. The tokenizer/packed-data cache is
 ``cache_dir``, by default the per-user ``jaxpar.train.data.default_cache_dir()`` that
-every run dir shares. The steps themselves (metrics, checkpoints, stop signals, a
-non-finite loss) run in ``jaxpar.train.stepping``, which every task shares.
+every run dir shares.
 
-With ``task: glide`` the trained model is a GliDe draft for the frozen target in
-``target_run_dir`` (``jaxpar.train.glide``); the loop is the same, its batches carrying
-the target's keys/values (live, or from ``glide.teacher_cache``), and ``RUN_DIR`` also
-holds ``draft_vocab.npy`` with ``glide.draft_vocab``.
+``train`` is a short sequence of named steps: the task (``jaxpar.train.tasks``: a
+language model, or with ``task: glide`` a GliDe draft for the frozen target in
+``target_run_dir``, whose batches carry the target's keys/values and whose run dir also
+holds ``draft_vocab.npy``), ``build`` (mesh, optimizer, the compiled step and its
+offload plan), the checkpoint to resume, ``batches``, ``write_run_dir``,
+``initial_state``, then the ``Trainer`` (``jaxpar.train.trainer``: one step and the hooks
+after it, evaluation and MFU among them) under ``run_steps`` (``jaxpar.train.stepping``:
+metrics, checkpoints, stop signals, a non-finite loss), which every task shares. What
+changes the compiled step is an option of ``make_train_step``; what runs beside it, a
+hook.
 """
 
 from __future__ import annotations
@@ -27,16 +32,15 @@ import json
 import logging
 import math
 import pathlib
-import time
+from collections.abc import Callable
+from typing import Any
 
 import jax
-import numpy as np
 import optax
 import yaml
 from flax import nnx
 
 import jaxpar
-from jaxpar.models import GlideDraft, Transformer
 from jaxpar.models.config import WEIGHTS, ModelConfig
 from jaxpar.parallel import pipeline_schedule as pipeline_schedules
 from jaxpar.models.transformer import sharding_rules
@@ -44,15 +48,18 @@ from jaxpar.parallel.pipeline_schedule import Schedule
 from jaxpar.parallel.zigzag import to_zigzag
 from jaxpar.planning import hardware as hardware_lib
 from jaxpar.train import data as data_lib
-from jaxpar.train import glide, self_distill
 from jaxpar.train import offload as offload_lib
+from jaxpar.train import tasks
 from jaxpar.train.checkpoints import CheckpointError, Checkpoints
 from jaxpar.train.command import file_in_the_way
 from jaxpar.train.config import Config, ConfigError, MeshConfig, OptimizerConfig, to_dict
 from jaxpar.train.step import make_train_step
 from jaxpar.train.stepping import Recorder, TrainingError, run_steps
+from jaxpar.train.trainer import Batches, Trainer, evaluation, utilisation
 
 log = logging.getLogger(__name__)
+
+build_model, load_data = tasks.build_model, tasks.load_data  # the loop's names, as callers know them
 
 
 def build_mesh(mesh_cfg: MeshConfig, devices=None) -> jax.sharding.Mesh:
@@ -117,13 +124,19 @@ def _data_parallel(mesh, rules) -> tuple[tuple[str, ...], int]:
 def pipeline_schedule(cfg: Config, mesh, rules) -> Schedule | None:
     """The schedule ``cfg.pipeline`` asks for on ``mesh`` (None without ``pipe`` > 1),
     its sizes checked against the model and the batch."""
-    P = mesh.shape["pipe"]
+    from jaxpar.train.pipelined import check_stage_layers
+
+    P, pipe = mesh.shape["pipe"], cfg.pipeline
+    V = pipe.virtual_stages if pipe.schedule == "interleaved" else 1
+    if isinstance(pipe.stage_layers, tuple):  # a stage count the mesh can take (config.py: the rest)
+        try:
+            check_stage_layers(pipe.stage_layers, cfg.model.layers, P, V)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     if P == 1:
         return None
-    pipe = cfg.pipeline
     M = pipe.microbatches or 2 * P
-    V = pipe.virtual_stages if pipe.schedule == "interleaved" else 1
-    if cfg.model.layers % (P * V):
+    if pipe.stage_layers is None and cfg.model.layers % (P * V):
         raise TrainingError(f"model.layers={cfg.model.layers} is not divisible by mesh.pipe x "
                             f"pipeline.virtual_stages = {P} x {V} = {P * V}")
     if cfg.optimizer.grad_accum != 1:
@@ -201,7 +214,7 @@ def dry_run_profile(cfg: Config, step_fn, abstract_model, mesh, rules, schedule:
         from jaxpar.train.pipelined import profile_fields
 
         result.update(profile_fields(schedule, step_fn.abstract_state(abstract_model), cfg.model,
-                                     mesh, rules, cfg.batch_size, cfg.seq_len))
+                                     mesh, rules, cfg.batch_size, cfg.seq_len, step_fn.stage_layers))
     return result
 
 
@@ -210,32 +223,6 @@ def peak_flops() -> float | None:
     profile's (``jaxpar.planning.hardware``); None for a device without one."""
     name = hardware_lib.shipped_for(jax.devices()[0].device_kind)
     return None if name is None else hardware_lib.load(name).peak("bfloat16")
-
-
-def build_model(cfg: Config, vocab=None) -> nnx.Module:
-    """The model a run trains: the ``Transformer``, or with ``task: glide`` the GliDe
-    draft for the target's model config (``cfg.model``) over ``vocab`` (a
-    ``jaxpar.models.glide.DraftVocab``, or None: the whole vocabulary)."""
-    if cfg.task == "glide":
-        return GlideDraft(cfg.model, cfg.glide.layers, vocab=vocab, features=cfg.glide.features,
-                          rngs=nnx.Rngs(cfg.seed))
-    return Transformer(cfg.model, rngs=nnx.Rngs(cfg.seed))
-
-
-def load_data(cfg: Config, target: Transformer | None = None, *, progress: bool = False) -> tuple:
-    """``(tokenizer, train rows, validation rows)`` of the run, from ``cache_dir`` when
-    an earlier run made them. With ``glide.self_distill``, the rows are ``target``'s
-    own continuations of the splits' prompts (``jaxpar.train.self_distill``)."""
-    cache_dir = data_lib.cache_dir_of(cfg.cache_dir)
-    tokenizer = data_lib.load_tokenizer(cfg.data, cfg.model.vocab_size, cache_dir)
-    data_lib.check_vocab(tokenizer, cfg.model.vocab_size)
-    if cfg.task == "glide" and cfg.glide.self_distill:
-        if target is None:
-            raise ValueError("glide.self_distill rows are the target's continuations: load_data needs the target")
-        return tokenizer, *self_distill.load_rows(cfg, target, tokenizer, cache_dir, progress=progress)
-    train_rows = data_lib.packed_rows(cfg.data, tokenizer, cfg.seq_len, "train", cache_dir)
-    val_rows = data_lib.packed_rows(cfg.data, tokenizer, cfg.seq_len, "validation", cache_dir)
-    return tokenizer, train_rows, val_rows
 
 
 def check_output_dirs(cfg: Config) -> None:
@@ -250,6 +237,121 @@ def check_output_dirs(cfg: Config) -> None:
         file = path is not None and file_in_the_way(pathlib.Path(path))
         if file:
             raise ConfigError(f"{key}={value!r}: {file} is a file, not a directory")
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """What a run is made of before any state exists: the mesh and its rules, the
+    model's abstract structure, the optimizer and its learning-rate schedule, the
+    pipeline schedule (or None), the frozen state every step takes (a GliDe draft's
+    target), the train step, and the offload plan with the step's compile-only
+    profile when one was made for it."""
+
+    mesh: jax.sharding.Mesh
+    rules: Any
+    abstract_model: nnx.Module
+    tx: optax.GradientTransformation
+    lr: Callable[[int], float]
+    stages: Schedule | None
+    frozen: tuple
+    step_fn: Any
+    offload_plan: Any = None
+    profile: dict | None = None
+
+
+def build(cfg: Config, task) -> Setup:
+    """The mesh, the train step and what it needs for ``cfg``; with ``offload``
+    requested, planned on the all-on-device step's compile-only profile."""
+    mesh = build_mesh(cfg.mesh)
+    rules = sharding_rules(cfg.model, mesh, sequence_parallel=cfg.execution.sequence_parallel)
+    _check_batch(cfg, mesh, rules)
+    abstract_model = nnx.eval_shape(task.model)
+    tx, lr = make_optimizer(cfg.optimizer, cfg.steps)
+    stages = pipeline_schedule(cfg, mesh, rules)
+    frozen = task.frozen(mesh, rules)
+
+    def build_step(**offload):
+        return make_train_step(abstract_model, tx, mesh, rules, grad_accum=cfg.optimizer.grad_accum,
+                               sequence=cfg.execution.sequence, kernels=cfg.execution.kernels,
+                               pipeline=stages,
+                               stage_layers=None if stages is None else cfg.pipeline.stage_layers,
+                               **task.step_options(frozen), **offload)
+
+    setup = Setup(mesh, rules, abstract_model, tx, lr, stages, frozen, build_step())
+    if not cfg.offload.requested:
+        return setup
+    profile = dry_run_profile(cfg, setup.step_fn, abstract_model, mesh, rules, stages)
+    plan = offload_lib.resolve(cfg, profile, setup.step_fn.abstract_state(abstract_model), mesh, rules, peak_flops())
+    if plan.options.any:  # the step that runs is another program, its profile another
+        return dataclasses.replace(setup, step_fn=build_step(offload=plan.options), offload_plan=plan)
+    return dataclasses.replace(setup, offload_plan=plan, profile=profile)
+
+
+def print_dry_run(cfg: Config, setup: Setup) -> None:
+    """Prints the step's compile-only profile as one JSON line (``dry_run=true``)."""
+    profile = setup.profile or dry_run_profile(cfg, setup.step_fn, setup.abstract_model, setup.mesh,
+                                               setup.rules, setup.stages)
+    if setup.offload_plan is not None:
+        profile.update(offload_lib.dry_run_fields(setup.offload_plan))
+    print(json.dumps(profile, separators=(",", ":")))
+
+
+def batches(cfg: Config, task, setup: Setup) -> tuple:
+    """``(tokenizer, Batches)``: the run's rows, its loader and evaluation batches."""
+    tokenizer, train_rows, val_rows = task.data()
+    val_rows_of = data_lib.eval_rows(len(val_rows), cfg.batch_size, cfg.eval.batches) if cfg.eval.every else []
+    to_global = functools.partial(_global_batch, step_fn=setup.step_fn)
+    batch_of = task.batches(tokenizer, train_rows, val_rows, setup.frozen, to_global, setup.step_fn.batch_sharding)
+    return tokenizer, Batches(data_lib.Loader(train_rows, cfg.batch_size, seed=cfg.seed), batch_of,
+                              [(rows, data_lib.batch_of_rows(val_rows, rows)) for rows in val_rows_of])
+
+
+def write_run_dir(cfg: Config, task, tokenizer) -> None:
+    """The run dir's files besides checkpoints (process 0 writes them): the resolved
+    config, the tokenizer (``jaxpar-generate`` needs only the run dir), the task's own."""
+    if jax.process_index() != 0:
+        return
+    run_dir = pathlib.Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    tokenizer.save(str(run_dir / "tokenizer.json"))
+    task.save_files(run_dir)
+
+
+def initial_state(task, setup: Setup, restored, loader: data_lib.Loader, where: pathlib.Path) -> tuple:
+    """``(params, opt_state)``: fresh, or the checkpoint's (saved in model order, so
+    put in the step's storage order, ``where`` their directory), with the loader
+    moved to its step."""
+    step_fn = setup.step_fn
+    if restored is None:
+        log.info("starting at step 0 on %s", describe_mesh(setup.mesh))
+
+        @nnx.jit
+        def create(frozen):  # the frozen state an argument, not constants of the program
+            return jaxpar.shard_model(task.initialise(task.model(), frozen), setup.mesh, setup.rules)
+
+        with jax.set_mesh(setup.mesh):  # where JAX traces Explicit axes' shardings (axis_types)
+            return step_fn.init(create(setup.frozen))
+    step, state, meta = restored
+    log.info("resuming from step %d (checkpoint %s) on %s", step, where / str(step), describe_mesh(setup.mesh))
+    state = step_fn.in_storage_order(state)
+    loader.restore(meta["loader"])
+    return state["params"], state["opt_state"]
+
+
+def saver(cfg: Config, checkpoints: Checkpoints, trainer: Trainer, loader: data_lib.Loader) -> Callable[[int], None]:
+    """``save(step)``: the trainer's state in model order, with the loader's position
+    and the config."""
+
+    def save(step):
+        state = {"params": trainer.params, "opt_state": trainer.opt_state}
+        try:
+            checkpoints.save(step, trainer.step_fn.in_model_order(state),
+                             {"step": step, "loader": loader.state(), "config": to_dict(cfg)})
+        except CheckpointError as e:
+            raise TrainingError(str(e)) from None
+
+    return save
 
 
 def train(cfg: Config, *, progress: bool = True) -> list[dict]:
@@ -268,133 +370,37 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
         from jaxpar.train.plan import auto
 
         cfg = auto(cfg)
-    target = vocab = data = None
-    run_dir = pathlib.Path(cfg.run_dir)
-    if cfg.task == "glide":
-        cfg, target = glide.prepare(cfg)  # model.* and data.tokenizer become the target's
-        data = load_data(cfg, target, progress=progress)  # the draft's vocabulary is counted on its training split
-        vocab = glide.draft_vocabulary(cfg, data[1], run_dir)
-    mesh = build_mesh(cfg.mesh)
-    model_cfg = cfg.model
-    rules = sharding_rules(model_cfg, mesh, sequence_parallel=cfg.execution.sequence_parallel)
-    _check_batch(cfg, mesh, rules)
-    abstract_model = nnx.eval_shape(lambda: build_model(cfg, vocab))
-    tx, schedule = make_optimizer(cfg.optimizer, cfg.steps)
-    stages = pipeline_schedule(cfg, mesh, rules)
-    frozen, glide_step = (), {}
-    if target is not None:  # the frozen target: an argument of every step, never trained
-        frozen = (nnx.state(jaxpar.shard_model(target, mesh, rules)),)
-        glide_step = {"loss": glide.make_loss(cfg, target), "frozen": frozen[0]}
-
-    def build_step(**offload):
-        return make_train_step(abstract_model, tx, mesh, rules, grad_accum=cfg.optimizer.grad_accum,
-                               sequence=cfg.execution.sequence, kernels=cfg.execution.kernels,
-                               pipeline=stages, **glide_step, **offload)
-
-    step_fn = build_step()
-    profile = offload_plan = None
-    if cfg.offload.requested:  # planned on the all-on-device step's compile-only profile
-        profile = dry_run_profile(cfg, step_fn, abstract_model, mesh, rules, stages)
-        offload_plan = offload_lib.resolve(cfg, profile, step_fn.abstract_state(abstract_model),
-                                           mesh, rules, peak_flops())
-        if offload_plan.options.any:
-            profile = None  # the step that runs is another program
-            step_fn = build_step(offload=offload_plan.options)
+    task = tasks.of(cfg, progress=progress)
+    cfg = task.cfg
+    setup = build(cfg, task)
     if cfg.dry_run:
-        profile = profile or dry_run_profile(cfg, step_fn, abstract_model, mesh, rules, stages)
-        if offload_plan is not None:
-            profile.update(offload_lib.dry_run_fields(offload_plan))
-        print(json.dumps(profile, separators=(",", ":")))
+        print_dry_run(cfg, setup)
         return []
-
-    host_state = offload_plan is not None and offload_plan.options.state_on_host
-    with Checkpoints(run_dir, keep=cfg.checkpoint.keep,  # closed on every way out
+    host_state = setup.offload_plan is not None and setup.offload_plan.options.state_on_host
+    with Checkpoints(pathlib.Path(cfg.run_dir), keep=cfg.checkpoint.keep,  # closed on every way out
                      replica_parallel=not host_state) as checkpoints:
         _check_same_model(checkpoints, cfg)
-        restored = checkpoints.restore_latest(step_fn.abstract_state(abstract_model))
+        restored = checkpoints.restore_latest(setup.step_fn.abstract_state(setup.abstract_model))
         start = 0 if restored is None else restored[0]
         if start >= cfg.steps:
             log.warning("%s is already at step %d (steps=%d): nothing to do; raise steps= to continue "
                         "or choose another run_dir", cfg.run_dir, start, cfg.steps)
             return []
-        tokenizer, train_rows, val_rows = data if data is not None else load_data(cfg)
-        val_rows_of = data_lib.eval_rows(len(val_rows), cfg.batch_size, cfg.eval.batches) if cfg.eval.every else []
-        val_batches = [(rows, data_lib.batch_of_rows(val_rows, rows)) for rows in val_rows_of]
-        to_global = functools.partial(_global_batch, step_fn=step_fn)
-        if target is None:
-            def batch_of(split, rows, local):
-                return to_global(local)
-        else:  # with the target's keys/values, computed outside the step (or cached)
-            train_rows = glide.training_rows(cfg, train_rows)
-            val_count = cfg.eval.batches * cfg.batch_size if cfg.eval.every else 0
-            val_used = data_lib.PackedRows(*(a[:val_count] for a in dataclasses.astuple(val_rows)))
-            batch_of = glide.make_teacher(cfg, target, frozen[0], {"train": train_rows, "validation": val_used},
-                                          tokenizer.to_str(), to_global, step_fn.batch_sharding)
-        loader = data_lib.Loader(train_rows, cfg.batch_size, seed=cfg.seed)
-
-        # The run can start: only now is the run dir made (a run refused above leaves none).
-        lead = jax.process_index() == 0  # writes the run dir's files; every process checkpoints
-        if lead:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-            tokenizer.save(str(run_dir / "tokenizer.json"))  # jaxpar-generate needs only the run dir
-            glide.save_vocabulary(vocab, run_dir)
-        if restored is None:
-            log.info("starting at step 0 on %s", describe_mesh(mesh))
-
-            @nnx.jit
-            def create(frozen):  # the target's state an argument, not constants of the program
-                model = build_model(cfg, vocab)
-                if target is not None and cfg.glide.init == "target":
-                    model.start_from_target(nnx.merge(nnx.graphdef(target), *frozen))
-                return jaxpar.shard_model(model, mesh, rules)
-
-            with jax.set_mesh(mesh):  # where JAX traces Explicit axes' shardings (axis_types)
-                params, opt_state = step_fn.init(create(frozen))
-        else:
-            log.info("resuming from step %d (checkpoint %s) on %s", start, checkpoints.directory / str(start),
-                     describe_mesh(mesh))
-            _, state, meta = restored  # saved in model order (step_fn.in_model_order)
-            state = step_fn.in_storage_order(state)
-            params, opt_state = state["params"], state["opt_state"]
-            loader.restore(meta["loader"])
-        eval_fn = jax.jit(lambda params, batch, *frozen: step_fn.loss(step_fn.model(params), batch, *frozen))
-        tokens_per_step = cfg.batch_size * cfg.seq_len
+        tokenizer, data = batches(cfg, task, setup)
+        write_run_dir(cfg, task, tokenizer)  # only now: a run refused above leaves no run dir
+        params, opt_state = initial_state(task, setup, restored, data.loader, checkpoints.directory)
+        trainer = Trainer(setup.step_fn, params, opt_state, data, lr=setup.lr, frozen=setup.frozen,
+                          tokens_per_step=cfg.batch_size * cfg.seq_len, steps=cfg.steps)
         peak = peak_flops()
-        if target is not None:
-            peak = None  # flops_per_token counts a Transformer's step, not the draft's and teacher's
-
-        def one_step(step):
-            nonlocal params, opt_state
-            rows = loader.local_rows(loader.step)
-            batch = batch_of("train", rows, next(loader))
-            began = time.perf_counter()
-            params, opt_state, out = step_fn(params, opt_state, batch, *frozen)
-            loss = float(out["loss"])
-            elapsed = time.perf_counter() - began
-            record = {"step": step, "loss": loss, "lr": float(schedule(step - 1)),
-                      "grad_norm": float(out["grad_norm"]), "tokens_per_s": tokens_per_step / elapsed,
-                      "step_time_s": elapsed, "device_live_bytes": offload_lib.device_live_bytes()}
-            if val_batches and (step % cfg.eval.every == 0 or step == cfg.steps) and math.isfinite(loss):
-                losses = [eval_fn(params, batch_of("validation", rows, b), *frozen) for rows, b in val_batches]
-                record["val_loss"] = float(np.mean([float(l) for l in losses]))
-            postfix = {"loss": f"{loss:.3f}", "tok/s": f"{record['tokens_per_s']:.0f}", "step": f"{elapsed * 1e3:.0f}ms"}
-            if peak:
-                postfix["MFU"] = f"{flops_per_token(cfg) * record['tokens_per_s'] / (peak * mesh.devices.size):.1%}"
-            if "val_loss" in record:
-                postfix["val"] = f"{record['val_loss']:.3f}"
-            return record, postfix
-
-        def save(step):
-            try:
-                checkpoints.save(step, step_fn.in_model_order({"params": params, "opt_state": opt_state}),
-                                 {"step": step, "loader": loader.state(), "config": to_dict(cfg)})
-            except CheckpointError as e:
-                raise TrainingError(str(e)) from None
-
-        recorder = Recorder(run_dir, start, cfg.steps, lead=lead, progress=progress)
+        if peak and task.counts_flops:
+            trainer.add_hook(utilisation(flops_per_token(cfg), peak * setup.mesh.devices.size))
+        if data.validation:
+            trainer.add_hook(evaluation(setup.step_fn, data, setup.frozen), every=cfg.eval.every)
+        recorder = Recorder(pathlib.Path(cfg.run_dir), start, cfg.steps, lead=jax.process_index() == 0,
+                            progress=progress)
         log.info("compiling the train step (the first step waits for it)")
-        with step_fn.context():
-            history = run_steps(start, cfg.steps, cfg.checkpoint.every, one_step=one_step, save=save,
-                                recorder=recorder, where=str(checkpoints.directory))
-        return history  # leaving the block waits for the last save
+        with setup.step_fn.context():
+            return run_steps(start, cfg.steps, cfg.checkpoint.every, one_step=trainer.step,
+                             save=saver(cfg, checkpoints, trainer, data.loader), recorder=recorder,
+                             where=str(checkpoints.directory))
+        # leaving the Checkpoints block waits for the last save
