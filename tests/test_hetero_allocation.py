@@ -16,14 +16,14 @@ def compositions(layers: int, ranks: int):
         yield tuple(b - a for a, b in zip(bounds, bounds[1:]))
 
 
-def brute_force(costs, speeds, memories, layer_memory, fixed):
+def brute_force(costs, speeds, memories, layer_memory, fixed, fixed_costs=None):
     """The least slowest-stage time over every split that fits, or inf."""
     best = np.inf
     for split in compositions(len(costs), len(speeds)):
         bounds = np.concatenate([[0], np.cumsum(split)])
         used = [sum(layer_memory[a:b]) + f for a, b, f in zip(bounds, bounds[1:], fixed)]
         if all(u <= m for u, m in zip(used, memories)):
-            best = min(best, stage_times(split, costs, speeds).max())
+            best = min(best, stage_times(split, costs, speeds, fixed_costs).max())
     return best
 
 
@@ -51,6 +51,19 @@ def test_allocation_equals_brute_force(seed):
     assert all(sum(layer_memory[a:b]) + f <= m for a, b, f, m in zip(bounds, bounds[1:], fixed, memories))
 
 
+@pytest.mark.parametrize("seed", range(20))
+def test_fixed_costs_equal_brute_force(seed):
+    """A fixed time per rank (the last rank's head): still brute force's least."""
+    rng = np.random.default_rng(200 + seed)
+    L, R = int(rng.integers(3, 10)), int(rng.integers(1, 5))
+    R = min(R, L)
+    costs, speeds = rng.uniform(0.5, 2.0, L), rng.uniform(0.5, 2.0, R)
+    fixed_costs = np.where(rng.uniform(size=R) < 0.5, rng.uniform(0.0, 3.0, R), 0.0)
+    want = brute_force(costs, speeds, [np.inf] * R, [0.0] * L, [0.0] * R, fixed_costs)
+    split = allocate(costs, speeds, fixed_costs=fixed_costs)
+    assert stage_times(split, costs, speeds, fixed_costs).max() == pytest.approx(want, rel=1e-12)
+
+
 def test_hand_computed_cases():
     # equal devices: the even split, later stages one more where it does not divide
     assert allocate([1.0] * 12, [1.0] * 4) == even_split(12, 4) == (3, 3, 3, 3)
@@ -64,6 +77,8 @@ def test_hand_computed_cases():
     assert split == (20, 10)
     even = stage_times(even_split(30, 2), [1.0] * 30, [2.0, 1.0]).max()
     assert even / stage_times(split, [1.0] * 30, [2.0, 1.0]).max() == pytest.approx(1.5)
+    # a head worth 3 layers on the last of 3 equal ranks: 5, 5, 2 (5 units each)
+    assert allocate([1.0] * 12, [1.0] * 3, fixed_costs=[0, 0, 3]) == (5, 5, 2)
 
 
 @pytest.mark.parametrize("seed", range(10))
@@ -79,6 +94,7 @@ def test_never_slower_than_even(seed):
     (([1.0] * 3, [1.0] * 4), "3 layers cannot make 4 stages"),
     (([1.0] * 4, [1.0, 0.0]), "speeds must all be positive, got 0.0"),
     (([1.0] * 4, [1.0, 1.0], [1.0]), "memories has 1 entries for 2 ranks"),
+    (([1.0] * 4, [1.0, 1.0], None, None, None, [0.0, -1.0]), "fixed_costs must all be non-negative, got -1.0"),
     (([1.0] * 4, [1.0, 1.0], [1.0, 1.0], [1.0] * 4), r"no split of 4 layers over 2 pipeline ranks fits"),
 ])
 def test_bad_input_is_one_line(args, message):

@@ -85,6 +85,12 @@ class DataConfig:
     # name (its path relative to the corpus root; "file.jsonl:LINE" for JSONL lines).
     val_fraction: float = 0.05
     max_files: int | None = None  # only the first N files after sorting (quick runs)
+    # Speed-proportional batches across unequal processes (HetSeq, jaxpar.train.weighted):
+    # one positive weight per process, each process's share of every global batch; or
+    # "auto": measured on a few timed passes at the start, and again every
+    # rebalance_every steps when set. None: equal slices.
+    batch_weights: tuple[float, ...] | Literal["auto"] | None = None
+    rebalance_every: int | None = None
     # What the data is: "text" (a language model's corpus, above), or, with task: dlrm,
     # "criteo" (Criteo's TSV at path: label, 13 integer and 26 hexadecimal columns; plain
     # or gzip) or "synthetic" (Zipf-distributed ids with exponent zipf_alpha and a planted
@@ -102,6 +108,13 @@ class DataConfig:
             raise ValueError(f"data.max_files={self.max_files} must be >= 1 or None")
         if not self.text_field:
             raise ValueError("data.text_field must be a non-empty field name")
+        if isinstance(self.batch_weights, tuple) and any(not w > 0 for w in self.batch_weights):
+            raise ValueError(f"data.batch_weights={list(self.batch_weights)}: every weight must be positive")
+        if self.rebalance_every is not None and self.rebalance_every < 1:
+            raise ValueError(f"data.rebalance_every={self.rebalance_every} must be >= 1 or unset")
+        if self.rebalance_every is not None and self.batch_weights != "auto":
+            raise ValueError(f"data.rebalance_every={self.rebalance_every} re-measures data.batch_weights=auto; "
+                             f"data.batch_weights is {self.batch_weights!r}")
         if not self.zipf_alpha > 0:
             raise ValueError(f"data.zipf_alpha={self.zipf_alpha} must be positive")
 
@@ -513,12 +526,15 @@ class Loader:
         process_count: int | None = None,
     ):
         self._local = _process_slice(global_batch, process_index, process_count)
+        self.process = jax.process_index() if process_index is None else process_index
+        self.shares: tuple[int, ...] | None = None
         if len(rows) < global_batch:
             raise ValueError(
                 f"the dataset has {len(rows)} rows, fewer than global_batch={global_batch}"
             )
         self.rows, self.global_batch, self.seed = rows, global_batch, seed
         self.step = 0  # the next step __next__ returns
+        self.saved_shares: tuple[int, ...] | None = None
         self._perms: dict[int, np.ndarray] = {}
 
     def _permutation(self, epoch: int) -> np.ndarray:
@@ -538,6 +554,16 @@ class Loader:
             at = epochs == epoch
             out[at] = self._permutation(int(epoch))[i[at] % n]
         return out
+
+    def share(self, rows: tuple[int, ...] | None) -> None:
+        """From now on process ``p`` reads ``rows[p]`` rows of each global batch
+        (``data.batch_weights``; process 0 first, in order), or with None an equal slice."""
+        if rows is not None and sum(rows) != self.global_batch:
+            raise ValueError(f"row shares {list(rows)} do not sum to global_batch={self.global_batch}")
+        self.shares = None if rows is None else tuple(int(r) for r in rows)
+        if rows is not None:
+            lo = sum(rows[:self.process])
+            self._local = slice(lo, lo + rows[self.process])
 
     def local_rows(self, step: int) -> np.ndarray:
         """This process's row indices ``[B]`` of step ``step``'s batch (B = global_batch
@@ -559,11 +585,14 @@ class Loader:
 
     def state(self) -> dict[str, int]:
         """The next step, plus what must match for it to mean the same batch."""
-        return {"step": self.step, "seed": self.seed, "n_rows": len(self.rows),
-                "global_batch": self.global_batch}
+        state = {"step": self.step, "seed": self.seed, "n_rows": len(self.rows),
+                 "global_batch": self.global_batch}
+        return state if self.shares is None else {**state, "shares": list(self.shares)}
 
     def restore(self, state: dict) -> None:
-        """Continues from ``state()`` of an earlier loader over the same data."""
+        """Continues from ``state()`` of an earlier loader over the same data (its row
+        shares, where it had them, are ``saved_shares``: the caller decides whether they
+        still apply)."""
         for name in ("seed", "n_rows", "global_batch"):
             if int(state[name]) != self.state()[name]:
                 raise ValueError(
@@ -571,6 +600,7 @@ class Loader:
                     f"{name}={self.state()[name]}: not the same data stream"
                 )
         self.step = int(state["step"])
+        self.saved_shares = tuple(state["shares"]) if "shares" in state else None
 
 
 def eval_rows(

@@ -49,7 +49,7 @@ from jaxpar.parallel.zigzag import to_zigzag
 from jaxpar.planning import hardware as hardware_lib
 from jaxpar.train import data as data_lib
 from jaxpar.train import offload as offload_lib
-from jaxpar.train import tasks
+from jaxpar.train import tasks, weighted
 from jaxpar.train.checkpoints import CheckpointError, Checkpoints
 from jaxpar.train.command import file_in_the_way
 from jaxpar.train.config import Config, ConfigError, MeshConfig, OptimizerConfig, to_dict
@@ -257,6 +257,7 @@ class Setup:
     step_fn: Any
     offload_plan: Any = None
     profile: dict | None = None
+    layout: weighted.Layout | None = None
 
 
 def build(cfg: Config, task) -> Setup:
@@ -269,15 +270,18 @@ def build(cfg: Config, task) -> Setup:
     tx, lr = make_optimizer(cfg.optimizer, cfg.steps)
     stages = pipeline_schedule(cfg, mesh, rules)
     frozen = task.frozen(mesh, rules)
+    layout = weighted.layout_of(cfg, mesh)
 
     def build_step(**offload):
         return make_train_step(abstract_model, tx, mesh, rules, grad_accum=cfg.optimizer.grad_accum,
                                sequence=cfg.execution.sequence, kernels=cfg.execution.kernels,
                                pipeline=stages,
                                stage_layers=None if stages is None else cfg.pipeline.stage_layers,
+                               weighted=None if layout is None else layout.unit,
+                               reduction=cfg.optimizer.gradient_reduction,
                                **task.step_options(frozen), **offload)
 
-    setup = Setup(mesh, rules, abstract_model, tx, lr, stages, frozen, build_step())
+    setup = Setup(mesh, rules, abstract_model, tx, lr, stages, frozen, build_step(), layout=layout)
     if not cfg.offload.requested:
         return setup
     profile = dry_run_profile(cfg, setup.step_fn, abstract_model, mesh, rules, stages)
@@ -370,6 +374,10 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
         from jaxpar.train.plan import auto
 
         cfg = auto(cfg)
+    if cfg.pipeline.stage_layers == "auto":  # solved from pipeline.device_profile (jaxpar.planning.stages)
+        from jaxpar.train.plan import auto_stage_layers
+
+        cfg = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, stage_layers=auto_stage_layers(cfg)))
     task = tasks.of(cfg, progress=progress)
     cfg = task.cfg
     setup = build(cfg, task)
@@ -396,6 +404,11 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
             trainer.add_hook(utilisation(flops_per_token(cfg), peak * setup.mesh.devices.size))
         if data.validation:
             trainer.add_hook(evaluation(setup.step_fn, data, setup.frozen), every=cfg.eval.every)
+        if setup.layout is not None:  # data.batch_weights: each process's share, maybe re-measured
+            weighted.start_shares(cfg, setup.step_fn, setup.layout, data, trainer, resumed=restored is not None)
+            if cfg.data.rebalance_every:
+                trainer.add_hook(weighted.rebalancing(cfg, setup.step_fn, setup.layout, data),
+                                 every=cfg.data.rebalance_every)
         recorder = Recorder(pathlib.Path(cfg.run_dir), start, cfg.steps, lead=jax.process_index() == 0,
                             progress=progress)
         log.info("compiling the train step (the first step waits for it)")

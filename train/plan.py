@@ -26,8 +26,9 @@ from jaxpar.placement.sharding import shard_model as jaxpar_shard
 from jaxpar.offload import budget as budget_lib
 from jaxpar.placement.runtime import simulate_cpu_devices
 from jaxpar.planning import cost
+from jaxpar.planning import devices as devices_lib
 from jaxpar.planning import hardware as hardware_lib
-from jaxpar.planning import search
+from jaxpar.planning import search, stages
 from jaxpar.planning.cache import FigureCache
 from jaxpar.planning.hardware import Hardware
 from jaxpar.planning.layout import Layout
@@ -224,6 +225,79 @@ def auto(cfg: Config) -> Config:
     return with_layout(dataclasses.replace(cfg, mesh=MeshConfig()), plan.best.layout)
 
 
+# ----------------------------------------------------------------------------- uneven stages
+
+
+def layout_of(cfg: Config, devices: int) -> Layout:
+    """``cfg``'s own mesh, pipeline and placement as a ``Layout`` (``with_layout``'s
+    inverse; ``mesh.data`` unset: what ``devices`` leave; ``offload`` ``auto``: device)."""
+    m, p = cfg.mesh, cfg.pipeline
+    tensor = tuple(m.tensor) if isinstance(m.tensor, (list, tuple)) else m.tensor
+    layout = Layout(fsdp=m.fsdp, pipe=m.pipe, seq=m.seq, tensor=tensor, schedule=p.schedule,
+                    microbatches=(p.microbatches or 2 * m.pipe) if m.pipe > 1 else 1, virtual_stages=p.virtual_stages,
+                    seq_impl=cfg.execution.seq_impl, sequence_parallel=cfg.execution.sequence_parallel,
+                    remat=cfg.model.remat, grad_accum=cfg.optimizer.grad_accum,
+                    offload_params="host" if cfg.offload.params == "host" else "device",
+                    offload_optimizer="host" if cfg.offload.optimizer == "host" else "device")
+    return dataclasses.replace(layout, data=m.data or max(1, devices // layout.devices))
+
+
+def stage_comparison(cfg: Config, devices: int, hw: Hardware, devices_per_node: int) -> dict:
+    """``pipeline.stage_layers=auto`` against the even split on ``cfg``'s layout and
+    ``pipeline.device_profile`` (``jaxpar.planning.stages.compare``); ``ConfigError``
+    (one line) where the profile or the layout cannot give one."""
+    try:
+        profile = devices_lib.load(cfg.pipeline.device_profile, cfg.mesh.pipe)
+        model = stages.stage_model(workload(cfg), layout_of(cfg, devices), hw, devices_per_node=devices_per_node,
+                                   backend="cpu" if hw.name == "cpu" else "gpu")
+        return {"device_profile": profile.source, **stages.compare(profile, model)}
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def auto_stage_layers(cfg: Config) -> tuple[int, ...]:
+    """``pipeline.stage_layers=auto`` in a run: the layers per pipeline rank for
+    ``pipeline.device_profile`` on ``cfg``'s layout over the devices present
+    (``jaxpar.planning.stages``), logged with the predicted step against the even
+    split's. Speed 1 is ``plan.hardware``'s device (unset: the present device's shipped
+    profile, else ``h100``'s figures: only the head's time against a layer's and the
+    sends depend on it). ``ConfigError`` (one line): the profile is missing, bad or
+    lists another number of ranks than ``mesh.pipe``, interleaved stages, or no split
+    fits the ranks' memory."""
+    devices = jax.devices()
+    name = cfg.plan.hardware or hardware_lib.shipped_for(devices[0].device_kind) or "h100"
+    try:
+        hw = hardware_lib.load(name, cache_dir_of(cfg.cache_dir))
+    except hardware_lib.HardwareError as e:
+        raise ConfigError(str(e)) from None
+    result = stage_comparison(cfg, len(devices), hw, cfg.plan.devices_per_node or jax.local_device_count())
+    log.info("%s", describe_stages(result))
+    return tuple(result["stage_layers"])
+
+
+def describe_stages(result: dict) -> str:
+    """One line: ``stage_comparison``'s split and predicted steps."""
+    even = ("does not fit" if result["even_step_s"] is None
+            else f"{result['even_step_s'] * 1e3:.3g} ms, auto {result['speedup']:.2f}x faster")
+    return (f"pipeline.stage_layers=auto from {result['device_profile']}: {result['stage_layers']}, "
+            f"{result['auto_step_s'] * 1e3:.3g} ms a step predicted; even {result['even_stage_layers']}: {even}")
+
+
+def profile_devices(cfg: Config, out: pathlib.Path) -> str:
+    """``--profile-devices``: times one layer of ``cfg.model`` forward and backward over
+    ``[batch_size, seq_len, D]`` on each device present and writes their profile to
+    ``out``, one pipeline rank per device in ``jax.devices()`` order; returns its text."""
+    found = jax.devices()
+    profile, seconds = devices_lib.measure(cfg.model, cfg.batch_size, cfg.seq_len, found)
+    header = (f"jaxpar-plan --profile-devices: one layer of model dim={cfg.model.dim} forward and backward over "
+              f"[{cfg.batch_size}, {cfg.seq_len}, {cfg.model.dim}], median of 7, on {len(found)} devices\n"
+              f"seconds: {', '.join(f'{s * 1e3:.2f} ms' for s in seconds)}\n"
+              "speed: the fastest device's time over each one's; memory: the backend's bytes_limit "
+              "(null: it does not say, unbounded)\n"
+              "a pipeline's ranks in order: keep the entries of the devices of mesh.pipe, one per rank")
+    return devices_lib.save(profile, out, header)
+
+
 def _parser() -> CommandParser:
     parser = CommandParser(
         prog="jaxpar-plan", description="Rank the parallel layouts of a jaxpar config on N devices.",
@@ -240,6 +314,10 @@ def _parser() -> CommandParser:
     parser.add_argument("--calibrate", action="store_true",
                         help="measure this machine's cpu hardware profile (on devices=N simulated devices, "
                              "default 8) into CACHE_DIR/hardware/cpu.yaml, then plan if a CONFIG is given")
+    parser.add_argument("--profile-devices", action="store_true",
+                        help="time one layer of CONFIG's model (default tiny) forward and backward on each device "
+                             "present (devices=N: N simulated CPU devices) and write their pipeline device profile, "
+                             "for pipeline.device_profile, to --out (default devices.yaml)")
     parser.add_argument("--cache-dir", type=pathlib.Path, metavar="DIR",
                         help="where compiled figures and the cpu profile are kept (default: jaxpar-train's cache_dir)")
     return parser
@@ -254,11 +332,12 @@ def main(argv=None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     say = lambda message: print(f"jaxpar-plan: {message}", file=sys.stderr, flush=True)  # noqa: E731
-    if args.config is None and not args.calibrate:
-        parser.error("give a CONFIG to plan (or --calibrate)")
+    alone = args.calibrate or args.profile_devices  # what runs without a CONFIG
+    if args.config is None and not alone:
+        parser.error("give a CONFIG to plan (or --calibrate, --profile-devices)")
     if args.config is not None and "=" in args.config:
         args.overrides, args.config = [args.config, *args.overrides], None
-        if not args.calibrate:
+        if not alone:
             parser.error("give a CONFIG to plan before its key=value settings")
     overrides = _split_aliases(args.overrides)
     for item in overrides:
@@ -281,6 +360,13 @@ def main(argv=None) -> int:
         parser.error(f"cache_dir {cache_dir}: {file} is a file, not a directory")
     if args.out is not None and (args.out.is_dir() or file_in_the_way(args.out.parent)):
         parser.error(f"--out {args.out}: not a file path (a directory is in the way)")
+    if args.profile_devices:
+        if cfg.plan.devices:
+            simulate_cpu_devices(cfg.plan.devices)
+        out = args.out or pathlib.Path("devices.yaml")
+        print(profile_devices(cfg, out), end="")
+        say(f"wrote {out}: pipeline.device_profile={out}")
+        return 0
     devices = cfg.plan.devices or (8 if args.calibrate else None)
     if devices is None:
         parser.error("give devices=N (how many devices to plan for)")
@@ -289,6 +375,12 @@ def main(argv=None) -> int:
     if not args.calibrate or args.config is not None:
         try:  # every bad input is refused before anything is compiled or written
             hw = hardware_for(hardware, cache_dir) if not (args.calibrate and hardware == "cpu") else None
+        except ConfigError as e:
+            parser.error(str(e))
+    stage_split = None
+    if cfg.pipeline.stage_layers == "auto" and not args.calibrate:
+        try:
+            stage_split = stage_comparison(cfg, devices, hw, per_node)
         except ConfigError as e:
             parser.error(str(e))
     compiles = args.calibrate or (cfg.plan.compile_top > 0 and devices <= cfg.plan.compile_devices)
@@ -314,9 +406,11 @@ def main(argv=None) -> int:
     except ConfigError as e:
         parser.error(str(e))
     if args.json:
-        print(json.dumps(plan.to_json()))
+        print(json.dumps(plan.to_json() | ({"pipeline_stages": stage_split} if stage_split else {})))
     else:
         print(search.table(plan, args.top, every=args.all))
+        if stage_split:
+            print(describe_stages(stage_split))
     if args.out is not None:
         write_overlay(args.out, plan, args.config)
         say(f"wrote {args.out}: jaxpar-train {args.config} {args.out}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +21,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxpar.hetero import reduction as reduction_lib
 from jaxpar.offload import state as offload_state
 from jaxpar.offload.fetch import is_split, to_device, to_host
 from jaxpar.ops import kernel_ops
@@ -128,11 +130,13 @@ class TrainStep:
     a call is made in cannot change the program); with ``sequence.layout="zigzag"`` the
     batches' tokens must be in ``to_zigzag`` order.
 
-    ``layer_order``: with an interleaved pipeline, the stacked layers of ``params`` (and
-    of the optimizer state's copies of them) are stored device-major, position ``j`` of
-    the ``layers`` axis holding model layer ``layer_order[j]``
+    ``layer_order``: with an interleaved pipeline, or uneven stages (``stage_layers``,
+    layers per stage), the stacked layers of ``params`` (and of the optimizer state's
+    copies of them) are stored device-major, position ``j`` of the ``layers`` axis
+    holding model layer ``layer_order[j]``, or padding (zeros) where it is -1
     (``jaxpar.train.pipelined.storage_order``), so that a step re-lays nothing out; None
-    when they are in the model's order. ``init`` stores them so; ``in_model_order`` puts
+    when they are in the model's order. ``stage_layers``: the layers per stage the step
+    was built with (None: even stages), for the profiler's padding figures. ``init`` stores them so; ``in_model_order`` puts
     a state back in the model's order (what checkpoints save, so a checkpoint is the
     model's whatever the schedule, and ``jaxpar.train.runs`` and a run on another
     schedule read it as it is) and ``in_storage_order`` stores a restored one again;
@@ -156,6 +160,7 @@ class TrainStep:
     loss: Callable = loss_fn
     layer_order: np.ndarray | None = None
     split: tuple[int, int] | None = None
+    stage_layers: tuple[int, ...] | None = None
 
     @property
     def offloading(self) -> bool:
@@ -262,6 +267,10 @@ class TrainStep:
             else:
                 shardings = jax.tree.map(lambda s: s.offloaded if is_split(s) else s, shardings,
                                          is_leaf=is_split)
+        elif stored and self.layer_order is not None:  # padded where the stages are uneven
+            from jaxpar.train import pipelined
+
+            params = jax.eval_shape(functools.partial(pipelined.to_storage, order=self.layer_order), params)
         state = {"params": params, "opt_state": jax.eval_shape(self.tx.init, params)}
         if sharding is not None or self.params_sharding is None:
             return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), state)
@@ -285,6 +294,12 @@ class TrainStep:
             return self.step(params, opt_state, batch, *frozen)
 
 
+def _batch_axes(mesh, resolved) -> tuple[tuple[str, ...], int]:
+    """The mesh axes the rules split the batch over, and how many ways in all."""
+    axes = rules_lib.as_tuple(rules_lib.logical_to_spec(("batch",), resolved)[0])
+    return axes, math.prod(mesh.shape[a] for a in axes)
+
+
 def make_train_step(
     model: nnx.Module,
     tx: optax.GradientTransformation,
@@ -296,9 +311,12 @@ def make_train_step(
     sequence: SequenceOptions = SequenceOptions(),
     kernels: KernelOptions | None = None,
     pipeline=None,
+    stage_layers: tuple[int, ...] | None = None,
     loss: Callable = loss_fn,
     frozen: Any = None,
     offload: OffloadOptions | None = None,
+    reduction: reduction_lib.Reduction | None = None,
+    weighted: int | None = None,
 ) -> TrainStep:
     """Builds the jitted train step for ``model``'s structure on ``mesh`` (or one device).
 
@@ -311,6 +329,9 @@ def make_train_step(
     ``pipeline``: a ``jaxpar.parallel.pipeline_schedule.Schedule`` over the mesh's ``pipe`` axis;
     the step then runs the model through it (``jaxpar.train.pipelined``), with the
     stacked layers stored in the order it reads them (``TrainStep.layer_order``).
+    ``stage_layers``: with ``pipeline``, the layers of each of its ``P V`` stages in
+    stage order (summing to the model's layers, each at least 1); None: ``L / (P V)``
+    each. Uneven stages are stored padded to the largest (``jaxpar.train.pipelined``).
 
     ``loss``: ``(model, batch) -> scalar`` (default ``loss_fn``, next-token
     cross-entropy), or ``(model, batch, frozen) -> scalar`` with ``frozen``.
@@ -330,6 +351,19 @@ def make_train_step(
     ``optimizer="host"`` the update runs on the host (``jaxpar.offload.state``). Neither
     composes with ``pipeline`` yet. ``TrainStep.init`` places the state so, on one device
     too (``params_sharding`` / ``opt_sharding`` then name the device and memory kind).
+
+    ``weighted``: with ``data.batch_weights`` (``jaxpar.train.weighted``), the batch holds
+    each data-parallel device's slot of rows, real rows first, and every device runs its
+    own real rows in microbatches of ``weighted`` rows before one sum over the data axes:
+    the loss and gradients of the token-weighted mean over all real rows.
+
+    ``reduction``: how the ``data`` replicas' gradients combine
+    (``jaxpar.hetero.reduction.Reduction``): None or the uncompressed mean is this program
+    as it is (XLA's all-reduce of the batch's gradients); Adasum or ``dct_topk``
+    compression computes each replica's gradient under ``shard_map`` over ``data`` (after
+    its ``grad_accum`` microbatches) and reduces them explicitly, ``dct_topk``'s residuals
+    carried in the optimizer state (``TrainStep.tx`` is then ``optax.chain(carried, tx)``).
+    Needs a mesh; not with ``pipeline`` or ``offload`` yet.
     """
     graphdef, params = nnx.split(model)
     resolved = None if mesh is None else rules_lib.for_mesh(mesh, rules_lib.DEFAULT_RULES if rules is None else rules)
@@ -337,6 +371,16 @@ def make_train_step(
     execution = Execution(resolved, kernels or KernelOptions(), sequence, offload)
     offloading = offload.state_on_host
     layer_order = None
+    reduction = None if reduction is None or reduction.is_mean else reduction
+    if reduction is not None:
+        if pipeline is not None or offloading or weighted is not None:
+            raise ValueError(f"optimizer.reduction={reduction.kind} / compression={reduction.compression} does "
+                             "not compose with a pipeline, offload or data.batch_weights yet: give the mean, "
+                             "no compression")
+        reduction_lib.check(reduction, mesh)
+        tx = reduction_lib.with_state(tx, reduction, mesh)
+    if stage_layers is not None and pipeline is None:
+        raise ValueError(f"stage_layers={list(stage_layers)} needs a pipeline")
     if pipeline is not None and offloading:
         raise ValueError("offload.params=host / offload.optimizer=host do not compose with a pipeline yet: "
                          "a stage's layers would have to be fetched inside the schedule's shard_map")
@@ -345,7 +389,8 @@ def make_train_step(
             raise ValueError("a pipelined step computes its own next-token loss: no loss= or frozen=")
         from jaxpar.train import pipelined
 
-        layer_order = pipelined.storage_order(pipeline, model.cfg.layers)
+        layer_order = pipelined.storage_order(pipeline, model.cfg.layers, stage_layers)
+        stage_layers = None if stage_layers is None else tuple(int(n) for n in stage_layers)
 
     def pipelined_loss_and_grads(params, batch):
         from jaxpar.train import pipelined
@@ -353,9 +398,15 @@ def make_train_step(
         # jaxpar's own model, as in loss_fn: on an Explicit mesh it runs with the axes
         # made Auto (auto_axes below), its shard_maps on the mesh in force there.
         on = jax.sharding.get_abstract_mesh() if mesh.explicit_axes else mesh
-        return pipelined.loss_and_grads(graphdef, params, batch, pipeline, on)
+        return pipelined.loss_and_grads(graphdef, params, batch, pipeline, on, stage_layers)
 
     def loss_and_grads(params, batch, *frozen):
+        if weighted is not None:  # unequal rows per data device (data.batch_weights)
+            from jaxpar.train import weighted as weighted_lib
+
+            axes, _ = _batch_axes(mesh, resolved)
+            return weighted_lib.loss_and_grads(loss, graphdef, params, batch, frozen, mesh=mesh, axes=axes,
+                                               unit=weighted)
         if pipeline is not None:
             run = auto_axes(pipelined_loss_and_grads, out_sharding=(PartitionSpec(), params_sharding))
             return run(params, batch)
@@ -378,9 +429,16 @@ def make_train_step(
         total, _ = jax.lax.scan(body, zeros, (micro, shares))
         return total
 
+    def reduced(params, opt_state, batch, *frozen):
+        grad_fn = loss_and_grads if grad_accum == 1 else accumulated
+        return reduction_lib.value_and_grads(grad_fn, reduction, mesh, params_sharding, opt_sharding,
+                                             params, opt_state, batch, *frozen)
+
     @use_execution(execution)  # bound at trace time, whatever the caller's context
     def step(params, opt_state, batch, *frozen):
-        if grad_accum == 1:
+        if reduction is not None:
+            value, grads, opt_state = reduced(params, opt_state, batch, *frozen)
+        elif grad_accum == 1:
             value, grads = loss_and_grads(params, batch, *frozen)
         else:
             value, grads = accumulated(params, batch, *frozen)
@@ -394,7 +452,7 @@ def make_train_step(
     donate_argnums = (0, 1) if donate else ()
     if mesh is None and not offloading:
         return TrainStep(graphdef, tx, jax.jit(step, donate_argnums=donate_argnums),
-                         None, None, None, None, execution, loss, layer_order)
+                         None, None, None, None, execution, loss, layer_order, stage_layers=stage_layers)
     if mesh is None:  # offloading on one device: a sharding of its own, for the memory kinds
         one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         params_sharding, replicated = jax.tree.map(lambda _: one, params), one
@@ -405,6 +463,8 @@ def make_train_step(
         batch_sharding = NamedSharding(mesh, rules_lib.logical_to_spec(BATCH_AXES, resolved))
         frozen_sharding = () if frozen is None else (model_shardings(frozen, mesh, rules),)
     opt_sharding = like_params(jax.eval_shape(tx.init, params), params, params_sharding, replicated)
+    if reduction is not None:  # the carried residuals: per replica, split over data
+        opt_sharding = reduction_lib.state_shardings(reduction, opt_sharding, params_sharding, mesh)
     split = None
     if offloading:
         params_sharding, opt_sharding, split = _offloaded_shardings(params, tx, offload, params_sharding,
@@ -416,7 +476,7 @@ def make_train_step(
         donate_argnums=donate_argnums,
     )
     return TrainStep(graphdef, tx, jitted, mesh, params_sharding, opt_sharding, batch_sharding,
-                     execution, loss, layer_order, split)
+                     execution, loss, layer_order, split, stage_layers)
 
 
 def _offloaded_shardings(params, tx, offload: OffloadOptions, params_sharding, opt_sharding):

@@ -60,7 +60,7 @@ class Recorder:
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()
             for name, value in record.items():
-                if name != "step" and self.board is not None:
+                if name != "step" and self.board is not None and isinstance(value, (int, float)):  # not lists
                     self.board.add_scalar(name, value, record["step"])
         self.bar.set_postfix(postfix, refresh=False)
         self.bar.update(1)

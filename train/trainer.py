@@ -35,10 +35,19 @@ class Batches:
     loader: data_lib.Loader
     batch_of: Callable
     validation: list
+    layout: Any = None  # with data.batch_weights: the jaxpar.train.weighted.Layout in force
 
     def next_train(self):
         rows = self.loader.local_rows(self.loader.step)
-        return self.batch_of("train", rows, next(self.loader))
+        local = next(self.loader)
+        if self.layout is not None:  # each device's rows padded to the slot
+            local = self.layout.padded(local, self.loader.process)
+        return self.batch_of("train", rows, local)
+
+    def share(self, layout) -> None:
+        """From the next batch on, the rows of each process are ``layout``'s."""
+        self.layout = layout
+        self.loader.share(layout.rows)
 
 
 @dataclasses.dataclass

@@ -2,10 +2,12 @@
 
 ``allocation``: Sky Computing's uneven pipeline stages, the contiguous layer ranges per
 pipeline rank that minimise the slowest stage's time within each rank's memory.
-``adasum``: Adasum's pairwise combination of replicas' gradients (so far on stacked
-gradients; the reduction over a mesh's data axes is to come). ``compression``: one
-replica's thresholded sparsification with error feedback, an optax transformation (the
-exchange of only the kept entries is to come).
+``adasum``: Adasum's pairwise combination of replicas' gradients (on stacked
+gradients). ``compression``: one replica's thresholded sparsification with error
+feedback, an optax transformation. ``reduction``: both as collectives over a mesh's
+``data`` axis inside the train step (``make_train_step(..., reduction=Reduction(...))``):
+Adasum by recursive doubling, and DCT's top-k exchange of only the kept entries, its
+residuals carried per replica in the optimizer state.
 """
 
 from jaxpar.hetero import adasum, compression

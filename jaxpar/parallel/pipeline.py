@@ -27,6 +27,13 @@ Shapes: ``P`` devices on ``pipe``, ``V`` virtual stages each, ``S = P V`` stages
 device ``s % P`` as its virtual stage ``s // P``; stage parameters are stacked
 device-major, ``[P, V, ...]`` (``[p, v]`` is stage ``v P + p``), so that with the leading
 axis split over ``pipe`` each device already holds its own stages.
+
+Uneven stages. One SPMD program gives every stage the same parameter shapes, so stages
+of unequal work (``jaxpar.train.pipelined``: a stage of fewer layers than another) are
+stored padded to the largest, and ``stage_consts`` (leading ``[P, V]``, like the
+parameters, never differentiated) tells each stage's ``stage_fn`` which of its
+parameters are real: ``value_and_grad`` hands stage ``s`` its slice as a fourth
+argument. The schedule is the same table whatever a stage's work.
 """
 
 from __future__ import annotations
@@ -153,7 +160,8 @@ class Local:
     ``stage_fn``, ``head_fn``: as ``value_and_grad`` takes them; ``params``: the
     device's stages' parameters, leading ``[V, ...]``; ``outer``: the embedding's and
     head's parameters; ``x``: ``[M, *A]``, every microbatch's embedding (the first
-    stage's inputs); ``side``: leading ``[M]``.
+    stage's inputs); ``side``: leading ``[M]``; ``consts``: the device's stages'
+    ``stage_consts`` (leading ``[V]``), or None when ``stage_fn`` takes none.
     """
 
     stage_fn: Callable
@@ -162,6 +170,13 @@ class Local:
     outer: object
     x: jax.Array
     side: object
+    consts: object = None
+
+    def stage(self, v, w, a, side_m) -> jax.Array:
+        """The device's virtual stage ``v`` (traced) with parameters ``w`` on ``a``."""
+        if self.consts is None:
+            return self.stage_fn(w, a, side_m)
+        return self.stage_fn(w, a, side_m, _at(self.consts, v))
 
     def zeros_a(self) -> jax.Array:
         """Zeros of one activation, ``[*A]``."""
@@ -205,7 +220,7 @@ def branching_tick(local: Local, state: dict, op: dict) -> tuple[dict, jax.Array
         v, slot, side_m = op["virtual"], op["slot"], _at(local.side, op["microbatch"])
         a = _stage_input(local, state, op)
         state = dict(state, stash=state["stash"].at[slot].set(a))
-        out = local.stage_fn(_at(local.params, v), a, side_m)
+        out = local.stage(v, _at(local.params, v), a, side_m)
         loss = jax.lax.cond(op["last"] == 1,
                             lambda: local.head_fn(local.outer, out, side_m).astype(jnp.float32),
                             lambda: jnp.zeros((), jnp.float32))
@@ -217,12 +232,12 @@ def branching_tick(local: Local, state: dict, op: dict) -> tuple[dict, jax.Array
         g_out = state["recv_b"][jnp.maximum(op["read"], 0)]
 
         def through_head():  # the last stage: loss -> head -> stage
-            loss, vjp = jax.vjp(lambda w, h, a: local.head_fn(h, local.stage_fn(w, a, side_m), side_m),
+            loss, vjp = jax.vjp(lambda w, h, a: local.head_fn(h, local.stage(v, w, a, side_m), side_m),
                                 w, local.outer, a)
             return vjp(jnp.ones_like(loss))
 
         def through_stage():
-            _, vjp = jax.vjp(lambda w, a: local.stage_fn(w, a, side_m), w, a)
+            _, vjp = jax.vjp(lambda w, a: local.stage(v, w, a, side_m), w, a)
             g_w, g_a = vjp(g_out)
             return g_w, jax.tree.map(jnp.zeros_like, local.outer), g_a
 
@@ -254,7 +269,7 @@ def lockstep_tick(local: Local, state: dict, op: dict) -> tuple[dict, jax.Array,
         m, v, slot = op["microbatch"], op["virtual"], jnp.maximum(op["slot"], 0)
         is_f, side_m = op["op"] == FORWARD, _at(local.side, m)
         a = _stage_input(local, state, op)
-        out = local.stage_fn(_at(local.params, v), a, side_m)
+        out = local.stage(v, _at(local.params, v), a, side_m)
         loss = jax.lax.cond(op["head_forward"],
                             lambda: local.head_fn(local.outer, out, side_m).astype(jnp.float32), no_loss)
         keep = is_f & (op["last"] == 1)
@@ -266,7 +281,7 @@ def lockstep_tick(local: Local, state: dict, op: dict) -> tuple[dict, jax.Array,
         received one elsewhere."""
         m, v, is_b, last = op["microbatch"], op["virtual"], op["op"] == BACKWARD, op["last"] == 1
         a, side_m = state["stash"][jnp.maximum(op["slot"], 0)], _at(local.side, m)
-        out, stage_vjp = jax.vjp(lambda w, a: local.stage_fn(w, a, side_m), _at(local.params, v), a)
+        out, stage_vjp = jax.vjp(lambda w, a: local.stage(v, w, a, side_m), _at(local.params, v), a)
 
         def through_head():
             loss, head_vjp = jax.vjp(lambda h, out: local.head_fn(h, out, side_m), local.outer, out)
@@ -319,6 +334,7 @@ def value_and_grad(
     mesh,
     axis: str = "pipe",
     lockstep: bool = False,
+    stage_consts=None,
 ):
     """Runs ``schedule``: the sum over microbatches ``m`` of ``head_fn(outer_params,
     stage_{S-1}(... stage_0(embed_fn(outer_params, inputs[m], side[m]))), side[m])``,
@@ -349,6 +365,12 @@ def value_and_grad(
       lockstep: every device runs the same program at every tick (see below) instead
         of branching on its own operation. Needed when ``stage_fn`` or ``head_fn``
         communicate by ``ppermute`` (ring attention, SUMMA).
+      stage_consts: None, or a pytree of arrays with leading ``[P, V]``, device-major
+        like ``stage_params``: stage ``s``'s slice is passed to ``stage_fn`` as a fourth
+        argument, ``stage_fn(stage_params_s, a, side_m, stage_consts_s)``, and is not
+        differentiated (how many of its padded layers an uneven stage runs). A device
+        reads its own (a traced value, not a Python one: one program serves every
+        device).
 
     Lockstep. By default each device branches on its own operation (``branching_tick``), so
     at one tick stage 0 may run a forward while stage 1 runs a backward. A collective
@@ -375,8 +397,10 @@ def value_and_grad(
     x, embed_vjp = jax.vjp(lambda h: jax.vmap(embed_fn, (None, 0, 0))(h, inputs, side), outer_params)
     tick = lockstep_tick if lockstep else branching_tick
 
-    def device(params, outer, x, side, tables):
-        local = Local(stage_fn, head_fn, jax.tree.map(lambda a: a[0], params), outer, x, side)
+    def device(params, consts, outer, x, side, tables):
+        first = functools.partial(jax.tree.map, lambda a: a[0])  # this device's block of [P, ...]
+        local = Local(stage_fn, head_fn, first(params), outer, x, side,
+                      None if stage_consts is None else first(consts))
         me = jax.lax.axis_index(axis)
         # [ticks] each: this device's column of the per-device tables, the per-tick ones whole.
         rows = {k: t[:, me] if k in PER_DEVICE else t for k, t in tables.items()}
@@ -396,8 +420,8 @@ def value_and_grad(
 
     spec, whole = PartitionSpec(axis), PartitionSpec()
     loss, grads, outer_grads, dx = jax.shard_map(
-        device, mesh=mesh, in_specs=(spec, whole, whole, whole, whole), axis_names={axis},
+        device, mesh=mesh, in_specs=(spec, spec, whole, whole, whole, whole), axis_names={axis},
         out_specs=(whole, spec, whole, whole), check_vma=False,
-    )(stage_params, outer_params, x, side, tables)
+    )(stage_params, () if stage_consts is None else stage_consts, outer_params, x, side, tables)
     outer_grads = jax.tree.map(jnp.add, outer_grads, embed_vjp(dx)[0])
     return loss, (grads, outer_grads)

@@ -1,0 +1,175 @@
+"""Speed-proportional batches across unequal processes (``data.batch_weights``,
+``jaxpar.train.weighted``): the split itself, and two processes on jax.distributed
+(gloo) with local batches of 12 and 4 rows against one process with 16, through a
+SIGKILL and a resume."""
+
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from jaxpar.train import weighted
+from jaxpar.train.data import default_cache_dir
+from jaxpar.train.config import load_config
+from jaxpar.train.loop import train
+
+SMALL = ["model.layers=2", "model.vocab_size=512", "data.max_files=120", "data.val_fraction=0.1", "seq_len=64",
+         "batch_size=16", "eval.batches=2", "optimizer.warmup_steps=2", "eval.every=2", "checkpoint.every=2"]
+
+
+@pytest.fixture(scope="module")
+def cache():
+    """The test run's shared tokenizer/packed-data cache (conftest's XDG_CACHE_HOME)."""
+    return default_cache_dir()
+
+
+def metrics(run_dir) -> list[dict]:
+    return [json.loads(l) for l in (pathlib.Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b) / np.abs(b)))
+
+
+@pytest.mark.parametrize("weights, processes, devices, rows", [
+    ((3, 1), 2, 1, (12, 4)),      # the equality test's split
+    ((1, 1), 2, 4, (8, 8)),
+    ((2.0, 1.0, 1.0), 3, 1, None),  # 24 rows: 12, 6, 6
+    ((100, 1), 2, 2, (14, 2)),    # the slow process keeps one quantum per device
+])
+def test_row_counts_follow_the_weights_in_quanta(weights, processes, devices, rows):
+    batch = 24 if processes == 3 else 16
+    layout = weighted.row_counts(batch, weights, processes, devices)
+    assert sum(layout.rows) == batch
+    assert all(r % (devices * layout.unit) == 0 and r > 0 for r in layout.rows)
+    assert layout.rows == (rows or (12, 6, 6))
+    assert layout.slot == max(layout.rows) // devices
+
+
+def test_padded_puts_each_devices_rows_first():
+    layout = weighted.row_counts(16, (3, 1), 2, 2)  # rows (12, 4): 6 and 2 per device, slot 6
+    local = {"mask": np.arange(1, 5)[:, None] * np.ones((1, 3), int)}
+    padded = layout.padded(local, 1)["mask"]
+    assert padded.shape == (12, 3)
+    assert padded[:, 0].tolist() == [1, 2, 0, 0, 0, 0, 3, 4, 0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("weights, message", [
+    ((1, 1, 1), "has 3 entries for 2 processes"),
+    ((1, -1), "every weight must be positive"),
+])
+def test_bad_weights_are_one_line(weights, message):
+    with pytest.raises(weighted.WeightsError, match=message):
+        weighted.row_counts(16, weights, 2, 1)
+
+
+@pytest.mark.parametrize("arg, code, message", [
+    ("data.batch_weights=[1,2]", 2, "has 2 entries for 1 processes"),
+    ("data.batch_weights=[0]", 2, "every weight must be positive"),
+    ("data.rebalance_every=5", 2, "re-measures data.batch_weights=auto"),
+    ("data.batch_weights=[1] mesh.fsdp=2", 2, "on mesh.data alone"),
+])
+def test_bad_batch_weights_exit_2_and_write_nothing(tmp_path, arg, code, message):
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "jaxpar.train", "tiny", *SMALL, *arg.split(), f"run_dir={run}",
+                           "steps=1", "--no-progress"], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, JAX_NUM_CPU_DEVICES="2"))
+    assert proc.returncode == code, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+    assert not run.exists()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _two_processes(run, args, weights) -> list[subprocess.Popen]:
+    port = _free_port()
+    return [subprocess.Popen(
+        [sys.executable, "-m", "jaxpar.train", "tiny", *args, f"run_dir={run}", f"data.batch_weights={weights}",
+         "--no-progress"],
+        env=dict(os.environ, JAX_NUM_CPU_DEVICES="1", JAXPAR_COORDINATOR=f"127.0.0.1:{port}",
+                 JAXPAR_NUM_PROCESSES="2", JAXPAR_PROCESS_ID=str(i)),
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for i in range(2)]
+
+
+def test_twelve_and_four_rows_equal_sixteen_and_resume_after_sigkill(tmp_path, cache):
+    """Process 0 reads 12 rows of each batch and process 1 reads 4; the losses equal one
+    process reading all 16 (1e-5). Both are killed (SIGKILL) once a checkpoint exists;
+    started again, they resume from it and finish with the same losses."""
+    args = SMALL + ["steps=6", f"cache_dir={cache}"]
+    single = train(load_config("tiny", args + [f"run_dir={tmp_path / 'single'}"]), progress=False)
+
+    run = tmp_path / "two"
+    procs = _two_processes(run, args, "[3,1]")
+    deadline = time.monotonic() + 600
+    while not (run / "checkpoints" / "2").is_dir() and time.monotonic() < deadline:
+        if any(p.poll() is not None for p in procs):
+            break
+        time.sleep(0.05)
+    for p in procs:
+        p.send_signal(signal.SIGKILL)
+    for p in procs:
+        p.communicate(timeout=60)
+    saved = sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
+    assert saved and saved[-1] < 6, f"killed too late to test a resume: checkpoints {saved}"
+    config = json.loads(json.dumps(__import__("yaml").safe_load((run / "config.yaml").read_text())))
+    assert config["data"]["batch_weights"] == [3.0, 1.0]
+
+    procs = _two_processes(run, args, "[3,1]")
+    for p in procs:
+        _, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err[-2000:]
+    two = metrics(run)
+    assert [r["step"] for r in two] == list(range(1, 7))
+    assert rel_err([r["loss"] for r in two], [r["loss"] for r in single]) < 1e-5
+    assert rel_err([r["val_loss"] for r in two if "val_loss" in r],
+                   [r["val_loss"] for r in single if "val_loss" in r]) < 1e-5
+
+
+def test_unequal_device_rows_with_random_masks_equal_the_whole_batch():
+    """4 data devices with 6, 2, 4 and 4 real rows (slot 6, microbatches of 2) and random
+    masks: the loss and gradients equal the token-weighted mean over all 16 rows."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jaxpar.models import Transformer
+    from jaxpar.train.step import loss_fn
+
+    cfg = load_config("tiny", ["model.layers=2", "model.dim=64", "model.heads=2", "model.kv_heads=2",
+                               "model.mlp_dim=128", "model.vocab_size=512", "seq_len=16"])
+    mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4], axis_types=(jax.sharding.AxisType.Explicit,))
+    graphdef, params = nnx.split(Transformer(cfg.model, rngs=nnx.Rngs(0)))
+    rng = np.random.default_rng(1)
+    T, device_rows, slot = 16, [6, 2, 4, 4], 6
+    tokens = rng.integers(0, 512, (16, T + 1))
+    mask = (rng.random((16, T)) < 0.6).astype(np.int32)  # a different count in every row
+    whole = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": mask,
+             "positions": np.broadcast_to(np.arange(T), (16, T)).copy(), "segment_ids": np.ones((16, T), int)}
+    starts = np.cumsum([0] + device_rows)
+    slots = {k: np.concatenate([np.pad(v[a:b], [(0, slot - (b - a)), (0, 0)]) for a, b in zip(starts, starts[1:])])
+             for k, v in whole.items()}
+    batch = jax.device_put({k: v.astype(np.int32) for k, v in slots.items()}, NamedSharding(mesh, PartitionSpec("data")))
+    replicated = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
+    with jax.set_mesh(mesh):
+        value, grads = jax.jit(lambda p, b: weighted.loss_and_grads(loss_fn, graphdef, p, b, (), mesh=mesh,
+                                                                     axes=("data",), unit=2))(replicated, batch)
+    ref_value, ref_grads = jax.jit(jax.value_and_grad(
+        lambda p: loss_fn(nnx.merge(graphdef, p), {k: jnp.asarray(v, jnp.int32) for k, v in whole.items()})))(params)
+    assert rel_err(value, ref_value) < 1e-5
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        g, r = np.asarray(g), np.asarray(r)
+        assert np.max(np.abs(g - r)) <= 1e-5 * np.max(np.abs(r)), np.max(np.abs(g - r)) / np.max(np.abs(r))

@@ -1,0 +1,236 @@
+"""Speed-proportional batches across unequal processes (HetSeq): ``data.batch_weights``.
+
+Each process takes a share of every global batch proportional to its weight, and the
+step's loss and gradients are the homogeneous run's over the same global batch: the
+token-weighted mean over all its rows, whichever process read them.
+
+How one SPMD program gives unequal processes unequal work: every data-parallel device
+has a slot of ``slot`` rows in the step's global batch (the most any device reads), its
+real rows first, the rest padding (mask 0). Under ``shard_map`` over the data axes each
+device runs its own rows in microbatches of ``unit`` rows, as many as it has real rows
+for (a ``fori_loop`` whose trip count is the device's own, read from its mask: the last
+row with a counted token), summing each microbatch's loss and gradients times its
+counted tokens; one ``psum`` over the data axes, then division by the batch's counted
+tokens, gives the global token-weighted mean. A process with a quarter of the rows
+computes a quarter of the microbatches and then waits at the ``psum``: what a slow
+process costs the others is gone when its weight matches its speed.
+
+Weights become row counts (``row_counts``): each process's rows are a whole number of
+``quantum`` rows per local device (a quarter of the even share, or one row), at least
+one quantum, summing to the global batch; a device runs its rows a quantum at a time
+(``unit``), so new weights change the slot (the batch's shape) but not the program's
+microbatch.
+
+``auto`` (``measure``): a few timed forward/backward passes of one microbatch on each
+process's first device give its tokens/s; the processes share them
+(``process_allgather``) and every process derives the same weights. With
+``data.rebalance_every=N`` the trainer re-measures every ``N`` steps (a ``Trainer``
+hook); a new slot size compiles the step anew, once per distinct layout.
+
+Limits, stated: a data-parallel mesh only (``mesh.data``; the per-device loop must hold
+no collective, which FSDP, tensor, sequence and pipeline axes would put in it), no
+``optimizer.grad_accum`` (the microbatch loop is the accumulation), the same number of
+devices in every process, and a language model (``task: lm``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import PartitionSpec
+
+from jaxpar.placement import rules as rules_lib
+from jaxpar.placement.execution import use_execution
+from jaxpar.placement.sharding import use_mesh
+from jaxpar.train import data as data_lib
+from jaxpar.train.config import Config, ConfigError
+from jaxpar.train.trainer import StepInfo
+
+log = logging.getLogger(__name__)
+
+
+class WeightsError(ValueError):
+    """Weights that cannot split a batch; the CLI prints the line and exits 2."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How a global batch splits over processes: ``rows[p]`` of process ``p``,
+    ``devices`` data-parallel devices per process, each device's ``slot`` rows in the
+    step's global batch (real rows first), run in microbatches of ``unit`` rows (a
+    multiple of every device's rows)."""
+
+    rows: tuple[int, ...]
+    devices: int
+    unit: int
+
+    @property
+    def device_rows(self) -> tuple[int, ...]:
+        return tuple(r // self.devices for r in self.rows)
+
+    @property
+    def slot(self) -> int:
+        return max(self.device_rows)
+
+    def start(self, process: int) -> int:
+        """Where process ``process``'s rows begin in the global batch's row order."""
+        return sum(self.rows[:process])
+
+    def padded(self, local: dict, process: int) -> dict:
+        """Process ``process``'s ``local`` rows ``[rows[process], T]`` as its part of the
+        step's batch, ``[devices * slot, T]``: each device's rows then zero rows."""
+        per, slot = self.device_rows[process], self.slot
+
+        def pad(x):
+            x = x.reshape(self.devices, per, *x.shape[1:])
+            widths = [(0, 0), (0, slot - per)] + [(0, 0)] * (x.ndim - 2)
+            return np.pad(x, widths).reshape(self.devices * slot, *x.shape[2:])
+
+        return {k: pad(v) for k, v in local.items()}
+
+
+def row_counts(global_batch: int, weights, processes: int, devices: int) -> Layout:
+    """The ``Layout`` that splits ``global_batch`` rows over ``processes`` processes of
+    ``devices`` data-parallel devices each, in proportion to ``weights`` (largest
+    remainders, in quanta of a quarter of a device's even share)."""
+    weights = tuple(float(w) for w in weights)
+    if len(weights) != processes:
+        raise WeightsError(f"data.batch_weights={list(weights)} has {len(weights)} entries for "
+                           f"{processes} processes: give one weight per process")
+    if any(not w > 0 or not math.isfinite(w) for w in weights):
+        raise WeightsError(f"data.batch_weights={list(weights)}: every weight must be positive")
+    even = global_batch // (processes * devices)
+    if even < 1 or global_batch % (processes * devices):
+        raise WeightsError(f"batch_size={global_batch} is not divisible by the {processes * devices} "
+                           "data-parallel devices")
+    quantum = max(1, even // 4)
+    units = global_batch // (devices * quantum)
+    exact = np.array(weights) / sum(weights) * units
+    counts = np.maximum(np.floor(exact).astype(int), 1)
+    while counts.sum() > units:  # the floors of 1 took more than there is
+        counts[np.argmax(counts - exact)] -= 1
+    order = np.argsort(-(exact - counts), kind="stable")
+    for i in range(units - counts.sum()):
+        counts[order[i % processes]] += 1
+    return Layout(tuple(int(c) * devices * quantum for c in counts), devices, quantum)
+
+
+def loss_and_grads(loss, graphdef, params, batch: dict, frozen: tuple, *, mesh, axes: tuple[str, ...],
+                   unit: int):
+    """``(loss, grads)``: the token-weighted mean over every device's real rows of
+    ``batch`` (each device's slot, real rows first), its own rows in microbatches of
+    ``unit`` (see the module docstring)."""
+    # Inside, the data axes are manual: the model's activation constraints name none.
+    local_rules = tuple((name, None) for name, _ in rules_lib.for_mesh(mesh, rules_lib.DEFAULT_RULES))
+
+    def device(params, batch, *frozen):
+        counted = batch["mask"].sum(axis=1) > 0
+        last = jnp.max(jnp.where(counted, jnp.arange(counted.shape[0]) + 1, 0))
+
+        def microbatch(i, carry):
+            total, tokens, grads = carry
+            rows = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, i * unit, unit), batch)
+            count = rows["mask"].sum().astype(jnp.float32)
+            with use_execution(rules=local_rules):
+                value, g = jax.value_and_grad(lambda p: loss(nnx.merge(graphdef, p), rows, *frozen))(params)
+            return total + count * value, tokens + count, jax.tree.map(lambda a, b: a + count * b, grads, g)
+
+        zeros = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+        total, tokens, grads = jax.lax.psum(jax.lax.fori_loop(0, (last + unit - 1) // unit, microbatch, zeros),
+                                            axes)
+        scale = 1.0 / jnp.maximum(tokens, 1.0)
+        return total * scale, jax.tree.map(lambda g: g * scale, grads)
+
+    spec = PartitionSpec(axes)
+    # check_vma=False: JAX 0.10 crashes (a segfault while linearising the layers' scan)
+    # checking the varying-manual-axes types of this loop; the psum above is explicit.
+    run = jax.shard_map(device, mesh=mesh, in_specs=(PartitionSpec(), spec, *(PartitionSpec(),) * len(frozen)),
+                        out_specs=(PartitionSpec(), PartitionSpec()), check_vma=False)
+    return run(params, batch, *frozen)
+
+
+def measure(step_fn, params, rows: dict, *, repeats: int = 3) -> float:
+    """This process's tokens/s: the median of ``repeats`` timed forward/backward passes
+    of ``rows`` (one microbatch, numpy ``[unit, T]``) on its first device, times its
+    data-parallel devices (compiled once before timing)."""
+    device = jax.local_devices()[0]
+    alone = jax.make_mesh((1,), ("data",), devices=[device], axis_types=(jax.sharding.AxisType.Auto,))
+    local = jax.device_put(jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), params), device)
+    batch = jax.device_put(rows, device)
+    grad = jax.jit(jax.value_and_grad(lambda p, b: step_fn.loss(step_fn.model(p), b)))
+    times = []
+    with use_mesh(alone):  # this device alone, whatever mesh the run is under
+        jax.block_until_ready(grad(local, batch))
+        for _ in range(repeats):
+            began = time.perf_counter()
+            jax.block_until_ready(grad(local, batch))
+            times.append(time.perf_counter() - began)
+    tokens = rows["inputs"].size
+    return tokens / float(np.median(times)) * len(jax.local_devices())
+
+
+def shared_speeds(speed: float) -> tuple[float, ...]:
+    """Every process's ``speed``, in process order, the same on every process."""
+    if jax.process_count() == 1:
+        return (speed,)
+    from jax.experimental import multihost_utils
+
+    return tuple(float(s) for s in np.asarray(multihost_utils.process_allgather(np.float64(speed))).ravel())
+
+
+def layout_of(cfg: Config, mesh) -> Layout | None:
+    """With ``data.batch_weights``, how each global batch splits over the processes
+    (``auto``: evenly until measured); ``ConfigError`` (exit 2) where the weights or the
+    run do not fit (the limits above)."""
+    weights = cfg.data.batch_weights
+    if weights is None:
+        return None
+    others = {k: v for k, v in mesh.shape.items() if k != "data" and v > 1}
+    if others or cfg.optimizer.grad_accum != 1 or cfg.task != "lm" or not cfg.optimizer.gradient_reduction.is_mean:
+        raise ConfigError(f"data.batch_weights={weights!r} runs a language model (task: lm) on mesh.data alone, "
+                          f"without optimizer.grad_accum or another reduction than the mean; got task={cfg.task} "
+                          f"mesh {others or ''} optimizer.grad_accum={cfg.optimizer.grad_accum} "
+                          f"optimizer.reduction={cfg.optimizer.reduction} optimizer.compression={cfg.optimizer.compression}")
+    processes = jax.process_count()
+    try:
+        return row_counts(cfg.batch_size, (1.0,) * processes if weights == "auto" else weights,
+                          processes, mesh.shape["data"] // processes)
+    except WeightsError as e:
+        raise ConfigError(str(e)) from None
+
+
+def rebalancing(cfg: Config, step_fn, layout: Layout, data):
+    """A ``Trainer`` hook: measures every process's tokens/s (``measure``), shares the
+    next batches (``data``, the trainer's ``Batches``) in proportion and records the new
+    shares in the step's metrics (``batch_shares``)."""
+
+    def rebalance(info: StepInfo) -> None:
+        rows = data.loader.local_rows(data.loader.step)[:layout.unit]
+        speeds = shared_speeds(measure(step_fn, info.params, data_lib.batch_of_rows(data.loader.rows, rows)))
+        data.share(row_counts(cfg.batch_size, speeds, len(speeds), layout.devices))
+        if info.record is not None:
+            info.record["batch_shares"] = list(data.layout.rows)
+        log.info("batch shares %s from tokens/s %s", list(data.layout.rows), [round(s) for s in speeds])
+
+    return rebalance
+
+
+def start_shares(cfg: Config, step_fn, layout: Layout, data, trainer, *, resumed: bool) -> None:
+    """The shares the run starts with: a list's; with ``auto``, the checkpoint's where it
+    saved some for as many processes, else measured before the first step."""
+    saved = data.loader.saved_shares if resumed else None
+    if cfg.data.batch_weights != "auto":
+        data.share(layout)
+    elif saved is not None and len(saved) == jax.process_count() and sum(saved) == cfg.batch_size:
+        data.share(dataclasses.replace(layout, rows=saved))
+    else:
+        data.share(layout)
+        with step_fn.context():
+            rebalancing(cfg, step_fn, layout, data)(StepInfo(0, trainer.params, trainer.opt_state, None, {}, False))
