@@ -103,6 +103,7 @@ def _two_processes(run, args, weights) -> list[subprocess.Popen]:
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for i in range(2)]
 
 
+@pytest.mark.slow  # two processes on jax.distributed
 def test_twelve_and_four_rows_equal_sixteen_and_resume_after_sigkill(tmp_path, cache):
     """Process 0 reads 12 rows of each batch and process 1 reads 4; the losses equal one
     process reading all 16 (1e-5). Both are killed (SIGKILL) once a checkpoint exists;
