@@ -101,7 +101,17 @@ class OptimizerConfig:
     ``compression_ratio`` of each tensor, and carries the rest. The ratio's default,
     0.01, is the ~100x compression DCT reports (Gupta et al., 2020); as values plus
     int32 indices gathered from every replica, it moves fewer bytes than the all-reduce
-    for fewer than ~100 replicas (the break-even ratio is ``1 / mesh.data``)."""
+    for fewer than ~100 replicas (the break-even ratio is ``1 / mesh.data``).
+
+    ``batch_scaling``: how the schedule's peak (and end) learning rate follows the global
+    batch when a resumed run changes ``batch_size`` (an elastic job): ``linear`` times
+    ``batch_size / base`` (Goyal et al.), ``sqrt`` times its square root (Krizhevsky; Adam's
+    usual rule), ``none`` unchanged; ``base`` is the run's first batch size, kept in its
+    checkpoints. The default is ``none``: a run that never resizes is unaffected, and
+    which rule suits a model and optimizer is the user's to choose (linear scaling is
+    SGD's rule and overshoots with Adam at large ratios). The schedule stays on the step
+    clock (``warmup_steps`` and the cosine over ``steps`` count steps whatever the batch)
+    and Adam's moments carry over as they are (they are per parameter, not per sample)."""
 
     lr: float = 3e-3
     warmup_steps: int = 20
@@ -115,6 +125,7 @@ class OptimizerConfig:
     compression: Literal[reduction_lib.COMPRESSIONS] = "none"
     compression_ratio: float = 0.01
     threshold_every: int = 10
+    batch_scaling: Literal["none", "linear", "sqrt"] = "none"
 
     def __post_init__(self):
         self.gradient_reduction  # Reduction's checks: the ratio in (0, 1], threshold_every >= 1
@@ -264,6 +275,9 @@ class OffloadConfig:
 class EvalConfig:
     every: int = 50  # validation loss every N steps (and at the last step); 0 never
     batches: int = 4
+    # Log the gradient noise scale every step (McCandlish et al.'s simple estimator from the
+    # data replicas' gradients and the batch's: jaxpar.train.noise_scale); needs mesh.data > 1.
+    noise_scale: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

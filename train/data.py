@@ -8,8 +8,9 @@
   pack                   documents + EOS, cut into rows of ``seq_len + 1`` tokens with
                          per-row ``segment_ids`` and ``positions`` (PackedRows)
   packed_rows            tokenize + pack one split, cached on disk
-  Loader                 the batch of a step as a pure function of (seed, step), sliced
-                         for this process; its checkpointable state is a few ints
+  Loader                 the batch of a step as the samples from its offset on, each a
+                         pure function of (seed, sample offset), sliced for this process;
+                         its checkpointable state is a few ints
   eval_batches           the first n validation batches, unshuffled (their rows:
                          eval_rows)
   batch_of_rows          the batch of given rows (what a teacher cache indexes by)
@@ -503,17 +504,24 @@ def _process_slice(global_batch: int, process_index: int | None, process_count: 
 
 
 class Loader:
-    """Shuffled training batches; step ``s``'s batch is a pure function of (seed, s).
+    """Shuffled training batches; the sample at offset ``i`` (samples consumed before it,
+    over the whole run) is a pure function of (seed, i), and step ``s``'s batch is the
+    ``global_batch`` samples from its offset on.
 
-    Global row ``i = s * global_batch + j`` (j < global_batch) belongs to epoch
-    ``i // R`` and is row ``perm_epoch[i % R]``, with ``perm_epoch =
-    np.random.default_rng((seed, epoch)).permutation(R)``: every epoch visits every row
-    once, and a batch that straddles an epoch end takes the rest from the next epoch.
-    Each process computes only its contiguous slice (``global_batch // process_count``
-    rows, process 0 first), so the slices of all processes make the global batch.
+    Sample ``i`` belongs to epoch ``i // R`` and is row ``perm_epoch[i % R]``, with
+    ``perm_epoch = np.random.default_rng((seed, epoch)).permutation(R)``: every epoch
+    visits every row once, and a batch that straddles an epoch end takes the rest from
+    the next epoch. Each process computes only its contiguous slice (``global_batch //
+    process_count`` rows, process 0 first), so the slices of all processes make the
+    global batch.
 
-    The state to checkpoint is ``state()``; ``restore(state)`` continues with exactly
-    the next batch, on any number of processes.
+    The position is a sample offset, not a step, so a run may change its global batch
+    between checkpoints (an elastic job): with batch 16 for 10 steps then 32, step 11
+    starts at sample 160, and no sample is skipped or repeated. ``origin`` is where this
+    loader's batch size took over, ``(step, offset)``; step ``s``'s batch starts at
+    ``offset + (s - step) * global_batch``. The state to checkpoint is ``state()``;
+    ``restore(state)`` continues with exactly the next sample, on any number of
+    processes and at any global batch.
     """
 
     def __init__(
@@ -534,6 +542,7 @@ class Loader:
             )
         self.rows, self.global_batch, self.seed = rows, global_batch, seed
         self.step = 0  # the next step __next__ returns
+        self.origin = (0, 0)  # (step, sample offset) where this global_batch took over
         self.saved_shares: tuple[int, ...] | None = None
         self._perms: dict[int, np.ndarray] = {}
 
@@ -544,16 +553,33 @@ class Loader:
             self._perms[epoch] = np.random.default_rng((self.seed, epoch)).permutation(len(self.rows))
         return self._perms[epoch]
 
-    def row_indices(self, step: int) -> np.ndarray:
-        """The global batch's row indices ``[global_batch]`` at ``step``."""
+    def offset_of(self, step: int) -> int:
+        """The sample offset step ``step``'s batch starts at (``step`` at or after ``origin``'s)."""
+        first, offset = self.origin
+        if step < first:
+            raise ValueError(f"step {step} is before step {first}, where this loader's global_batch "
+                             f"{self.global_batch} took over: its offset is not this loader's to say")
+        return offset + (step - first) * self.global_batch
+
+    @property
+    def offset(self) -> int:
+        """The samples consumed: the offset of the next batch."""
+        return self.offset_of(self.step)
+
+    def sample_rows(self, offset: int, count: int) -> np.ndarray:
+        """The row indices ``[count]`` of samples ``offset .. offset + count - 1``."""
         n = len(self.rows)
-        i = step * self.global_batch + np.arange(self.global_batch)
+        i = offset + np.arange(count)
         epochs = i // n
-        out = np.empty(self.global_batch, np.int64)
+        out = np.empty(count, np.int64)
         for epoch in np.unique(epochs):
             at = epochs == epoch
             out[at] = self._permutation(int(epoch))[i[at] % n]
         return out
+
+    def row_indices(self, step: int) -> np.ndarray:
+        """The global batch's row indices ``[global_batch]`` at ``step``."""
+        return self.sample_rows(self.offset_of(step), self.global_batch)
 
     def share(self, rows: tuple[int, ...] | None) -> None:
         """From now on process ``p`` reads ``rows[p]`` rows of each global batch
@@ -584,22 +610,32 @@ class Loader:
         return batch
 
     def state(self) -> dict[str, int]:
-        """The next step, plus what must match for it to mean the same batch."""
-        state = {"step": self.step, "seed": self.seed, "n_rows": len(self.rows),
-                 "global_batch": self.global_batch}
+        """The next step, ``origin`` (where this batch size took over) and
+        ``global_batch``, from which its sample ``offset`` follows (saved too, for
+        readers), plus what must match for the stream to be the same: ``seed`` and
+        ``n_rows``."""
+        state = {"step": self.step, "origin": list(self.origin), "offset": self.offset, "seed": self.seed,
+                 "n_rows": len(self.rows), "global_batch": self.global_batch}
         return state if self.shares is None else {**state, "shares": list(self.shares)}
 
     def restore(self, state: dict) -> None:
-        """Continues from ``state()`` of an earlier loader over the same data (its row
+        """Continues from ``state()`` of an earlier loader over the same data, at this
+        loader's global batch, which may differ from the saved one: the next batch
+        starts at the sample the saved loader would have read next. A state without
+        ``origin`` (checkpoints before sample offsets) is at ``step * global_batch``. The
+        offset is derived from ``origin`` and ``step`` (the state's ``offset`` is for
+        readers), so a state whose ``step`` a caller moves stays consistent. Its row
         shares, where it had them, are ``saved_shares``: the caller decides whether they
-        still apply)."""
-        for name in ("seed", "n_rows", "global_batch"):
+        still apply (they sum to the saved global batch)."""
+        for name in ("seed", "n_rows"):
             if int(state[name]) != self.state()[name]:
                 raise ValueError(
                     f"loader state has {name}={int(state[name])} but this loader has "
                     f"{name}={self.state()[name]}: not the same data stream"
                 )
-        self.step = int(state["step"])
+        step, saved_batch = int(state["step"]), int(state["global_batch"])
+        first, offset = (int(x) for x in state.get("origin", (0, 0)))
+        self.step, self.origin = step, (step, offset + (step - first) * saved_batch)
         self.saved_shares = tuple(state["shares"]) if "shares" in state else None
 
 

@@ -48,6 +48,7 @@ from jaxpar.parallel.pipeline_schedule import Schedule
 from jaxpar.parallel.zigzag import to_zigzag
 from jaxpar.planning import hardware as hardware_lib
 from jaxpar.train import data as data_lib
+from jaxpar.train import noise_scale as noise_lib
 from jaxpar.train import offload as offload_lib
 from jaxpar.train import tasks, weighted
 from jaxpar.train.checkpoints import CheckpointError, Checkpoints
@@ -63,11 +64,15 @@ build_model, load_data = tasks.build_model, tasks.load_data  # the loop's names,
 
 
 def build_mesh(mesh_cfg: MeshConfig, devices=None) -> jax.sharding.Mesh:
-    """The mesh for ``mesh_cfg``; ``data`` None takes the devices the other axes leave."""
+    """The mesh for ``mesh_cfg``; ``data`` None takes the devices the other axes leave.
+    Sizes that ask for fewer devices than one process has take its first ones (a job
+    given part of a host, as an elastic job resized to fewer devices is)."""
     devices = jax.devices() if devices is None else devices
     tensor = mesh_cfg.tensor if isinstance(mesh_cfg.tensor, tuple) else (mesh_cfg.tensor,)
     others = mesh_cfg.fsdp * mesh_cfg.pipe * mesh_cfg.seq * math.prod(tensor)
     data = mesh_cfg.data
+    if data is not None and jax.process_count() == 1 and data * others < len(devices):
+        devices = devices[:data * others]
     if data is None:
         if others < 1 or len(devices) % others:
             raise TrainingError(
@@ -90,12 +95,22 @@ def describe_mesh(mesh) -> str:
     return f"mesh {axes} ({n} {mesh.devices.flat[0].platform} device{'s' if n > 1 else ''})"
 
 
-def make_optimizer(opt: OptimizerConfig, steps: int):
-    """``(tx, schedule)``: clipped AdamW with warmup and cosine decay."""
+def batch_scale(rule: str, batch: int, base: int) -> float:
+    """The learning rate's factor at global batch ``batch`` for a run whose first batch
+    was ``base``, by ``optimizer.batch_scaling`` ``rule``: ``linear`` (``batch / base``),
+    ``sqrt`` (its square root) or ``none`` (1)."""
+    ratio = batch / base
+    return {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[rule]
+
+
+def make_optimizer(opt: OptimizerConfig, steps: int, scale: float = 1.0):
+    """``(tx, schedule)``: clipped AdamW with warmup and cosine decay, its peak ``opt.lr``
+    times ``scale`` (``batch_scale``'s), on the step clock whatever the batch."""
     warmup = min(opt.warmup_steps, steps)
+    peak = opt.lr * scale
     schedule = optax.warmup_cosine_decay_schedule(
-        0.0, opt.lr, warmup_steps=warmup, decay_steps=max(steps, warmup + 1),
-        end_value=opt.lr * opt.min_lr_ratio,
+        0.0, peak, warmup_steps=warmup, decay_steps=max(steps, warmup + 1),
+        end_value=peak * opt.min_lr_ratio,
     )
     tx = optax.chain(
         optax.clip_by_global_norm(opt.clip_norm),
@@ -258,19 +273,23 @@ class Setup:
     offload_plan: Any = None
     profile: dict | None = None
     layout: weighted.Layout | None = None
+    noise_scale: bool = False  # the step returns the norms jaxpar.train.noise_scale reads
 
 
-def build(cfg: Config, task) -> Setup:
-    """The mesh, the train step and what it needs for ``cfg``; with ``offload``
-    requested, planned on the all-on-device step's compile-only profile."""
+def build(cfg: Config, task, base_batch: int | None = None) -> Setup:
+    """The mesh, the train step and what it needs for ``cfg``, its learning rate scaled
+    for ``cfg.batch_size`` against ``base_batch`` (the run's first; None: this one); with
+    ``offload`` requested, planned on the all-on-device step's compile-only profile."""
     mesh = build_mesh(cfg.mesh)
     rules = sharding_rules(cfg.model, mesh, sequence_parallel=cfg.execution.sequence_parallel)
     _check_batch(cfg, mesh, rules)
     abstract_model = nnx.eval_shape(task.model)
-    tx, lr = make_optimizer(cfg.optimizer, cfg.steps)
+    scale = batch_scale(cfg.optimizer.batch_scaling, cfg.batch_size, base_batch or cfg.batch_size)
+    tx, lr = make_optimizer(cfg.optimizer, cfg.steps, scale)
     stages = pipeline_schedule(cfg, mesh, rules)
     frozen = task.frozen(mesh, rules)
     layout = weighted.layout_of(cfg, mesh)
+    noise = noise_lib.enabled(cfg, mesh)
 
     def build_step(**offload):
         return make_train_step(abstract_model, tx, mesh, rules, grad_accum=cfg.optimizer.grad_accum,
@@ -278,10 +297,11 @@ def build(cfg: Config, task) -> Setup:
                                pipeline=stages,
                                stage_layers=None if stages is None else cfg.pipeline.stage_layers,
                                weighted=None if layout is None else layout.unit,
-                               reduction=cfg.optimizer.gradient_reduction,
+                               reduction=cfg.optimizer.gradient_reduction, noise_scale=noise,
                                **task.step_options(frozen), **offload)
 
-    setup = Setup(mesh, rules, abstract_model, tx, lr, stages, frozen, build_step(), layout=layout)
+    setup = Setup(mesh, rules, abstract_model, tx, lr, stages, frozen, build_step(), layout=layout,
+                  noise_scale=noise)
     if not cfg.offload.requested:
         return setup
     profile = dry_run_profile(cfg, setup.step_fn, abstract_model, mesh, rules, stages)
@@ -343,15 +363,35 @@ def initial_state(task, setup: Setup, restored, loader: data_lib.Loader, where: 
     return state["params"], state["opt_state"]
 
 
-def saver(cfg: Config, checkpoints: Checkpoints, trainer: Trainer, loader: data_lib.Loader) -> Callable[[int], None]:
-    """``save(step)``: the trainer's state in model order, with the loader's position
-    and the config."""
+def base_batch_of(cfg: Config, restored) -> int:
+    """The run's first global batch (what ``optimizer.batch_scaling`` scales against):
+    the checkpoint's, or for a new run (or a checkpoint from before it was kept) this one."""
+    return cfg.batch_size if restored is None else int(restored[2].get("base_batch", cfg.batch_size))
+
+
+def rescaled(cfg: Config, task, setup: Setup, base_batch: int) -> Setup:
+    """``setup``, rebuilt with its learning rate scaled where a resumed run's batch is
+    not its first and ``optimizer.batch_scaling`` scales it (the same state shapes, so
+    the restored state fits the new step)."""
+    if base_batch == cfg.batch_size or cfg.optimizer.batch_scaling == "none":
+        return setup
+    log.info("global batch %d, the run's first %d: learning rate x%.3g (optimizer.batch_scaling=%s)",
+             cfg.batch_size, base_batch, batch_scale(cfg.optimizer.batch_scaling, cfg.batch_size, base_batch),
+             cfg.optimizer.batch_scaling)
+    return build(cfg, task, base_batch)
+
+
+def saver(cfg: Config, checkpoints: Checkpoints, trainer: Trainer, loader: data_lib.Loader,
+          base_batch: int) -> Callable[[int], None]:
+    """``save(step)``: the trainer's state in model order, with the loader's position,
+    the run's first global batch and the config."""
 
     def save(step):
         state = {"params": trainer.params, "opt_state": trainer.opt_state}
         try:
             checkpoints.save(step, trainer.step_fn.in_model_order(state),
-                             {"step": step, "loader": loader.state(), "config": to_dict(cfg)})
+                             {"step": step, "loader": loader.state(), "base_batch": base_batch,
+                              "config": to_dict(cfg)})
         except CheckpointError as e:
             raise TrainingError(str(e)) from None
 
@@ -394,6 +434,8 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
             log.warning("%s is already at step %d (steps=%d): nothing to do; raise steps= to continue "
                         "or choose another run_dir", cfg.run_dir, start, cfg.steps)
             return []
+        base_batch = base_batch_of(cfg, restored)
+        setup = rescaled(cfg, task, setup, base_batch)
         tokenizer, data = batches(cfg, task, setup)
         write_run_dir(cfg, task, tokenizer)  # only now: a run refused above leaves no run dir
         params, opt_state = initial_state(task, setup, restored, data.loader, checkpoints.directory)
@@ -404,6 +446,8 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
             trainer.add_hook(utilisation(flops_per_token(cfg), peak * setup.mesh.devices.size))
         if data.validation:
             trainer.add_hook(evaluation(setup.step_fn, data, setup.frozen), every=cfg.eval.every)
+        if setup.noise_scale:
+            trainer.add_hook(noise_lib.hook(cfg.batch_size, setup.mesh))
         if setup.layout is not None:  # data.batch_weights: each process's share, maybe re-measured
             weighted.start_shares(cfg, setup.step_fn, setup.layout, data, trainer, resumed=restored is not None)
             if cfg.data.rebalance_every:
@@ -414,6 +458,7 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
         log.info("compiling the train step (the first step waits for it)")
         with setup.step_fn.context():
             return run_steps(start, cfg.steps, cfg.checkpoint.every, one_step=trainer.step,
-                             save=saver(cfg, checkpoints, trainer, data.loader), recorder=recorder,
+                             save=saver(cfg, checkpoints, trainer, data.loader, base_batch),
+                             recorder=recorder,
                              where=str(checkpoints.directory))
         # leaving the Checkpoints block waits for the last save

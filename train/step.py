@@ -317,6 +317,7 @@ def make_train_step(
     offload: OffloadOptions | None = None,
     reduction: reduction_lib.Reduction | None = None,
     weighted: int | None = None,
+    noise_scale: bool = False,
 ) -> TrainStep:
     """Builds the jitted train step for ``model``'s structure on ``mesh`` (or one device).
 
@@ -364,6 +365,13 @@ def make_train_step(
     its ``grad_accum`` microbatches) and reduces them explicitly, ``dct_topk``'s residuals
     carried in the optimizer state (``TrainStep.tx`` is then ``optax.chain(carried, tx)``).
     Needs a mesh; not with ``pipeline`` or ``offload`` yet.
+
+    ``noise_scale``: the step also returns ``grad_sq_small``, the mean over the ``data``
+    replicas of each one's gradient's squared norm, and ``grad_sq_big``, the batch
+    gradient's (``jaxpar.hetero.reduction.value_grads_and_replica_norm``: each replica's
+    gradient under ``shard_map``, token-weighted and summed, so the update is the plain
+    step's): what ``jaxpar.train.noise_scale`` estimates the gradient noise scale from.
+    Needs a mesh; not with ``pipeline``, ``offload``, ``weighted`` or another reduction.
     """
     graphdef, params = nnx.split(model)
     resolved = None if mesh is None else rules_lib.for_mesh(mesh, rules_lib.DEFAULT_RULES if rules is None else rules)
@@ -379,6 +387,10 @@ def make_train_step(
                              "no compression")
         reduction_lib.check(reduction, mesh)
         tx = reduction_lib.with_state(tx, reduction, mesh)
+    if noise_scale and (mesh is None or pipeline is not None or offloading or weighted is not None
+                        or reduction is not None):
+        raise ValueError("eval.noise_scale needs a mesh and the plain mean over data replicas: not with a "
+                         "pipeline, offload, data.batch_weights or another reduction yet")
     if stage_layers is not None and pipeline is None:
         raise ValueError(f"stage_layers={list(stage_layers)} needs a pipeline")
     if pipeline is not None and offloading:
@@ -434,9 +446,17 @@ def make_train_step(
         return reduction_lib.value_and_grads(grad_fn, reduction, mesh, params_sharding, opt_sharding,
                                              params, opt_state, batch, *frozen)
 
+    def with_noise(params, batch, *frozen):
+        grad_fn = loss_and_grads if grad_accum == 1 else accumulated
+        return reduction_lib.value_grads_and_replica_norm(grad_fn, mesh, params_sharding, params, batch, *frozen)
+
     @use_execution(execution)  # bound at trace time, whatever the caller's context
     def step(params, opt_state, batch, *frozen):
-        if reduction is not None:
+        extra = {}
+        if noise_scale:
+            value, grads, small = with_noise(params, batch, *frozen)
+            extra = {"grad_sq_small": small, "grad_sq_big": optax.tree.norm(grads, squared=True)}
+        elif reduction is not None:
             value, grads, opt_state = reduced(params, opt_state, batch, *frozen)
         elif grad_accum == 1:
             value, grads = loss_and_grads(params, batch, *frozen)
@@ -447,7 +467,7 @@ def make_train_step(
             return params, opt_state, {"loss": value, "grad_norm": norm}
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        return params, opt_state, {"loss": value, "grad_norm": optax.tree.norm(grads)}
+        return params, opt_state, {"loss": value, "grad_norm": optax.tree.norm(grads), **extra}
 
     donate_argnums = (0, 1) if donate else ()
     if mesh is None and not offloading:

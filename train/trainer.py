@@ -90,6 +90,7 @@ class Trainer:
         record = {"step": step, "loss": loss, "lr": float(self.lr(step - 1)), "grad_norm": float(out["grad_norm"]),
                   "tokens_per_s": self.tokens_per_step / elapsed, "step_time_s": elapsed,
                   "device_live_bytes": offload_lib.device_live_bytes()}
+        record.update({k: float(v) for k, v in out.items() if k not in ("loss", "grad_norm")})  # a step option's
         postfix = {"loss": f"{loss:.3f}", "tok/s": f"{record['tokens_per_s']:.0f}", "step": f"{elapsed * 1e3:.0f}ms"}
         info = StepInfo(step, self.params, self.opt_state, record, postfix, last=step == self.steps)
         for hook, every in self.hooks:

@@ -210,6 +210,39 @@ def _per_replica(grad_fn, reduction: Reduction, mesh, params, state, batch, *fro
                          )(params, state, batch, *frozen)
 
 
+def value_grads_and_replica_norm(grad_fn: Callable, mesh, params_sharding, params, batch, *frozen):
+    """``(loss, grads, small)``: the batch's token-weighted mean loss and gradient (the
+    plain step's, each replica's ``grad_fn`` result weighted by its counted tokens and
+    summed over ``data``) and ``small``, the mean over the replicas of each one's own
+    gradient's squared norm: the two batch sizes of McCandlish et al.'s noise-scale
+    estimator within one step (``jaxpar.train.noise_scale``). Run per replica under
+    ``shard_map`` over ``data`` as ``value_and_grads``; without a ``mask`` every replica
+    weighs the same."""
+    run = auto_axes(functools.partial(_weighted_per_replica, grad_fn, mesh),
+                    out_sharding=(PartitionSpec(), params_sharding, PartitionSpec()))
+    return run(params, batch, *frozen)
+
+
+def _weighted_per_replica(grad_fn, mesh, params, batch, *frozen):
+    on = jax.sharding.get_abstract_mesh() if mesh.explicit_axes else mesh
+    rules = without_axis(current().rules, AXIS)
+
+    def replica(params, batch, *frozen):
+        with use_execution(rules=rules):  # inside, `data` is manual: activations name it no more
+            value, grads = grad_fn(params, batch, *frozen)
+        counted = batch["mask"].astype(jnp.float32).sum() if "mask" in batch else jnp.ones((), jnp.float32)
+        share = counted / jnp.maximum(jax.lax.psum(counted, AXIS), 1.0)
+        small = jax.lax.pmean(optax.tree.norm(grads, squared=True), AXIS)
+        value, grads = jax.lax.psum((share * value, jax.tree.map(lambda g: (share * g).astype(g.dtype), grads)), AXIS)
+        return value, grads, small
+
+    whole, split = PartitionSpec(), PartitionSpec(AXIS)
+    # check_vma off, as in _per_replica: each replica's gradient is its own until the psum.
+    return jax.shard_map(replica, mesh=on, in_specs=(whole, split, *(whole,) * len(frozen)),
+                         out_specs=(whole, whole, whole), axis_names={AXIS}, check_vma=False,
+                         )(params, batch, *frozen)
+
+
 def without_axis(rules, axis: str):
     """``rules`` with ``axis`` removed from every rule (a dimension mapped only to it
     becomes replicated): what activations follow inside a ``shard_map`` manual over it."""

@@ -1,0 +1,94 @@
+"""The gradient noise scale of a run (``eval.noise_scale``): McCandlish et al. (2018,
+"An Empirical Model of Large-Batch Training", appendix A.1) estimated from two batch
+sizes within each step, what Pollux's and ONES' statistical-efficiency models read.
+
+The step (``make_train_step(..., noise_scale=True)``) returns ``grad_sq_small``, the
+mean over the ``n`` data replicas of each one's gradient's squared norm (batch
+``b_small = B / n``), and ``grad_sq_big``, the whole batch's (``b_big = B``). Since
+``E|G_b|^2 = |G|^2 + tr(Sigma) / b``, the two give unbiased estimates
+
+    |G|^2 ~ (b_big |G_big|^2 - b_small |G_small|^2) / (b_big - b_small)
+    S     ~ (|G_small|^2 - |G_big|^2) / (1 / b_small - 1 / b_big)
+
+and ``B_simple = S / |G|^2``, in sequences (the batch's unit). One step's ratio is
+noisy (``|G|^2`` may come out negative), so, as the paper advises, each of ``|G|^2``
+and ``S`` is smoothed apart, by an exponential moving average with decay ``DECAY``
+(the same zero start in both, so Adam's bias correction cancels in the ratio), and the
+logged ``noise_scale`` is their ratio. The averages are not checkpointed: a resumed run
+starts them again. With one data replica there is one batch size, and no estimate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from jaxpar.train.config import Config, ConfigError
+from jaxpar.train.trainer import Hook, StepInfo
+
+log = logging.getLogger(__name__)
+
+DECAY = 0.9  # about ten steps' memory
+
+
+def simple_estimates(small_sq: float, big_sq: float, b_small: float, b_big: float) -> tuple[float, float]:
+    """``(|G|^2, S)``: the unbiased estimates of the true gradient's squared norm and of
+    ``tr(Sigma)`` from the squared norms of gradients over ``b_small`` and ``b_big`` samples."""
+    if not 0 < b_small < b_big:
+        raise ValueError(f"the batch sizes must satisfy 0 < b_small < b_big; got {b_small}, {b_big}")
+    g2 = (b_big * big_sq - b_small * small_sq) / (b_big - b_small)
+    trace = (small_sq - big_sq) / (1 / b_small - 1 / b_big)
+    return g2, trace
+
+
+@dataclasses.dataclass
+class Smoothed:
+    """Exponential moving averages of ``|G|^2`` and ``S`` from zero; ``update`` gives their ratio."""
+
+    decay: float = DECAY
+    g2: float = 0.0
+    trace: float = 0.0
+    count: int = 0
+
+    def update(self, g2: float, trace: float) -> float:
+        """Adds one step's estimates; returns the smoothed ``B_simple = S / |G|^2``."""
+        self.count += 1
+        self.g2 = self.decay * self.g2 + (1 - self.decay) * g2
+        self.trace = self.decay * self.trace + (1 - self.decay) * trace
+        return self.trace / self.g2 if self.g2 else float("nan")  # the bias corrections cancel
+
+
+def replicas_of(mesh) -> int:
+    return mesh.shape.get("data", 1)
+
+
+def enabled(cfg: Config, mesh) -> bool:
+    """Whether the step should return the norms: ``eval.noise_scale``, and more than one
+    data replica (else one log line says why not); ``ConfigError`` (exit 2) beside what
+    the step's option does not compose with (``make_train_step``'s ``noise_scale``)."""
+    if not cfg.eval.noise_scale:
+        return False
+    others = [key for key, on in [("mesh.pipe", cfg.mesh.pipe > 1), ("offload", bool(cfg.offload.requested)),
+                                  ("data.batch_weights", cfg.data.batch_weights is not None),
+                                  ("optimizer.reduction/compression", not cfg.optimizer.gradient_reduction.is_mean)]
+              if on]
+    if others:
+        raise ConfigError(f"eval.noise_scale=true does not compose with {', '.join(others)} yet")
+    if replicas_of(mesh) < 2:
+        log.warning("eval.noise_scale: one data replica (mesh.data=1) gives one batch size per step; the "
+                    "noise scale needs two, so it is not estimated")
+        return False
+    return True
+
+
+def hook(batch_size: int, mesh) -> Hook:
+    """A ``Trainer`` hook adding ``noise_scale`` (smoothed ``B_simple``, in sequences) to
+    each step's record, from the step's ``grad_sq_small`` and ``grad_sq_big``."""
+    b_small, smoothed = batch_size / replicas_of(mesh), Smoothed()
+
+    def add(info: StepInfo) -> None:
+        record = info.record
+        g2, trace = simple_estimates(record["grad_sq_small"], record["grad_sq_big"], b_small, batch_size)
+        record["noise_scale"] = smoothed.update(g2, trace)
+
+    return add
