@@ -1,0 +1,223 @@
+"""``jaxpar-cluster run`` on a local Ray instance (issue 40, item 5): three tiny jobs on
+4 declared devices under a scheduler that resizes one of them mid-run (2 devices at
+batch 8 to 1 at batch 16). Every job finishes, the resized job trains its samples and
+its losses equal the same job run alone on the same devices and batches (from the step
+it was stopped at: 1e-5), no ``jaxpar-train`` process is left, nor after a SIGTERM
+mid-run, and the errors (a Ray address that does not answer, a bad
+JOBS.yaml, a scheduler that does not exist) are one line and a non-zero exit, quickly."""
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("ray", reason="Ray is not installed (pip install 'jaxpar[cluster]' or '.[test]')")
+
+from jaxpar.elastic.scheduler import Allocation  # noqa: E402
+from jaxpar.train.cluster_jobs import JobsError, load_jobs  # noqa: E402
+from jaxpar.train.cluster_run import RunError, metrics, run_jobs, train_command  # noqa: E402
+
+pytestmark = pytest.mark.slow  # Ray and jaxpar-train processes
+
+TESTS = pathlib.Path(__file__).parent
+OVERRIDES = ["model.layers=2", "model.vocab_size=512", "data.max_files=40", "data.val_fraction=0.1",
+             "seq_len=32", "eval.every=0", "optimizer.warmup_steps=2", "checkpoint.every=1",
+             "checkpoint.keep=100"]
+JOBS = [  # b shrinks from 2 devices to 1 (and doubles its batch) after 2 steps; c, waiting, takes the device freed
+    {"id": "a", "steps": 4, "devices": 2},
+    {"id": "b", "steps": 12, "devices": 2, "min_batch": 8, "max_batch": 16},
+    {"id": "c", "steps": 3, "devices": 1},
+]
+
+
+class Fifo:
+    """Arrival order, each job its requested devices while they last."""
+
+    name = "fifo-test"
+
+    def decide(self, now_s, jobs, devices):
+        decision, free = {}, devices
+        for job in sorted(jobs, key=lambda j: (j.arrival_s, j.id)):
+            want = self.want(job)
+            if want <= free:
+                decision[job.id], free = Allocation(want, job.model.base_batch), free - want
+        return decision
+
+    def want(self, job):
+        return job.requested_devices
+
+
+class ShrinkB(Fifo):
+    """FIFO, except that job ``b`` runs on one device at batch 16 once it has trained two
+    steps."""
+
+    name = "shrink-b"
+
+    def decide(self, now_s, jobs, devices):
+        decision = super().decide(now_s, jobs, devices)
+        if "b" in decision and self.shrunk(next(j for j in jobs if j.id == "b")):
+            decision["b"] = Allocation(1, 16)
+        return decision
+
+    def want(self, job):
+        return 1 if job.id == "b" and self.shrunk(job) else job.requested_devices
+
+    @staticmethod
+    def shrunk(job):
+        return job.progress >= 2 * job.model.base_batch
+
+
+def write_jobs(path, jobs=JOBS) -> pathlib.Path:
+    import yaml
+
+    path.write_text(yaml.safe_dump([{"config": "tiny", "overrides": OVERRIDES, "batch_size": 8, **j} for j in jobs],
+                                   sort_keys=False))
+    return path
+
+
+# jaxpar-cluster itself once train/cluster.py has the run command; until then the same
+# flat parser, built here from cluster_run's parts.
+CLI = """
+import sys
+from jaxpar.train import cluster, cluster_run
+from jaxpar.train.command import CommandParser
+if "run" in cluster.COMMANDS:
+    sys.exit(cluster.main())
+parser = CommandParser(prog="jaxpar-cluster")
+parser.add_argument("command", choices=["run"])
+parser.add_argument("source")
+parser.add_argument("--scheduler", required=True)
+parser.add_argument("--round-s", type=float, default=60.0)
+cluster_run.add_arguments(parser)
+sys.exit(cluster_run.run_command(parser.parse_args(), parser))
+"""
+
+
+def cluster(*args, timeout=300) -> subprocess.CompletedProcess:
+    """``jaxpar-cluster run ARGS``."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-c", CLI, "run", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def training_processes(under: pathlib.Path) -> list[int]:
+    """Pids of the ``jaxpar.train`` processes with a run dir under ``under`` (from /proc)."""
+    pids = []
+    for proc in pathlib.Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"jaxpar.train" in argv and any(str(under).encode() in a for a in argv):
+            pids.append(int(proc.name))
+    return pids
+
+
+def test_three_jobs_one_resized_finish_exactly_and_leave_nothing(tmp_path):
+    work = tmp_path / "work"
+    done = cluster(str(write_jobs(tmp_path / "jobs.yaml")), "--scheduler", "test_cluster_ray:ShrinkB",
+                   "--devices", "4", "--round-s", "0.5", "--work-dir", str(work))
+    assert done.returncode == 0, done.stderr
+    rows = {r["id"]: r for r in map(json.loads, done.stdout.splitlines())}
+    assert sorted(rows) == ["a", "b", "c"]
+    assert rows["a"]["resizes"] == rows["c"]["resizes"] == 0
+    assert rows["b"]["resizes"] == 1
+    (first, two, eight), (stopped_at, one, sixteen) = rows["b"]["segments"]
+    assert (first, two, eight, one, sixteen) == (0, 2, 8, 1, 16) and 2 <= stopped_at < 12
+    steps = {"a": 4, "b": stopped_at + -(-(12 - stopped_at) * 8 // 16), "c": 3}  # b's 96 samples
+    for job in JOBS:
+        assert len(metrics(work / job["id"])) == steps[job["id"]]
+        assert rows[job["id"]]["final_loss"] == metrics(work / job["id"])[-1]["loss"]
+    assert training_processes(tmp_path) == []
+
+    # b alone on the same devices and batches: 2 at batch 8 to the end, then again on 1 at
+    # batch 16 from the checkpoint of the step it was stopped at (the later checkpoints
+    # removed), as its resize did
+    spec = {s.id: s for s in load_jobs(tmp_path / "jobs.yaml")}["b"]
+    alone = tmp_path / "alone"
+    for command in (train_command(spec, alone, 2), train_command(spec, alone, 1, 16, steps["b"])):
+        argv, env = command
+        ran = subprocess.run(argv, env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
+        assert ran.returncode == 0, ran.stderr
+        for later in [p for p in (alone / "checkpoints").iterdir() if p.name.isdigit() and int(p.name) > stopped_at]:
+            shutil.rmtree(later)
+    expected, got = [r["loss"] for r in metrics(alone)], [r["loss"] for r in metrics(work / "b")]
+    assert len(got) == len(expected) == steps["b"]
+    assert max(abs(g - e) / abs(e) for g, e in zip(got, expected)) < 1e-5
+
+
+def test_sigterm_stops_every_job_and_leaves_nothing(tmp_path):
+    """SIGTERM (as Ctrl-C) to jaxpar-cluster while a job trains: one line, exit 143, its
+    training process gone."""
+    import signal
+
+    work = tmp_path / "work"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-c", CLI, "run", str(write_jobs(tmp_path / "jobs.yaml", JOBS[:1])),
+                             "--scheduler", "test_cluster_ray:Fifo", "--work-dir", str(work)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 120
+    while not training_processes(work) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert training_processes(work), "the job never started"
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err
+    assert err.splitlines()[-1] == "jaxpar-cluster: stopped by SIGTERM; every job stopped", err
+    assert out == "" and training_processes(work) == []
+
+
+def test_a_ray_address_that_does_not_answer_is_one_line_quickly(tmp_path):
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    start = time.monotonic()
+    done = cluster(str(write_jobs(tmp_path / "jobs.yaml")), "--scheduler", "test_cluster_ray:Fifo",
+                   "--address", f"127.0.0.1:{port}", timeout=60)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.startswith(f"jaxpar-cluster: error: no Ray cluster answers at 127.0.0.1:{port} within 10 s")
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert time.monotonic() - start < 30
+
+
+def test_bad_jobs_and_schedulers_are_one_line(tmp_path):
+    jobs = tmp_path / "jobs.yaml"
+    jobs.write_text("- id: a\n  config: tiny\n  steps: 3\n  devices: 1\n  batch_size: 8\n"
+                    "- id: b\n  config: tiny\n  steps: x\n  devices: 1\n  batch_size: 8\n")
+    with pytest.raises(JobsError, match=r"jobs.yaml:6: job 1 \(b\): steps must be a positive integer, not 'x'$"):
+        load_jobs(jobs)
+    jobs.write_text("- {id: a, config: tiny, steps: 3, devices: 3, max_devices: 2, batch_size: 8}\n")
+    with pytest.raises(JobsError, match=r"devices=3 must lie in \[min_devices=1, max_devices=2\]"):
+        load_jobs(jobs)
+    jobs.write_text("- {id: a, config: tiny, steps: 3, devise: 3}\n")
+    with pytest.raises(JobsError, match="unknown field 'devise' \\(did you mean 'devices'\\?\\)"):
+        load_jobs(jobs)
+    jobs.write_text("- {id: a, config: tiny, steps: 3, devices: 1, overrides: [model.layerz=2]}\n")
+    with pytest.raises(JobsError, match="job 0 \\(a\\): .*layerz"):
+        load_jobs(jobs)
+
+    specs = load_jobs(write_jobs(jobs))
+    with pytest.raises(RunError, match="^job a asks for 2 devices; the cluster has 1$"):
+        run_jobs(specs, Fifo(), devices=1, work_dir=tmp_path)
+
+    class Idle(Fifo):
+        def decide(self, now_s, jobs, devices):
+            return {}
+
+    with pytest.raises(RunError, match=r"^scheduler 'fifo-test' runs none of the waiting jobs \['a', 'b', 'c'\]"):
+        run_jobs(specs, Idle(), devices=4, work_dir=tmp_path)
+
+    jobs.write_text("- {id: a, config: tiny, steps: 3, devices: 1, overrides: [model.layerz=2]}\n")
+    done = cluster(str(jobs), "--scheduler", "fifo", timeout=60)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "layerz" in done.stderr, done.stderr
+    done = cluster(str(write_jobs(jobs)), "--scheduler", "no-such-scheduler", timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("jaxpar-cluster: error: no scheduler 'no-such-scheduler'; choose from fifo")
+    assert done.stderr.count("\n") == 1, done.stderr
