@@ -302,7 +302,10 @@ def _carry_out(cluster: Cluster, active: list[Running], decision: dict[str, Allo
             rc = cluster.stop(job, now)
             if rc == 0:  # it finished before the signal
                 job.finished_s = now
-            elif rc not in (128 + signal.SIGTERM, None):
+            # 143: stopped at a step boundary, that step saved. -SIGTERM: stopped before its
+            # loop began (loading, compiling), and -SIGKILL: past the grace period; either way
+            # its newest checkpoint is where it resumes, nothing it saved lost.
+            elif rc not in (128 + signal.SIGTERM, -signal.SIGTERM, -signal.SIGKILL, None):
                 raise RunError(f"job {job.spec.id}: jaxpar-train exited {rc} when stopped; see "
                                f"{job.run_dir.parent / (job.spec.id + '.log')}")
             elif new.devices:
