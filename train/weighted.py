@@ -79,10 +79,6 @@ class Layout:
     def slot(self) -> int:
         return max(self.device_rows)
 
-    def start(self, process: int) -> int:
-        """Where process ``process``'s rows begin in the global batch's row order."""
-        return sum(self.rows[:process])
-
     def padded(self, local: dict, process: int) -> dict:
         """Process ``process``'s ``local`` rows ``[rows[process], T]`` as its part of the
         step's batch, ``[devices * slot, T]``: each device's rows then zero rows."""
