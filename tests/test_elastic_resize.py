@@ -103,7 +103,7 @@ def test_unknown_batch_scaling_is_one_line_exit_2(tmp_path, capfd):
     capfd.readouterr()
     assert main(["tiny", f"run_dir={tmp_path / 'run'}", "optimizer.batch_scaling=cubic"]) == 2
     lines = capfd.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and "optimizer.batch_scaling='cubic' must be one of ['none', 'linear', 'sqrt']" in lines[0]
+    assert len(lines) == 1 and "optimizer.batch_scaling='cubic' must be one of ['none', 'linear', 'sqrt', 'adascale']" in lines[0]
     assert not (tmp_path / "run").exists()
 
 

@@ -111,7 +111,9 @@ class OptimizerConfig:
     which rule suits a model and optimizer is the user's to choose (linear scaling is
     SGD's rule and overshoots with Adam at large ratios). The schedule stays on the step
     clock (``warmup_steps`` and the cosine over ``steps`` count steps whatever the batch)
-    and Adam's moments carry over as they are (they are per parameter, not per sample)."""
+    and Adam's moments carry over as they are (they are per parameter, not per sample).
+    ``adascale`` (needs ``eval.noise_scale=true``): AdaScale's gain, measured every step
+    from the noise scale, in place of a fixed rule (``jaxpar.elastic.adascale``)."""
 
     lr: float = 3e-3
     warmup_steps: int = 20
@@ -125,7 +127,7 @@ class OptimizerConfig:
     compression: Literal[reduction_lib.COMPRESSIONS] = "none"
     compression_ratio: float = 0.01
     threshold_every: int = 10
-    batch_scaling: Literal["none", "linear", "sqrt"] = "none"
+    batch_scaling: Literal["none", "linear", "sqrt", "adascale"] = "none"
 
     def __post_init__(self):
         self.gradient_reduction  # Reduction's checks: the ratio in (0, 1], threshold_every >= 1
@@ -458,6 +460,9 @@ class Config:
                              "byte-level BPE of that size (256 bytes + EOS)")
         if self.seq_len < 2:
             raise ValueError(f"seq_len={self.seq_len!r} must be at least 2")
+        if self.optimizer.batch_scaling == "adascale" and not self.eval.noise_scale:
+            raise ValueError("optimizer.batch_scaling=adascale reads the gradient noise scale: give "
+                             "eval.noise_scale=true")
         offload = self.offload
         if offload.resident_layers is not None and offload.resident_layers > self.model.layers:
             raise ValueError(f"offload.resident_layers={offload.resident_layers} is above "

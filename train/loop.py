@@ -41,6 +41,7 @@ import yaml
 from flax import nnx
 
 import jaxpar
+from jaxpar.elastic import adascale as adascale_lib
 from jaxpar.models.config import WEIGHTS, ModelConfig
 from jaxpar.parallel import pipeline_schedule as pipeline_schedules
 from jaxpar.models.transformer import sharding_rules
@@ -96,27 +97,34 @@ def describe_mesh(mesh) -> str:
 
 
 def batch_scale(rule: str, batch: int, base: int) -> float:
-    """The learning rate's factor at global batch ``batch`` for a run whose first batch
-    was ``base``, by ``optimizer.batch_scaling`` ``rule``: ``linear`` (``batch / base``),
-    ``sqrt`` (its square root) or ``none`` (1)."""
+    """The learning rate's fixed factor at global batch ``batch`` for a run whose first
+    batch was ``base``, by ``optimizer.batch_scaling`` ``rule``: ``linear`` (``batch /
+    base``), ``sqrt`` (its square root), ``none`` or ``adascale`` (1: AdaScale's gain is
+    measured in the step, ``make_optimizer``)."""
     ratio = batch / base
-    return {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[rule]
+    return {"none": 1.0, "adascale": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[rule]
 
 
-def make_optimizer(opt: OptimizerConfig, steps: int, scale: float = 1.0):
+def make_optimizer(opt: OptimizerConfig, steps: int, scale: float = 1.0, *,
+                   adascale: tuple[int, int, int] | None = None):
     """``(tx, schedule)``: clipped AdamW with warmup and cosine decay, its peak ``opt.lr``
-    times ``scale`` (``batch_scale``'s), on the step clock whatever the batch."""
+    times ``scale`` (``batch_scale``'s), on the step clock whatever the batch.
+    ``adascale``: ``(base, batch, replicas)``: AdamW's learning rate scaled by AdaScale's
+    gain instead (``jaxpar.elastic.adascale``: the schedule read at the gain's progress;
+    the step passes the noise scale's norms to ``tx.update``)."""
     warmup = min(opt.warmup_steps, steps)
     peak = opt.lr * scale
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, peak, warmup_steps=warmup, decay_steps=max(steps, warmup + 1),
         end_value=peak * opt.min_lr_ratio,
     )
-    tx = optax.chain(
-        optax.clip_by_global_norm(opt.clip_norm),
-        optax.adamw(schedule, b1=opt.b1, b2=opt.b2, weight_decay=opt.weight_decay),
-    )
-    return tx, schedule
+    if adascale is None:
+        adamw = optax.adamw(schedule, b1=opt.b1, b2=opt.b2, weight_decay=opt.weight_decay)
+    else:  # optax.adamw with its last part, the learning rate, AdaScale's
+        base, batch, replicas = adascale
+        adamw = optax.chain(optax.scale_by_adam(b1=opt.b1, b2=opt.b2), optax.add_decayed_weights(opt.weight_decay),
+                            adascale_lib.scale_by_adascale(schedule, base=base, batch=batch, replicas=replicas))
+    return optax.chain(optax.clip_by_global_norm(opt.clip_norm), adamw), schedule
 
 
 def flops_per_token(cfg) -> float:
@@ -284,8 +292,11 @@ def build(cfg: Config, task, base_batch: int | None = None) -> Setup:
     rules = sharding_rules(cfg.model, mesh, sequence_parallel=cfg.execution.sequence_parallel)
     _check_batch(cfg, mesh, rules)
     abstract_model = nnx.eval_shape(task.model)
-    scale = batch_scale(cfg.optimizer.batch_scaling, cfg.batch_size, base_batch or cfg.batch_size)
-    tx, lr = make_optimizer(cfg.optimizer, cfg.steps, scale)
+    base_batch = base_batch or cfg.batch_size
+    scale = batch_scale(cfg.optimizer.batch_scaling, cfg.batch_size, base_batch)
+    adascale = ((base_batch, cfg.batch_size, noise_lib.replicas_of(mesh))
+                if cfg.optimizer.batch_scaling == "adascale" else None)
+    tx, lr = make_optimizer(cfg.optimizer, cfg.steps, scale, adascale=adascale)
     stages = pipeline_schedule(cfg, mesh, rules)
     frozen = task.frozen(mesh, rules)
     layout = weighted.layout_of(cfg, mesh)

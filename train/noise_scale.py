@@ -15,7 +15,9 @@ noisy (``|G|^2`` may come out negative), so, as the paper advises, each of ``|G|
 and ``S`` is smoothed apart, by an exponential moving average with decay ``DECAY``
 (the same zero start in both, so Adam's bias correction cancels in the ratio), and the
 logged ``noise_scale`` is their ratio. The averages are not checkpointed: a resumed run
-starts them again. With one data replica there is one batch size, and no estimate.
+starts them again (``optimizer.batch_scaling=adascale`` keeps its own in the optimizer's
+state, ``jaxpar.elastic.adascale``, which also logs ``adascale_gain``). With one data
+replica there is one batch size, and no estimate.
 """
 
 from __future__ import annotations
@@ -23,22 +25,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+from jaxpar.elastic.adascale import simple_estimates
 from jaxpar.train.config import Config, ConfigError
 from jaxpar.train.trainer import Hook, StepInfo
 
 log = logging.getLogger(__name__)
 
 DECAY = 0.9  # about ten steps' memory
-
-
-def simple_estimates(small_sq: float, big_sq: float, b_small: float, b_big: float) -> tuple[float, float]:
-    """``(|G|^2, S)``: the unbiased estimates of the true gradient's squared norm and of
-    ``tr(Sigma)`` from the squared norms of gradients over ``b_small`` and ``b_big`` samples."""
-    if not 0 < b_small < b_big:
-        raise ValueError(f"the batch sizes must satisfy 0 < b_small < b_big; got {b_small}, {b_big}")
-    g2 = (b_big * big_sq - b_small * small_sq) / (b_big - b_small)
-    trace = (small_sq - big_sq) / (1 / b_small - 1 / b_big)
-    return g2, trace
 
 
 @dataclasses.dataclass

@@ -21,6 +21,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxpar.elastic import adascale as adascale_lib
 from jaxpar.hetero import reduction as reduction_lib
 from jaxpar.offload import state as offload_state
 from jaxpar.offload.fetch import is_split, to_device, to_host
@@ -465,8 +466,12 @@ def make_train_step(
         if offloading:
             params, opt_state, norm = offload_state.update(tx, offload, grads, opt_state, params)
             return params, opt_state, {"loss": value, "grad_norm": norm}
-        updates, opt_state = tx.update(grads, opt_state, params)
+        # the noise scale's norms reach a transformation that reads them (AdaScale's)
+        updates, opt_state = optax.with_extra_args_support(tx).update(grads, opt_state, params, **extra)
         params = optax.apply_updates(params, updates)
+        adascale = adascale_lib.state_of(opt_state)
+        if adascale is not None:
+            extra |= {"lr": adascale.rate, "adascale_gain": adascale.gain, "adascale_progress": adascale.progress}
         return params, opt_state, {"loss": value, "grad_norm": optax.tree.norm(grads), **extra}
 
     donate_argnums = (0, 1) if donate else ()

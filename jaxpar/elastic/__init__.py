@@ -8,7 +8,9 @@ their product is goodput. ``scheduler``: the one interface every scheduler imple
 goodput fitness solved exactly; ``ones``: ONES' online evolutionary search
 (``goodput_table``: both read goodput from one cached table). ``traces``: Philly and
 PAI readers and the synthetic generator; ``simulator``: the SimPy discrete-event
-simulation. Nothing here imports JAX: a simulation runs anywhere.
+simulation. ``adascale``: AdaScale's learning-rate gain for a resized job, an optax
+transformation (the one module here that imports JAX, and ``__init__`` does not load it:
+a simulation runs anywhere).
 """
 
 from jaxpar.elastic.jobs import JobModel, SpeedModel

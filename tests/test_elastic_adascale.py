@@ -1,0 +1,97 @@
+"""AdaScale's gain (``optimizer.batch_scaling=adascale``, issue 40 item 1): the formula,
+the optax transformation against a hand computation, and a resized run's records."""
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxpar.elastic import adascale
+from jaxpar.train import data as data_lib
+from jaxpar.train.config import load_config
+from jaxpar.train.loop import make_optimizer, train
+
+SCHEDULE = optax.warmup_cosine_decay_schedule(0.0, 1e-2, warmup_steps=2, decay_steps=10, end_value=1e-3)
+
+
+def test_the_gain_lies_between_one_and_the_scale():
+    # sigma^2 = trace / base = 4, |mu|^2 = 1, scale 4: (4 + 1) / (1 + 1)
+    assert math.isclose(float(adascale.gain(1.0, 64.0, 16, 64)), 2.5, rel_tol=1e-6)
+    assert math.isclose(float(adascale.gain(1.0, 1e-9, 16, 64)), 1.0, rel_tol=1e-5)  # no noise: nothing gained
+    assert math.isclose(float(adascale.gain(0.0, 64.0, 16, 64)), 4.0, rel_tol=1e-6)  # all noise: the whole scale
+    assert math.isclose(float(adascale.gain(-3.0, 64.0, 16, 8)), 0.5, rel_tol=1e-6)  # shrunk, clamped |mu|^2
+    assert float(adascale.gain(1.0, 64.0, 16, 16)) == 1.0
+
+
+def reference(norms, updates, *, base, batch, replicas, decay=adascale.DECAY, power=adascale.POWER):
+    """The transformation's updates step by step, in float64 from the formulas."""
+    g2 = trace = progress = 0.0
+    out = []
+    for (small, big), u in zip(norms, updates):
+        step_g2 = (batch * big - batch / replicas * small) / (batch - batch / replicas)
+        step_trace = (small - big) / (replicas / batch - 1 / batch)
+        g2, trace = decay * g2 + (1 - decay) * step_g2, decay * trace + (1 - decay) * step_trace
+        var, sqr = max(trace / base, 1e-6), max(g2, 0.0)
+        r = 1.0 if batch == base else (var + sqr) / (var * base / batch + sqr)
+        out.append((-float(SCHEDULE(progress)) * r ** power * u, r, progress + r))
+        progress += r
+    return out
+
+
+@pytest.mark.parametrize("batch", [16, 48])
+def test_the_transformation_against_a_hand_computation(batch):
+    rng = np.random.default_rng(batch)
+    norms = [(small, small * rng.uniform(0.2, 0.6)) for small in rng.uniform(1, 3, 6)]
+    updates = [rng.normal(size=5).astype(np.float32) for _ in norms]
+    tx = adascale.scale_by_adascale(SCHEDULE, base=16, batch=batch, replicas=4)
+    state = tx.init(jnp.zeros(5))
+    plain = optax.scale_by_learning_rate(SCHEDULE)
+    plain_state = plain.init(jnp.zeros(5))
+    for (small, big), u, (want, r, progress) in zip(norms, updates, reference(norms, updates, base=16, batch=batch,
+                                                                              replicas=4)):
+        got, state = tx.update(jnp.asarray(u), state, grad_sq_small=jnp.float32(small), grad_sq_big=jnp.float32(big))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-9)
+        assert math.isclose(float(state.gain), r, rel_tol=1e-5) and math.isclose(float(state.progress), progress,
+                                                                                   rel_tol=1e-5)
+        if batch == 16:  # at the base batch: exactly the schedule on the step clock
+            expected, plain_state = plain.update(jnp.asarray(u), plain_state)
+            np.testing.assert_allclose(got, expected, rtol=1e-6)
+    assert batch == 16 or 1 < float(state.gain) < batch / 16
+    # a step without the norms (one replica) keeps the averages
+    kept, after = tx.update(jnp.asarray(updates[0]), state)
+    assert float(after.g2) == float(state.g2) and float(after.trace) == float(state.trace)
+
+
+def test_adascale_without_the_noise_scale_is_one_line_exit_2(tmp_path, capfd):
+    from jaxpar.train.cli import main
+
+    capfd.readouterr()
+    assert main(["tiny", f"run_dir={tmp_path / 'run'}", "optimizer.batch_scaling=adascale"]) == 2
+    lines = capfd.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "optimizer.batch_scaling=adascale reads the gradient noise scale" in lines[0]
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_resized_run_follows_the_gain_and_carries_its_averages(tmp_path):
+    """Batch 16 on data=8 for 2 steps, then 32 on data=4: at the base batch the gain is 1
+    and the rate the schedule's on the step clock; after the resize the gain is measured
+    (between 1 and 2), the progress resumes from the checkpoint and advances by it, and
+    the logged rate is the schedule at that progress times the gain's square root."""
+    base = ["model.layers=1", "model.vocab_size=512", "data.max_files=60", "data.val_fraction=0.1", "seq_len=32",
+            "eval.every=0", "checkpoint.every=2", "optimizer.warmup_steps=2", "optimizer.batch_scaling=adascale",
+            "eval.noise_scale=true", f"run_dir={tmp_path}", f"cache_dir={data_lib.default_cache_dir()}"]
+    history = []
+    for steps, batch, data in [(2, 16, 8), (4, 32, 4)]:
+        cfg = load_config("tiny", base + [f"steps={steps}", f"batch_size={batch}", f"mesh.data={data}"])
+        history += train(cfg, progress=False)
+    schedule = make_optimizer(cfg.optimizer, 4)[1]
+    assert [r["step"] for r in history] == [1, 2, 3, 4]
+    progress = 0.0
+    for r in history:
+        resized = r["step"] > 2
+        assert (1 < r["adascale_gain"] <= 2) if resized else r["adascale_gain"] == 1.0
+        assert math.isclose(r["lr"], float(schedule(progress)) * r["adascale_gain"] ** 0.5, rel_tol=1e-5)
+        progress += r["adascale_gain"]
+        assert math.isclose(r["adascale_progress"], progress, rel_tol=1e-5)
