@@ -14,9 +14,13 @@ A list of jobs, each a mapping::
 Optional: ``batch_size`` (default: the config's, which loading the config also checks
 the overrides against), ``min_batch`` / ``max_batch`` (a batch range: the scheduler may
 choose within it), ``restart_s`` (what one resize costs, the scheduler's estimate;
-default 10), ``speed: [alpha, beta, gamma]`` (``jaxpar.elastic.SpeedModel``'s seconds
-per step; default a guess of linear speed-up, ``DEFAULT_SPEED``) and ``noise`` (the
-gradient noise scale in samples). Errors name the file, the job's line and index and
+default 10), ``speed`` and ``noise`` (the gradient noise scale in samples). ``speed`` is
+the scheduler's model of the job's step time before it has run: ``[alpha, beta, gamma]``
+(``jaxpar.elastic.SpeedModel``'s seconds), or ``plan``, the cost model's prediction for
+the job's config on ``--hardware`` (``jaxpar.train.plan.job_speed``: data-parallel on 1,
+2, 4, ... up to ``max_devices``, default 64, at its batches); default a guess of linear
+speed-up, ``DEFAULT_SPEED``. Whichever it is, ``jaxpar-cluster run`` refits it to the
+job's measured step times as the job runs (``SpeedModel.refit``). Errors name the file, the job's line and index and
 the field: ``JOBS.yaml:7: job 1 (b): steps must be a positive integer, not 'x'``.
 """
 
@@ -71,8 +75,9 @@ FIELDS = ("id", "config", "overrides", "steps", "samples", "batch_size", "device
           "max_devices", "arrival_s", "min_batch", "max_batch", "restart_s", "speed", "noise")
 
 
-def load_jobs(path: str | pathlib.Path) -> list[JobSpec]:
-    """The jobs of ``path``; ``JobsError`` with one line for the first thing wrong."""
+def load_jobs(path: str | pathlib.Path, hardware: str | None = None) -> list[JobSpec]:
+    """The jobs of ``path``; ``JobsError`` with one line for the first thing wrong.
+    ``hardware``: the profile ``speed: plan`` predicts for (None: the present device's)."""
     path = pathlib.Path(path)
     try:
         text = path.read_text()
@@ -88,7 +93,7 @@ def load_jobs(path: str | pathlib.Path) -> list[JobSpec]:
     jobs, seen = [], set()
     for index, (entry, node) in enumerate(zip(data, root.value)):
         where = f"{path}:{node.start_mark.line + 1}: job {index}"
-        job = _job(entry, where)
+        job = _job(entry, where, hardware)
         if job.id in seen:
             raise JobsError(f"{where}: id {job.id!r} is used twice")
         seen.add(job.id)
@@ -96,7 +101,7 @@ def load_jobs(path: str | pathlib.Path) -> list[JobSpec]:
     return jobs
 
 
-def _job(entry, where: str) -> JobSpec:
+def _job(entry, where: str, hardware: str | None = None) -> JobSpec:
     if not isinstance(entry, dict):
         raise JobsError(f"{where}: expected a mapping of fields, not {entry!r}")
     if "id" in entry:
@@ -127,9 +132,12 @@ def _job(entry, where: str) -> JobSpec:
     batch = positive("batch_size") or _config_batch(entry["config"], overrides, where)
     steps = positive("steps") or math.ceil(positive("samples") / batch)
     speed = entry.get("speed", DEFAULT_SPEED)
+    if speed == "plan":
+        speed = _planned(entry, overrides, batch, positive, where, hardware)
     if not (isinstance(speed, (list, tuple)) and len(speed) == 3
             and all(isinstance(s, (int, float)) and s >= 0 for s in speed)):
-        raise JobsError(f"{where}: speed must be [alpha, beta, gamma], three non-negative seconds, not {speed!r}")
+        raise JobsError(f"{where}: speed must be plan or [alpha, beta, gamma], three non-negative seconds, "
+                        f"not {speed!r}")
     arrival = entry.get("arrival_s", 0)
     if not isinstance(arrival, (int, float)) or isinstance(arrival, bool) or arrival < 0:
         raise JobsError(f"{where}: arrival_s must be a non-negative number, not {arrival!r}")
@@ -157,3 +165,20 @@ def _config_batch(config: str, overrides: list[str], where: str) -> int:
         return load_config(config, list(overrides)).batch_size
     except ConfigError as e:
         raise JobsError(f"{where}: {e}") from None
+
+
+def _planned(entry, overrides: list[str], batch: int, positive, where: str, hardware: str | None) -> tuple:
+    """``speed: plan``: ``jaxpar.train.plan.job_speed``'s three numbers for the job."""
+    from jaxpar.train import plan
+    from jaxpar.train.config import ConfigError, load_config
+    from jaxpar.train.data import cache_dir_of
+
+    lo, hi = positive("min_batch") or batch, positive("max_batch") or batch
+    batches = {lo, batch, hi} | {2**k for k in range(hi.bit_length()) if lo <= 2**k <= hi}
+    try:
+        cfg = load_config(entry["config"], [*overrides, f"batch_size={batch}"])
+        hw = plan.hardware_for(hardware, cache_dir_of(cfg.cache_dir))
+        model = plan.job_speed(cfg, hw, positive("max_devices") or 64, batches)
+    except ConfigError as e:
+        raise JobsError(f"{where}: speed: plan: {e}") from None
+    return (model.alpha, model.beta, model.gamma)

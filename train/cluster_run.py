@@ -62,7 +62,10 @@ import sys
 import threading
 import time
 
+import numpy as np
+
 from jaxpar.elastic.baselines import by_name
+from jaxpar.elastic.jobs import JobModel
 from jaxpar.elastic.scheduler import Allocation, JobView, Scheduler, check
 from jaxpar.train.cluster_jobs import JobsError, JobSpec, load_jobs
 
@@ -164,11 +167,35 @@ class Running:
         lo, hi = self.spec.model.batch_range
         return allocation.batch if lo < hi else self.batch
 
+    def measured(self, records: list[dict]) -> list[tuple[int, int, float]]:
+        """``(devices, batch, step seconds)`` of each segment that has run past its first
+        step (which compiles): the median of its other steps' ``step_time_s``."""
+        bounds = [first for first, _, _ in self.segments[1:]] + [len(records)]
+        points = []
+        for (first, devices, batch), end in zip(self.segments, bounds):
+            times = [r["step_time_s"] for r in records[first + 1:end] if "step_time_s" in r]
+            if times:
+                points.append((devices, batch, float(np.median(times))))
+        return points
+
+    def model(self, records: list[dict]) -> JobModel:
+        """The job's model as the scheduler sees it now: JOBS.yaml's refitted to the
+        step times measured so far (``SpeedModel.refit``), and, for a job with a batch
+        range that logs ``noise_scale`` (``eval.noise_scale=true``), its latest value."""
+        spec = self.spec
+        noise = spec.noise
+        lo, hi = spec.model.batch_range
+        logged = [r["noise_scale"] for r in records if math.isfinite(r.get("noise_scale", math.nan))]
+        if lo < hi and logged and logged[-1] > 0:
+            noise = float(logged[-1])
+        return dataclasses.replace(spec.model, speed=spec.model.speed.refit(self.measured(records)), noise=noise)
+
     def view(self, now_s: float) -> JobView:
         spec = self.spec
         attained = self.attained_s + (now_s - self.since_s) * self.devices
-        return JobView(id=spec.id, arrival_s=spec.arrival_s, model=spec.model, target=spec.target,
-                       progress=float(self.samples_done()), requested_devices=spec.devices,
+        records = metrics(self.run_dir)
+        return JobView(id=spec.id, arrival_s=spec.arrival_s, model=self.model(records), target=spec.target,
+                       progress=float(self.samples_done(len(records))), requested_devices=spec.devices,
                        min_devices=spec.min_devices, max_devices=spec.max_devices, devices=self.devices,
                        batch=self.batch if self.segments else None, attained_service_s=attained,
                        restart_s=spec.restart_s)
@@ -292,6 +319,14 @@ def run_jobs(jobs: list[JobSpec], scheduler: Scheduler, *, devices: int, work_di
     return [_summary(j) for j in state.values()]
 
 
+def resumable(rc: int | None) -> bool:
+    """Whether a job stopped for a resize with exit status ``rc`` resumes from its newest
+    checkpoint: 143, stopped at a step boundary with that step saved; -SIGTERM, stopped
+    before its loop began (loading, compiling: Python's default handler); -SIGKILL, past
+    the grace period; None, its actor already gone. Nothing it saved is lost in any."""
+    return rc in (128 + signal.SIGTERM, -signal.SIGTERM, -signal.SIGKILL, None)
+
+
 def _carry_out(cluster: Cluster, active: list[Running], decision: dict[str, Allocation], now: float) -> None:
     """Stops the jobs whose devices or batch change (freeing their devices first), then
     starts those given devices."""
@@ -302,10 +337,7 @@ def _carry_out(cluster: Cluster, active: list[Running], decision: dict[str, Allo
             rc = cluster.stop(job, now)
             if rc == 0:  # it finished before the signal
                 job.finished_s = now
-            # 143: stopped at a step boundary, that step saved. -SIGTERM: stopped before its
-            # loop began (loading, compiling), and -SIGKILL: past the grace period; either way
-            # its newest checkpoint is where it resumes, nothing it saved lost.
-            elif rc not in (128 + signal.SIGTERM, -signal.SIGTERM, -signal.SIGKILL, None):
+            elif not resumable(rc):
                 raise RunError(f"job {job.spec.id}: jaxpar-train exited {rc} when stopped; see "
                                f"{job.run_dir.parent / (job.spec.id + '.log')}")
             elif new.devices:
@@ -406,6 +438,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run: devices to schedule (local: default 4; a cluster: default all of --resource)")
     parser.add_argument("--resource", default="device", help="run: the Ray resource one device is "
                                                              "(GPU on a GPU cluster; default device)")
+    parser.add_argument("--hardware", default=None, metavar="NAME",
+                        help="run: the hardware profile JOBS.yaml's speed: plan predicts for (h100, a YAML file; "
+                             "default: the present device's, as jaxpar-plan)")
     parser.add_argument("--work-dir", default="runs/cluster", help="run: where the jobs' run dirs and logs go "
                                                                    "(default runs/cluster)")
 
@@ -421,7 +456,7 @@ def run_command(args, parser) -> int:
     and exit 1; Ctrl-C or SIGTERM 130 or 143, every job stopped first. One JSON summary
     line per job."""
     try:
-        jobs = load_jobs(args.source)
+        jobs = load_jobs(args.source, args.hardware)
         scheduler = scheduler_by_name(args.scheduler, getattr(args, "seed", 0))
     except (JobsError, RunError) as e:
         parser.error(str(e))

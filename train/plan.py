@@ -23,6 +23,7 @@ from flax import nnx
 
 from jaxpar.models.transformer import sharding_rules
 from jaxpar.placement.sharding import shard_model as jaxpar_shard
+from jaxpar.elastic.jobs import SpeedModel
 from jaxpar.offload import budget as budget_lib
 from jaxpar.placement.runtime import simulate_cpu_devices
 from jaxpar.planning import cost
@@ -223,6 +224,30 @@ def auto(cfg: Config) -> Config:
              best["step_time_s"] * 1e3, f"{best['tokens_per_s']:,.0f}", best["mfu"] * 100, hw.name,
              plan.considered, plan.compiled, plan.cached, plan.seconds)
     return with_layout(dataclasses.replace(cfg, mesh=MeshConfig()), plan.best.layout)
+
+
+def job_speed(cfg: Config, hw: Hardware, devices: int, batches) -> SpeedModel:
+    """A job's ``jaxpar.elastic.SpeedModel`` from the cost model: the predicted step time
+    of ``cfg``'s model, data-parallel on 1, 2, 4, ... up to ``devices`` devices (one node
+    each), at each of ``batches`` that the device count divides, fitted by least
+    squares (what JOBS.yaml's ``speed: plan`` gives ``jaxpar-cluster``); ``ConfigError``
+    where no point can be predicted."""
+    points, d = [], 1
+    while d <= devices:
+        for batch in sorted(set(batches)):
+            if batch % d:
+                continue
+            layout = dataclasses.replace(Layout(data=d), remat=cfg.model.remat)
+            try:
+                t = cost.step_time(Workload(cfg.model, batch, cfg.seq_len), layout, hw, devices_per_node=d).total
+            except ValueError:  # a layout the shapes cannot take
+                continue
+            points.append((d, batch, t))
+        d *= 2
+    if not points:
+        raise ConfigError(f"no data-parallel layout of batches {sorted(set(batches))} on up to {devices} devices "
+                          "for the cost model to predict")
+    return SpeedModel.fit(points)
 
 
 # ----------------------------------------------------------------------------- uneven stages

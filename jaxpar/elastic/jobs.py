@@ -7,8 +7,9 @@ Two parts, as Pollux (Qiao et al., OSDI'21) splits them:
   synchronisation that grows with the device count,
   ``t(d, b) = alpha + beta * b / d + gamma * (d - 1) / d * [d > 1]``, and
   ``throughput = b / t``. Its three numbers come from the planner's cost model for a
-  config (``jaxpar.train.cluster``) or a least-squares fit to measured points
-  (``SpeedModel.fit``).
+  config (``jaxpar.train.plan.job_speed``, JOBS.yaml's ``speed: plan``) or a
+  least-squares fit to measured points (``SpeedModel.fit``); ``jaxpar-cluster run``
+  refits each job's model to its measured step times as it runs (``SpeedModel.refit``).
 * ``efficiency(batch)``: samples at batch ``batch`` are worth
   ``(noise + base) / (noise + batch)`` samples at the job's ``base`` batch (McCandlish
   et al.'s gradient noise scale ``noise``, as Pollux's statistical efficiency): a batch
@@ -53,6 +54,21 @@ class SpeedModel:
         t = np.array([s for _, _, s in points])
         (alpha, beta, gamma), _ = nnls(a, t)
         return cls(float(alpha), float(beta), float(gamma))
+
+    def refit(self, measured: Sequence[tuple[int, int, float]]) -> SpeedModel:
+        """This model (a prior: the planner's or a guess) corrected by ``measured``
+        ``(devices, batch, step seconds)`` points, as Pollux refits a job's model while it
+        runs: the least-squares fit once they hold three distinct ``(devices, batch)``
+        pairs over at least two device counts (what the three numbers need), before that
+        this model scaled by the measured-over-predicted ratio (their geometric mean),
+        which then predicts a single point exactly."""
+        if not measured:
+            return self
+        pairs = {(d, b) for d, b, _ in measured}
+        if len(pairs) >= 3 and len({d for d, _ in pairs}) >= 2:
+            return SpeedModel.fit(measured)
+        ratio = float(np.exp(np.mean([np.log(s / self.step_time(d, b)) for d, b, s in measured])))
+        return SpeedModel(self.alpha * ratio, self.beta * ratio, self.gamma * ratio)
 
 
 @dataclasses.dataclass(frozen=True)
