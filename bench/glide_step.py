@@ -32,9 +32,9 @@ from flax import nnx
 
 import jaxpar
 from jaxpar.models.transformer import sharding_rules
-from jaxpar.train import data as data_lib
 from jaxpar.train import glide, loop
 from jaxpar.train.config import load_config
+from jaxpar.train.loader import Loader
 from jaxpar.train.step import make_train_step
 
 
@@ -68,7 +68,7 @@ def main() -> None:
     tokenizer, train_rows, _ = loop.load_data(cfg)
     vocab = glide.draft_vocabulary(cfg, train_rows, args.cache / "no-run-dir")
     train_rows = glide.training_rows(cfg, train_rows)
-    loader = data_lib.Loader(train_rows, cfg.batch_size, seed=cfg.seed)
+    loader = Loader(train_rows, cfg.batch_size, seed=cfg.seed)
     abstract = nnx.eval_shape(lambda: loop.build_model(cfg, vocab))
     tx, _ = loop.make_optimizer(cfg.optimizer, cfg.steps)
     frozen = nnx.state(jaxpar.shard_model(target, mesh, rules))

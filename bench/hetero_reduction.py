@@ -36,6 +36,7 @@ from jaxpar.hetero.reduction import Reduction  # noqa: E402
 from jaxpar.models import PRESETS, Transformer  # noqa: E402
 from jaxpar.profiler import profile  # noqa: E402
 from jaxpar.train import data as data_lib  # noqa: E402
+from jaxpar.train.loader import Loader  # noqa: E402
 from jaxpar.train.step import loss_fn, make_train_step  # noqa: E402
 
 HERE = pathlib.Path(__file__).parent
@@ -62,7 +63,7 @@ def load(max_files: int, seq_len: int, batch: int, eval_batches: int, vocab: int
     cache = data_lib.default_cache_dir()
     tokenizer = data_lib.load_tokenizer(cfg, vocab, cache)
     rows = {split: data_lib.packed_rows(cfg, tokenizer, seq_len, split, cache) for split in ("train", "validation")}
-    loader = data_lib.Loader(rows["train"], batch, seed=0)
+    loader = Loader(rows["train"], batch, seed=0)
     return loader, data_lib.eval_batches(rows["validation"], batch, eval_batches)
 
 

@@ -7,6 +7,7 @@ from flax import nnx
 from conftest import rel_err
 from jaxpar.models import ModelConfig, Transformer
 from jaxpar.train import data
+from jaxpar.train.loader import Loader
 
 # The first 60 standard-library files: a tokenizer trains on them in about a second.
 SMALL = data.DataConfig(val_fraction=0.2, max_files=60)
@@ -205,24 +206,24 @@ def test_packed_rows_are_cached(tokenizer, cache, monkeypatch):
 
 def test_loader_is_a_pure_function_of_seed_and_step(rng):
     rows = random_rows(rng)
-    a = data.Loader(rows, 8, seed=0, **one_process())
-    b = data.Loader(rows, 8, seed=0, **one_process())
+    a = Loader(rows, 8, seed=0, **one_process())
+    b = Loader(rows, 8, seed=0, **one_process())
     for step in (0, 3, 100):
         for k in KEYS:
             np.testing.assert_array_equal(a.batch(step)[k], b.batch(step)[k])
     batch = a.batch(0)
     assert all(batch[k].shape == (8, 8) and batch[k].dtype == np.int32 for k in KEYS)
     assert not np.array_equal(a.batch(0)["inputs"], a.batch(1)["inputs"])
-    c = data.Loader(rows, 8, seed=1, **one_process())
+    c = Loader(rows, 8, seed=1, **one_process())
     assert not np.array_equal(a.batch(0)["inputs"], c.batch(0)["inputs"])
     # Without process arguments the loader asks jax (one process here).
-    np.testing.assert_array_equal(data.Loader(rows, 8, seed=0).batch(2)["mask"], a.batch(2)["mask"])
+    np.testing.assert_array_equal(Loader(rows, 8, seed=0).batch(2)["mask"], a.batch(2)["mask"])
 
 
 def test_process_slices_make_the_global_batch(rng):
     rows = random_rows(rng)
-    whole = data.Loader(rows, 8, seed=3, **one_process())
-    parts = [data.Loader(rows, 8, seed=3, process_index=i, process_count=2) for i in range(2)]
+    whole = Loader(rows, 8, seed=3, **one_process())
+    parts = [Loader(rows, 8, seed=3, process_index=i, process_count=2) for i in range(2)]
     for step in (0, 7):
         for k in KEYS:
             halves = [p.batch(step)[k] for p in parts]
@@ -237,26 +238,26 @@ def test_process_slices_make_the_global_batch(rng):
 
 def test_state_and_restore_continue_exactly(rng):
     rows = random_rows(rng)
-    loader = data.Loader(rows, 4, seed=5, **one_process())
+    loader = Loader(rows, 4, seed=5, **one_process())
     for _ in range(3):
         next(loader)
     state = json.loads(json.dumps(loader.state()))  # plain ints: any checkpointer stores it
     expected = [next(loader) for _ in range(4)]
-    resumed = data.Loader(rows, 4, seed=5, **one_process())
+    resumed = Loader(rows, 4, seed=5, **one_process())
     resumed.restore(state)
     for want, got in zip(expected, resumed):
         for k in KEYS:
             np.testing.assert_array_equal(got[k], want[k])
     assert resumed.step == loader.step == 7
     with pytest.raises(ValueError, match="seed=5 but this loader has seed=6"):
-        data.Loader(rows, 4, seed=6, **one_process()).restore(state)
+        Loader(rows, 4, seed=6, **one_process()).restore(state)
 
 
 def test_epochs_visit_every_row_once(rng):
     rows = random_rows(rng)
     R = len(rows)
     assert R % 8  # so batches straddle epoch ends
-    loader = data.Loader(rows, 8, seed=0, **one_process())
+    loader = Loader(rows, 8, seed=0, **one_process())
     indices = np.concatenate([loader.row_indices(s) for s in range(3 * R // 8 + 1)])
     epochs = [indices[e * R : (e + 1) * R] for e in range(3)]
     for e, epoch in enumerate(epochs):
@@ -268,10 +269,10 @@ def test_epochs_visit_every_row_once(rng):
 def test_batch_errors(rng):
     rows = random_rows(rng)
     with pytest.raises(ValueError, match="^global_batch=6 is not divisible by process_count=4$"):
-        data.Loader(rows, 6, seed=0, process_index=0, process_count=4)
+        Loader(rows, 6, seed=0, process_index=0, process_count=4)
     few = data.pack([np.arange(1, 20)], seq_len=8, eos_id=0)
     with pytest.raises(ValueError, match="^the dataset has 2 rows, fewer than global_batch=8$"):
-        data.Loader(few, 8, seed=0, **one_process())
+        Loader(few, 8, seed=0, **one_process())
     with pytest.raises(ValueError, match="fewer than 1 batch"):
         data.eval_batches(few, 8, **one_process())
 

@@ -19,6 +19,7 @@ from jaxpar.models import ModelConfig, Transformer
 from jaxpar.train import data as data_lib
 from jaxpar.train import noise_scale as noise_lib
 from jaxpar.train.config import load_config
+from jaxpar.train.loader import Loader
 from jaxpar.train.loop import batch_scale, make_optimizer, train
 from jaxpar.train.step import loss_fn, make_train_step
 
@@ -53,10 +54,10 @@ def one_process():
 def test_a_loader_resumed_at_another_batch_continues_the_stream():
     """Batch 4 for 5 steps, then 8 for 4 steps, then 4 again: the rows read are the
     stream of one loader, sample for sample, across two epochs (R = 37 rows)."""
-    stream = data_lib.Loader(rows(), 4, seed=2, **one_process())
+    stream = Loader(rows(), 4, seed=2, **one_process())
     read, state = [], None
     for batch, steps in [(4, 5), (8, 4), (4, 3)]:
-        loader = data_lib.Loader(rows(), batch, seed=2, **one_process())
+        loader = Loader(rows(), batch, seed=2, **one_process())
         if state is not None:
             loader.restore(json.loads(json.dumps(state)))  # plain data: any checkpointer stores it
         for _ in range(steps):
@@ -70,15 +71,15 @@ def test_a_loader_resumed_at_another_batch_continues_the_stream():
 
 
 def test_old_step_only_states_and_moved_steps_read_as_step_times_batch():
-    loader = data_lib.Loader(rows(), 8, seed=1, **one_process())
+    loader = Loader(rows(), 8, seed=1, **one_process())
     loader.restore({"step": 3, "seed": 1, "n_rows": 37, "global_batch": 4})  # before sample offsets
     assert loader.offset == 12 and loader.step == 3
     np.testing.assert_array_equal(loader.row_indices(3), loader.sample_rows(12, 8))
-    resized = data_lib.Loader(rows(), 4, seed=1, **one_process())
+    resized = Loader(rows(), 4, seed=1, **one_process())
     resized.restore({**loader.state(), "step": 5})  # two steps of 8 past the saved one
     assert resized.offset == 12 + 2 * 8
     with pytest.raises(ValueError, match="seed=1 but this loader has seed=3"):
-        data_lib.Loader(rows(), 4, seed=3, **one_process()).restore(loader.state())
+        Loader(rows(), 4, seed=3, **one_process()).restore(loader.state())
     with pytest.raises(ValueError, match="step 2 is before step 5"):
         resized.row_indices(2)
 
@@ -177,14 +178,14 @@ def run_segments(run_dir, cache, segments, seen) -> list[dict]:
 @pytest.fixture
 def seen(monkeypatch):
     """Every global batch's row indices the loaders hand out, in order, and the loader."""
-    log, original = {"rows": [], "loader": None}, data_lib.Loader.__next__
+    log, original = {"rows": [], "loader": None}, Loader.__next__
 
     def recording(self):
         log["rows"].append(self.row_indices(self.step))
         log["loader"] = self
         return original(self)
 
-    monkeypatch.setattr(data_lib.Loader, "__next__", recording)
+    monkeypatch.setattr(Loader, "__next__", recording)
     return log
 
 
@@ -194,7 +195,7 @@ def test_a_resized_run_sees_every_sample_once_and_matches_one_kept_on_8_devices(
     meshes = [r.getMessage().split(" on ")[-1] for r in caplog.records if " on mesh" in r.getMessage()]
     assert meshes == ["mesh data=8 (8 cpu devices)", "mesh data=4 (4 cpu devices)", "mesh data=8 (8 cpu devices)"]
     read = np.concatenate(seen["rows"])
-    stream = data_lib.Loader(seen["loader"].rows, 1, seed=0, **one_process())
+    stream = Loader(seen["loader"].rows, 1, seed=0, **one_process())
     assert len(read) == 3 * 16 + 3 * 32 + 3 * 16
     np.testing.assert_array_equal(read, stream.sample_rows(0, len(read)))
     kept = run_segments(tmp_path / "kept", cache, KEPT, seen)

@@ -55,6 +55,7 @@ from jaxpar.train import tasks, weighted
 from jaxpar.train.checkpoints import CheckpointError, Checkpoints
 from jaxpar.train.command import file_in_the_way
 from jaxpar.train.config import Config, ConfigError, MeshConfig, OptimizerConfig, to_dict
+from jaxpar.train.loader import Loader
 from jaxpar.train.step import make_train_step
 from jaxpar.train.stepping import Recorder, TrainingError, run_steps
 from jaxpar.train.trainer import Batches, Trainer, evaluation, utilisation
@@ -337,7 +338,7 @@ def batches(cfg: Config, task, setup: Setup) -> tuple:
     val_rows_of = data_lib.eval_rows(len(val_rows), cfg.batch_size, cfg.eval.batches) if cfg.eval.every else []
     to_global = functools.partial(_global_batch, step_fn=setup.step_fn)
     batch_of = task.batches(tokenizer, train_rows, val_rows, setup.frozen, to_global, setup.step_fn.batch_sharding)
-    return tokenizer, Batches(data_lib.Loader(train_rows, cfg.batch_size, seed=cfg.seed), batch_of,
+    return tokenizer, Batches(Loader(train_rows, cfg.batch_size, seed=cfg.seed), batch_of,
                               [(rows, data_lib.batch_of_rows(val_rows, rows)) for rows in val_rows_of])
 
 
@@ -353,7 +354,7 @@ def write_run_dir(cfg: Config, task, tokenizer) -> None:
     task.save_files(run_dir)
 
 
-def initial_state(task, setup: Setup, restored, loader: data_lib.Loader, where: pathlib.Path) -> tuple:
+def initial_state(task, setup: Setup, restored, loader: Loader, where: pathlib.Path) -> tuple:
     """``(params, opt_state)``: fresh, or the checkpoint's (saved in model order, so
     put in the step's storage order, ``where`` their directory), with the loader
     moved to its step."""
@@ -392,7 +393,7 @@ def rescaled(cfg: Config, task, setup: Setup, base_batch: int) -> Setup:
     return build(cfg, task, base_batch)
 
 
-def saver(cfg: Config, checkpoints: Checkpoints, trainer: Trainer, loader: data_lib.Loader,
+def saver(cfg: Config, checkpoints: Checkpoints, trainer: Trainer, loader: Loader,
           base_batch: int) -> Callable[[int], None]:
     """``save(step)``: the trainer's state in model order, with the loader's position,
     the run's first global batch and the config."""

@@ -6,7 +6,7 @@
   pack_criteo       the packed form of a file (labels/dense/sparse .npy memmaps and a
                     meta.json), built on first read and opened without parsing after
   RecsysLoader      shuffled batches of packed rows; step s's batch is a pure function
-                    of (seed, s) (``jaxpar.train.data.Loader``'s order and state)
+                    of (seed, s) (``jaxpar.train.loader.Loader``'s order and state)
   eval_batches      the held-out tail's batches, in order
   SyntheticData     FBGEMM ``generate_requests``-style Zipf id streams with a planted
                     signal, batch s a pure function of (seed, s); ``ids`` alone for
@@ -41,6 +41,7 @@ from typing import BinaryIO
 import numpy as np
 
 from jaxpar.train import data as text_data
+from jaxpar.train.loader import Loader
 
 DENSE, SPARSE = 13, 26
 COLUMNS = 1 + DENSE + SPARSE
@@ -216,8 +217,8 @@ def _open_packed(out: pathlib.Path) -> RecsysArrays:
     return RecsysArrays(*(np.load(out / f"{name}.npy", mmap_mode="r") for name in ("labels", "dense", "sparse")))
 
 
-class RecsysLoader(text_data.Loader):
-    """Shuffled training batches of packed rows (see ``jaxpar.train.data.Loader``: step
+class RecsysLoader(Loader):
+    """Shuffled training batches of packed rows (see ``jaxpar.train.loader.Loader``: step
     s's batch is a pure function of (seed, s); ``state()`` is the step and what must
     match; ``restore`` continues exactly). ``rows`` is a ``RecsysArrays``."""
 

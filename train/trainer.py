@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from jaxpar.train import offload as offload_lib
-from jaxpar.train import data as data_lib
+from jaxpar.train.loader import Loader
 
 
 @dataclasses.dataclass
@@ -32,7 +32,7 @@ class Batches:
     rows, local)`` (this process's loader rows of ``split`` as the step's global batch),
     and ``validation`` (the fixed evaluation batches: ``(rows, local)`` pairs)."""
 
-    loader: data_lib.Loader
+    loader: Loader
     batch_of: Callable
     validation: list
     layout: Any = None  # with data.batch_weights: the jaxpar.train.weighted.Layout in force
