@@ -36,11 +36,17 @@ On a Ray cluster of GPU nodes (``--address ray://head:10001 --resource GPU``) th
 loop runs: the bundle is ``{"GPU": d}`` and the actor holds it as ``num_gpus=d``, so
 ``jaxpar-train`` sees exactly its GPUs (``--simulate-devices`` is ignored on GPUs). The
 nodes need jaxpar installed and ``--work-dir`` on shared storage (a resized job resumes
-from its checkpoints there, perhaps on another node). A job larger than a node is not
-started yet: it would be one bundle per node (``PACK``) and one ``jaxpar-train`` process
-per bundle with JAX's distributed variables (``JAX_COORDINATOR_ADDRESS``,
-``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``, which ``jaxpar.placement.runtime.
-initialize_distributed`` reads).
+from its checkpoints there, perhaps on another node).
+
+A job given more devices than a node holds (``--devices-per-node K``; default the
+largest node's count of the resource) runs as ``n`` processes of ``d / n`` devices each
+(``processes_for``: the fewest of equal size that fit a node), one bundle and one actor
+each, placed ``PACK``; they join JAX's distributed runtime through
+``JAXPAR_COORDINATOR`` (a free port on bundle 0's node), ``JAXPAR_NUM_PROCESSES`` and
+``JAXPAR_PROCESS_ID`` (``jaxpar.placement.runtime.initialize_distributed``; gloo on
+CPU). A stop signals every process (they agree on the step to stop at); the job's exit
+status is ``combined_status``'s. Locally, ``--devices-per-node`` below ``--devices``
+simulates nodes that way.
 
 On leaving, however it leaves (done, an error, Ctrl-C), every training process is
 stopped, every placement group removed and Ray shut down.
@@ -141,7 +147,7 @@ class Running:
     run_dir: pathlib.Path
     devices: int = 0  # now (0: waiting)
     group: object = None  # its placement group
-    process: object = None  # its JobProcess actor
+    processes: list = dataclasses.field(default_factory=list)  # its JobProcess actors, one per bundle
     segments: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)  # (first step, devices, batch)
     resizes: int = 0
     attained_s: float = 0.0  # device-seconds
@@ -227,11 +233,44 @@ def train_command(spec: JobSpec, run_dir: pathlib.Path, devices: int, batch: int
 # The loop --------------------------------------------------------------------------------
 
 
-class Cluster:
-    """Starts and stops jobs on Ray; ``close()`` leaves nothing running."""
+def processes_for(devices: int, per_node: int) -> tuple[int, int]:
+    """``(processes, devices each)`` for a job on ``devices`` devices on nodes of
+    ``per_node``: one process where it fits a node, else the fewest processes of equal
+    size (JAX's multi-process meshes need the same count in each) that each fit one."""
+    if devices <= per_node:
+        return 1, devices
+    n = next(n for n in range(math.ceil(devices / per_node), devices + 1) if devices % n == 0)
+    return n, devices // n
 
-    def __init__(self, resource: str):
-        self.resource = resource
+
+def combined_status(statuses: list[int | None]) -> int | None:
+    """A job's exit status from its processes': the first that is neither 0 nor one it
+    resumes from (a failure), else None while any runs, else 0 if all finished, else the
+    first non-zero (stopped: it resumes)."""
+    failed = [rc for rc in statuses if rc is not None and rc != 0 and not resumable(rc)]
+    if failed:
+        return failed[0]
+    if any(rc is None for rc in statuses):
+        return None
+    return next((rc for rc in statuses if rc != 0), 0)
+
+
+def _free_address() -> str:
+    """``host:port`` on this node with a port free now: process 0's coordinator."""
+    import ray
+
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        port = sock.getsockname()[1]
+    return f"{ray.util.get_node_ip_address()}:{port}"
+
+
+class Cluster:
+    """Starts and stops jobs on Ray; ``close()`` leaves nothing running. ``per_node``:
+    the devices one process (one node) holds; a job on more is several processes."""
+
+    def __init__(self, resource: str, per_node: int):
+        self.resource, self.per_node = resource, per_node
         self.live: list[Running] = []
 
     def start(self, job: Running, devices: int, batch: int, now_s: float) -> None:
@@ -239,7 +278,8 @@ class Cluster:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        group = placement_group([{self.resource: devices}], strategy="STRICT_PACK")
+        n, per = processes_for(devices, self.per_node)
+        group = placement_group([{self.resource: per}] * n, strategy="STRICT_PACK" if n == 1 else "PACK")
         try:
             ray.get(group.ready(), timeout=120)
         except ray.exceptions.GetTimeoutError:
@@ -249,37 +289,51 @@ class Cluster:
         done = job.steps_done()
         steps = done + math.ceil((job.spec.target - job.samples_done(done)) / batch)
         job.segments.append((done, devices, batch))
-        argv, env = train_command(job.spec, job.run_dir, devices, batch, steps)
+        argv, env = train_command(job.spec, job.run_dir, per, batch, steps)
         job.run_dir.mkdir(parents=True, exist_ok=True)
-        holds = {"num_gpus": devices} if self.resource == "GPU" else {"resources": {self.resource: devices}}
-        job.process = _actor().options(scheduling_strategy=PlacementGroupSchedulingStrategy(group), **holds) \
-            .remote(argv, env, str(job.run_dir.parent / f"{job.spec.id}.log"))
+
+        def in_bundle(i):
+            return PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i)
+
+        if n > 1:  # JAX's distributed runtime (jaxpar.placement.runtime.initialize_distributed)
+            coordinator = ray.get(ray.remote(num_cpus=0)(_free_address).options(
+                scheduling_strategy=in_bundle(0)).remote())
+            env = {**env, "JAXPAR_COORDINATOR": coordinator, "JAXPAR_NUM_PROCESSES": str(n)}
+        holds = {"num_gpus": per} if self.resource == "GPU" else {"resources": {self.resource: per}}
+        log = job.run_dir.parent / job.spec.id
+        job.processes = [
+            _actor().options(scheduling_strategy=in_bundle(i), **holds).remote(
+                argv, {**env, "JAXPAR_PROCESS_ID": str(i)} if n > 1 else env,
+                f"{log}.log" if i == 0 else f"{log}.{i}.log")
+            for i in range(n)]
 
     def stop(self, job: Running, now_s: float) -> int | None:
-        """Stops ``job`` (SIGTERM) and frees its devices; its exit status."""
+        """Stops ``job`` (SIGTERM to each process) and frees its devices; its exit status
+        (``combined_status``; None where its actors are gone)."""
         import ray
         from ray.util.placement_group import remove_placement_group
 
-        rc = None
-        if job.process is not None:
+        statuses = []
+        if job.processes:
             try:
-                rc = ray.get(job.process.stop.remote(), timeout=STOP_GRACE_S + 30)
-            except Exception:  # noqa: BLE001  the actor is gone: its child went with it
-                pass
-            ray.kill(job.process)
+                statuses = ray.get([p.stop.remote() for p in job.processes], timeout=STOP_GRACE_S + 30)
+            except Exception:  # noqa: BLE001  an actor is gone: its child went with it
+                statuses = [None]
+            for p in job.processes:
+                ray.kill(p)
         if job.group is not None:
             remove_placement_group(job.group)
         job.attained_s += (now_s - job.since_s) * job.devices
-        job.process, job.group, job.devices = None, None, 0
+        job.processes, job.group, job.devices = [], None, 0
         if job in self.live:
             self.live.remove(job)
-        return rc
+        return combined_status(statuses) if None not in statuses else None
 
     def poll(self, job: Running) -> int | None:
         import ray
 
         try:
-            return ray.get(job.process.poll.remote(), timeout=60)
+            return combined_status(ray.get([p.poll.remote() for p in job.processes], timeout=60))
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
             raise RunError(f"job {job.spec.id}: lost its process ({type(e).__name__})") from None
 
@@ -289,16 +343,18 @@ class Cluster:
 
 
 def run_jobs(jobs: list[JobSpec], scheduler: Scheduler, *, devices: int, work_dir: pathlib.Path,
-             round_s: float = 5.0, resource: str = "device", clock=time.monotonic) -> list[dict]:
+             round_s: float = 5.0, resource: str = "device", per_node: int | None = None,
+             clock=time.monotonic) -> list[dict]:
     """Runs ``jobs`` under ``scheduler`` on the Ray instance this process is connected
     to; a summary per job (``id``, ``jct_s``, ``resizes``, ``segments``: (first step,
     devices, batch) of each start, ``final_loss``). Raises ``RunError`` when a job fails,
     asks for more devices than the cluster has, or the scheduler leaves the cluster idle
-    with jobs waiting and none to come (it would wait for ever)."""
+    with jobs waiting and none to come (it would wait for ever). ``per_node``: the devices
+    of one node (None: all of them, one node); a job given more runs as several processes."""
     for spec in jobs:
         if spec.devices > devices:
             raise RunError(f"job {spec.id} asks for {spec.devices} devices; the cluster has {devices}")
-    cluster = Cluster(resource)
+    cluster = Cluster(resource, per_node or devices)
     state = {s.id: Running(s, pathlib.Path(work_dir) / s.id) for s in jobs}
     t0 = clock()
     try:
@@ -407,6 +463,13 @@ def connect(address: str | None, devices: int | None, resource: str, timeout_s: 
     return min(devices, total) if devices else total
 
 
+def node_devices(resource: str) -> int:
+    """The most ``resource`` one live node of the connected Ray cluster has."""
+    import ray
+
+    return max(int(node["Resources"].get(resource, 0)) for node in ray.nodes() if node["Alive"])
+
+
 def scheduler_by_name(name: str, seed: int = 0) -> Scheduler:
     """``fifo``, ``srtf``, ``tiresias``, ``pollux``, ``ones`` (``jaxpar.elastic.baselines``),
     or ``module:attribute`` for a scheduler of one's own (a class or an instance)."""
@@ -436,6 +499,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                         "a local Ray instance with --devices declared devices")
     parser.add_argument("--devices", type=int, default=None, metavar="N",
                         help="run: devices to schedule (local: default 4; a cluster: default all of --resource)")
+    parser.add_argument("--devices-per-node", type=int, default=None, metavar="K",
+                        help="run: the devices one node holds; a job given more runs as several jaxpar-train "
+                             "processes (default: the largest node's; locally all, one node)")
     parser.add_argument("--resource", default="device", help="run: the Ray resource one device is "
                                                              "(GPU on a GPU cluster; default device)")
     parser.add_argument("--hardware", default=None, metavar="NAME",
@@ -467,8 +533,9 @@ def run_command(args, parser) -> int:
     try:
         devices = connect(args.address, args.devices, args.resource)
         signal.signal(signal.SIGTERM, _interrupt)  # after ray.init: Ray's own handler aborts the driver
+        per_node = args.devices_per_node or node_devices(args.resource)
         summary = run_jobs(jobs, scheduler, devices=devices, work_dir=pathlib.Path(args.work_dir),
-                           round_s=args.round_s, resource=args.resource)
+                           round_s=args.round_s, resource=args.resource, per_node=per_node)
     except (RunError, ValueError) as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 1
