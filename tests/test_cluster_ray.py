@@ -21,6 +21,8 @@ pytest.importorskip("ray", reason="Ray is not installed (pip install 'jaxpar[clu
 from jaxpar.elastic.scheduler import Allocation  # noqa: E402
 from jaxpar.train.cluster_jobs import JobsError, load_jobs  # noqa: E402
 from jaxpar.train.cluster_run import RunError, metrics, run_jobs, train_command  # noqa: E402
+from jaxpar.train.config import load_config  # noqa: E402
+from jaxpar.train.loop import train  # noqa: E402
 
 pytestmark = pytest.mark.slow  # Ray and jaxpar-train processes
 
@@ -118,6 +120,19 @@ def training_processes(under: pathlib.Path) -> list[int]:
     return pids
 
 
+def train_alone(argv, env) -> None:
+    """What ``train_command``'s ``argv`` and ``env`` run, in this process: its overrides,
+    on the first ``--simulate-devices`` of this process's 8 devices (``mesh.data``; the
+    job's mesh is data parallel over all of its devices), without a process start and
+    JAX import per run."""
+    config, *rest = argv[argv.index("jaxpar.train") + 1:]
+    at = rest.index("--simulate-devices")
+    devices = int(rest[at + 1])
+    assert rest[at:] == ["--simulate-devices", str(devices), "--no-progress"], argv
+    assert env == {"JAX_NUM_CPU_DEVICES": str(devices)}, env
+    train(load_config(config, [*rest[:at], f"mesh.data={devices}"]), progress=False)
+
+
 def test_three_jobs_one_resized_finish_exactly_and_leave_nothing(tmp_path):
     work = tmp_path / "work"
     done = cluster(str(write_jobs(tmp_path / "jobs.yaml")), "--scheduler", "test_cluster_ray:ShrinkB",
@@ -141,9 +156,7 @@ def test_three_jobs_one_resized_finish_exactly_and_leave_nothing(tmp_path):
     spec = {s.id: s for s in load_jobs(tmp_path / "jobs.yaml")}["b"]
     alone = tmp_path / "alone"
     for command in (train_command(spec, alone, 2), train_command(spec, alone, 1, 16, steps["b"])):
-        argv, env = command
-        ran = subprocess.run(argv, env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
-        assert ran.returncode == 0, ran.stderr
+        train_alone(*command)
         for later in [p for p in (alone / "checkpoints").iterdir() if p.name.isdigit() and int(p.name) > stopped_at]:
             shutil.rmtree(later)
     expected, got = [r["loss"] for r in metrics(alone)], [r["loss"] for r in metrics(work / "b")]

@@ -207,9 +207,11 @@ def test_mesh_auto_trains_on_a_layout_whose_compiled_memory_fits(tmp_path):
     profile = tmp_path / "machine.yaml"
     values = yaml.safe_load((hardware.PROFILE_DIR / "h100.yaml").read_text())
     profile.write_text(yaml.safe_dump({**values, "name": "machine", "comm_overlap": 0.0}))
+    # data.max_files: a few documents (tiny's 1,687 take 6 s to train a tokenizer on and
+    # pack, for two steps); the plan reads the model, batch and sequence, not the data
     cfg = load_config("tiny", ["model.layers=2", "mesh=auto", f"plan.hardware={profile}", "plan.device_memory=40MiB",
-                               "plan.compile_top=2", "steps=2", "eval.every=0", f"run_dir={tmp_path / 'run'}",
-                               f"cache_dir={tmp_path / 'cache'}"])
+                               "plan.compile_top=2", "steps=2", "eval.every=0", "data.max_files=40",
+                               f"run_dir={tmp_path / 'run'}", f"cache_dir={tmp_path / 'cache'}"])
     hw = hardware.load(str(profile), tmp_path)
     plan = plan_lib.run_plan(cfg, 8, hw=hw, device_memory=40 * 2 ** 20, devices_per_node=8,
                              compile_on=__import__("jax").devices())

@@ -4,11 +4,7 @@ through ``train()``. Here, under XLA:CPU's default emitters: the cached and unca
 steps are two programs (a [C, D] cache, a [R, D] table), which the suite's elemental
 emitters would contract into different FMAs (tests/conftest.py, EXACT)."""
 
-import json
-import os
 import shutil
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -35,6 +31,14 @@ def uncached(tmp_path_factory):
             for kind in ("sgd", "adagrad")}
 
 
+@pytest.fixture(scope="module")
+def cached_sgd(tmp_path_factory):
+    """1% of the rows cached, SGD: ``(run(...), its run dir)``, for the two tests that
+    check it (one run, not one each)."""
+    tmp = tmp_path_factory.mktemp("cached_sgd")
+    return run(tmp, "cached", "embedding.optimizer=sgd"), tmp / "cached"
+
+
 def leaves(state) -> dict:
     flat = jax.tree_util.tree_flatten_with_path(state)[0]
     return {jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in flat}
@@ -52,10 +56,13 @@ def assert_same(state, reference, *, exact: bool, rtol: float = 1e-6):
 
 
 @pytest.mark.parametrize("kind", ["sgd", "adagrad"])
-def test_the_cache_trains_the_uncached_model(tmp_path, uncached, kind):
+def test_the_cache_trains_the_uncached_model(tmp_path, request, uncached, kind):
     """1% of the rows cached: once the warmed-up cache is full, every step evicts. The
     same losses, dense weights and their optimizer state, table and table state."""
-    losses, state, history = run(tmp_path, "cached", f"embedding.optimizer={kind}")
+    if kind == "sgd":
+        losses, state, history = request.getfixturevalue("cached_sgd")[0]
+    else:
+        losses, state, history = run(tmp_path, "cached", f"embedding.optimizer={kind}")
     evicting = [r["evictions"] > 0 for r in history]
     assert any(evicting) and all(evicting[evicting.index(True):]), evicting
     ref_losses, ref_state, _ = uncached[kind]
@@ -73,12 +80,11 @@ def test_everything_cached_is_the_uncached_model(tmp_path, uncached):
     assert_same(state, uncached["sgd"][1], exact=True)
 
 
-def test_resumed_on_another_cache_continues_exactly(tmp_path, uncached):
+def test_resumed_on_another_cache_continues_exactly(tmp_path, uncached, cached_sgd):
     """Step 20's checkpoint of a run with 1% cached, resumed with 5% and LRU: the
     uninterrupted run's next losses and final state."""
-    run(tmp_path, "cached", "embedding.optimizer=sgd")
     (tmp_path / "resumed" / "checkpoints").mkdir(parents=True)
-    shutil.copytree(tmp_path / "cached" / "checkpoints" / "20", tmp_path / "resumed" / "checkpoints" / "20")
+    shutil.copytree(cached_sgd[1] / "checkpoints" / "20", tmp_path / "resumed" / "checkpoints" / "20")
     rest, state, _ = run(tmp_path, "resumed", "embedding.optimizer=sgd", "embedding.cache_ratio=0.05",
                          "embedding.eviction=lru")
     assert rest == uncached["sgd"][0][20:]
@@ -92,7 +98,6 @@ def test_tables_split_over_four_devices(tmp_path):
     bit with SGD (each owner sums a row's gradients in the global batch's order), and
     one device's within float32 rounding (the MLPs' gradients are summed over 4 devices
     there)."""
-    common = ["steps=30", "eval.every=0", "checkpoint.every=10", "embedding.optimizer=sgd", "--no-progress"]
     uncached = ["embedding.cache_ratio=null"]
     runs = {}
     for name, devices, extra in (("row", 4, ["embedding.sharding=row_wise", *uncached]),
@@ -100,12 +105,9 @@ def test_tables_split_over_four_devices(tmp_path):
                                  ("row cached", 4, ["embedding.sharding=row_wise", "embedding.cache_ratio=0.01"]),
                                  ("table cached", 4, ["embedding.sharding=table_wise", "embedding.cache_ratio=0.01"]),
                                  ("one", 1, uncached)):
-        env = dict(os.environ, JAX_NUM_CPU_DEVICES=str(devices))
-        run_dir = tmp_path / name.replace(" ", "_")
-        subprocess.run([sys.executable, "-m", "jaxpar.train", "dlrm", *common, *extra, f"run_dir={run_dir}"],
-                       env=env, check=True, capture_output=True, timeout=600)
-        history = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        runs[name] = [r["loss"] for r in history], load_run(run_dir)[2], history
+        # in this process: mesh.data=N takes the first N of its 8 devices (build_mesh), as
+        # a process of N devices would, without a process start and import per run
+        runs[name] = run(tmp_path, name.replace(" ", "_"), f"mesh.data={devices}", "embedding.optimizer=sgd", *extra)
     for name in ("row cached", "table cached"):
         evicting = [r["evictions"] > 0 for r in runs[name][2]]
         assert any(evicting) and all(evicting[evicting.index(True):]), (name, evicting)
