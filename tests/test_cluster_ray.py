@@ -134,10 +134,14 @@ def train_alone(argv, env) -> None:
 
 
 def test_three_jobs_one_resized_finish_exactly_and_leave_nothing(tmp_path):
+    """On nodes of one device: a and b (2 devices) run as 2 processes each (JAX's
+    distributed runtime over gloo), b resumes as 1 process, and still has the losses of
+    one process on the same devices and batches."""
     work = tmp_path / "work"
     done = cluster(str(write_jobs(tmp_path / "jobs.yaml")), "--scheduler", "test_cluster_ray:ShrinkB",
-                   "--devices", "4", "--round-s", "0.5", "--work-dir", str(work))
+                   "--devices", "4", "--devices-per-node", "1", "--round-s", "0.5", "--work-dir", str(work))
     assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in work.glob("*.log")) == ["a.1.log", "a.log", "b.1.log", "b.log", "c.log"]
     rows = {r["id"]: r for r in map(json.loads, done.stdout.splitlines())}
     assert sorted(rows) == ["a", "b", "c"]
     assert rows["a"]["resizes"] == rows["c"]["resizes"] == 0

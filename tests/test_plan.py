@@ -11,7 +11,7 @@ import yaml
 from conftest import run_python
 from jaxpar.planning import cost, hardware, memory, search
 from jaxpar.planning.cache import FigureCache
-from jaxpar.planning.layout import Layout, Space, enumerate_layouts, from_overrides
+from jaxpar.planning.layout import Layout, enumerate_layouts, from_overrides
 from jaxpar.planning.workload import Workload
 from jaxpar.train.config import load_config
 
