@@ -52,7 +52,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpar.ops.attention import dot_product_attention
 from jaxpar.ops.linear import dense
 from jaxpar.models.config import ModelConfig
 from jaxpar.models.transformer import (
@@ -62,6 +61,8 @@ from jaxpar.models.transformer import (
     MLP,
     Attention,
     Decoded,
+    DenseCross,
+    DenseCrossLayer,
     KVCache,
     Norm,
     _param,
@@ -202,6 +203,12 @@ class CrossAttention(nnx.Module):
     def __call__(self, x, positions, k, v, mask):
         """x ``[B, T, D]``, positions int ``[B, T]``, k/v ``[B, S, K, H]``, mask bool
         ``[B, T, S]`` -> ``[B, T, D]``."""
+        return self.read(x, positions, DenseCrossLayer(k, v, mask))
+
+    def read(self, x, positions, source):
+        """x ``[B, T, D]`` over ``source`` (a ``CrossSource``'s layer: ``attend(q [B, T,
+        N, H]) -> [B, T, N, H]``, the target's keys/values as it holds them) -> ``[B, T,
+        D]``."""
         cfg, dtype = self.cfg, self.cfg.compute_dtype
         D, N, H = self.q.shape
         q = dense(x, self.q[...].astype(dtype).reshape(D, N * H), ("embed", "heads"))
@@ -211,9 +218,7 @@ class CrossAttention(nnx.Module):
         q = constrain(q, ACT_BTNH)
         if cfg.position == "rope":
             q = apply_rope(q, positions, rope_frequencies(cfg))
-        # A query the mask leaves no key reads nothing (zeros), not an average of all.
-        out = dot_product_attention(q, k.astype(dtype), v.astype(dtype), causal=False, mask=mask)
-        out = constrain(out, ACT_BTNH)
+        out = constrain(source.attend(q), ACT_BTNH)
         y = dense(out.reshape(*out.shape[:-2], N * H), self.o[...].astype(dtype).reshape(N * H, D),
                   ("heads", "embed"))
         if cfg.attention_bias:
@@ -239,13 +244,14 @@ class GlideLayer(nnx.Module):
         self.mlp_norm = Norm(cfg, rngs=rngs)
         self.mlp = MLP(cfg, rngs=rngs)
 
-    def __call__(self, x, positions, segment_ids, target_k, target_v, cross_mask, cache=None):
+    def __call__(self, x, positions, segment_ids, cross, cache=None):
+        """``cross``: this layer's ``CrossSource`` layer (the target's keys it reads)."""
         with jax.named_scope("attention"):
             attn = self.attn(self.attn_norm(x), positions, segment_ids, cache)
             attn, new_cache = attn if cache is not None else (attn, None)
             x = x + attn
         with jax.named_scope("cross_attention"):
-            x = x + self.cross(self.cross_norm(x), positions, target_k, target_v, cross_mask)
+            x = x + self.cross.read(self.cross_norm(x), positions, cross)
         with jax.named_scope("mlp"):
             x = x + self.mlp(self.mlp_norm(x))
         x = constrain(x, ACT_BTD)
@@ -357,39 +363,41 @@ class GlideDraft(nnx.Module):
           features: ``[B, T, D]`` the target's feature each token reads (a draft with
             ``features``, and only there): zeros where there is none.
         """
-        x = self._inputs(tokens, positions, target, target_k, target_v, cross_mask, features)
+        cross = DenseCross(target_k, target_v, cross_mask)
+        x = self._inputs(tokens, positions, target, cross, features)
         graphdef, layer_state = nnx.split(self.layers)
 
         def layer(x, xs):
-            state, k, v = xs
-            return nnx.merge(graphdef, state)(x, positions, segment_ids, k, v, cross_mask), None
+            state, i = xs
+            return nnx.merge(graphdef, state)(x, positions, segment_ids, cross.layer(i)), None
 
-        x = jax.lax.scan(_remat(layer, self.cfg), x, (layer_state, target_k, target_v))[0]
+        x = jax.lax.scan(_remat(layer, self.cfg), x, (layer_state, jnp.arange(self.num_layers)))[0]
         return self.logits(x, target, head)
 
-    def decode(self, tokens: jax.Array, target, target_k: jax.Array, target_v: jax.Array, cross_mask: jax.Array,
-               cache, *, positions: jax.Array, head: jax.Array | None = None,
-               features: jax.Array | None = None) -> Decoded:
+    def decode(self, tokens: jax.Array, target, cross, cache, *, positions: jax.Array,
+               head: jax.Array | None = None, features: jax.Array | None = None) -> Decoded:
         """The draft over ``tokens [B, T]`` continuing its own ``cache`` (any ``Cache`` of
-        ``cache_config()``'s layout: ``init_cache`` or pages), the other arguments as
-        ``__call__``'s (``target_k``, ``target_v``, ``cross_mask``: the target cache's
-        ``cross(target_layers(), positions)``). ``Decoded``."""
-        x = self._inputs(tokens, positions, target, target_k, target_v, cross_mask, features)
+        ``cache_config()``'s layout: ``init_cache`` or pages), reading the target's keys
+        through ``cross`` (a ``CrossSource``: the target cache's ``cross(target_layers(),
+        positions)``, or ``DenseCross(target_k, target_v, cross_mask)``); the other
+        arguments as ``__call__``'s. ``Decoded``."""
+        x = self._inputs(tokens, positions, target, cross, features)
         x, cache = cache.run(self.layers, x,
-                             lambda layer, x, view, kv: layer(x, positions, None, *kv, cross_mask, view),
-                             xs=(target_k, target_v))
+                             lambda layer, x, view, i: layer(x, positions, None, cross.layer(i), view),
+                             xs=jnp.arange(self.num_layers))
         return Decoded(self.logits(x, target, head), cache, self.final_norm(x))
 
-    def _inputs(self, tokens, positions, target, target_k, target_v, cross_mask, features) -> jax.Array:
+    def _inputs(self, tokens, positions, target, cross, features) -> jax.Array:
         """The checked arguments' residual stream ``[B, T, D]``: the target's embedding,
         fused with the target's ``features`` for a draft that reads them."""
         B, T = tokens.shape
-        L_d, S = self.num_layers, target_k.shape[2]
-        for name, kv in (("target_k", target_k), ("target_v", target_v)):
-            if kv.ndim != 5 or kv.shape[:2] != (L_d, B):
-                raise ValueError(f"{name} {kv.shape} must be [L_d={L_d}, B={B}, S, K, H]")
-        if cross_mask.shape != (B, T, S):
-            raise ValueError(f"cross_mask {cross_mask.shape} must be [B, T, S] = {(B, T, S)}")
+        if isinstance(cross, DenseCross):
+            L_d, S = self.num_layers, cross.k.shape[2]
+            for name, kv in (("target_k", cross.k), ("target_v", cross.v)):
+                if kv.ndim != 5 or kv.shape[:2] != (L_d, B):
+                    raise ValueError(f"{name} {kv.shape} must be [L_d={L_d}, B={B}, S, K, H]")
+            if cross.mask.shape != (B, T, S):
+                raise ValueError(f"cross_mask {cross.mask.shape} must be [B, T, S] = {(B, T, S)}")
         if (features is not None) != self.features:
             raise ValueError("this GliDe draft reads the target's features: pass features [B, T, D]"
                              if self.features else "this GliDe draft reads no target features")

@@ -308,11 +308,10 @@ class Cache(Protocol):
     position defaults from). ``with_lengths(n)``: the same entries, lengths ``n`` (a
     rollback). ``move(sources, targets)``: the entries at positions ``sources [B, n]``
     copied to ``targets [B, n]``, all read before any is written (a token tree's
-    accepted path put in place). ``cross(layers, positions) -> (k, v, mask)``: the keys
-    and values of target layers ``layers`` (a ``range``), ``[L', B, S, K, H]``, and
-    which of them a query at ``positions [B, T]`` may read, bool ``[B, T, S]`` (its own
-    sequence's keys up to its position, of those cached): a GliDe draft's
-    cross-attention inputs.
+    accepted path put in place). ``cross(layers, positions)``: a GliDe draft's
+    cross-attention source (``DenseCross``'s interface) over target layers ``layers`` (a
+    ``range``), where a query at ``positions [B, T]`` reads its own sequence's keys up
+    to its position, of those cached.
     """
 
     lengths: jax.Array
@@ -323,7 +322,7 @@ class Cache(Protocol):
 
     def move(self, sources: jax.Array, targets: jax.Array) -> "Cache": ...
 
-    def cross(self, layers: range, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]: ...
+    def cross(self, layers: range, positions: jax.Array) -> "DenseCross": ...
 
 
 def cross_mask(positions: jax.Array, lengths: jax.Array, S: int) -> jax.Array:
@@ -331,6 +330,37 @@ def cross_mask(positions: jax.Array, lengths: jax.Array, S: int) -> jax.Array:
     position among each row's first ``lengths [B]`` (those verified)."""
     keys = jnp.arange(S, dtype=jnp.int32)[None, None, :]
     return (keys <= positions[:, :, None]) & (keys < lengths[:, None, None])
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DenseCross:
+    """A ``CrossSource`` held whole: the target's keys and values of the draft's layers
+    ``k``, ``v`` ``[L', B, S, K, H]`` and which of them each query reads, ``mask`` bool
+    ``[B, T, S]``. A source's ``layer(i)`` is what draft layer ``i`` attends over
+    (``attend(q [B, T, N, H]) -> [B, T, N, H]``); the paged caches' source
+    (``jaxpar.serving.pages.PagedCross``) reads the pages instead of holding them."""
+
+    k: jax.Array
+    v: jax.Array
+    mask: jax.Array
+
+    def layer(self, i):
+        return DenseCrossLayer(self.k[i], self.v[i], self.mask)
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseCrossLayer:
+    """One layer of a ``DenseCross``: ``k``, ``v`` ``[B, S, K, H]``, ``mask [B, T, S]``."""
+
+    k: jax.Array
+    v: jax.Array
+    mask: jax.Array
+
+    def attend(self, q):
+        # A query the mask leaves no key reads nothing (zeros), not an average of all.
+        return dot_product_attention(q, self.k.astype(q.dtype), self.v.astype(q.dtype), causal=False,
+                                     mask=self.mask)
 
 
 @jax.tree_util.register_dataclass
@@ -369,7 +399,7 @@ class KVCache:
 
     def cross(self, layers, positions):
         k, v = self.k[layers.start:layers.stop], self.v[layers.start:layers.stop]
-        return k, v, cross_mask(positions, self.lengths, k.shape[2])
+        return DenseCross(k, v, cross_mask(positions, self.lengths, k.shape[2]))
 
 
 @jax.tree_util.register_dataclass
@@ -543,9 +573,14 @@ class Transformer(nnx.Module):
         """The final norm and vocabulary projection (``head``, else ``head_weight()``):
         ``[B, T, D]`` -> ``[B, T, V]``."""
         with jax.named_scope("lm_head"):
+            return self.project(self.final_norm(x), head)
+
+    def project(self, normed: jax.Array, head: jax.Array | None = None) -> jax.Array:
+        """The vocabulary projection of final-normed ``[B, T, D]`` (``Decoded.features``)
+        -> ``[B, T, V]``."""
+        with jax.named_scope("lm_head"):
             head = self.head_weight() if head is None else head
-            logits = dense(self.final_norm(x), head, ("embed", "vocab"))
-        return constrain(logits, ACT_BTV)
+            return constrain(dense(normed, head, ("embed", "vocab")), ACT_BTV)
 
     def head_weight(self, ids: jax.Array | None = None) -> jax.Array:
         """The vocabulary projection ``[D, V]`` in the compute dtype (the embedding's

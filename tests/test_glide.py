@@ -22,7 +22,7 @@ import jaxpar
 from conftest import random_init, rel_err
 from jaxpar.models import GlideDraft, ModelConfig, Transformer
 from jaxpar.models.glide import CrossAttention, DraftVocab, cross_block_mask, feature_sources, inference_cross_mask
-from jaxpar.models.transformer import init_cache
+from jaxpar.models.transformer import DenseCross, init_cache
 from jaxpar.train import data, glide, teacher_cache
 from jaxpar.train.config import ConfigError, load_config
 from jaxpar.train.cli import main
@@ -53,7 +53,7 @@ def forward(draft, target, tokens, k, v, mask, positions, cache=None, features=N
     """The draft's call, jitted: one program per shape rather than one per operation."""
     if cache is None:
         return draft(tokens, target, k, v, mask, positions=positions, features=features)
-    return draft.decode(tokens, target, k, v, mask, cache, positions=positions, features=features)[:2]
+    return draft.decode(tokens, target, DenseCross(k, v, mask), cache, positions=positions, features=features)[:2]
 
 
 # The model ------------------------------------------------------------------------------

@@ -98,6 +98,33 @@ def test_paged_decode_attention_over_more_rows_than_int32_counts(rng):
     assert "triton" not in text
 
 
+@pytest.mark.parametrize("H,page_size,block_q,num_splits", [(64, 16, None, None), (80, 6, 4, 3), (72, 32, 1, 1)])
+def test_ragged_paged_attention(rng, H, page_size, block_q, num_splits):
+    """A flat batch of tokens of several sequences (padding among them) over every layer's
+    pages, a traced layer index: the sorted tokens' rows read and written by number, the
+    page table's reads, the splits; pages of 6 slots (any size), head dims padded inside."""
+    L, P, S, W, T, N, K = 2, 9, 3, 4, 13, 8, 2
+    q, k, v = normal(rng, (T, N, H)), normal(rng, (L, P, page_size, K, H)), normal(rng, (L, P, page_size, K, H))
+    tables = jnp.asarray(rng.integers(0, P, (S, W)), jnp.int32)
+    seq = jnp.asarray(rng.integers(-1, S, T), jnp.int32)
+    positions = jnp.asarray(rng.integers(0, W * page_size, T), jnp.int32)
+    lowers_for_cuda(lambda q, k, v, layer: kernels.ragged_paged_attention(
+        q, k, v, layer, seq, positions, tables, block_q=block_q, num_splits=num_splits, interpret=False),
+        q, k, v, jnp.int32(1))
+
+
+def test_ragged_paged_attention_over_more_rows_than_int32_counts(rng):
+    """Pages of 2**31 rows (shapes only, nothing allocated): the XLA reference runs instead."""
+    pages = jax.ShapeDtypeStruct((2, 2**26, 16, 1, 16), jnp.bfloat16)
+    q = normal(rng, (3, 2, 16))
+    seq, positions = jnp.asarray([0, 0, -1], jnp.int32), jnp.asarray([3, 4, 0], jnp.int32)
+    tables = jnp.ones((1, 2), jnp.int32)
+    text = jax.jit(lambda q, k, v: kernels.ragged_paged_attention(q, k, v, 1, seq, positions, tables,
+                                                                  interpret=False)) \
+        .trace(q, pages, pages).lower(lowering_platforms=("cuda",)).as_text()
+    assert "triton" not in text
+
+
 @pytest.mark.parametrize("kind,D", [("rms", 256), ("layer", 256), ("rms", 576), ("layer", 768)])
 def test_norm(rng, kind, D):
     x, scale = normal(rng, (37, D)), normal(rng, (D,), jnp.float32)

@@ -31,32 +31,32 @@ def shape(plan):
 
 def test_steps_admit_chunk_decode_and_preempt_the_newest():
     s = scheduler()
-    assert s.token_buckets == (8, 16) and s.rows_buckets == (1, 2, 4) and s.page_buckets == (8,)
+    assert s.token_buckets == (8, 16) and s.rows_buckets == () and s.shapes() == [("step", 8), ("step", 16)]
     a, b, c = (Seq(name, list(range(start, start + n)), n) for name, start, n in (("a", 1, 10), ("b", 20, 5),
                                                                                    ("c", 30, 3)))
     s.waiting.extend([a, b, c])
 
     # 1: a's 10 prompt tokens (3 pages), b's 5 (2 pages); 2 prompts per step: c waits
     plan = s.schedule()
-    assert shape(plan) == ([], [("a", 10), ("b", 5)], 0, 16) and plan.width == 8
+    assert shape(plan) == ([], [("a", 10), ("b", 5)], 0, 16)
     assert (len(a.pages), len(b.pages), s.pool.free, list(s.waiting)) == (3, 2, 3, [c])
     apply(s, plan)
     assert (a.registered, b.registered) == (2, 1)  # full pages keyed
 
-    # 2: a and b decode (2 rows: 8 tokens left in the budget's buckets), c admitted (1 page)
+    # 2: a and b decode (a token each in the flat batch), c admitted (1 page): 5 tokens in the 8 bucket
     plan = s.schedule()
-    assert shape(plan) == (["a", "b"], [("c", 3)], 2, 8) and s.pool.free == 2
+    assert shape(plan) == (["a", "b"], [("c", 3)], 0, 8) and s.pool.free == 2
     apply(s, plan)
     # 3: all three decode in their pages; 4: a and c each take a page, the pool is dry
-    assert shape(plan := s.schedule()) == (["a", "b", "c"], [], 4, 0) and s.pool.free == 2
+    assert shape(plan := s.schedule()) == (["a", "b", "c"], [], 0, 8) and s.pool.free == 2
     apply(s, plan)
-    assert shape(plan := s.schedule()) == (["a", "b", "c"], [], 4, 0) and s.pool.free == 0
+    assert shape(plan := s.schedule()) == (["a", "b", "c"], [], 0, 8) and s.pool.free == 0
     apply(s, plan)
 
     # 5: b needs a third page: c, the newest and not yet scheduled, is preempted; its
     # full page stays cached, but readmitting it needs one more page than is free
     plan = s.schedule()
-    assert shape(plan) == (["a", "b"], [], 2, 0) and s.preemptions == 1
+    assert shape(plan) == (["a", "b"], [], 0, 8) and s.preemptions == 1
     assert list(s.waiting) == [c] and (c.pages, c.computed, c.tokens) == ([], 0, [30, 31, 32, 0, 0, 0])
     assert s.pool.free == 1 and s.pool.cached_run(page_keys(c.tokens, 4, 1)) == 1
 
@@ -70,7 +70,7 @@ def test_a_cached_prefix_is_shared_and_a_twin_waits_for_the_pages_being_computed
     assert shape(plan) == ([], [("first", 13)], 0, 16) and list(s.waiting) == [twin]
     apply(s, plan)
     plan = s.schedule()  # now it shares the 3 full pages and prefills 1 token
-    assert shape(plan) == (["first"], [("twin", 1)], 1, 8)
+    assert shape(plan) == (["first"], [("twin", 1)], 0, 8)
     assert twin.pages[:3] == first.pages[:3] and twin.cached_tokens == 12
     assert (s.prefix_queries, s.prefix_hits) == (26, 12)
     s.finish(first)

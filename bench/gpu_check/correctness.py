@@ -5,7 +5,10 @@ and backward, against its ``*_reference`` function on random inputs (``correctne
 flash attention (causal or not, GQA, packed documents, a sliding window, ``T < S``, head
 dims 64/80/96/128, bf16/fp16/fp32), decode attention (token trees, head dim 80, a cache
 poisoned past the lengths), paged decode attention (NaN in the slots no sequence owns),
-RMSNorm and LayerNorm (widths 576, 768, 2048, 4096), linear + cross-entropy (V not a
+ragged paged attention (one flat batch mixing decode tokens, a prompt chunk over a cached
+prefix, a one-token prompt, a sequence's tokens not contiguous, padding; NaN in the slots
+no token may read; GPU cases only: the smoke's kernel list is fixed by
+tests/test_gpu_check.py), RMSNorm and LayerNorm (widths 576, 768, 2048, 4096), linear + cross-entropy (V not a
 multiple of the chunk). Error: max |got - want| / max |want| (the tests'); within 2e-2
 for bf16/fp16 (the tests' tolerance), 1e-4 for fp32 at ``highest`` matmul precision,
 1e-2 for fp32 at the default (TF32 on a GPU). A case not started by the part's deadline
@@ -161,6 +164,54 @@ def check_paged(interpret, *, B, T, N, K, H, page_size, max_pages, dtype="bfloat
     return {"out": rel_err(got, want)}
 
 
+def check_ragged(interpret, *, N, K, H, page_size, width, decode, chunk, dtype="bfloat16", precision="highest",
+                 seed=0) -> dict:
+    """One flat token batch over two layers of pages, layer 1 read: ``decode`` decode
+    tokens over random contexts (the last in its table's final slot), a prompt chunk of
+    ``chunk`` tokens over a cached prefix, a one-token prompt, a sequence's three tokens
+    scattered through the batch, padding; every slot no token may read holds NaN."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxpar.kernels import ragged_paged_attention, ragged_paged_attention_reference
+
+    rng = np.random.default_rng(seed)
+    cap = width * page_size
+    contexts = [int(x) for x in rng.integers(1, cap, size=decode - 1)] + [cap]
+    prefix = int(rng.integers(1, cap - chunk))
+    tokens = [(i, n - 1) for i, n in enumerate(contexts)]  # decode: sequence i at its last slot
+    chunk_seq, prompt_seq, scattered_seq = decode, decode + 1, decode + 2
+    tokens += [(chunk_seq, prefix + j) for j in range(chunk)] + [(prompt_seq, 0)]
+    for j, at in enumerate(sorted(rng.choice(len(tokens), size=3, replace=False))[::-1]):
+        tokens.insert(int(at), (scattered_seq, 6 - j))  # positions 4, 5, 6, apart
+    for at in rng.choice(len(tokens), size=4, replace=False):
+        tokens.insert(int(at), (-1, 0))
+    S = decode + 4  # a table row no token reads
+    last = [max((p for s, p in tokens if s == i), default=-1) for i in range(S)]
+    used = [-(-(n + 1) // page_size) for n in last]
+    P = 1 + sum(used) + 2
+    shape = (2, P, page_size, K, H)
+    k, v = np.full(shape, np.nan, np.float32), np.full(shape, np.nan, np.float32)
+    ids = 1 + rng.permutation(P - 1)
+    tables = np.zeros((S, width), np.int32)
+    for i, count in enumerate(used):
+        tables[i, :count], ids = ids[:count], ids[count:]
+        slots = np.arange(last[i] + 1)
+        page, at = tables[i, slots // page_size], slots % page_size
+        k[1, page, at], v[1, page, at] = rng.standard_normal((2, len(slots), K, H), np.float32)
+    seq = jnp.asarray([s for s, _ in tokens], jnp.int32)
+    positions = jnp.asarray([p for _, p in tokens], jnp.int32)
+    q = jnp.asarray(rng.standard_normal((len(tokens), N, H)), dtype)
+    k, v = jnp.asarray(k, dtype), jnp.asarray(v, dtype)
+    tables, layer = jnp.asarray(tables), jnp.int32(1)
+    with matmul_precision(precision):
+        got = jax.jit(lambda *a: ragged_paged_attention(*a, interpret=interpret))(q, k, v, layer, seq, positions,
+                                                                                 tables)
+        want = jax.jit(ragged_paged_attention_reference)(q, k, v, layer, seq, positions, tables)
+    return {"out": rel_err(got, want)}
+
+
 def check_norm(interpret, *, shape, kind, dtype="bfloat16", precision="highest", seed=0) -> dict:
     import numpy as np
 
@@ -256,6 +307,10 @@ def correctness_cases(smoke: bool) -> list[Case]:
              P(check_paged, B=3, T=1, N=8, K=2, H=128, page_size=16, max_pages=40)),
         Case("paged_decode_attention", "B3 T5 N4 K4 H80 pages of 6 f32 highest",
              P(check_paged, B=3, T=5, N=4, K=4, H=80, page_size=6, max_pages=20, dtype="float32")),
+        Case("ragged_paged_attention", "T232: 32 decode + a 192-token chunk, N32 K8 H128 pages of 16 bf16",
+             P(check_ragged, N=32, K=8, H=128, page_size=16, width=32, decode=32, chunk=192)),
+        Case("ragged_paged_attention", "T74: 16 decode + a 50-token chunk, N8 K2 H80 pages of 6 f32 highest",
+             P(check_ragged, N=8, K=2, H=80, page_size=6, width=40, decode=16, chunk=50, dtype="float32")),
         Case("norm", "rms [4096, 4096] bf16", P(check_norm, shape=(4096, 4096), kind="rms")),
         Case("norm", "layer [37, 576] f32 highest", P(check_norm, shape=(37, 576), kind="layer", dtype="float32")),
         Case("norm", "rms [3, 5, 768] f32 highest", P(check_norm, shape=(3, 5, 768), kind="rms", dtype="float32")),

@@ -108,8 +108,8 @@ class Glide:
         as it is (``q(d) > 0`` for every proposal ``d``, and the residual ``max(0, p -
         q)`` is ``p`` outside), so decoding stays lossless."""
         positions = _positions(tokens, cache, positions)
-        k, v, mask = target_cache.cross(self.model.target_layers(), positions)
-        logits, cache, _ = self.model.decode(tokens, target, k, v, mask, cache, positions=positions, head=head,
+        cross = target_cache.cross(self.model.target_layers(), positions)
+        logits, cache, _ = self.model.decode(tokens, target, cross, cache, positions=positions, head=head,
                                              features=features)
         return (logits if self.model.vocab is None else self.model.vocab.full_logits(logits)), cache
 

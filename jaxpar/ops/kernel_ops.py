@@ -137,6 +137,36 @@ def paged_decode_attention(q, k_pages, v_pages, layer, tables, lengths):
                        q_spec, q, k_pages, v_pages, layer, tables, lengths)
 
 
+def ragged_paged_attention(q, k_pages, v_pages, layer, seq, positions, tables):
+    """A flat batch of tokens ``q [T, N, H]`` (decode tokens and prompt chunks mixed),
+    token ``t`` of sequence ``seq[t]`` (a row of ``tables [S, W]``; ``-1``: padding, zeros
+    out) at slot ``positions[t]``, its key and value already written, attending to its
+    sequence's slots ``0 .. positions[t]`` of layer ``layer`` of every layer's pages
+    ``[L, P, S_p, K, H]``, by the Pallas ragged paged attention kernel
+    (``jaxpar.kernels.ragged_paged_attention``); or None when the chosen attention is not
+    ``"pallas"``, or the kv heads stay whole while the query heads are split (more head
+    shards than kv heads): the caller then runs its XLA attention, since slicing each
+    device's kv heads out of the pages would copy every layer's. With a mesh, each device
+    runs the kernel on its query heads and their kv heads, over all the pages and every
+    token (the tokens are not split: a token may read any sequence's pages)."""
+    if implementation("attention") != "pallas":
+        return None
+    mesh = _mesh()
+    q_spec, kv_spec, _ = _head_layout(mesh, 1, q.shape[1], k_pages.shape[3])
+    if kv_spec[2] != q_spec[2]:
+        return None
+    tokens_spec = PartitionSpec(None, q_spec[2], None)
+    pages_spec = PartitionSpec(None, None, None, kv_spec[2], None)
+
+    def local(q, k, v, layer, seq, positions, tables):
+        return kernels.ragged_paged_attention(q, k, v, layer, seq, positions, tables,
+                                              interpret=pallas_interpret())
+
+    return _per_device(local, mesh, (tokens_spec, pages_spec, pages_spec, PartitionSpec(), PartitionSpec(None),
+                                     PartitionSpec(None), PartitionSpec(None, None)),
+                       tokens_spec, q, k_pages, v_pages, layer, seq, positions, tables)
+
+
 # ----------------------------------------------------------------------------- norm
 
 

@@ -20,10 +20,9 @@ A sequence ends at one of its ``eos_ids``, after ``max_tokens`` tokens, or (with
 tokenizer) when its text contains one of its ``stop`` strings, the text then cut before
 it. Its text grows incrementally (``jaxpar.serving.detokenize``).
 
-Compiled programs: one per step shape (``Engine.compiled_programs``): decode rows and
-packed tokens bucketed (``Scheduler.shapes``) and the pages a program reads per sequence
-(x4 from 16 pages up to the context's, so attention reads what the step's longest
-sequence needs). ``warm_up`` compiles them all.
+Compiled programs: one per step shape (``Engine.compiled_programs``): the flat token
+batch's bucket, and with a draft the rounds' rows bucket (``Scheduler.shapes``), so a
+handful whatever the context length. ``warm_up`` compiles them all.
 """
 
 from __future__ import annotations
@@ -308,14 +307,10 @@ class Engine:
     # -------------------------------------------------------------- programs
 
     def warm_up_programs(self) -> list[Call]:
-        """Every program a step can run (``Scheduler.shapes`` at every page width), as
-        calls on rows that touch only the null page: what ``warm_up`` compiles."""
-        calls = []
-        for width in self.scheduler.page_buckets:
-            for rows, tokens in self.scheduler.shapes():
-                plan = Plan([], [], rows, tokens, width)
-                calls.append(self._step_call(plan, *self._arrays(plan)))
-        return calls
+        """Every program a step can run (``Scheduler.shapes``), as calls on batches of
+        padding only (they touch only the null page): what ``warm_up`` compiles."""
+        return [self._round_call(Plan([], [], size, 0)) if kind == "round_step" else
+                self._step_call(Plan([], [], 0, size))[0] for kind, size in self.scheduler.shapes()]
 
     @property
     def maps_per_program(self) -> int:
@@ -355,17 +350,20 @@ class Engine:
         with self._on_mesh():
             return call.program(*call.args)
 
-    def _step_call(self, plan: Plan, decode, packed, sampling) -> Call:
-        if self.draft is None:
-            return Call(("step", plan.rows, plan.tokens, plan.width), programs.step,
-                        (self.graphdef, self.execution, self.params, self.kv, decode, packed, sampling))
-        rounds = None
-        if decode is not None:  # a round feeds the draft a window of the last tokens
-            _, tables, lengths, window = decode
-            rounds = (window, tables, lengths)
-        return Call(("speculative_step", plan.rows, plan.tokens, plan.width, self.gamma), programs.speculative_step,
+    def _round_call(self, plan: Plan) -> Call:
+        """A draft's round for the step's decode rows (``Plan.rows`` of them)."""
+        return Call(("round_step", plan.rows), programs.round_step,
                     (self.graphdef, self.draft[0], self.execution, self.method, self.params, self.draft[1], self.kv,
-                     self.draft_kv, rounds, packed, sampling))
+                     self.draft_kv, *self._round_arrays(plan)))
+
+    def _step_call(self, plan: Plan) -> tuple[Call, list[Seq]]:
+        """The step's flat batch (``Plan.tokens``), and the sequences it samples for, in
+        its rows' order."""
+        draft_graph, draft_params = self.draft or (None, None)
+        batch, samplers = self._batch(plan)
+        return Call(("step", plan.tokens), programs.step,
+                    (self.graphdef, draft_graph, self.execution, self.params, draft_params, self.kv, self.draft_kv,
+                     batch, self._sampling(samplers, batch.sample_at.shape[0]))), samplers
 
     # -------------------------------------------------------------- one step
 
@@ -375,45 +373,43 @@ class Engine:
         plan = self.scheduler.schedule()
         if plan is None:
             return []
-        results = self._run(plan)
-        return self._apply(plan, *results)
+        return self._apply(plan, *self._run(plan))
 
-    def _table(self, seq: Seq | None, width: int) -> np.ndarray:
-        row = np.full((width,), NULL_PAGE, np.int32)
+    def _table(self, seq: Seq | None) -> np.ndarray:
+        row = np.full((self.max_pages,), NULL_PAGE, np.int32)
         if seq is not None:
-            pages = seq.pages[:width]
-            row[:len(pages)] = pages
+            row[:len(seq.pages)] = seq.pages
         return row
 
-    def _arrays(self, plan: Plan):
-        """The step's ``(decode, packed, sampling)`` arrays (``programs.step``'s; with a
-        draft ``decode`` has the tokens before the last too)."""
-        decode = packed = None
+    def _batch(self, plan: Plan) -> tuple[programs.Batch, list[Seq]]:
+        """The step's flat batch (``programs.Batch``): its decode tokens (without a
+        draft), then its prompt chunks, padded to ``plan.tokens``; and the sequences its
+        sampling rows are for (each decoding one, each prompt whose last chunk runs)."""
+        T = plan.tokens
+        S = min(T, self.max_batch)
+        parts = ([] if self.draft is not None else [(s, 1) for s in plan.decode]) + plan.chunks
+        tokens, positions, seq = np.zeros(T, np.int32), np.zeros(T, np.int32), np.full(T, -1, np.int32)
+        tables = np.full((S, self.max_pages), NULL_PAGE, np.int32)
+        sample_at, samplers, at = np.zeros(S, np.int32), [], 0
+        for i, (s, n) in enumerate(parts):
+            start = s.computed
+            tokens[at:at + n] = s.tokens[start:start + n]
+            positions[at:at + n] = np.arange(start, start + n)
+            seq[at:at + n] = i
+            tables[i] = self._table(s)
+            at += n
+            if s.remaining == n:  # its last token to compute: it samples
+                sample_at[len(samplers)] = at - 1
+                samplers.append(s)
+        return programs.Batch(tokens, positions, seq, tables, sample_at, np.int32(len(samplers))), samplers
+
+    def _round_arrays(self, plan: Plan):
+        """A round's ``(window, tables, lengths, sampling)`` for the decode rows, padded
+        to ``plan.rows`` rows of no sequence."""
         rows = plan.decode + [None] * (plan.rows - len(plan.decode))
-        if plan.rows:
-            tokens = np.array([s.tokens[s.computed] if s else 0 for s in rows], np.int32)
-            lengths = np.array([s.computed if s else 0 for s in rows], np.int32)
-            tables = np.stack([self._table(s, plan.width) for s in rows])
-            decode = (tokens, tables, lengths)
-            if self.draft is not None:
-                decode += (np.stack([self._window(s) for s in rows]),)
-        prefills = [s for s, _ in plan.chunks] + [None] * (self.scheduler.max_prefills - len(plan.chunks))
-        if plan.tokens:
-            C, G = plan.tokens, self.scheduler.max_prefills
-            tokens, positions, index = np.zeros(C, np.int32), np.zeros(C, np.int32), np.full(C, -1, np.int32)
-            tables, last = np.full((G, plan.width), NULL_PAGE, np.int32), np.zeros(G, np.int32)
-            at = 0
-            for g, (seq, n) in enumerate(plan.chunks):
-                start = seq.computed
-                tokens[at:at + n] = seq.tokens[start:start + n]
-                positions[at:at + n] = np.arange(start, start + n)
-                index[at:at + n] = g
-                tables[g], last[g] = self._table(seq, plan.width), at + n - 1
-                at += n
-            packed = (tokens, positions, index, tables, last)
-        else:
-            prefills = []
-        return decode, packed, self._sampling(rows + prefills)
+        tables = np.stack([self._table(s) if s else self._table(None) for s in rows])
+        lengths = np.array([s.computed if s else 0 for s in rows], np.int32)
+        return np.stack([self._window(s) for s in rows]), tables, lengths, self._sampling(rows, plan.rows)
 
     def _window(self, seq: Seq | None) -> np.ndarray:
         """A round's draft window for ``seq`` (``speculative.draft_window`` tokens ending
@@ -426,9 +422,11 @@ class Engine:
             row[:len(got)] = got
         return row
 
-    def _sampling(self, seqs: list[Seq | None]) -> programs.Sampling:
-        """Each row's sampling (``programs.Sampling``); empty rows greedy."""
+    def _sampling(self, seqs: list[Seq | None], rows: int) -> programs.Sampling:
+        """Each row's sampling (``programs.Sampling``): ``seqs``', then greedy rows of no
+        sequence up to ``rows``."""
         requests = [self._requests[s.request_id] if s is not None else None for s in seqs]
+        requests += [None] * (rows - len(requests))
         rows = [(r.params.seed, r.seq.generated, r.params.temperature, r.params.top_p, r.params.logprobs is not None,
                  r.params.biased) if r is not None else (0, 0, 0.0, 1.0, False, False) for r in requests]
         seeds, counts, temperature, top_p, logprobs, biased = zip(*rows)
@@ -459,40 +457,38 @@ class Engine:
         return bias
 
     def _run(self, plan: Plan):
-        """The step's program: ``(emitted, accepted, sampled)`` as numpy (``emitted``,
-        ``accepted``: a draft's rounds, ``programs.Sampled [B, gamma + 1]`` and ``[B]``,
-        else None; ``sampled``: ``programs.Sampled`` for the decode rows, then the
-        packed sequences)."""
-        call = self._step_call(plan, *self._arrays(plan))
-        if self.draft is None:
-            sampled, self.kv = self._call(call)
-            return None, None, jax.tree.map(np.asarray, sampled)
-        emitted, accepted, sampled, self.kv, self.draft_kv = self._call(call)
-        return jax.tree.map(lambda x: None if x is None else np.asarray(x), (emitted, accepted, sampled))
+        """The step's programs: ``(emitted, accepted, sampled, samplers)`` as numpy
+        (``emitted``, ``accepted``: a draft's rounds, ``programs.Sampled [B, gamma + 1]``
+        and ``[B]``, else None; ``sampled``: the flat batch's ``programs.Sampled`` for
+        ``samplers``, else None)."""
+        emitted = accepted = sampled = None
+        samplers = []
+        if plan.rows:  # each call reads the pages the one before it left (both donate them)
+            emitted, accepted, self.kv, self.draft_kv = self._call(self._round_call(plan))
+        if plan.tokens:
+            call, samplers = self._step_call(plan)
+            sampled, self.kv, self.draft_kv = self._call(call)
+        return (*jax.tree.map(lambda x: None if x is None else np.asarray(x), (emitted, accepted, sampled)),
+                samplers)
 
-    def _apply(self, plan: Plan, emitted, accepted, sampled) -> list[RequestOutput]:
+    def _apply(self, plan: Plan, emitted, accepted, sampled, samplers) -> list[RequestOutput]:
         """The step's tokens appended; the outputs that changed."""
         changed = []
-        for row, seq in enumerate(plan.decode):
+        for row, seq in enumerate(plan.decode if emitted is not None else ()):
             request = self._requests[seq.request_id]
-            if emitted is None:
-                self.scheduler.computed(seq, 1)
-                self._append(request, *self._token(request, sampled, row))
-            else:
-                self.rounds, self.accepted = self.rounds + 1, self.accepted + int(accepted[row])
-                self.scheduler.computed(seq, int(accepted[row]) + 1)
-                for slot in range(int(accepted[row]) + 1):
-                    self._append(request, *self._token(request, emitted, (row, slot)))
-                    if request.output.finished:
-                        break
+            self.rounds, self.accepted = self.rounds + 1, self.accepted + int(accepted[row])
+            self.scheduler.computed(seq, int(accepted[row]) + 1)
+            for slot in range(int(accepted[row]) + 1):
+                self._append(request, *self._token(request, emitted, (row, slot)))
+                if request.output.finished:
+                    break
             changed.append(request.output)
-        first = plan.rows if self.draft is None else 0  # the packed rows' first in ``sampled``
-        for g, (seq, n) in enumerate(plan.chunks):
+        for seq, n in ([] if emitted is not None else [(s, 1) for s in plan.decode]) + plan.chunks:
             self.scheduler.computed(seq, n)
-            if seq.remaining == 0:  # its last chunk ran: its next token
-                request = self._requests[seq.request_id]
-                self._append(request, *self._token(request, sampled, first + g))
-                changed.append(request.output)
+        for row, seq in enumerate(samplers):
+            request = self._requests[seq.request_id]
+            self._append(request, *self._token(request, sampled, row))
+            changed.append(request.output)
         return changed
 
     @staticmethod

@@ -1,16 +1,22 @@
-"""The engine's compiled programs: one per engine step. ``step`` runs the model once over
-the step's row (``B`` decode rows of one token each, then a packed row of prompt chunks:
-``jaxpar.serving.pages.StepView``) and samples a token for every decode row and every
-prompt whose last chunk ran. With a draft, ``speculative_step`` runs one speculative
-round (``speculative``, ``glide`` or ``cape``: ``jaxpar.inference.speculative.speculate``,
-the dense decoder's own round, over the pages) for the decode rows and the packed prompt
-chunks through the model and the draft, in the same program. The model and the draft
-read and write the pages through the ``Cache`` interface (``jaxpar.serving.pages``'
-``PagedCache`` and ``StepCache``), as the dense decoder's through ``KVCache``.
+"""The engine's compiled programs, one call each per engine step part.
 
-Shapes are bucketed by the engine (``jaxpar.serving.engine``): decode rows, packed
-tokens and the pages a program reads per sequence (the page tables' width) come in a few
-buckets, so a run compiles a few programs, whatever its requests.
+``step`` runs the model once over the step's flat token batch (``Batch``: decode tokens
+and prompt chunks of any sequences, each token with its sequence and position, the page
+tables as metadata: ``jaxpar.serving.pages.RaggedCache``) and samples a token for each
+of its sampling rows: every decoding sequence and every prompt whose last chunk ran.
+With a draft the same program runs the draft over the batch too (its pages follow the
+model's; a prompt's tokens are never sampled from the draft), and ``round_step`` runs
+one speculative round (``speculative``, ``glide`` or ``cape``:
+``jaxpar.inference.speculative.speculate``, the dense decoder's own round, over the
+pages: ``PagedCache``) for ``B`` decoding sequences.
+
+Shapes: ``step``'s depend on the batch's token count alone (its bucket) and
+``round_step``'s on its rows alone, whatever the sequences' lengths: attention reads
+each sequence's own pages up to its length (``jaxpar.serving.pages.attention``). The
+vocabulary projection and sampling run over the step's sampling rows only: a
+``lax.switch`` over a few row counts (``SAMPLE_ROWS``) picks the least that holds them,
+so a prefill step of 256 tokens and one sampling row projects one row's logits, not
+256.
 
 ``execution`` (static) is the ``jaxpar.Execution`` the model traces under: with a mesh,
 the rules its activations follow (tensor-parallel serving splits the weights and the
@@ -40,7 +46,7 @@ from jaxpar.inference.drafting import as_draft
 from jaxpar.inference.sampling import Rows
 from jaxpar.inference.speculative import Method, speculate
 from jaxpar.placement.execution import use_execution
-from jaxpar.serving.pages import KVPages, PagedCache, StepCache
+from jaxpar.serving.pages import KVPages, PagedCache, RaggedCache
 
 
 TOP_LOGPROBS = 20  # OpenAI's most top_logprobs
@@ -106,39 +112,83 @@ def _with_logprobs(logits, tokens, wanted) -> Sampled:
     return Sampled(tokens, *jax.lax.cond(jnp.any(wanted), logprobs, none))
 
 
-def _forward(model, pages: KVPages, decode, packed):
-    """``model`` once over the step's row (``Transformer.decode`` over a ``StepCache``):
-    ``decode = (tokens, tables, lengths)`` (``[B]``, ``[B, max_pages]``, ``[B]``: each
-    row's token, written at position ``lengths[b]``) and ``packed = (tokens, positions,
-    index, tables, last)`` (``PrefillView``'s row of ``C`` tokens over ``G`` sequences,
-    ``last [G]`` where each sequence's last token is), either None. ``(logits [B + G,
-    V], pages)``: each decode row's, then each packed sequence's at its last token (the
-    only ones projected onto the vocabulary)."""
-    tokens, positions, rows, B = [], [], [], 0
-    fields = dict(decode_tables=None, decode_lengths=None, tables=None, index=None, positions=None)
-    if decode is not None:
-        d_tokens, d_tables, d_lengths = decode[:3]
-        B = d_tokens.shape[0]
-        tokens, positions, rows = [d_tokens], [d_lengths], [jnp.arange(B)]
-        fields |= dict(decode_tables=d_tables, decode_lengths=d_lengths)
-    if packed is not None:
-        p_tokens, p_positions, index, tables, last = packed
-        tokens, positions, rows = tokens + [p_tokens], positions + [p_positions], rows + [B + last]
-        fields |= dict(tables=tables, index=index, positions=p_positions)
-    logits, cache, _ = model.decode(jnp.concatenate(tokens)[None], StepCache(pages, **fields),
-                                    positions=jnp.concatenate(positions)[None],
-                                    logits_at=jnp.concatenate(rows)[None])
-    return logits[0], cache.pages
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """One step's flat token batch (``jaxpar.serving.pages.RaggedCache``'s fields):
+    ``tokens``, ``positions``, ``seq`` int32 ``[T]`` (each token's sequence, a row of
+    ``tables``; ``-1``: padding), ``tables`` int32 ``[S, W]`` (the step's sequences' page
+    tables, the context's whole width); ``sample_at`` int32 ``[R]``: the token whose
+    logits each sampling row reads (its sequence's last in the batch), ``samples``
+    int32 ``[]``: how many of the ``R`` rows are real."""
+
+    tokens: jax.Array
+    positions: jax.Array
+    seq: jax.Array
+    tables: jax.Array
+    sample_at: jax.Array
+    samples: jax.Array
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=3)
-def step(graphdef, execution, params, pages: KVPages, decode, packed, sampling: Sampling):
-    """One engine step: the model over ``decode`` and ``packed`` (``_forward``), a token
-    sampled for each of their ``B + G`` rows (``sampling``'s). Returns ``(Sampled,
-    pages)``; a packed sequence whose tokens go on in a later step ignores its row."""
+def sample_rows(rows: int) -> tuple[int, ...]:
+    """The row counts ``step``'s sampling switch compiles for ``rows`` sampling rows:
+    powers of four from 4, and ``rows``."""
+    return tuple(sorted({4 ** n for n in range(1, 8) if 4 ** n < rows} | {rows}))
+
+
+def _sample(model, normed, sampling: Sampling, count) -> Sampled:
+    """A token for each of the first ``count`` rows of ``normed [R, D]`` (final-normed
+    hidden states: ``Decoded.features``), the rest zeros: the logits projected and
+    sampled for the least of ``sample_rows(R)`` rows that holds ``count`` (one branch
+    of a ``lax.switch`` runs)."""
+    R = normed.shape[0]
+    sizes = sample_rows(R)
+
+    def rows(n):
+        def run(normed, sampling):
+            out = _choose(model.project(normed[None, :n])[0], sampling.rows(0, n))
+            return jax.tree.map(lambda x: jnp.pad(x, [(0, R - n)] + [(0, 0)] * (x.ndim - 1)), out)
+        return run
+
+    branch = jnp.searchsorted(jnp.asarray(sizes, jnp.int32), count)
+    return jax.lax.switch(branch, [rows(n) for n in sizes], normed, sampling)
+
+
+def _forward(model, pages: KVPages, batch: Batch):
+    """``model`` once over ``batch`` (``Transformer.decode`` over a ``RaggedCache``):
+    ``(final-normed hidden states at the sampling rows [R, D], pages)``. Its logits are
+    not computed (the caller projects the rows it samples)."""
+    cache = RaggedCache(pages, batch.seq, batch.positions, batch.tables)
+    _, cache, normed = model.decode(batch.tokens[None], cache, positions=batch.positions[None],
+                                    logits_at=batch.sample_at[None])
+    return normed[0], cache.pages
+
+
+def _draft_prefill(draft, target, draft_pages: KVPages, target_pages: KVPages, batch: Batch):
+    """The batch through the draft (``Draft.forward`` over a ``RaggedCache``): its pages
+    (its tokens are never sampled: the model's are). A GliDe draft's token at position
+    ``p`` cross-attends to the model's keys of its own sequence up to ``p`` (the first,
+    causal block of its training mask), so ``target_pages`` must already hold the
+    batch."""
+    cache = lambda pages: RaggedCache(pages, batch.seq, batch.positions, batch.tables)  # noqa: E731
+    return as_draft(draft).forward(target, batch.tokens[None], cache(draft_pages), cache(target_pages),
+                                   positions=batch.positions[None])[1].pages
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(5, 6))
+def step(graphdef, draft_graph, execution, params, draft_params, pages: KVPages, draft_pages: KVPages | None,
+         batch: Batch, sampling: Sampling):
+    """One engine step over ``batch``: the model (and a draft's, where ``draft_graph``
+    is not None, over its own pages), a token sampled for each sampling row
+    (``sampling``'s ``R`` rows; ``batch.samples`` of them real). Returns ``(Sampled
+    [R], pages, draft pages)``."""
     with use_execution(execution):
-        logits, pages = _forward(nnx.merge(graphdef, params), pages, decode, packed)
-        return _choose(logits, sampling), pages
+        model = nnx.merge(graphdef, params)
+        normed, pages = _forward(model, pages, batch)
+        sampled = _sample(model, normed, sampling, batch.samples)
+        if draft_graph is not None:
+            draft_pages = _draft_prefill(nnx.merge(draft_graph, draft_params), model, draft_pages, pages, batch)
+        return sampled, pages, draft_pages
 
 
 def _round(target, draft, method: Method, target_pages: KVPages, draft_pages: KVPages, window, tables, lengths,
@@ -174,40 +224,13 @@ def _round(target, draft, method: Method, target_pages: KVPages, draft_pages: KV
     return emitted, accepted, verified.cache.pages, draft_cache.pages
 
 
-def _draft_prefill(draft, target, draft_pages: KVPages, target_pages: KVPages, packed):
-    """The packed row through the draft (``Draft.forward`` over a ``StepCache``): its
-    pages (its tokens are never sampled: the model's are). A GliDe draft's token at
-    position ``p`` cross-attends to the model's keys of its own sequence up to ``p`` (the
-    first, causal block of its training mask), so ``target_pages`` must already hold the
-    row."""
-    tokens, positions, index, tables, _ = packed
-    row = lambda pages: StepCache(pages, None, None, tables, index, positions)  # noqa: E731
-    return as_draft(draft).forward(target, tokens[None], row(draft_pages), row(target_pages),
-                                   positions=positions[None])[1].pages
-
-
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(6, 7))
-def speculative_step(target_graph, draft_graph, execution, method: Method, target_params, draft_params,
-                     target_pages: KVPages, draft_pages: KVPages, rounds, packed, sampling: Sampling):
-    """One engine step with a draft: a speculative round (``_round``) for the rows of
-    ``rounds = (window, tables, lengths)`` (None when none), and the ``packed`` prompt
-    chunks (``_forward``'s, or None) through the model (a token sampled for each of their
-    ``G`` sequences) and then the draft. ``sampling`` has the ``B`` rounds' rows, then
-    the ``G`` packed ones.
-
-    Returns ``(emitted, accepted [B], sampled, target pages, draft pages)``:
-    ``emitted`` the rounds' ``Sampled [B, gamma + 1]`` (``_round``), ``sampled`` the
-    packed rows' ``Sampled [G]`` (``emitted``, ``accepted`` None without rounds,
-    ``sampled`` None without a packed row)."""
-    B = 0 if rounds is None else rounds[0].shape[0]
-    emitted = accepted = sampled = None
+def round_step(target_graph, draft_graph, execution, method: Method, target_params, draft_params,
+               target_pages: KVPages, draft_pages: KVPages, window, tables, lengths, sampling: Sampling):
+    """One speculative round (``_round``) for ``B`` decoding sequences: ``window [B, W]``
+    their last tokens, ``tables [B, max_pages]``, ``lengths [B]`` the tokens cached
+    before each one's last (a row of no sequence: the null page's table, length 0).
+    Returns ``(Sampled [B, gamma + 1], accepted [B], target pages, draft pages)``."""
     with use_execution(execution):
         target, draft = nnx.merge(target_graph, target_params), nnx.merge(draft_graph, draft_params)
-        if rounds is not None:
-            emitted, accepted, target_pages, draft_pages = _round(target, draft, method, target_pages, draft_pages,
-                                                                  *rounds, sampling.rows(0, B))
-        if packed is not None:
-            logits, target_pages = _forward(target, target_pages, None, packed)
-            sampled = _choose(logits, sampling.rows(B, B + packed[3].shape[0]))
-            draft_pages = _draft_prefill(draft, target, draft_pages, target_pages, packed)
-    return emitted, accepted, sampled, target_pages, draft_pages
+        return _round(target, draft, method, target_pages, draft_pages, window, tables, lengths, sampling)

@@ -22,10 +22,13 @@ full pages stay cached), its tokens are kept, and it waits at the head of the qu
 be prefilled again, prompt and generated tokens alike; it then samples exactly the
 tokens it would have alone (its keys depend on its seed and token count only).
 
-The step's shapes are bucketed: decode rows and packed prompt tokens each to a bucket
-(``rows_buckets``, ``token_buckets``), with ``rows * tokens_per_row + tokens`` within the
-budget, and the pages a program reads per sequence to ``page_buckets``: ``programs``
-lists every shape a step can take (what ``Engine.warm_up`` compiles).
+The step's shapes are bucketed, on one axis each: the step's flat token batch (decode
+tokens and prompt chunks together) to a power-of-two ``token_buckets`` entry within the
+budget; with a draft, the decode rows (speculative rounds, a program of their own) to
+``rows_buckets`` and the prompt chunks' tokens to ``token_buckets``. How long the
+sequences are changes no shape (the page tables are the context's whole width, and
+attention reads each sequence's own pages up to its length): ``shapes`` lists every
+shape a step can take (what ``Engine.warm_up`` compiles).
 """
 
 from __future__ import annotations
@@ -75,15 +78,15 @@ class Seq:
 
 @dataclasses.dataclass
 class Plan:
-    """One step: ``decode`` sequences (a row each, ``rows`` rows compiled) and ``chunks``
-    ``(sequence, tokens)`` packed into ``tokens`` compiled tokens; page tables ``width``
-    pages wide."""
+    """One step: ``decode`` sequences (a token each, or with a draft a round each in
+    ``rows`` compiled rows) and ``chunks`` ``(sequence, tokens)`` of prompts; ``tokens``
+    compiled tokens in the flat batch (the decode tokens, without a draft, and the
+    chunks')."""
 
     decode: list[Seq]
     chunks: list[tuple[Seq, int]]
     rows: int
     tokens: int
-    width: int
 
 
 def _powers(top: int, first: int = 1) -> tuple[int, ...]:
@@ -113,12 +116,8 @@ class Scheduler:
         self.pool, self.page_size, self.max_pages = pool, page_size, max_pages
         self.max_batch, self.budget, self.max_prefills = max_batch, max_num_batched_tokens, max_prefills
         self.tokens_per_row, self.draft, self.static = tokens_per_row, draft, static
-        self.rows_buckets = _powers(max_batch)
+        self.rows_buckets = _powers(min(max_batch, max_num_batched_tokens // tokens_per_row)) if draft else ()
         self.token_buckets = _powers(max_num_batched_tokens, max(1, min(16, max_num_batched_tokens // 2)))
-        widths = {max_pages}
-        while (width := 16 * 4 ** (len(widths) - 1)) < max_pages:
-            widths.add(width)
-        self.page_buckets = tuple(sorted(widths))
         self.waiting: deque[Seq] = deque()
         self.running: list[Seq] = []
         self._pending: Counter[bytes] = Counter()  # keys running sequences are computing
@@ -127,14 +126,10 @@ class Scheduler:
 
     # ---------------------------------------------------------------- shapes
 
-    def shapes(self) -> list[tuple[int, int]]:
-        """Every ``(rows, tokens)`` a step can take (0: that part is absent)."""
-        return [(r, t) for r in (0, *self.rows_buckets) for t in (0, *self.token_buckets)
-                if (r or t) and (not t or r * self.tokens_per_row + t <= self.budget)]
-
-    def width(self, positions: int) -> int:
-        """The page bucket that holds ``positions`` positions."""
-        return next(w for w in self.page_buckets if w * self.page_size >= positions)
+    def shapes(self) -> list[tuple[str, int]]:
+        """Every program a step runs, by its key: ``("step", T)`` for each token bucket
+        and, with a draft, ``("round_step", B)`` for each rows bucket."""
+        return [("step", t) for t in self.token_buckets] + [("round_step", r) for r in self.rows_buckets]
 
     # ---------------------------------------------------------------- one step
 
@@ -142,19 +137,18 @@ class Scheduler:
         """The next step's plan (None: nothing to run)."""
         scheduled: set[int] = set()
         decode = self._decode_rows(scheduled)
-        rows = next((b for b in self.rows_buckets if b >= len(decode)), 0) if decode else 0
-        room = [t for t in self.token_buckets if rows * self.tokens_per_row + t <= self.budget]
+        rows = next(b for b in self.rows_buckets if b >= len(decode)) if decode and self.draft else 0
+        used = len(decode) * self.tokens_per_row
         chunks: list[tuple[Seq, int]] = []
-        if room:
+        if used < self.budget:
             self._admit_static()
-            left = self._running_chunks(chunks, scheduled, room[-1])
+            left = self._running_chunks(chunks, scheduled, self.budget - used)
             self._admit(chunks, left)
         if not decode and not chunks:
             return None
-        used = sum(n for _, n in chunks)
-        tokens = next(t for t in room if t >= used) if chunks else 0
-        positions = [s.computed + self.tokens_per_row for s in decode] + [s.computed + n for s, n in chunks]
-        return Plan(decode, chunks, rows, tokens, self.width(max(positions)))
+        flat = sum(n for _, n in chunks) + (0 if self.draft else len(decode))
+        tokens = next(t for t in self.token_buckets if t >= flat) if flat else 0
+        return Plan(decode, chunks, rows, tokens)
 
     def decodes(self, seq: Seq) -> bool:
         """``seq`` takes a decode row: one token left to compute (with a draft: and a
