@@ -48,7 +48,7 @@ from jaxpar.inference.token_tree import DEFAULT_BINS, check_bins
 from jaxpar.serving.config import add_flags, from_args
 from jaxpar.train.command import CommandParser, add_compile_cache_flags, compile_cache_from_args
 from jaxpar.models.gguf import gguf_metadata, is_gguf
-from jaxpar.train.runs import check_run_dir, context_length, eos_ids, is_hf, load_model, load_tokenizer
+from jaxpar.train.runs import as_hf, check_run_dir, context_length, eos_ids, is_hf, load_model, load_tokenizer
 
 def _parser() -> CommandParser:
     parser = CommandParser(prog="jaxpar-serve", description=__doc__.split("\n\n")[0].replace("``", ""))
@@ -179,8 +179,8 @@ def warm_up(engine, progress: bool) -> None:
     from tqdm.std import tqdm
 
     count = len(engine.warm_up_programs())
-    say(f"compiling {count} programs (shape buckets of the decode rows, prompt tokens and pages read; "
-        "a second start loads them from the compilation cache)")
+    say(f"compiling {count} programs: {engine.describe_programs()} (a second start loads them from the compilation "
+        "cache)")
     with tqdm(total=count, desc="compile", unit="program", disable=not progress or None, leave=False) as bar:
         engine.warm_up(report=lambda key: bar.update(1))
 
@@ -194,24 +194,26 @@ def build(args):
     from jaxpar.serving.server import create_app
 
     say(f"loading {args.run_dir}" + (f" and the draft {args.draft}" if args.draft else ""))
-    tokenizer = load_tokenizer(args.run_dir)
-    model = load_model(args.run_dir)
+    source = as_hf(args.run_dir, args.cache_dir)  # a GGUF file: converted once
+    tokenizer = load_tokenizer(source)
+    model = load_model(source)
     draft = None
     if args.draft is not None:
         from jaxpar.train.generate import check_same_tokenizer, load_draft
 
         check_run_dir(args.draft)
-        check_same_tokenizer(args.run_dir, args.draft)
-        draft = load_draft(args.draft)
-    config = dataclasses.replace(from_args(args), max_context=_context(args, context_length(args.run_dir, model)),
+        draft_source = as_hf(args.draft, args.cache_dir)
+        check_same_tokenizer(source, draft_source)
+        draft = load_draft(draft_source)
+    config = dataclasses.replace(from_args(args), max_context=_context(args, context_length(source, model)),
                                  bins=tuple(args.bins))
-    replicas = [Engine(model, config, tokenizer=tokenizer, eos_ids=eos_ids(args.run_dir, tokenizer), draft=draft,
+    replicas = [Engine(model, config, tokenizer=tokenizer, eos_ids=eos_ids(source, tokenizer), draft=draft,
                        mesh=mesh)
                 for mesh in meshes(mesh_size(args, "data"), mesh_size(args, "tensor"))]
     engine = replicas[0] if len(replicas) == 1 else Replicas(replicas)
     warm_up(engine, not args.no_progress)
     async_engine = AsyncEngine(engine, max_queue=args.max_queue)
-    template, special_tokens = chat_template(args.run_dir)
+    template, special_tokens = chat_template(source)
     name = args.model_name or args.run_dir.resolve().name
     app = create_app(async_engine, name, tokenizer, chat_template=template, special_tokens=special_tokens,
                      shutdown_timeout=args.shutdown_timeout, api_key=args.api_key,

@@ -312,6 +312,16 @@ class Engine:
         return [self._round_call(Plan([], [], size, 0)) if kind == "round_step" else
                 self._step_call(Plan([], [], 0, size))[0] for kind, size in self.scheduler.shapes()]
 
+    def describe_programs(self) -> str:
+        """What the compiled programs cover, in words (the server's start-up line)."""
+        s = self.scheduler
+        text = (f"{len(s.token_buckets)} steps of {', '.join(map(str, s.token_buckets))} tokens (decode tokens "
+                f"and prompt chunks of up to {self.max_batch} sequences, any context up to {self.max_context})")
+        if s.rows_buckets:
+            text += (f" and {len(s.rows_buckets)} speculative rounds of {', '.join(map(str, s.rows_buckets))} "
+                     f"sequences")
+        return text
+
     @property
     def maps_per_program(self) -> int:
         """The memory mappings XLA:CPU adds per compiled program of this engine

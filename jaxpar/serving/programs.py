@@ -14,9 +14,9 @@ Shapes: ``step``'s depend on the batch's token count alone (its bucket) and
 ``round_step``'s on its rows alone, whatever the sequences' lengths: attention reads
 each sequence's own pages up to its length (``jaxpar.serving.pages.attention``). The
 vocabulary projection and sampling run over the step's sampling rows only: a
-``lax.switch`` over a few row counts (``SAMPLE_ROWS``) picks the least that holds them,
+``lax.switch`` over a few row counts (``sample_rows``) picks the least that holds them,
 so a prefill step of 256 tokens and one sampling row projects one row's logits, not
-256.
+256, and a loop samples ``SAMPLE_CHUNK`` rows at a time up to the rows there are.
 
 ``execution`` (static) is the ``jaxpar.Execution`` the model traces under: with a mesh,
 the rules its activations follow (tensor-parallel serving splits the weights and the
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -50,6 +51,7 @@ from jaxpar.serving.pages import KVPages, PagedCache, RaggedCache
 
 
 TOP_LOGPROBS = 20  # OpenAI's most top_logprobs
+SAMPLE_CHUNK = 8  # rows a step's sampling loop takes at a time
 
 
 @jax.tree_util.register_dataclass
@@ -138,20 +140,29 @@ def sample_rows(rows: int) -> tuple[int, ...]:
 
 def _sample(model, normed, sampling: Sampling, count) -> Sampled:
     """A token for each of the first ``count`` rows of ``normed [R, D]`` (final-normed
-    hidden states: ``Decoded.features``), the rest zeros: the logits projected and
-    sampled for the least of ``sample_rows(R)`` rows that holds ``count`` (one branch
-    of a ``lax.switch`` runs)."""
+    hidden states: ``Decoded.features``), the rest zeros. The logits are projected for
+    the least of ``sample_rows(R)`` rows that holds ``count`` (one branch of a
+    ``lax.switch`` runs: one pass over the head's weights), and sampled
+    ``SAMPLE_CHUNK`` rows at a time up to ``count`` (a loop: the sampling code, with its
+    sorts of the vocabulary, compiled once and run for the rows there are)."""
     R = normed.shape[0]
     sizes = sample_rows(R)
 
-    def rows(n):
-        def run(normed, sampling):
-            out = _choose(model.project(normed[None, :n])[0], sampling.rows(0, n))
-            return jax.tree.map(lambda x: jnp.pad(x, [(0, R - n)] + [(0, 0)] * (x.ndim - 1)), out)
-        return run
+    def project(n):
+        return lambda normed: jnp.pad(model.project(normed[None, :n])[0], ((0, R - n), (0, 0)))
 
     branch = jnp.searchsorted(jnp.asarray(sizes, jnp.int32), count)
-    return jax.lax.switch(branch, [rows(n) for n in sizes], normed, sampling)
+    logits = jax.lax.switch(branch, [project(n) for n in sizes], normed)
+    C = math.gcd(R, SAMPLE_CHUNK)
+
+    def chunk(i, out: Sampled) -> Sampled:
+        rows = lambda x: jax.lax.dynamic_slice_in_dim(x, i * C, C)  # noqa: E731
+        got = _choose(rows(logits), jax.tree.map(rows, sampling))
+        return jax.tree.map(lambda o, g: jax.lax.dynamic_update_slice_in_dim(o, g, i * C, 0), out, got)
+
+    empty = Sampled(jnp.zeros(R, jnp.int32), jnp.zeros(R, jnp.float32), jnp.zeros((R, TOP_LOGPROBS), jnp.int32),
+                    jnp.zeros((R, TOP_LOGPROBS), jnp.float32))
+    return jax.lax.fori_loop(0, (count + C - 1) // C, chunk, empty)
 
 
 def _forward(model, pages: KVPages, batch: Batch):

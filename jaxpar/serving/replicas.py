@@ -108,6 +108,9 @@ class Replicas:
         """Each replica compiles the same shapes (on its own devices)."""
         return set().union(*(e.compiled_programs for e in self.engines))
 
+    def describe_programs(self) -> str:
+        return f"{len(self.engines)} replicas' {self.engines[0].describe_programs()}"
+
     def warm_up_programs(self) -> list:
         """Every replica's programs (``Engine.warm_up_programs``)."""
         return [call for e in self.engines for call in e.warm_up_programs()]
