@@ -10,6 +10,7 @@ an API key guards /v1 (not /health, /metrics); a body over the limit is a 413.""
 import asyncio
 import json
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -33,6 +34,7 @@ from jaxpar.inference.decoding import generate
 from jaxpar.models import ModelConfig, Transformer, to_hf
 from jaxpar.models.glide import GlideDraft
 from jaxpar.serving import Engine, SamplingParams
+from jaxpar.serving import code_maps
 from jaxpar.serving.async_engine import AsyncEngine
 from jaxpar.serving.replicas import Replicas
 from jaxpar.serving.server import create_app
@@ -280,6 +282,36 @@ def test_concurrent_requests_get_their_tokens_alone(served):
     crowd = results[-1].choices[0].text
     assert crowd == asyncio.run(alone()).choices[0].text and len(set(crowd.split())) > 1
     pages_all_free(served)
+
+
+@pytest.mark.slow
+def test_default_flags_on_an_8192_token_context(hf_dir, tmp_path):
+    """``jaxpar-serve PATH`` with no engine flag on a model whose context is 8,192 tokens
+    (the served model's weights; its positions are rotary, so only the config's context
+    differs): one program per token bucket of the default 256-token step budget, exactly
+    5 (16 ... 256), whatever the context, well inside the memory-map guard (which would
+    have refused the start); a mixed load (the 48 prompts of 1 to 300 tokens, 1 to 100
+    new tokens, at once) compiles nothing and each request gets its tokens alone."""
+    path = tmp_path / "long"
+    shutil.copytree(hf_dir, path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | {"max_position_embeddings": 8192}))
+    async_engine, app, engine = serve.build(serve._parser().parse_args([str(path), "--model-name", NAME]))
+    assert engine.max_context == 8192 and engine.max_batch == 256
+    assert engine.compiled_programs == {("step", t) for t in (16, 32, 64, 128, 256)}
+    assert 5 * code_maps.MAPS_PER_PROGRAM < 0.1 * 65530
+    server, thread, url = start(app)
+    try:
+        served = Served(url, async_engine, engine, nnx.merge(engine.graphdef, engine.params), engine.eos_ids)
+        mixed = cases(2)
+        served.know([p for p, _, _ in mixed])
+        results, compiles = requests_at_once(served, mixed)
+        assert compiles == 0
+        check_completions(served, mixed, results)
+        pages_all_free(served)
+    finally:
+        server.should_exit = True
+        thread.join(60)
 
 
 @pytest.mark.slow
@@ -799,9 +831,9 @@ def test_sigterm_finishes_the_running_request_and_exits_0(hf_dir):
                                       r"programs", lines[-1] if lines else "")):
             lines.append(process.stderr.readline())
             assert lines[-1], "".join(lines)  # the process ended without its line
-        assert int(match[2]) == 6, lines[-1]  # 1 or 2 decode rows with 0 or 8 prompt tokens, or 8 or 16 alone
-        assert [line.split(" (")[0] for line in lines[:-1]] == [f"jaxpar-serve: loading {hf_dir}\n",
-                                                              "jaxpar-serve: compiling 6 programs"], lines
+        assert int(match[2]) == 2, lines[-1]  # flat batches of 8 and 16 tokens
+        assert [line.split(":", 2)[:2] for line in lines[:-1]] == [["jaxpar-serve", f" loading {hf_dir}\n"],
+                                                                 ["jaxpar-serve", " compiling 2 programs"]], lines
         client = openai.OpenAI(base_url=f"{match[1]}/v1", api_key="unused", max_retries=0)
         chunks = client.completions.create(model=NAME, prompt="t16", max_tokens=200, temperature=0, stream=True,
                                            stream_options={"include_usage": True})  # no end token in 200
