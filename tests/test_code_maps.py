@@ -28,18 +28,18 @@ def test_one_past_headroom():
 
 
 def test_refuses_with_the_numbers():
-    # 138 programs at --max-context 2048, twice (a draft or two replicas): 276.
+    # 276 programs (the bucketed engine's 138 at --max-context 2048, in two replicas).
     # 900 + 276 * 360 = 100,260 > 58,977; suggested 2 * 100,260 = 200,520 -> 262,144
     error = estimate_error(900, 276, 65_530)
     assert "\n" not in error
     for part in ("276 programs", "100,260", "900 now", "~360", "vm.max_map_count=65,530", "58,977", "90%",
-                 "--max-context", "--max-num-batched-tokens", "--max-batch", "replicas",
+                 "--max-num-batched-tokens", "replicas",
                  "sysctl -w vm.max_map_count=262144"):
         assert part in error, part
 
 
 def test_speculative_programs():
-    # SmolLM2 with a draft at --max-context 2048: 105 speculative_step programs.
+    # 105 programs of a draft's size (the bucketed engine's, SmolLM2 with a draft at 2048).
     # 1,000 + 105 * 360 = 38,800 fits; 1,000 + 105 * 1,050 = 111,250 > 58,977 -> 262,144
     assert estimate_error(1_000, 105, 65_530) is None
     error = estimate_error(1_000, 105, 65_530, MAPS_PER_SPECULATIVE_PROGRAM)

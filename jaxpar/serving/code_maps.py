@@ -2,15 +2,17 @@
 before compiling them.
 
 On XLA:CPU every compiled executable maps its JIT code into the process: a serving step
-program adds roughly 240-400 entries to ``/proc/self/maps`` (``MAPS_PER_PROGRAM``), a
-speculative step (target and draft, the draft's rounds) about three times that
-(``MAPS_PER_SPECULATIVE_PROGRAM``). Linux
-caps a process at ``vm.max_map_count`` mappings (``/proc/sys/vm/max_map_count``, 65,530
-by default), and past it the next mapping fails and the process segfaults inside XLA
-(a CI worker did). ``Engine.warm_up`` compiles every step shape up front: about 138
-programs at ``--max-context 2048`` with the default flags, more with a longer context, a
-draft (``speculative_step`` programs) or several replicas in one process. So a large
-configuration crashes during warm-up with no word of why.
+program adds roughly 300-400 entries to ``/proc/self/maps`` (``MAPS_PER_PROGRAM``), a
+speculative round's program (both models, the draft's steps, the acceptance) about
+three times that (``MAPS_PER_SPECULATIVE_PROGRAM``). Linux caps a process at
+``vm.max_map_count`` mappings (``/proc/sys/vm/max_map_count``, 65,530 by default), and
+past it the next mapping fails and the process segfaults inside XLA (a CI worker did).
+``Engine.warm_up`` compiles every program up front. Since the ragged step (a program per
+token bucket, whatever the context: 5 at the default flags, 5 + 4 with a draft) that is
+a few thousand mappings; before it, every (decode rows, prompt tokens, pages read)
+bucket was a program: 138 at ``--max-context 2048``, 184 at SmolLM2's 8,192, which
+this guard refused at the default flags. It stays as the last guard: several replicas
+in one process, or a much larger token budget, still multiply the programs.
 
 ``check_code_mappings`` runs before the compiles and turns that crash into one line: the
 programs about to be compiled, the mappings they would bring the process to against
@@ -27,29 +29,24 @@ import math
 # with JAX/jaxlib 0.10.2 at JAX's default XLA flags (no XLA_FLAGS; the tests' conftest
 # sets --xla_backend_optimization_level=0, which is not what serving runs), on Linux
 # x86-64, in a fresh process: Engine(...).warm_up_programs() lowered and compiled one by
-# one, counting /proc/self/maps lines around each compile (2026-11-28, with the packed
-# row's attention as a lax.switch over 1, 2 or all 4 sequences' pages:
-# jaxpar.serving.pages.PACKED_SEQUENCES).
-#   SmolLM2-135M's shape (dim 576, 30 layers, 9/3 heads, vocab 49152), max_context 2048,
-#   default flags (138 programs, page widths 16/64/128), every 8th program, 18 of them:
-#   mean 354 after the first, min 239, max 395 per program.
-#   The tests' small model (dim 32, 2 layers, vocab 96), max_batch 4, max_context 256,
-#   page_size 8, max_num_batched_tokens 64: all 24 programs, mean 343, min 248, max 396.
-#   (Before the switch: means 286 and 289, max 328.)
+# one, counting /proc/self/maps lines around each compile (2026-11-28, the ragged step:
+# one flat token batch, attention in a loop over blocks of pages, the sampling in a
+# loop over chunks of rows):
+#   SmolLM2-135M's shape (dim 576, 30 layers, 9/3 heads, vocab 49152), context 8192,
+#   default flags (5 programs, 16 ... 256 tokens): 313, 319, 321, 327, 327.
+#   (Before it, with the buckets' programs: a mean of 354, max 395, at context 2048.)
 # So the count follows the program's kernels, not the model's size (30 layers cost what
 # 2 do). A plain small jitted function (tanh(x @ x.T).sum(0), 20 shapes) adds
-# about 6 each, so it is the step programs' many fused kernels that cost. 360 is the
-# mean rounded up; with the 10% headroom below, the check holds up to ~400 a program.
+# about 6 each, so it is the step programs' many fused kernels that cost. 360 covers the
+# measured ones with room.
 MAPS_PER_PROGRAM = 360
 
-# The same for a speculative_step program (an Engine with a draft), measured alike:
-#   SmolLM2-135M's shape as above with a 2-layer draft (dim 128, vocab 49152), gamma 4
-#   (the default), max_context 2048 (105 programs), every 11th, 10 of them: mean 1,019
-#   after the first, min 668, max 1,094 (922 before the switch).
-#   The small model as its own draft, gamma 3, all 24 programs: mean 780, max 1,041.
-#   Prefill-only ones (no decode rows) cost what a step does.
+# The same for a round_step program (an Engine with a draft), measured alike by
+# bench/serve_startup.py (the whole process's mappings once it listens, less the same
+# server's without a draft): SmolLM2-135M's shape with a random 2-layer draft (dim 128,
+# vocab 49152), gamma 4 (the default), 7 round programs: about 810 each (2026-11-28).
+# (Before the ragged step, its speculative_step programs: a mean of 1,019, max 1,094.)
 # It grows with gamma (not measured why); GliDe and tree methods were not measured.
-# 1,050 covers the SmolLM2 mean at the default gamma.
 MAPS_PER_SPECULATIVE_PROGRAM = 1050
 
 # Refuse past this fraction of vm.max_map_count: the estimate is an average, and the
@@ -98,15 +95,15 @@ def estimate_error(current: int, programs: int, limit: int, maps_per_program: in
     return (f"compiling {programs:,} programs would bring this process to about {estimate:,} memory mappings "
             f"({current:,} now + {programs:,} x ~{maps_per_program} for XLA:CPU's code), over "
             f"{HEADROOM:.0%} of vm.max_map_count={limit:,} ({allowed:,}), and past the limit XLA segfaults: "
-            f"lower --max-context, --max-num-batched-tokens or --max-batch, run fewer replicas per process, "
+            f"lower --max-num-batched-tokens (its buckets are the programs), run fewer replicas per process, "
             f"or raise the limit with `sysctl -w vm.max_map_count={suggested_limit(estimate)}`")
 
 
 def check_code_mappings(programs: int, *, platform: str, maps_per_program: int = MAPS_PER_PROGRAM) -> None:
     """Raises ValueError (one line) where compiling ``programs`` programs on
     ``platform`` (``jax.default_backend()``'s name) would come near ``vm.max_map_count``.
-    Checks only ``"cpu"``, and only where both counts can be read. An engine with a draft
-    passes ``maps_per_program=MAPS_PER_SPECULATIVE_PROGRAM``."""
+    Checks only ``"cpu"``, and only where both counts can be read. An engine passes its
+    programs' average (``Engine.maps_per_program``)."""
     if platform != "cpu":
         return
     current, limit = current_mappings(), map_limit()

@@ -324,10 +324,13 @@ class Engine:
 
     @property
     def maps_per_program(self) -> int:
-        """The memory mappings XLA:CPU adds per compiled program of this engine
-        (``jaxpar.serving.code_maps``): a speculative step's are about three times a
-        plain step's."""
-        return code_maps.MAPS_PER_PROGRAM if self.draft is None else code_maps.MAPS_PER_SPECULATIVE_PROGRAM
+        """The memory mappings XLA:CPU adds per compiled program of this engine, on
+        average over its programs (``jaxpar.serving.code_maps``: a speculative round's
+        are about three times a step's)."""
+        kinds = [kind for kind, _ in self.scheduler.shapes()]
+        total = sum(code_maps.MAPS_PER_SPECULATIVE_PROGRAM if k == "round_step" else code_maps.MAPS_PER_PROGRAM
+                    for k in kinds)
+        return -(-total // len(kinds))
 
     def warm_up(self, report: Callable[[tuple], None] | None = None, *, check_maps: bool = True) -> None:
         """Compiles every program the engine runs (``warm_up_programs``), so serving

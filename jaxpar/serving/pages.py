@@ -49,7 +49,7 @@ from jaxpar.ops import kernel_ops
 NULL_PAGE = 0
 # Slots of keys a token reads per loop step (a block of pages): the gathered block is
 # tokens x slots x K x H; fewer slots for wider steps keep it near a few MB.
-BLOCK_ELEMENTS = 16384
+BLOCK_ELEMENTS = 4096
 
 
 @jax.tree_util.register_dataclass

@@ -89,10 +89,10 @@ class Plan:
     tokens: int
 
 
-def _powers(top: int, first: int = 1) -> tuple[int, ...]:
-    """Powers of two from ``first`` below ``top``, and ``top``."""
-    return tuple(sorted({first * 2 ** n for n in range(max(0, math.ceil(math.log2(max(top / first, 1)))))
-                         if first * 2 ** n < top} | {top}))
+def _powers(top: int, first: int = 1, base: int = 2) -> tuple[int, ...]:
+    """Powers of ``base`` from ``first`` below ``top``, and ``top``."""
+    return tuple(sorted({first * base ** n for n in range(max(0, math.ceil(math.log(max(top / first, 1), base))))
+                         if first * base ** n < top} | {top}))
 
 
 class Scheduler:
@@ -116,7 +116,9 @@ class Scheduler:
         self.pool, self.page_size, self.max_pages = pool, page_size, max_pages
         self.max_batch, self.budget, self.max_prefills = max_batch, max_num_batched_tokens, max_prefills
         self.tokens_per_row, self.draft, self.static = tokens_per_row, draft, static
-        self.rows_buckets = _powers(min(max_batch, max_num_batched_tokens // tokens_per_row)) if draft else ()
+        # a round's program costs seconds to compile (two models, gamma draft steps, the
+        # acceptance's sampling): powers of 4, fewer programs for more padding rows
+        self.rows_buckets = _powers(min(max_batch, max_num_batched_tokens // tokens_per_row), base=4) if draft else ()
         self.token_buckets = _powers(max_num_batched_tokens, max(1, min(16, max_num_batched_tokens // 2)))
         self.waiting: deque[Seq] = deque()
         self.running: list[Seq] = []
