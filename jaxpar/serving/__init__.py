@@ -5,10 +5,11 @@
 / ``step`` / ``abort`` drive it one iteration at a time (a request's parameters, output
 and state: ``requests.py``). ``scheduler.py`` decides each
 step (decode rows, prompt chunks, admissions, preemption) over ``page_pool.py``'s page
-ids and prefix cache; ``pages.py`` holds the paged cache on the device (``PagedCache``,
-``StepCache``: the model's ``Cache`` interface over pages) and the views the model's
-attention reads it through, ``programs.py`` the compiled step programs (a draft's round
-is ``jaxpar.inference.speculative.speculate``, the dense decoder's);
+ids and prefix cache; ``pages.py`` holds the paged cache on the device (``RaggedCache``
+for a step's flat batch, ``PagedCache`` for a round's rows: the model's ``Cache``
+interface over pages) and the one attention over pages, ``programs.py`` the compiled
+programs (a step; a draft's round is ``jaxpar.inference.speculative.speculate``, the
+dense decoder's);
 ``detokenize.py`` grows a sequence's text token by token, ``structured.py`` turns a JSON
 schema into each step's token mask (llguidance, the ``structured`` extra).
 ``async_engine.py`` runs an engine on a thread of its own for asyncio callers

@@ -32,8 +32,8 @@ class ServingConfig:
         None, f"the most sequences running at once (default: what the page pool and the token budget allow, at "
         f"most {MAX_BATCH})")
     max_context: int | None = _setting(
-        None, "the longest prompt + max_tokens a request may ask for (default: the model's context); the "
-        "compiled page buckets follow it", metavar="TOKENS")
+        None, "the longest prompt + max_tokens a request may ask for (default: the model's context); a limit "
+        "only: the compiled programs are the same whatever it is", metavar="TOKENS")
     page_size: int = _setting(16, "tokens per KV cache page (%(default)s)")
     kv_pages: int | None = _setting(None, "pages in the KV cache, the null page included (default: from "
                                     "--kv-memory)", cli=False)

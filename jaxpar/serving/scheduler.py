@@ -103,7 +103,7 @@ class Scheduler:
       max_pages: the most pages one sequence holds (its context, and a round's lookahead).
       max_batch: the most sequences running at once.
       max_num_batched_tokens: the step's token budget.
-      max_prefills: the most prompts with a chunk in one step (the packed row's sequences).
+      max_prefills: the most prompts with a chunk in one step.
       tokens_per_row: tokens a decode row computes (1; a speculative round's verified ones).
       draft: a draft model runs beside (decode rows are rounds, which need a generated
         token; pages are keyed one token late: the draft's cache runs a token behind).
