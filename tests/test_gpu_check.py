@@ -141,8 +141,8 @@ def test_smoke_runs_the_kernel_and_model_checks(tmp_path):
     assert results["smoke"] and set(parts) == {"probe", "correctness", "model"}
     assert all(p["status"] == "ok" for p in parts.values()), {k: p.get("reason") for k, p in parts.items()}
     cases = parts["correctness"]["cases"]
-    assert {c["kernel"] for c in cases} == {"flash_attention", "decode_attention", "paged_decode_attention", "norm",
-                                            "linear_cross_entropy"}
+    assert {c["kernel"] for c in cases} == {"flash_attention", "decode_attention", "paged_decode_attention",
+                                            "ragged_paged_attention", "norm", "linear_cross_entropy"}
     assert all(c["worst"] <= c["tolerance"] for c in cases)
     assert [r["status"] for r in parts["model"]["rows"]] == ["ok", "ok"]
     summary = (tmp_path / "summary.txt").read_text().splitlines()

@@ -7,8 +7,7 @@ dims 64/80/96/128, bf16/fp16/fp32), decode attention (token trees, head dim 80, 
 poisoned past the lengths), paged decode attention (NaN in the slots no sequence owns),
 ragged paged attention (one flat batch mixing decode tokens, a prompt chunk over a cached
 prefix, a one-token prompt, a sequence's tokens not contiguous, padding; NaN in the slots
-no token may read; GPU cases only: the smoke's kernel list is fixed by
-tests/test_gpu_check.py), RMSNorm and LayerNorm (widths 576, 768, 2048, 4096), linear + cross-entropy (V not a
+no token may read), RMSNorm and LayerNorm (widths 576, 768, 2048, 4096), linear + cross-entropy (V not a
 multiple of the chunk). Error: max |got - want| / max |want| (the tests'); within 2e-2
 for bf16/fp16 (the tests' tolerance), 1e-4 for fp32 at ``highest`` matmul precision,
 1e-2 for fp32 at the default (TF32 on a GPU). A case not started by the part's deadline
@@ -275,6 +274,8 @@ def correctness_cases(smoke: bool) -> list[Case]:
                  P(check_decode, B=3, T=4, N=4, K=2, H=80, S=50, tree=True, dtype="float32")),
             Case("paged_decode_attention", "B3 T2 N4 K2 H64 pages of 8 bf16",
                  P(check_paged, B=3, T=2, N=4, K=2, H=64, page_size=8, max_pages=4)),
+            Case("ragged_paged_attention", "T13: 4 decode + a 9-token chunk, N4 K2 H64 pages of 8 f32",
+                 P(check_ragged, N=4, K=2, H=64, page_size=8, width=4, decode=4, chunk=9, dtype="float32")),
             Case("norm", "layer [37, 96] f32", P(check_norm, shape=(37, 96), kind="layer", dtype="float32")),
             Case("linear_cross_entropy", "N40 D96 V300 bf16", P(check_ce, N=40, D=96, V=300)),
         ]

@@ -58,10 +58,11 @@ from jaxpar.serving.scheduler import Plan, Scheduler, Seq
 class Call(NamedTuple):
     """One call of a compiled program: ``key`` names its shape bucket
     (``Engine.compiled_programs``), ``program`` is a ``jaxpar.serving.programs``
-    function and ``args`` its arguments."""
+    function, ``static`` its static (first) arguments and ``args`` the others."""
 
     key: tuple
     program: Callable
+    static: tuple
     args: tuple
 
 
@@ -163,6 +164,7 @@ class Engine:
                                    static=config.batching == "static")
         self.max_batch, self.max_num_batched_tokens = max_batch, max_num_batched_tokens
         self.compiled_programs: set[tuple] = set()
+        self._executables: dict[tuple, jax.stages.Compiled] = {}  # warm_up's, by key
         self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self._no_bias: dict[int, jax.Array] = {}  # rows -> zeros [rows, V] on the device
@@ -334,9 +336,11 @@ class Engine:
 
     def warm_up(self, report: Callable[[tuple], None] | None = None, *, check_maps: bool = True) -> None:
         """Compiles every program the engine runs (``warm_up_programs``), so serving
-        compiles nothing. Ahead of time: each is lowered and compiled, not run (a later
-        call of the same shapes runs that executable; where JAX's persistent compilation
-        cache is on, a second start loads them from it). ``report(key)`` after each. One
+        compiles nothing. Ahead of time: each is lowered and compiled, not run, and its
+        executable kept for the calls of its key (``jax.jit``'s own call would trace and
+        lower the program again the first time its shapes come, 0.3-0.5 s of a request's
+        time to first token; where JAX's persistent compilation cache is on, a second
+        start loads them from it). ``report(key)`` after each. One
         at a time: compiling on several threads crashed JAX 0.10's persistent cache
         write (a segfault in CI). First, on a CPU, whether the programs' code fits the
         process's memory-map limit (``code_maps.check_code_mappings``: ValueError, one
@@ -348,7 +352,7 @@ class Engine:
                                           maps_per_program=self.maps_per_program)
         for call in calls:
             with self._on_mesh():
-                call.program.lower(*call.args).compile()
+                self._executables[call.key] = call.program.lower(*call.static, *call.args).compile()
             self.compiled_programs.add(call.key)
             if report is not None:
                 report(call.key)
@@ -358,25 +362,28 @@ class Engine:
         return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
 
     def _call(self, call: Call):
-        """Runs ``call`` on the engine's mesh (its programs donate the pages they update)."""
+        """Runs ``call`` on the engine's mesh (its programs donate the pages they update):
+        its executable from ``warm_up``, else through ``jax.jit`` (which compiles it)."""
         self.compiled_programs.add(call.key)
         with self._on_mesh():
-            return call.program(*call.args)
+            if call.key in self._executables:
+                return self._executables[call.key](*call.args)
+            return call.program(*call.static, *call.args)
 
     def _round_call(self, plan: Plan) -> Call:
         """A draft's round for the step's decode rows (``Plan.rows`` of them)."""
         return Call(("round_step", plan.rows), programs.round_step,
-                    (self.graphdef, self.draft[0], self.execution, self.method, self.params, self.draft[1], self.kv,
-                     self.draft_kv, *self._round_arrays(plan)))
+                    (self.graphdef, self.draft[0], self.execution, self.method),
+                    (self.params, self.draft[1], self.kv, self.draft_kv, *self._round_arrays(plan)))
 
     def _step_call(self, plan: Plan) -> tuple[Call, list[Seq]]:
         """The step's flat batch (``Plan.tokens``), and the sequences it samples for, in
         its rows' order."""
         draft_graph, draft_params = self.draft or (None, None)
         batch, samplers = self._batch(plan)
-        return Call(("step", plan.tokens), programs.step,
-                    (self.graphdef, draft_graph, self.execution, self.params, draft_params, self.kv, self.draft_kv,
-                     batch, self._sampling(samplers, batch.sample_at.shape[0]))), samplers
+        return Call(("step", plan.tokens), programs.step, (self.graphdef, draft_graph, self.execution),
+                    (self.params, draft_params, self.kv, self.draft_kv, batch,
+                     self._sampling(samplers, batch.sample_at.shape[0]))), samplers
 
     # -------------------------------------------------------------- one step
 
