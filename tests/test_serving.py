@@ -178,8 +178,8 @@ def ragged_reference(q, k_pages, v_pages, layer, seq, last, tables, visible=None
     return out
 
 
-@pytest.mark.parametrize("block_slots", [None, 4, 8])
-def test_ragged_attention_reads_each_tokens_own_pages(rng, block_slots):
+@pytest.mark.parametrize("block_slots,chunk", [(None, None), (4, 4), (8, 3), (16, 2), (4, 12)])
+def test_ragged_attention_reads_each_tokens_own_pages(rng, block_slots, chunk):
     """A flat batch mixing a decode token over a long context, a prompt chunk spanning
     pages after a cached prefix, a one-token prompt, a sequence at the table's full
     width, tokens of one sequence apart, padding, and a query that reads nothing: each
@@ -188,8 +188,8 @@ def test_ragged_attention_reads_each_tokens_own_pages(rng, block_slots):
     L, P, S_p, N, K, H, W = 2, 12, 4, 4, 2, 8, 4
     pages = rng.standard_normal((2, L, P, S_p, K, H)).astype(np.float32)
     tables = np.array([[3, 7, 1, 0], [5, 0, 0, 0], [2, 4, 6, 8], [9, 10, 0, 0]], np.int32)
-    seq = np.array([0, 1, 1, 1, 1, 1, 2, -1, 3, 1, 0], np.int32)
-    last = np.array([9, 0, 1, 2, 3, 4, 15, 0, 5, 5, -1], np.int32)
+    seq = np.array([0, 1, 1, 1, 1, 1, 2, -1, 3, 1, 0, -1], np.int32)
+    last = np.array([9, 0, 1, 2, 3, 4, 15, 0, 5, 5, -1, 3], np.int32)
     readable = np.zeros((L, P, S_p), bool)
     for s, l in zip(seq, last):
         if s >= 0:
@@ -200,17 +200,17 @@ def test_ragged_attention_reads_each_tokens_own_pages(rng, block_slots):
     run = lambda pk, pv, **kw: np.asarray(jax.jit(lambda *a: attention(*a, **kw))(  # noqa: E731
         jnp.asarray(q), jnp.asarray(pk), jnp.asarray(pv), jnp.int32(1), jnp.asarray(seq), jnp.asarray(last),
         jnp.asarray(tables)))
-    out = run(*poisoned, block_slots=block_slots)
+    out = run(*poisoned, block_slots=block_slots, chunk=chunk)
     want = ragged_reference(q, *pages, 1, seq, last, tables)
     assert np.isfinite(out).all() and np.abs(out - want).max() < 1e-5 * np.abs(want).max()
-    assert not out[7].any() and not out[10].any()  # padding, and a query with nothing to read
+    assert not out[[7, 10, 11]].any()  # padding, and a query with nothing to read
     # a tree over sequence 1's slots 1..4 (tokens 2..5; slot 0 cached): each reads the nodes its row says
     rows = rng.random((len(seq), 4)) < 0.5
     rows[np.arange(len(seq)), np.clip(last - 1, 0, 3)] = True  # itself
     visible = np.ones((len(seq), 16), bool)
     visible[1:6, 1:5] = rows[1:6]
     tree = (jnp.full(len(seq), 1, jnp.int32), jnp.asarray(rows))
-    out = run(*pages, block_slots=block_slots, tree=tree)
+    out = run(*pages, block_slots=block_slots, chunk=chunk, tree=tree)
     want = ragged_reference(q, *pages, 1, seq, last, tables, visible)
     assert np.abs(out[1:6] - want[1:6]).max() < 1e-5 * np.abs(want).max()
 

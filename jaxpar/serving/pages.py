@@ -39,6 +39,8 @@ place), and both give a GliDe draft's cross-attention the target's pages the sam
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -47,9 +49,9 @@ from flax import nnx
 from jaxpar.ops import kernel_ops
 
 NULL_PAGE = 0
-# Slots of keys a token reads per loop step (a block of pages): the gathered block is
-# tokens x slots x K x H; fewer slots for wider steps keep it near a few MB.
-BLOCK_ELEMENTS = 4096
+# Token-slots one step of attention's inner loop reads (a chunk of tokens, each a block
+# of its own sequence's slots): the gathered block is chunk x slots x K x H.
+BLOCK_ELEMENTS = 1024
 
 
 @jax.tree_util.register_dataclass
@@ -91,19 +93,30 @@ def _write(pages: jax.Array, layer, tables: jax.Array, seq: jax.Array, slots: ja
     return pages.at[layer, page, slots % size].set(new.astype(pages.dtype))
 
 
-def attention(q, k_pages, v_pages, layer, seq, last, tables, *, tree=None, block_slots: int | None = None):
+def attention(q, k_pages, v_pages, layer, seq, last, tables, *, tree=None, block_slots: int | None = None,
+              chunk: int | None = None):
     """Each query token over its own sequence's pages (module docstring): ``q [T, N, H]``
     reads layer ``layer`` of ``k_pages``, ``v_pages [L, P, S_p, K, H]`` at the slots
     ``0..last[t]`` of sequence ``seq[t]`` (``tables [S, W]``); ``last[t] < 0`` reads
     nothing and gives zeros, as does a padding token (``seq[t] < 0``). ``tree = (start
     [T], visible [T, n])``: slots ``start[t] + j`` (``j < n``) are read only where
-    ``visible[t, j]`` (a token tree's new tokens). ``[T, N, H]`` in ``q``'s dtype; the
-    softmax in float32 (an online softmax over blocks of ``block_slots`` slots: a whole
-    number of pages, default ``BLOCK_ELEMENTS // T``)."""
+    ``visible[t, j]`` (a token tree's new tokens). ``[T, N, H]`` in ``q``'s dtype.
+
+    Two loops with trip counts read from the data: over chunks of ``chunk`` tokens up to
+    the last token of a sequence (padding, at the end of a step's batch, costs nothing),
+    and in each over blocks of ``block_slots`` slots (whole pages) up to the chunk's
+    furthest ``last`` (an online softmax across blocks, in float32), so a chunk of a
+    prompt reads no further than its own tokens and a short sequence beside a long one
+    reads its own length. A chunk whose tokens are all of one sequence (most of a
+    prompt's) reads each block once for them all; a mixed one (decode tokens) gathers
+    each token's own (XLA:CPU's gather moves about an element a nanosecond, so reading
+    a prompt's pages once per token cost a 128-token prompt 120 ms a step). Defaults: chunks of ``T // 16`` tokens (4 to 16), blocks of
+    ``BLOCK_ELEMENTS // chunk`` slots."""
     T, N, H = q.shape
     S_p, K = k_pages.shape[2], k_pages.shape[3]
     G = N // K
-    per_block = max(1, (block_slots or max(BLOCK_ELEMENTS // T, S_p)) // S_p)  # pages a block reads
+    chunk = math.gcd(T, chunk or min(max(T // 16, 4), 16))
+    per_block = max(1, (block_slots or max(BLOCK_ELEMENTS // chunk, S_p)) // S_p)  # pages a block reads
     tables = token_tables(tables, seq)
     W = tables.shape[1]
     per_block = min(per_block, W)
@@ -111,33 +124,54 @@ def attention(q, k_pages, v_pages, layer, seq, last, tables, *, tree=None, block
     last = jnp.where(seq >= 0, last, -1)
     qf = q.reshape(T, K, G, H).astype(jnp.float32) * H ** -0.5
     span = per_block * S_p
+    visible = None if tree is None else tree[1]
+    start = None if tree is None else tree[0]
 
-    def block(j, carry):
-        m, l, acc = carry  # running max, sum [T, K, G]; output [T, K, G, H]
-        pages = jax.lax.dynamic_slice_in_dim(tables, j * per_block, per_block, axis=1)  # [T, per_block]
-        slots = j * span + jnp.arange(span, dtype=jnp.int32)
-        seen = slots[None, :] <= last[:, None]  # [T, span]
-        if tree is not None:
-            start, visible = tree
-            offset = slots[None, :] - start[:, None]
-            inside = (offset >= 0) & (offset < visible.shape[1])
-            picked = jnp.take_along_axis(visible, jnp.clip(offset, 0, visible.shape[1] - 1), axis=1)
-            seen &= ~inside | picked
-        read = lambda p: p[layer, pages].reshape(T, span, K, H).astype(jnp.float32)  # noqa: E731
-        keys, values = read(k_pages), jnp.where(seen[:, :, None, None], read(v_pages), 0.0)
-        s = jnp.einsum("tkgh,tskh->tkgs", qf, keys)
-        s = jnp.where(seen[:, None, None, :], s, -jnp.inf)
-        new_m = jnp.maximum(m, s.max(-1))
-        safe = jnp.where(jnp.isfinite(new_m), new_m, 0.0)
-        p = jnp.where(seen[:, None, None, :], jnp.exp(s - safe[..., None]), 0.0)
-        scale = jnp.exp(m - safe)
-        return new_m, l * scale + p.sum(-1), acc * scale[..., None] + jnp.einsum("tkgs,tskh->tkgh", p, values)
+    def tokens(i, out):
+        at = lambda x: jax.lax.dynamic_slice_in_dim(x, i * chunk, chunk)  # noqa: E731
+        q_c, last_c, tables_c = at(qf), at(last), at(tables)
+        tree_c = None if tree is None else (at(start), at(visible))
 
-    blocks = jnp.maximum(jnp.max(last), -1) // span + 1
-    init = (jnp.full((T, K, G), -jnp.inf), jnp.zeros((T, K, G)), jnp.zeros((T, K, G, H)))
-    _, l, acc = jax.lax.fori_loop(0, blocks, block, init)
-    out = acc / jnp.where(l > 0, l, 1.0)[..., None]
-    return out.reshape(T, N, H).astype(q.dtype)
+        def block(one, j, carry):
+            """Block ``j`` of the chunk's slots; ``one``: every token of the chunk is of
+            one sequence (a prompt's chunk), so the block is read once for them all,
+            not once per token."""
+            m, l, acc = carry  # running max, sum [c, K, G]; output [c, K, G, H]
+            pages = jax.lax.dynamic_slice_in_dim(tables_c, j * per_block, per_block, axis=1)  # [c, per_block]
+            slots = j * span + jnp.arange(span, dtype=jnp.int32)
+            seen = slots[None, :] <= last_c[:, None]  # [c, span]
+            if tree_c is not None:
+                offset = slots[None, :] - tree_c[0][:, None]
+                inside = (offset >= 0) & (offset < tree_c[1].shape[1])
+                picked = jnp.take_along_axis(tree_c[1], jnp.clip(offset, 0, tree_c[1].shape[1] - 1), axis=1)
+                seen &= ~inside | picked
+            if one:
+                read = lambda p: p[layer, pages[0]].reshape(span, K, H).astype(jnp.float32)  # noqa: E731
+                keys, values = read(k_pages), jnp.where(seen.any(0)[:, None, None], read(v_pages), 0.0)
+                s = jnp.einsum("tkgh,skh->tkgs", q_c, keys)
+            else:
+                read = lambda p: p[layer, pages].reshape(chunk, span, K, H).astype(jnp.float32)  # noqa: E731
+                keys, values = read(k_pages), jnp.where(seen[:, :, None, None], read(v_pages), 0.0)
+                s = jnp.einsum("tkgh,tskh->tkgs", q_c, keys)
+            s = jnp.where(seen[:, None, None, :], s, -jnp.inf)
+            new_m = jnp.maximum(m, s.max(-1))
+            safe = jnp.where(jnp.isfinite(new_m), new_m, 0.0)
+            p = jnp.where(seen[:, None, None, :], jnp.exp(s - safe[..., None]), 0.0)
+            scale = jnp.exp(m - safe)
+            pv = jnp.einsum("tkgs,skh->tkgh", p, values) if one else jnp.einsum("tkgs,tskh->tkgh", p, values)
+            return new_m, l * scale + p.sum(-1), acc * scale[..., None] + pv
+
+        blocks = jnp.maximum(jnp.max(last_c), -1) // span + 1
+        init = (jnp.full((chunk, K, G), -jnp.inf), jnp.zeros((chunk, K, G)), jnp.zeros((chunk, K, G, H)))
+        seq_c = at(seq)
+        one = jnp.all((seq_c == seq_c[0]) | (seq_c < 0)) & (seq_c[0] >= 0)
+        _, l, acc = jax.lax.cond(one, lambda: jax.lax.fori_loop(0, blocks, functools.partial(block, True), init),
+                                 lambda: jax.lax.fori_loop(0, blocks, functools.partial(block, False), init))
+        got = (acc / jnp.where(l > 0, l, 1.0)[..., None]).reshape(chunk, N, H).astype(q.dtype)
+        return jax.lax.dynamic_update_slice_in_dim(out, got, i * chunk, 0)
+
+    used = jnp.max(jnp.where(seq >= 0, jnp.arange(1, T + 1), 0))  # through the last token of a sequence
+    return jax.lax.fori_loop(0, (used + chunk - 1) // chunk, tokens, jnp.zeros_like(q))
 
 
 def move(pages: jax.Array, tables: jax.Array, sources: jax.Array, targets: jax.Array) -> jax.Array:
