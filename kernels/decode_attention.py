@@ -81,7 +81,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from jaxpar.kernels.dispatch import fall_back, triton, use_pallas
 from jaxpar.kernels.masks import tree_visible
-from jaxpar.kernels.tiles import load, pow2, tile_index
+from jaxpar.kernels.tiles import load, online_softmax, pow2, tile_index
 
 # Programs the automatic split aims for: an H100 has 132 SMs.
 _TARGET_PROGRAMS = 128
@@ -268,13 +268,7 @@ def _kernel(len_ref, bits_ref, *refs, T, scale, block_k, num_splits, page_size):
         tree = (jnp.right_shift(bits, jnp.clip(j, 0, 31)) & 1) == 1
         visible = (j < 0) | (filled[None, :] & tree)
         s = jnp.where(visible, s * scale, -jnp.inf)
-        m_new = jnp.maximum(m, s.max(-1, keepdims=True))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no NaN from -inf - -inf
-        p = jnp.exp(s - m_safe)
-        correction = jnp.exp(m - m_safe)
-        total = total * correction + p.sum(-1, keepdims=True)
-        acc = acc * correction + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-        return acc, m_new, total
+        return online_softmax(acc, m, total, s, v)
 
     f32 = jnp.float32
     init = (jnp.zeros((R, H), f32), jnp.full((R, 1), -jnp.inf, f32), jnp.zeros((R, 1), f32))

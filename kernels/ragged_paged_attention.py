@@ -100,7 +100,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxpar.kernels.dispatch import fall_back, triton, use_pallas
-from jaxpar.kernels.tiles import load, pow2
+from jaxpar.kernels.tiles import load, online_softmax, pow2
 
 # Query rows a program aims for (block_q's default: 64 // G tokens).
 _ROWS = 64
@@ -212,13 +212,7 @@ def _kernel(first_ref, count_ref, seq_ref, order_ref, pos_ref, starts_ref, q_ref
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         visible = first_slot + jax.lax.broadcasted_iota(jnp.int32, (1, block_k), 1) <= pos  # [R, block_k]
         s = jnp.where(visible, s * scale, -jnp.inf)
-        m_new = jnp.maximum(m, s.max(-1, keepdims=True))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no NaN from -inf - -inf
-        p = jnp.exp(s - m_safe)
-        correction = jnp.exp(m - m_safe)
-        total = total * correction + p.sum(-1, keepdims=True)
-        acc = acc * correction + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-        return acc, m_new, total
+        return online_softmax(acc, m, total, s, v)
 
     f32 = jnp.float32
     init = (jnp.zeros((R, Hp), f32), jnp.full((R, 1), -jnp.inf, f32), jnp.zeros((R, 1), f32))

@@ -44,3 +44,17 @@ def load(ref, r, c, extent, rows=None):
 def store(ref, r, c, extent, value):
     """Writes ``value [R, C]`` to ``ref[r, c]`` where ``r < extent[0]`` and ``c < extent[1]``."""
     plgpu.store(ref.at[r, c], value.astype(ref.dtype), mask=(r < extent[0]) & (c < extent[1]))
+
+
+def online_softmax(acc, m, total, s, v):
+    """One block of an online softmax (flash attention's update): ``s [R, block]`` the
+    block's scaled scores (``-inf`` where masked), ``v [block, H]`` its values; ``acc [R,
+    H]``, ``m``, ``total [R, 1]`` the running output, max and sum (float32). Returns them
+    updated; a row with nothing seen yet stays at ``(0, -inf, 0)``."""
+    m_new = jnp.maximum(m, s.max(-1, keepdims=True))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no NaN from -inf - -inf
+    p = jnp.exp(s - m_safe)
+    correction = jnp.exp(m - m_safe)
+    total = total * correction + p.sum(-1, keepdims=True)
+    acc = acc * correction + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return acc, m_new, total
