@@ -314,6 +314,18 @@ def test_default_flags_on_an_8192_token_context(hf_dir, tmp_path):
         thread.join(60)
 
 
+def test_a_map_limit_too_small_for_the_programs_is_one_line_and_exit_2(hf_dir, monkeypatch, capsys):
+    """A machine whose vm.max_map_count cannot hold even the default programs: after the
+    start-up's progress lines, one line naming the limit and what to change, exit 2,
+    before anything compiles."""
+    monkeypatch.setattr(code_maps, "map_limit", lambda: 2000)
+    assert serve.main([str(hf_dir), "--port", "0", "--no-progress"]) == 2
+    *progress, error = capsys.readouterr().err.strip().splitlines()
+    assert [line.split(" ")[1] for line in progress] == ["loading", "compiling"]
+    assert error.startswith("jaxpar-serve: error: compiling 5 programs") and "vm.max_map_count=2,000" in error
+    assert "--max-num-batched-tokens" in error and "sysctl -w vm.max_map_count=" in error
+
+
 @pytest.mark.slow
 def test_concurrent_requests_on_tensor_parallel_replicas_with_a_glide_draft(hf_dir):
     """The 48 requests again (other lengths), one with ``n=2`` and one with logprobs, on a

@@ -241,8 +241,12 @@ def main(argv=None) -> int:
     compile_cache_from_args(args, parser)
     try:
         async_engine, app, engine = build(args)
+    except (FileNotFoundError, ValueError) as e:  # the model, a flag or the machine's limits: bad input
+        print(f"jaxpar-serve: error: {e}", file=sys.stderr)
+        return 2
+    try:
         sock = socket.create_server((args.host, args.port))
-    except (FileNotFoundError, ValueError, OSError) as e:
+    except OSError as e:
         print(f"jaxpar-serve: error: {e}", file=sys.stderr)
         return 1
 
