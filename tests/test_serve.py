@@ -289,7 +289,7 @@ def test_default_flags_on_an_8192_token_context(hf_dir, tmp_path):
     """``jaxpar-serve PATH`` with no engine flag on a model whose context is 8,192 tokens
     (the served model's weights; its positions are rotary, so only the config's context
     differs): one program per token bucket of the default 256-token step budget, exactly
-    5 (16 ... 256), whatever the context, well inside the memory-map guard (which would
+    6 (8 ... 256), whatever the context, well inside the memory-map guard (which would
     have refused the start); a mixed load (the 48 prompts of 1 to 300 tokens, 1 to 100
     new tokens, at once) compiles nothing and each request gets its tokens alone."""
     path = tmp_path / "long"
@@ -298,8 +298,8 @@ def test_default_flags_on_an_8192_token_context(hf_dir, tmp_path):
     (path / "config.json").write_text(json.dumps(config | {"max_position_embeddings": 8192}))
     async_engine, app, engine = serve.build(serve._parser().parse_args([str(path), "--model-name", NAME]))
     assert engine.max_context == 8192 and engine.max_batch == 256
-    assert engine.compiled_programs == {("step", t) for t in (16, 32, 64, 128, 256)}
-    assert 5 * code_maps.MAPS_PER_PROGRAM < 0.1 * 65530
+    assert engine.compiled_programs == {("step", t) for t in (8, 16, 32, 64, 128, 256)}
+    assert 6 * code_maps.MAPS_PER_PROGRAM < 0.1 * 65530
     server, thread, url = start(app)
     try:
         served = Served(url, async_engine, engine, nnx.merge(engine.graphdef, engine.params), engine.eos_ids)
@@ -322,7 +322,7 @@ def test_a_map_limit_too_small_for_the_programs_is_one_line_and_exit_2(hf_dir, m
     assert serve.main([str(hf_dir), "--port", "0", "--no-progress"]) == 2
     *progress, error = capsys.readouterr().err.strip().splitlines()
     assert [line.split(" ")[1] for line in progress] == ["loading", "compiling"]
-    assert error.startswith("jaxpar-serve: error: compiling 5 programs") and "vm.max_map_count=2,000" in error
+    assert error.startswith("jaxpar-serve: error: compiling 6 programs") and "vm.max_map_count=2,000" in error
     assert "--max-num-batched-tokens" in error and "sysctl -w vm.max_map_count=" in error
 
 

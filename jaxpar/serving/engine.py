@@ -427,7 +427,7 @@ class Engine:
         """A round's ``(window, tables, lengths, sampling)`` for the decode rows, padded
         to ``plan.rows`` rows of no sequence."""
         rows = plan.decode + [None] * (plan.rows - len(plan.decode))
-        tables = np.stack([self._table(s) if s else self._table(None) for s in rows])
+        tables = np.stack([self._table(s) for s in rows])
         lengths = np.array([s.computed if s else 0 for s in rows], np.int32)
         return np.stack([self._window(s) for s in rows]), tables, lengths, self._sampling(rows, plan.rows)
 
