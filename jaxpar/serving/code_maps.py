@@ -8,7 +8,7 @@ three times that (``MAPS_PER_SPECULATIVE_PROGRAM``). Linux caps a process at
 ``vm.max_map_count`` mappings (``/proc/sys/vm/max_map_count``, 65,530 by default), and
 past it the next mapping fails and the process segfaults inside XLA (a CI worker did).
 ``Engine.warm_up`` compiles every program up front. Since the ragged step (a program per
-token bucket, whatever the context: 5 at the default flags, 5 + 4 with a draft) that is
+token bucket, whatever the context: 6 at the default flags, 6 + 4 with a draft) that is
 a few thousand mappings; before it, every (decode rows, prompt tokens, pages read)
 bucket was a program: 138 at ``--max-context 2048``, 184 at SmolLM2's 8,192, which
 this guard refused at the default flags. It stays as the last guard: several replicas
@@ -33,7 +33,7 @@ import math
 # one flat token batch, attention in a loop over blocks of pages, the sampling in a
 # loop over chunks of rows):
 #   SmolLM2-135M's shape (dim 576, 30 layers, 9/3 heads, vocab 49152), context 8192,
-#   default flags (5 programs, 16 ... 256 tokens): 313, 319, 321, 327, 327.
+#   token buckets 16 ... 256 (5 programs): 313, 319, 321, 327, 327.
 #   (Before it, with the buckets' programs: a mean of 354, max 395, at context 2048.)
 # So the count follows the program's kernels, not the model's size (30 layers cost what
 # 2 do). A plain small jitted function (tanh(x @ x.T).sum(0), 20 shapes) adds
