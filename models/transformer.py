@@ -322,7 +322,7 @@ class Cache(Protocol):
 
     def move(self, sources: jax.Array, targets: jax.Array) -> "Cache": ...
 
-    def cross(self, layers: range, positions: jax.Array) -> "DenseCross": ...
+    def cross(self, layers: range, positions: jax.Array) -> CrossSource: ...
 
 
 def cross_mask(positions: jax.Array, lengths: jax.Array, S: int) -> jax.Array:
@@ -330,6 +330,15 @@ def cross_mask(positions: jax.Array, lengths: jax.Array, S: int) -> jax.Array:
     position among each row's first ``lengths [B]`` (those verified)."""
     keys = jnp.arange(S, dtype=jnp.int32)[None, None, :]
     return (keys <= positions[:, :, None]) & (keys < lengths[:, None, None])
+
+
+class CrossSource(Protocol):
+    """What a GliDe draft's cross-attention reads: ``layer(i)``, draft layer ``i``'s view
+    of the target's keys and values, whose ``attend(q [B, T, N, H]) -> [B, T, N, H]``
+    reads what each query may see (zeros where nothing). ``DenseCross`` holds them;
+    ``jaxpar.serving.pages.PagedCross`` reads them from the pages."""
+
+    def layer(self, i: jax.Array): ...
 
 
 @jax.tree_util.register_dataclass
