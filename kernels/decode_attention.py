@@ -80,7 +80,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxpar.kernels.dispatch import fall_back, triton, use_pallas
-from jaxpar.kernels.masks import tree_visible
+from jaxpar.kernels.masks import masked_softmax, tree_visible
 from jaxpar.kernels.tiles import load, online_softmax, pow2, tile_index
 
 # Programs the automatic split aims for: an H100 has 132 SMs.
@@ -101,11 +101,7 @@ def decode_attention_reference(q, k_cache, v_cache, lengths, *, tree_mask=None, 
     visible = _visible(lengths, T, S, tree_mask)  # [B, T, S]
     scores = jnp.einsum("BTKGH,BSKH->BKGTS", q.reshape(B, T, K, N // K, H), k_cache,
                         preferred_element_type=jnp.float32) * scale
-    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
-    top = scores.max(-1, keepdims=True)
-    p = jnp.exp(scores - jnp.where(top == -jnp.inf, 0.0, top))  # all zeros if nothing visible
-    total = p.sum(-1, keepdims=True)
-    p = p / jnp.where(total == 0, 1.0, total)
+    p = masked_softmax(scores, visible[:, None, None])
     filled = jnp.arange(S)[None, :, None, None] < lengths[:, None, None, None]
     v = jnp.where(filled, v_cache, 0)  # unwritten slots may hold inf/NaN: 0 * NaN is NaN
     out = jnp.einsum("BKGTS,BSKH->BTKGH", p.astype(v.dtype), v, preferred_element_type=jnp.float32)

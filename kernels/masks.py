@@ -15,6 +15,7 @@ tree) follow from the same positions: ``tree_visible``.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 
@@ -50,3 +51,15 @@ def tree_visible(start, T: int, S: int, tree_mask):
     in_tree = jnp.take_along_axis(jnp.broadcast_to(tree_mask, (B, T, T)),
                                   jnp.broadcast_to(jnp.clip(new, 0, T - 1), (B, T, S)), axis=2)
     return (new < 0) | ((new < T) & in_tree)
+
+
+def masked_softmax(scores: jax.Array, visible: jax.Array) -> jax.Array:
+    """Softmax over the last axis of ``scores`` (float32) among the ``visible`` entries
+    (bool, broadcast against it): the references' rule, a row with nothing visible is
+    all zeros rather than NaN."""
+    scores = jnp.where(visible, scores, -jnp.inf)
+    top = scores.max(-1, keepdims=True)
+    p = jnp.exp(scores - jnp.where(top == -jnp.inf, 0.0, top))  # all zeros if nothing visible
+    total = p.sum(-1, keepdims=True)
+    return p / jnp.where(total == 0, 1.0, total)
+

@@ -100,6 +100,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxpar.kernels.dispatch import fall_back, triton, use_pallas
+from jaxpar.kernels.masks import masked_softmax
 from jaxpar.kernels.tiles import load, online_softmax, pow2
 
 # Query rows a program aims for (block_q's default: 64 // G tokens).
@@ -303,11 +304,7 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, layer, seq, positions,
     visible = (jnp.arange(k.shape[1])[None] <= positions[:, None]) & (seq >= 0)[:, None]  # [T, S]
     scores = jnp.einsum("TKGH,TSKH->TKGS", q.reshape(T, K, N // K, H), k,
                         preferred_element_type=jnp.float32) * scale
-    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
-    top = scores.max(-1, keepdims=True)
-    p = jnp.exp(scores - jnp.where(top == -jnp.inf, 0.0, top))  # all zeros if nothing visible
-    total = p.sum(-1, keepdims=True)
-    p = p / jnp.where(total == 0, 1.0, total)
+    p = masked_softmax(scores, visible[:, None, None])
     v = jnp.where(visible[:, :, None, None], v, 0)  # 0 * NaN is NaN
     out = jnp.einsum("TKGS,TSKH->TKGH", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.reshape(T, N, H).astype(q.dtype)
