@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.inference.drafting import as_draft
-from jaxpar.models.transformer import init_cache
+from jaxpar.models.cache import init_cache
 from jaxpar.train.runs import load_glide_draft, load_model
 
 

@@ -39,7 +39,7 @@ Training (``jaxpar-train glide``) feeds the target's teacher-forced keys/values 
 whole row with ``cross_block_mask``: a draft query sees the target's keys of the blocks
 before its own, as at inference the target has verified the tokens before the ``gamma``
 the draft proposes. Inference reads the target's cache through its ``Cache.cross``
-(``jaxpar.models.transformer``), whose mask ``inference_cross_mask`` is for a whole cache.
+(``jaxpar.models.cache``), whose mask ``inference_cross_mask`` is for a whole cache.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.ops.linear import dense
+from jaxpar.models.cache import DenseCross, DenseCrossLayer, KVCache, init_cache
 from jaxpar.models.config import ModelConfig
 from jaxpar.models.transformer import (
     ACT_BTD,
@@ -61,15 +62,11 @@ from jaxpar.models.transformer import (
     MLP,
     Attention,
     Decoded,
-    DenseCross,
-    DenseCrossLayer,
-    KVCache,
     Norm,
     _param,
     _remat,
     _zeros,
     apply_rope,
-    init_cache,
     rope_frequencies,
 )
 from jaxpar.placement.sharding import constrain

@@ -8,7 +8,7 @@ from flax import nnx
 from jaxpar import use_execution
 from jaxpar.kernels.dispatch import KernelOptions
 from jaxpar.models import ModelConfig, Transformer
-from jaxpar.models.transformer import init_cache
+from jaxpar.models.cache import init_cache
 
 from jaxpar.inference.decoding import generate, sample
 

@@ -22,7 +22,7 @@ import jaxpar
 from conftest import random_init, rel_err
 from jaxpar.models import GlideDraft, ModelConfig, Transformer
 from jaxpar.models.glide import CrossAttention, DraftVocab, cross_block_mask, feature_sources, inference_cross_mask
-from jaxpar.models.transformer import DenseCross, init_cache
+from jaxpar.models.cache import DenseCross, init_cache
 from jaxpar.train import data, glide, teacher_cache
 from jaxpar.train.config import ConfigError, load_config
 from jaxpar.train.cli import main

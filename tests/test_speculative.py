@@ -16,7 +16,7 @@ from jaxpar.inference import drafting, verification
 from jaxpar.inference.decoding import generate, probabilities, speculative_generate
 from jaxpar.models import GlideDraft, ModelConfig, Transformer
 from jaxpar.models.glide import DraftVocab
-from jaxpar.models.transformer import KVCache, init_cache
+from jaxpar.models.cache import KVCache, init_cache
 from jaxpar.inference.token_tree import TreeLayout, compact, verify_greedy
 from scipy import stats
 

@@ -47,7 +47,7 @@ from flax import nnx
 
 from jaxpar.models import ModelConfig, Transformer
 from jaxpar.models.glide import DraftVocab, GlideDraft, cross_block_mask, feature_sources
-from jaxpar.models.transformer import init_cache
+from jaxpar.models.cache import init_cache
 from jaxpar.train import teacher_cache
 from jaxpar.train.config import Config
 from jaxpar.train.data import PackedRows

@@ -22,7 +22,8 @@ import jax.numpy as jnp
 
 from jaxpar.models.config import TARGET, ModelConfig
 from jaxpar.models.glide import GlideDraft
-from jaxpar.models.transformer import Cache, Transformer, init_cache
+from jaxpar.models.cache import Cache, init_cache
+from jaxpar.models.transformer import Transformer
 
 
 # The target settings a GliDe draft's weights depend on: its cross-attention reads the

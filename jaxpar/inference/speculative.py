@@ -79,7 +79,8 @@ from jaxpar.inference.drafting import Draft, Glide, as_draft, check_glide_target
 from jaxpar.inference.sampling import Rows
 from jaxpar.inference.verification import (Verified, verify_chain, verify_select, verify_tree, verify_two_chains,
                                            verify_with_runner_up)
-from jaxpar.models.transformer import Cache, KVCache, Transformer, init_cache, write_cache
+from jaxpar.models.cache import Cache, KVCache, init_cache, write_cache
+from jaxpar.models.transformer import Transformer
 from jaxpar.placement.execution import jit
 
 METHODS = ("ar", "speculative", "glide", "cape")

@@ -20,7 +20,8 @@ import numpy as np
 
 from jaxpar.inference import token_tree
 from jaxpar.inference.sampling import Rows
-from jaxpar.models.transformer import Cache, Transformer
+from jaxpar.models.cache import Cache
+from jaxpar.models.transformer import Transformer
 
 if TYPE_CHECKING:
     from jaxpar.inference.speculative import Method

@@ -447,9 +447,10 @@ class Engine:
         sequence up to ``rows``."""
         requests = [self._requests[s.request_id] if s is not None else None for s in seqs]
         requests += [None] * (rows - len(requests))
-        rows = [(r.params.seed, r.seq.generated, r.params.temperature, r.params.top_p, r.params.logprobs is not None,
-                 r.params.biased) if r is not None else (0, 0, 0.0, 1.0, False, False) for r in requests]
-        seeds, counts, temperature, top_p, logprobs, biased = zip(*rows)
+        fields = [(r.params.seed, r.seq.generated, r.params.temperature, r.params.top_p,
+                   r.params.logprobs is not None, r.params.biased) if r is not None else (0, 0, 0.0, 1.0, False, False)
+                  for r in requests]
+        seeds, counts, temperature, top_p, logprobs, biased = zip(*fields)
         return programs.Sampling(np.asarray(seeds, np.uint32), np.asarray(counts, np.int32),
                                  np.asarray(temperature, np.float32), np.asarray(top_p, np.float32),
                                  self._bias(requests), np.asarray(logprobs, bool), np.asarray(biased, bool))

@@ -22,7 +22,7 @@ token: for SmolLM2's 3 kv heads of 64 that is 1.5 KB per (token, slot) pair agai
 (``jaxpar.kernels.ragged_paged_attention``) reads the pages in place instead (not yet
 for a token tree's rows, nor a GliDe draft's cross-attention: XLA's loop runs those).
 
-Two caches run the model over pages (``jaxpar.models.transformer.Cache``):
+Two caches run the model over pages (``jaxpar.models.cache.Cache``):
 
 * ``RaggedCache``: one engine step's flat row of tokens (decode tokens and prompt
   chunks of any sequences, in any mix: Sarathi-Serve's mixed batch as one ragged batch),
@@ -74,12 +74,6 @@ def page_bytes(layers: int, page_size: int, kv_heads: int, head_dim: int, dtype)
     return 2 * layers * page_size * kv_heads * head_dim * jnp.dtype(dtype).itemsize
 
 
-def token_tables(tables: jax.Array, seq: jax.Array) -> jax.Array:
-    """Each token's page table ``[T, W]``: its sequence's row of ``tables [S, W]``, the
-    null page's for a padding token (``seq < 0``)."""
-    return jnp.where((seq >= 0)[:, None], tables[jnp.maximum(seq, 0)], NULL_PAGE)
-
-
 def _write(pages: jax.Array, layer, tables: jax.Array, seq: jax.Array, slots: jax.Array,
            new: jax.Array) -> jax.Array:
     """Every layer's ``pages [L, P, S_p, K, H]`` with ``new [T, K, H]`` written into layer
@@ -110,14 +104,13 @@ def attention(q, k_pages, v_pages, layer, seq, last, tables, *, tree=None, block
     reads its own length. A chunk whose tokens are all of one sequence (most of a
     prompt's) reads each block once for them all; a mixed one (decode tokens) gathers
     each token's own (XLA:CPU's gather moves about an element a nanosecond, so reading
-    a prompt's pages once per token cost a 128-token prompt 120 ms a step). Defaults: chunks of ``T // 16`` tokens (4 to 16), blocks of
-    ``BLOCK_ELEMENTS // chunk`` slots."""
+    a prompt's pages once per token cost a 128-token prompt 120 ms a step). Defaults:
+    chunks of ``T // 16`` tokens (4 to 16), blocks of ``BLOCK_ELEMENTS // chunk`` slots."""
     T, N, H = q.shape
     S_p, K = k_pages.shape[2], k_pages.shape[3]
     G = N // K
     chunk = math.gcd(T, chunk or min(max(T // 16, 4), 16))
     per_block = max(1, (block_slots or max(BLOCK_ELEMENTS // chunk, S_p)) // S_p)  # pages a block reads
-    tables = token_tables(tables, seq)
     W = tables.shape[1]
     per_block = min(per_block, W)
     tables = jnp.pad(tables, ((0, 0), (0, -W % per_block)))  # whole blocks (the null page past W)
@@ -129,7 +122,7 @@ def attention(q, k_pages, v_pages, layer, seq, last, tables, *, tree=None, block
 
     def tokens(i, out):
         at = lambda x: jax.lax.dynamic_slice_in_dim(x, i * chunk, chunk)  # noqa: E731
-        q_c, last_c, tables_c = at(qf), at(last), at(tables)
+        q_c, last_c, seq_c = at(qf), at(last), at(seq)
         tree_c = None if tree is None else (at(start), at(visible))
 
         def block(one, j, carry):
@@ -137,7 +130,10 @@ def attention(q, k_pages, v_pages, layer, seq, last, tables, *, tree=None, block
             one sequence (a prompt's chunk), so the block is read once for them all,
             not once per token."""
             m, l, acc = carry  # running max, sum [c, K, G]; output [c, K, G, H]
-            pages = jax.lax.dynamic_slice_in_dim(tables_c, j * per_block, per_block, axis=1)  # [c, per_block]
+            # each token's pages of the block, looked up here: [c, per_block] ints, not
+            # every token's whole table once per layer
+            columns = jax.lax.dynamic_slice_in_dim(tables, j * per_block, per_block, axis=1)  # [S, per_block]
+            pages = jnp.where(seq_c[:, None] >= 0, columns[jnp.maximum(seq_c, 0)], NULL_PAGE)
             slots = j * span + jnp.arange(span, dtype=jnp.int32)
             seen = slots[None, :] <= last_c[:, None]  # [c, span]
             if tree_c is not None:
@@ -163,7 +159,6 @@ def attention(q, k_pages, v_pages, layer, seq, last, tables, *, tree=None, block
 
         blocks = jnp.maximum(jnp.max(last_c), -1) // span + 1
         init = (jnp.full((chunk, K, G), -jnp.inf), jnp.zeros((chunk, K, G)), jnp.zeros((chunk, K, G, H)))
-        seq_c = at(seq)
         one = jnp.all((seq_c == seq_c[0]) | (seq_c < 0)) & (seq_c[0] >= 0)
         _, l, acc = jax.lax.cond(one, lambda: jax.lax.fori_loop(0, blocks, functools.partial(block, True), init),
                                  lambda: jax.lax.fori_loop(0, blocks, functools.partial(block, False), init))
@@ -279,7 +274,7 @@ class _PagedCrossLayer:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PagedCache:
-    """``pages`` as ``B`` rows continue them (``jaxpar.models.transformer.Cache``): row
+    """``pages`` as ``B`` rows continue them (``jaxpar.models.cache.Cache``): row
     ``b`` reads and writes through ``tables[b]`` (``[B, W]``) and has ``lengths[b]``
     tokens cached. Two models' pages (a draft's beside the target's) share the tables."""
 
