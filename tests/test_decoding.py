@@ -59,6 +59,30 @@ def test_sampling_rules(rng):
     assert len(np.unique(draws[:, 0])) > 3
 
 
+@pytest.mark.parametrize("top_p", [1e-6, 0.3, 0.9, 0.999])
+def test_nucleus_equals_sorted_reference(rng, top_p):
+    """``probabilities``' nucleus (a bisection, no sort) against the sorted rule in
+    numpy (float64): a token is kept when the tokens more likely than it fall short of
+    ``top_p``. Rows of logits at different scales, so the nuclei's sizes spread."""
+    from jaxpar.inference.sampling import probabilities
+
+    logits = rng.standard_normal((6, 512)) * rng.uniform(0.5, 4, (6, 1))
+    for temperature in (0.7, 1.3):
+        got = np.asarray(probabilities(jnp.asarray(logits, jnp.float32), temperature, top_p))
+        scaled = logits / temperature
+        probs = np.exp(scaled - scaled.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        order = np.argsort(-probs, axis=-1)
+        ranked = np.take_along_axis(probs, order, -1)
+        keep = np.zeros_like(probs, bool)
+        np.put_along_axis(keep, order, np.cumsum(ranked, -1) - ranked < top_p, -1)
+        want = np.where(keep, probs, 0) / np.where(keep, probs, 0).sum(-1, keepdims=True)
+        np.testing.assert_array_equal(got > 0, keep)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+        sizes = keep.sum(-1)  # the rows' nuclei differ (top_p tiny: the argmax alone)
+        assert (sizes == 1).all() if top_p < 1e-3 else len(set(sizes)) > 2
+
+
 @pytest.mark.slow
 def test_stops_at_any_eos_id_per_sequence(rng):
     """Several end-of-sequence ids: each sequence stops at its first (then repeats it),

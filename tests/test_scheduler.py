@@ -76,3 +76,16 @@ def test_a_cached_prefix_is_shared_and_a_twin_waits_for_the_pages_being_computed
     s.finish(first)
     s.finish(twin)
     assert s.pool.free == s.pool.total and s.pool.cached == 3  # the shared pages stay cached
+
+
+def test_buckets_at_the_servers_defaults_with_and_without_a_draft():
+    """A 256-token budget: steps of 8-256 tokens without a draft; with one (gamma 4: 5
+    tokens a row), steps carry prompt chunks only, in powers of 4 from 16, and rounds of
+    1, 4, 16 and 51 rows (51 rounds of 5 tokens fit the budget)."""
+    make = lambda draft: Scheduler(PagePool(9), page_size=16, max_pages=512, max_batch=64,  # noqa: E731
+                                   max_num_batched_tokens=256, max_prefills=8, tokens_per_row=5 if draft else 1,
+                                   draft=draft)
+    plain, drafted = make(False), make(True)
+    assert plain.token_buckets == (8, 16, 32, 64, 128, 256) and plain.rows_buckets == ()
+    assert drafted.token_buckets == (16, 64, 256) and drafted.rows_buckets == (1, 4, 16, 51)
+    assert len(drafted.shapes()) == 7

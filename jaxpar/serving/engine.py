@@ -317,8 +317,9 @@ class Engine:
     def describe_programs(self) -> str:
         """What the compiled programs cover, in words (the server's start-up line)."""
         s = self.scheduler
-        text = (f"{len(s.token_buckets)} steps of {', '.join(map(str, s.token_buckets))} tokens (decode tokens "
-                f"and prompt chunks of up to {self.max_batch} sequences, any context up to {self.max_context})")
+        carried = "prompt chunks" if s.rows_buckets else "decode tokens and prompt chunks"
+        text = (f"{len(s.token_buckets)} steps of {', '.join(map(str, s.token_buckets))} tokens ({carried} of up "
+                f"to {self.max_batch} sequences, any context up to {self.max_context})")
         if s.rows_buckets:
             text += (f" and {len(s.rows_buckets)} speculative rounds of {', '.join(map(str, s.rows_buckets))} "
                      f"sequences")
@@ -340,11 +341,12 @@ class Engine:
         executable kept for the calls of its key (``jax.jit``'s own call would trace and
         lower the program again the first time its shapes come, 0.3-0.5 s of a request's
         time to first token; where JAX's persistent compilation cache is on, a second
-        start loads them from it). ``report(key)`` after each. One
-        at a time: compiling on several threads crashed JAX 0.10's persistent cache
-        write (a segfault in CI). First, on a CPU, whether the programs' code fits the
-        process's memory-map limit (``code_maps.check_code_mappings``: ValueError, one
-        line, where it would not; ``check_maps=False``: the caller checked).
+        start loads them from it). ``report(key)`` after each. One at a time: XLA:CPU
+        already compiles a program on about 1.6 of 2 cores, and a thread per core took
+        35.5 s instead of 38.8 s for the 7 programs with a draft (2026-11-28), not worth
+        the threads. First, on a CPU, whether the programs' code fits the process's
+        memory-map limit (``code_maps.check_code_mappings``: ValueError, one line, where
+        it would not; ``check_maps=False``: the caller checked).
         """
         calls = self.warm_up_programs()
         if check_maps:

@@ -120,8 +120,13 @@ class Scheduler:
         # acceptance's sampling): powers of 4, fewer programs for more padding rows
         self.rows_buckets = _powers(min(max_batch, max_num_batched_tokens // tokens_per_row), base=4) if draft else ()
         # from 8 tokens: on XLA:CPU a 16-row step of SmolLM2-135M costs 94 ms, an 8-row one
-        # 66 and a 1-row one 57 (2026-11-28), so a few decoding requests pad to 8, not 16
-        self.token_buckets = _powers(max_num_batched_tokens, max(1, min(8, max_num_batched_tokens // 2)))
+        # 66 and a 1-row one 57 (2026-11-28), so a few decoding requests pad to 8, not 16.
+        # With a draft a step carries prompt chunks only (decode rows are rounds), and each
+        # of its programs compiles the draft's forward too: powers of 4 from 16, half the
+        # programs (the server's cold start with a draft, 2026-11-28: 46 -> 36 s)
+        first = 16 if draft else 8
+        self.token_buckets = _powers(max_num_batched_tokens, max(1, min(first, max_num_batched_tokens // 2)),
+                                     base=4 if draft else 2)
         self.waiting: deque[Seq] = deque()
         self.running: list[Seq] = []
         self._pending: Counter[bytes] = Counter()  # keys running sequences are computing
