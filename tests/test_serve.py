@@ -9,6 +9,7 @@ an API key guards /v1 (not /health, /metrics); a body over the limit is a 413.""
 
 import asyncio
 import json
+import pathlib
 import re
 import shutil
 import signal
@@ -863,3 +864,18 @@ def test_sigterm_finishes_the_running_request_and_exits_0(hf_dir):
         process.kill()
         process.wait()
 
+
+
+@pytest.mark.slow
+def test_step_benchmark_times_every_case(hf_dir, tmp_path):
+    """bench/serve_step.py at a tiny scale: every case (rows x greedy/sampled, contexts)
+    timed once per repeat, positive, in its JSON file."""
+    import runpy
+
+    bench = runpy.run_path(str(pathlib.Path(__file__).resolve().parents[1] / "bench" / "serve_step.py"), run_name="bench_serve_step")
+    bench["main"]([str(hf_dir), "--rows", "1", "2", "--contexts", "5", "40", "--steps", "2", "--repeats", "2",
+                   "--json", str(tmp_path / "step.json")])
+    times = json.loads((tmp_path / "step.json").read_text())["decode_step_ms"]
+    assert sorted(times) == ["rows=1 context=32 greedy", "rows=1 context=32 sampled", "rows=1 context=40 greedy",
+                             "rows=1 context=5 greedy", "rows=2 context=32 greedy", "rows=2 context=32 sampled"]
+    assert all(len(v) == 2 and min(v) > 0 for v in times.values())
