@@ -1,6 +1,6 @@
 r"""What one step of jaxpar-serve's engine costs, in-process (no HTTP): decode steps by
-the rows decoding, greedy and sampled, and by the context the rows decode at (issue 49,
-"where a step's time goes").
+the rows decoding, greedy and sampled (after 32-token prompts), and greedy by the context
+the rows decode at (issue 49, "where a step's time goes").
 
     python bench/serve_step.py PATH [--rows 1 8] [--contexts 32 350 2000] [--repeats 2]
         [--steps 16] [--json OUT]
@@ -65,7 +65,7 @@ def main(argv=None) -> None:
     rng = np.random.default_rng(0)
     samplings = {"greedy": {}, "sampled": {"temperature": 0.8, "top_p": 0.9, "seed": 1}}
     cases = [(rows, 32, name) for rows in args.rows for name in samplings]
-    cases += [(1, context, "greedy") for context in args.contexts if context != 32]
+    cases += [(rows, context, "greedy") for rows in args.rows for context in args.contexts if context != 32]
     results: dict[str, list[float]] = {}
     for _ in range(args.repeats):
         for rows, context, name in cases:

@@ -178,13 +178,18 @@ def ragged_reference(q, k_pages, v_pages, layer, seq, last, tables, visible=None
     return out
 
 
-@pytest.mark.parametrize("block_slots,chunk", [(None, None), (4, 4), (8, 3), (16, 2), (4, 12)])
-def test_ragged_attention_reads_each_tokens_own_pages(rng, block_slots, chunk):
+@pytest.mark.parametrize("block_slots,chunk,elements", [(None, None, None), (None, 2, 8), (4, 4, None),
+                                                         (8, 3, None), (16, 2, None), (4, 12, None)])
+def test_ragged_attention_reads_each_tokens_own_pages(rng, monkeypatch, block_slots, chunk, elements):
     """A flat batch mixing a decode token over a long context, a prompt chunk spanning
     pages after a cached prefix, a one-token prompt, a sequence at the table's full
     width, tokens of one sequence apart, padding, and a query that reads nothing: each
     token's attention over its own sequence's slots up to its last (float64 reference);
-    every slot it may not read holds NaN and none leaks; a tree's visibility too."""
+    every slot it may not read holds NaN and none leaks; a tree's visibility too.
+    ``elements``: ``BLOCK_ELEMENTS``, so the default blocks are several (8 with chunks
+    of 2: blocks of 1 page)."""
+    if elements:
+        monkeypatch.setattr("jaxpar.serving.pages.BLOCK_ELEMENTS", elements)
     L, P, S_p, N, K, H = 2, 12, 4, 4, 2, 8
     pages = rng.standard_normal((2, L, P, S_p, K, H)).astype(np.float32)
     tables = np.array([[3, 7, 1, 0], [5, 0, 0, 0], [2, 4, 6, 8], [9, 10, 0, 0]], np.int32)
