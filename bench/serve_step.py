@@ -70,7 +70,8 @@ def main(argv=None) -> None:
     for _ in range(args.repeats):
         for rows, context, name in cases:
             key = f"rows={rows} context={context} {name}"
-            results.setdefault(key, []).append(decode_ms(engine, model.cfg.vocab_size, rng, rows, context, samplings[name], args.steps))
+            ms = decode_ms(engine, model.cfg.vocab_size, rng, rows, context, samplings[name], args.steps)
+            results.setdefault(key, []).append(ms)
             print(f"{key}: {results[key][-1]} ms", flush=True)
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
             "machine": f"{platform.machine()}, {os.cpu_count()} cores", "model": str(args.path)}

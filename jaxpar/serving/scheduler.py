@@ -123,7 +123,7 @@ class Scheduler:
         # 66 and a 1-row one 57 (2026-11-28), so a few decoding requests pad to 8, not 16.
         # With a draft a step carries prompt chunks only (decode rows are rounds), and each
         # of its programs compiles the draft's forward too: powers of 4 from 16, half the
-        # programs (the server's cold start with a draft, 2026-11-28: 46 -> 36 s)
+        # step programs (10 -> 7 in all at the server's defaults)
         first = 16 if draft else 8
         self.token_buckets = _powers(max_num_batched_tokens, max(1, min(first, max_num_batched_tokens // 2)),
                                      base=4 if draft else 2)
