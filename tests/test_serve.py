@@ -876,5 +876,7 @@ def test_step_benchmark_times_every_case(hf_dir, tmp_path):
     bench["main"]([str(hf_dir), "--rows", "1", "2", "--contexts", "40", "--steps", "2", "--repeats", "2",
                    "--json", str(tmp_path / "step.json")])
     times = json.loads((tmp_path / "step.json").read_text())["decode_step_ms"]
-    assert sorted(times) == [f"rows={r} context={c}" for r in (1, 2) for c in ("32 greedy", "32 sampled", "40 greedy")]
+    assert sorted(times) == sorted(f"rows={r} {c}" for r in (1, 2) for c in (
+        "context=32 greedy", "context=32 sampled", "context=40 greedy", "arrival of 62 new tokens",
+        "arrival of 62 new tokens after a cached 300"))
     assert all(len(v) == 2 and min(v) > 0 for v in times.values())
