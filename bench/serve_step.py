@@ -111,8 +111,8 @@ def main(argv=None) -> None:
             "machine": f"{platform.machine()}, {os.cpu_count()} cores", "model": str(args.path)}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"meta": meta, "decode_step_ms": results}, indent=1))
-    print("| case | decode step (ms), each repeat |\n|---|---|")
+        args.json.write_text(json.dumps({"meta": meta, "step_ms": results}, indent=1))
+    print("| case | step (ms), each repeat |\n|---|---|")
     for key, values in results.items():
         print(f"| {key} | {' / '.join(map(str, values))} |")
 

@@ -10,7 +10,8 @@ sequences, a segment id (its document). Query at ``q_pos`` sees key at ``k_pos``
 * segment ids given: the two ids are equal.
 
 Queries over a cache being filled (a block of new tokens at the end, possibly a token
-tree) follow from the same positions: ``tree_visible``.
+tree) follow from the same positions: ``tree_visible``. The references' softmax over
+what a query sees (a row that sees nothing all zeros, not NaN): ``masked_softmax``.
 """
 
 from __future__ import annotations
@@ -62,4 +63,3 @@ def masked_softmax(scores: jax.Array, visible: jax.Array) -> jax.Array:
     p = jnp.exp(scores - jnp.where(top == -jnp.inf, 0.0, top))  # all zeros if nothing visible
     total = p.sum(-1, keepdims=True)
     return p / jnp.where(total == 0, 1.0, total)
-

@@ -865,7 +865,6 @@ def test_sigterm_finishes_the_running_request_and_exits_0(hf_dir):
         process.wait()
 
 
-
 @pytest.mark.slow
 def test_step_benchmark_times_every_case(hf_dir, tmp_path):
     """bench/serve_step.py at a tiny scale: every case (rows x greedy/sampled, rows x
@@ -873,10 +872,11 @@ def test_step_benchmark_times_every_case(hf_dir, tmp_path):
     its JSON file."""
     import runpy
 
-    bench = runpy.run_path(str(pathlib.Path(__file__).resolve().parents[1] / "bench" / "serve_step.py"), run_name="bench_serve_step")
+    script = pathlib.Path(__file__).resolve().parents[1] / "bench" / "serve_step.py"
+    bench = runpy.run_path(str(script), run_name="bench_serve_step")
     bench["main"]([str(hf_dir), "--rows", "1", "2", "--contexts", "40", "--steps", "2", "--repeats", "1",
                    "--json", str(tmp_path / "step.json")])
-    times = json.loads((tmp_path / "step.json").read_text())["decode_step_ms"]
+    times = json.loads((tmp_path / "step.json").read_text())["step_ms"]
     assert sorted(times) == sorted(f"rows={r} {c}" for r in (1, 2) for c in (
         "context=32 greedy", "context=32 sampled", "context=40 greedy", "arrival of 62 new tokens",
         "arrival of 62 new tokens after a cached 300"))

@@ -8,7 +8,7 @@ three times that (``MAPS_PER_SPECULATIVE_PROGRAM``). Linux caps a process at
 ``vm.max_map_count`` mappings (``/proc/sys/vm/max_map_count``, 65,530 by default), and
 past it the next mapping fails and the process segfaults inside XLA (a CI worker did).
 ``Engine.warm_up`` compiles every program up front. Since the ragged step (a program per
-token bucket, whatever the context: 6 at the default flags, 6 + 4 with a draft) that is
+token bucket, whatever the context: 6 at the default flags, 3 + 4 with a draft) that is
 a few thousand mappings; before it, every (decode rows, prompt tokens, pages read)
 bucket was a program: 138 at ``--max-context 2048``, 184 at SmolLM2's 8,192, which
 this guard refused at the default flags. It stays as the last guard: several replicas
