@@ -519,7 +519,7 @@ def test_speculative_benchmark(target_run, glide_run, vanilla_run, capsys, monke
     # bench/round_profile.py: a round's time split by the name scopes of its parts.
     profile = runpy.run_path(str(script.with_name("round_profile.py")), run_name="round_profile")
     profile["main"](["--target", str(target_run), "--glide", str(glide_run), "--gamma", "2", "--prompt-tokens", "8",
-                     "--max-new-tokens", "12", "--json", str(tmp_path / "p.json")])
+                     "--max-new-tokens", "12", "--repeats", "1", "--json", str(tmp_path / "p.json")])  # one trace each
     rows = [line.split("|")[1].strip() for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     assert rows[1:] == ["ar", "glide, gamma 2", "cape, gamma 2"]
     split = {name: r["ms"] for name, r in json.loads((tmp_path / "p.json").read_text()).items()}

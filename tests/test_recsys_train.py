@@ -16,32 +16,40 @@ from jaxpar.train.config import ConfigError, load_config
 from jaxpar.train.loop import train
 
 
-def losses(tmp_path, name, *overrides, steps=30):
-    cfg = load_config("dlrm", [f"run_dir={tmp_path / name}", f"steps={steps}", "eval.every=0",
-                               "checkpoint.every=10", *overrides])
-    return [r["loss"] for r in train(cfg, progress=False)]
+# One 150-step run serves every test here that trains (one train-step program, the step
+# count in its schedule): it learns the signal, and its checkpoints (every 50 steps, each
+# taken with the cache dirty) are resumed from. Evaluated at its last step only, after
+# every loss the other runs compare with.
+LEARNED = ["steps=150", "checkpoint.every=50"]
 
 
-def resumed_from(tmp_path, source, step, name, *overrides):
-    """The losses of a run resumed from ``source``'s checkpoint of ``step`` alone."""
-    (tmp_path / name / "checkpoints").mkdir(parents=True)
-    shutil.copytree(tmp_path / source / "checkpoints" / str(step), tmp_path / name / "checkpoints" / str(step))
-    return losses(tmp_path, name, *overrides)
+@pytest.fixture(scope="module")
+def learned(tmp_path_factory):
+    """``(run_dir, history)`` of the 150-step run."""
+    run = tmp_path_factory.mktemp("learned") / "run"
+    return run, train(load_config("dlrm", [*LEARNED, "eval.every=150", f"run_dir={run}"]), progress=False)
+
+
+def losses(history) -> list[float]:
+    return [r["loss"] for r in history]
 
 
 @pytest.mark.slow
-def test_resumed_with_the_cache_dirty_continues_exactly(tmp_path):
-    """Step 20's checkpoint of a 1% cache (rows the host copy had not seen since it was
+def test_resumed_with_the_cache_dirty_continues_exactly(tmp_path, learned):
+    """Step 100's checkpoint of a 1% cache (rows the host copy had not seen since it was
     flushed for the checkpoint), restored into a fresh cache: the same next losses."""
-    whole = losses(tmp_path, "whole")
-    assert resumed_from(tmp_path, "whole", 20, "resumed") == whole[20:]
+    (tmp_path / "resumed" / "checkpoints").mkdir(parents=True)  # step 100's checkpoint alone
+    shutil.copytree(learned[0] / "checkpoints" / "100", tmp_path / "resumed" / "checkpoints" / "100")
+    resumed = train(load_config("dlrm", [*LEARNED, "eval.every=0", f"run_dir={tmp_path / 'resumed'}"]),
+                    progress=False)
+    assert [r["step"] for r in resumed] == list(range(101, 151))
+    assert losses(resumed) == losses(learned[1][100:])
 
 
-def test_trained_dlrm_learns_the_planted_signal(tmp_path):
-    cfg = load_config("dlrm", [f"run_dir={tmp_path}", "steps=150", "eval.every=150", "checkpoint.every=0"])
-    history = train(cfg, progress=False)
+def test_trained_dlrm_learns_the_planted_signal(learned):
+    run, history = learned
     assert history[-1]["val_auc"] > 0.68, history[-1]
-    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(lines) == 150 and "val_auc" in lines[-1] and 0 < lines[-1]["hit_rate"] < 1
 
 
@@ -68,23 +76,23 @@ def test_a_cache_too_small_for_a_batch_names_the_ratio_that_works(tmp_path, shar
 
 
 @pytest.mark.slow
-def test_sigkill_and_restart_gives_the_same_losses(tmp_path):
+def test_sigkill_and_restart_gives_the_same_losses(tmp_path, learned):
     """``jaxpar-train dlrm`` killed mid-run (SIGKILL: nothing flushed, the cache's rows
     lost with the process) and restarted from its last checkpoint: the uninterrupted
-    run's losses, step for step."""
-    args = ["steps=400", "checkpoint.every=100", "eval.every=0"]
-    reference = train(load_config("dlrm", [*args, f"run_dir={tmp_path / 'reference'}"]), progress=False)
+    run's losses, step for step. Killed at step 60 or later, after step 50's checkpoint
+    (90 steps, seconds, before the run would end)."""
     run = tmp_path / "killed"
-    command = [sys.executable, "-m", "jaxpar.train", "dlrm", *args, f"run_dir={run}", "--no-progress"]
+    command = [sys.executable, "-m", "jaxpar.train", "dlrm", *LEARNED, "eval.every=0", f"run_dir={run}",
+               "--no-progress"]
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None and len(_metrics(run)) < 150:
+    while time.time() < deadline and proc.poll() is None and len(_metrics(run)) < 60:
         time.sleep(0.01)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    assert 150 <= len(_metrics(run)) < 400, "the run finished before it could be killed"
+    assert 60 <= len(_metrics(run)) < 150, "the run finished before it could be killed"
     subprocess.run(command, check=True, capture_output=True, timeout=600)
-    assert [r["loss"] for r in _metrics(run)] == [r["loss"] for r in reference]
+    assert losses(_metrics(run)) == losses(learned[1])
 
 
 def _metrics(run) -> list[dict]:

@@ -285,19 +285,26 @@ def test_concurrent_requests_get_their_tokens_alone(served):
     pages_all_free(served)
 
 
+@pytest.fixture(scope="module")
+def long_dir(hf_dir, tmp_path_factory):
+    """The served model's directory with an 8,192-token context (its positions are
+    rotary, so only the config's context differs)."""
+    path = tmp_path_factory.mktemp("long")
+    shutil.copytree(hf_dir, path, dirs_exist_ok=True)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | {"max_position_embeddings": 8192}))
+    return path
+
+
 @pytest.mark.slow
-def test_default_flags_on_an_8192_token_context(hf_dir, tmp_path):
+def test_default_flags_on_an_8192_token_context(long_dir):
     """``jaxpar-serve PATH`` with no engine flag on a model whose context is 8,192 tokens
     (the served model's weights; its positions are rotary, so only the config's context
     differs): one program per token bucket of the default 256-token step budget, exactly
     6 (8 ... 256), whatever the context, well inside the memory-map guard (which would
     have refused the start); a mixed load (the 48 prompts of 1 to 300 tokens, 1 to 100
     new tokens, at once) compiles nothing and each request gets its tokens alone."""
-    path = tmp_path / "long"
-    shutil.copytree(hf_dir, path)
-    config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps(config | {"max_position_embeddings": 8192}))
-    async_engine, app, engine = serve.build(serve._parser().parse_args([str(path), "--model-name", NAME]))
+    async_engine, app, engine = serve.build(serve._parser().parse_args([str(long_dir), "--model-name", NAME]))
     assert engine.max_context == 8192 and engine.max_batch == 256
     assert engine.compiled_programs == {("step", t) for t in (8, 16, 32, 64, 128, 256)}
     assert 6 * code_maps.MAPS_PER_PROGRAM < 0.1 * 65530
@@ -572,7 +579,7 @@ def test_n_choices_sample_with_seed_plus_i(served):
 def log_softmax_reference(model, prompt, ids) -> np.ndarray:
     """``[len(ids), V]``: the log-softmax of the model's logits (one dense forward over
     ``prompt + ids``, float32) at the positions that chose each of ``ids``."""
-    logits = model(jnp.asarray([list(prompt) + list(ids[:-1])]))[0, len(prompt) - 1:]
+    logits = dense_logits(model, list(prompt) + list(ids[:-1]))[len(prompt) - 1:]
     return np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1))
 
 
@@ -657,18 +664,36 @@ def test_chat_logprobs_are_the_models_log_softmax(served):
     assert all(e.top_logprobs == [] for e in bare.choices[0].logprobs.content)
 
 
+# dense_logits' one width: the longest sequence a test reads (PROMPTS[2], 256 tokens, and 12 new ones), rounded up
+LOGITS_WIDTH = 288
+
+
+@nnx.jit
+def _forward(model, tokens):
+    return model(tokens)
+
+
+def dense_logits(model, tokens) -> jax.Array:
+    """The model's logits over ``tokens`` (one sequence, no cache), ``[T, V]``: one
+    compiled forward over LOGITS_WIDTH tokens, right-padded (causal: the padding is
+    unseen), rather than an eager forward compiling its ops for every length."""
+    padded = np.zeros((1, LOGITS_WIDTH), np.int32)
+    padded[0, :len(tokens)] = tokens
+    return _forward(model, jnp.asarray(padded))[0, :len(tokens)]
+
+
 def penalized_greedy(model, prompt, steps, presence, frequency, eos) -> list[int]:
     """Greedy tokens with OpenAI's penalties over the tokens generated so far: a
     token's logit less ``presence`` if it appeared, less ``frequency`` times its count
     (dense forwards over one padded length: causal, so the padding is unseen); cut
     after an end token."""
-    tokens, ids = np.zeros((1, len(prompt) + steps), np.int32), []
-    tokens[0, :len(prompt)] = prompt
+    tokens, ids = np.zeros(len(prompt) + steps, np.int32), []
+    tokens[:len(prompt)] = prompt
     while len(ids) < steps and not (ids and ids[-1] in eos):
-        logits = np.asarray(model(jnp.asarray(tokens))[0, len(prompt) + len(ids) - 1], np.float32)
+        logits = np.asarray(dense_logits(model, tokens)[len(prompt) + len(ids) - 1], np.float32)
         counts = np.bincount(ids, minlength=logits.size)
         ids.append(int(np.argmax(logits - presence * (counts > 0) - frequency * counts)))
-        tokens[0, len(prompt) + len(ids) - 1] = ids[-1]
+        tokens[len(prompt) + len(ids) - 1] = ids[-1]
     return ids
 
 
@@ -818,8 +843,11 @@ def test_command_line_serves_speculatively_on_replicas(hf_dir):
     """``--draft`` (the model as its own draft: every proposal accepted) and
     ``mesh.data=2`` build two replicas that give the tokens decoded alone."""
     prompts = [[5, 9, 2, 7], [8, 3]]
+    # one request per replica: --max-batch 1, a round program of 1 row per replica (the default, 5, also compiles
+    # rounds of 4 and 5 rows, which two requests over two replicas never run)
     engine = serve.build(serve._parser().parse_args([str(hf_dir), "--max-num-batched-tokens", "16", "--max-context", "64",
-                                                     "--draft", str(hf_dir), "--gamma", "2", "mesh.data=2"]))[2]
+                                                     "--max-batch", "1", "--draft", str(hf_dir), "--gamma", "2",
+                                                     "mesh.data=2"]))[2]
     got = [o.token_ids for o in engine.generate([text_of(p) for p in prompts], SamplingParams(max_tokens=8))]
     first = engine.engines[0]
     want = decode_alone(nnx.merge(first.graphdef, first.params), prompts)
@@ -866,15 +894,17 @@ def test_sigterm_finishes_the_running_request_and_exits_0(hf_dir):
 
 
 @pytest.mark.slow
-def test_step_benchmark_times_every_case(hf_dir, tmp_path):
+def test_step_benchmark_times_every_case(long_dir, tmp_path):
     """bench/serve_step.py at a tiny scale: every case (rows x greedy/sampled, rows x
     contexts, rows x an arrival with and without a cached prefix) timed, positive, in
-    its JSON file."""
+    its JSON file. On the 8,192-token context's directory: its default engine's 6
+    programs are test_default_flags_on_an_8192_token_context's, which the run has
+    compiled (the persistent compilation cache)."""
     import runpy
 
     script = pathlib.Path(__file__).resolve().parents[1] / "bench" / "serve_step.py"
     bench = runpy.run_path(str(script), run_name="bench_serve_step")
-    bench["main"]([str(hf_dir), "--rows", "1", "2", "--contexts", "40", "--steps", "2", "--repeats", "1",
+    bench["main"]([str(long_dir), "--rows", "1", "2", "--contexts", "40", "--steps", "2", "--repeats", "1",
                    "--json", str(tmp_path / "step.json")])
     times = json.loads((tmp_path / "step.json").read_text())["step_ms"]
     assert sorted(times) == sorted(f"rows={r} {c}" for r in (1, 2) for c in (

@@ -33,11 +33,28 @@ def engine(model, **kw) -> Engine:
                             **kw})
 
 
+# The dense references decode every prompt list as one ragged batch of REF_ROWS rows (each row decodes as alone:
+# test_speculative), REF_TOKENS new tokens each, the rows past the prompts FILLER, so every prompt width pads to
+# 160 (a multiple of decoding.PROMPT_BUCKET): ``generate`` compiles a prefill and a round per batch size, padded
+# width and max_new_tokens, and this way the module's references share one of each. Greedy tokens do not depend
+# on how many follow them.
+REF_ROWS, REF_TOKENS = 11, 32
+FILLER = np.random.default_rng(99).integers(0, CFG.vocab_size, 160).tolist()
+
+
+def greedy(model, prompts, max_new_tokens: int) -> list[list[int]]:
+    """Each of ``prompts``' first ``max_new_tokens`` greedy tokens, decoded with a dense
+    cache as by itself (a row of a ragged batch)."""
+    assert len(prompts) < REF_ROWS and max_new_tokens <= REF_TOKENS and max(map(len, prompts)) <= len(FILLER)
+    rows = [*prompts, *[FILLER] * (REF_ROWS - len(prompts))]
+    steps = np.stack(list(generate(model, rows, max_new_tokens=REF_TOKENS)), axis=1)
+    return [row[:max_new_tokens].tolist() for row in steps[:len(prompts)]]
+
+
 def alone(model, prompt, params: SamplingParams) -> list[int]:
-    """``prompt``'s tokens decoded by itself with a dense cache."""
-    stream = generate(model, np.array([prompt]), max_new_tokens=params.max_tokens,
-                      temperature=params.temperature, top_p=params.top_p, seed=params.seed)
-    return [int(t[0]) for t in stream]
+    """``prompt``'s greedy tokens decoded by itself with a dense cache."""
+    assert params.temperature == 0
+    return greedy(model, [prompt], params.max_tokens)[0]
 
 
 def requests(seed: int, count: int):
@@ -72,9 +89,9 @@ def test_continuous_batching_gives_each_request_its_tokens_alone(model):
     prompts, params = requests(0, 10)
     outputs = served.generate(prompts, params)
     # each of a ragged batch decodes as alone (one compile; test_speculative checks ragged batches)
-    steps = np.stack(list(generate(model, prompts, max_new_tokens=max(p.max_tokens for p in params))), axis=1)
+    steps = greedy(model, prompts, max(p.max_tokens for p in params))
     for prompt, p, out, reference in zip(prompts, params, outputs, steps, strict=True):
-        assert out.token_ids == reference[:p.max_tokens].tolist(), (len(prompt), p.max_tokens)
+        assert out.token_ids == reference[:p.max_tokens], (len(prompt), p.max_tokens)
         assert out.finish_reason == "length"
     assert served.pool.free == served.pool.total and not served.has_unfinished()
     # one program per step, of the shapes the scheduler lists
@@ -268,12 +285,14 @@ def test_tensor_parallel_serving_gives_one_devices_tokens(model, tensor):
     prompts, params = requests(6, 4)
     reference = engine(model).generate(prompts, params)
     mesh = jaxpar.make_mesh(data=8 // tensor, tensor=tensor, axis_types="auto")
-    served = engine(model, mesh=mesh)
+    # steps of up to 16 tokens: 2 programs per mesh (8, 16) rather than 4 (how the steps are cut changes no token)
+    served = engine(model, mesh=mesh, max_num_batched_tokens=16)
     assert served.kv.k.sharding.spec[3] == ("tensor" if tensor == 2 else None)
     outputs = served.generate(prompts, params)
     assert [o.token_ids for o in outputs] == [r.token_ids for r in reference]
     if tensor == 2:  # (tensor=4: the kv heads whole on every device, the gather path as above)
-        outputs = engine(model, mesh=mesh, kernels=KernelOptions(attention="pallas")).generate(prompts, params)
+        outputs = engine(model, mesh=mesh, kernels=KernelOptions(attention="pallas"),
+                         max_num_batched_tokens=16).generate(prompts, params)
         assert [o.token_ids for o in outputs] == [r.token_ids for r in reference]
 
 
@@ -313,8 +332,10 @@ def test_speculative_rounds_are_lossless_per_sequence(model):
     assert alone_penalized != alone(model, prompts[4], SamplingParams(max_tokens=8))  # the penalties count
 
     sampled = SamplingParams(max_tokens=10, temperature=0.8, seed=3)
-    by_itself = engine(model, draft=small, gamma=3).generate([prompts[2]], sampled)[0].token_ids
-    served = engine(model, draft=small, gamma=3, page_size=16, max_context=240)  # one page bucket to compile
+    # both engines of pages of 16 tokens: the one alone compiles some of the programs the other's warm-up needs
+    by_itself = engine(model, draft=small, gamma=3, page_size=16, max_context=240).generate([prompts[2]],
+                                                                                         sampled)[0].token_ids
+    served = engine(model, draft=small, gamma=3, page_size=16, max_context=240)
     served.warm_up()
     crowd = [SamplingParams(max_tokens=12, temperature=1.0, seed=s) for s in range(3)]
     outputs = []
@@ -334,9 +355,9 @@ def rounds_as_the_dense_decoders(served: Engine, model, draft, method: str, prom
     asked = [SamplingParams(max_tokens=24, logprobs=3 if b == 1 else None) for b in range(len(prompts))]
     outputs = served.generate(prompts, asked)
     dense = speculative_generate(model, prompts, draft=draft, method=method, gamma=3, max_new_tokens=24)
-    plain = list(generate(model, prompts, max_new_tokens=24))
+    plain = greedy(model, prompts, 24)
     for b, out in enumerate(outputs):
-        assert out.token_ids == [int(t) for t in dense.tokens[b]] == [int(t[b]) for t in plain]
+        assert out.token_ids == [int(t) for t in dense.tokens[b]] == plain[b]
     rounds = int(dense.rounds.sum())  # accepted drafts: every round's tokens but the target's own
     assert (served.rounds, served.accepted) == (rounds, int(dense.emitted.sum()) - rounds)
     assert served.pool.free == served.pool.total
@@ -376,8 +397,10 @@ def test_glide_rounds_read_the_models_pages_as_the_dense_decoder_does(model):
     while not request.output.token_ids:
         served.step()
     P = len(prompts[1])
-    dense = speculative.prefill(speculative.Method("glide", 3), model, draft, jnp.array([prompts[1]]),
-                                jnp.array([P]), 24, jax.random.key(0), ()).draft_cache
+    # jitted: one program, where an eager prefill compiles each of its ops (some 90 programs)
+    prefill = nnx.jit(speculative.prefill, static_argnums=(0, 5, 7))
+    dense = prefill(speculative.Method("glide", 3), model, draft, jnp.array([prompts[1]]), jnp.array([P]), 24,
+                    jax.random.key(0), ()).draft_cache
     for pages, cached in ((served.draft_kv.k, dense.k), (served.draft_kv.v, dense.v)):
         paged = np.asarray(pages[:, np.array(request.seq.pages)]).reshape(2, -1, *pages.shape[3:])[:, :P]
         np.testing.assert_allclose(paged, np.asarray(cached[:, 0, :P]), rtol=1e-5, atol=1e-6)
@@ -429,9 +452,22 @@ def test_cape_trees_over_pages_accept_as_the_dense_decoder_does(model):
     assert [o.token_ids for o in together[:2]] == [o.token_ids for o in outputs[:2]]
 
 
+# dense_logits' one width: the longest sequence a test reads (149 prompt tokens and 24 new ones), rounded up
+LOGITS_WIDTH = 192
+
+
+@nnx.jit
+def _forward(model, tokens):
+    return model(tokens)
+
+
 def dense_logits(model, tokens) -> np.ndarray:
-    """The model's logits over ``tokens`` (one sequence, no cache), float32 ``[T, V]``."""
-    return np.array(model(jnp.array([tokens]))[0], np.float32)
+    """The model's logits over ``tokens`` (one sequence, no cache), float32 ``[T, V]``:
+    one compiled forward over LOGITS_WIDTH tokens, right-padded (causal: the padding is
+    unseen), rather than an eager forward compiling its ops for every length."""
+    padded = np.zeros((1, LOGITS_WIDTH), np.int32)
+    padded[0, :len(tokens)] = tokens
+    return np.array(_forward(model, jnp.asarray(padded))[0, :len(tokens)], np.float32)
 
 
 def test_pages_on_demand_preempt_the_newest_and_it_resumes_with_its_own_tokens(model):
@@ -445,9 +481,9 @@ def test_pages_on_demand_preempt_the_newest_and_it_resumes_with_its_own_tokens(m
     by_itself = engine(model).generate([prompts[3]], params[3])[0].token_ids
     served = engine(model, kv_pages=24)
     outputs = served.generate(prompts, params)
-    steps = np.stack(list(generate(model, prompts, max_new_tokens=30)), axis=1)
+    steps = greedy(model, prompts, 30)
     for i, (p, out, reference) in enumerate(zip(params, outputs, steps, strict=True)):
-        assert out.token_ids == (by_itself if i == 3 else reference[:p.max_tokens].tolist()), i
+        assert out.token_ids == (by_itself if i == 3 else reference[:p.max_tokens]), i
     assert served.preemptions > 0 and served.pool.free == served.pool.total and not served.has_unfinished()
     assert len(set(by_itself)) > 1
 

@@ -21,11 +21,15 @@ from jaxpar.inference.token_tree import TreeLayout, compact, verify_greedy
 from scipy import stats
 
 CFG = ModelConfig(vocab_size=64, dim=32, layers=2, heads=4, kv_heads=2, head_dim=8, mlp_dim=48, init_std=0.3)
+# The greedy round's settings most tests share (each method, draft and batch one compiled
+# loop; greedy decoding's reference one program per batch): the same ones compile once.
+GAMMA, TOKENS = 3, 40
 
 
-def propose(method, target: Transformer, draft, state, skip=None):
+def _propose(method, target: Transformer, draft, state, skip=None):
     """A greedy round's draft chain from ``state``: ``speculative.propose`` as the round
-    runs it (its window, the draft's forward reading the target's cache)."""
+    runs it (its window, the draft's forward reading the target's cache); jitted (one
+    program rather than one per operation)."""
     from jaxpar.inference import speculative
     from jaxpar.inference.sampling import Rows
 
@@ -36,6 +40,32 @@ def propose(method, target: Transformer, draft, state, skip=None):
 
     return speculative.propose(method, step, n, speculative.state_window(method, state), state.draft_cache,
                                Rows.uniform(n.shape[0], 0.0, 1.0, jax.random.key(1)), state.features, skip)
+
+
+propose = nnx.jit(_propose, static_argnums=0)
+
+
+def _draft_cache_over(target: Transformer, draft, sequence, target_cache, slots: int):
+    """The draft's cache of ``slots`` slots after one pass over ``sequence [1, T]`` from
+    position 0 (no rounds), reading ``target_cache``."""
+    kind = drafting.as_draft(draft)
+    positions = jnp.arange(sequence.shape[1])[None]
+    return kind.forward(target, sequence, drafting.draft_cache(kind, 1, slots), target_cache, positions=positions)[1]
+
+
+draft_cache_over = nnx.jit(_draft_cache_over, static_argnums=4)
+
+
+verify_two_chains = nnx.jit(verification.verify_two_chains, static_argnums=6)
+verify_with_runner_up = nnx.jit(verification.verify_with_runner_up, static_argnums=5)
+
+
+@nnx.jit
+def cache_after(target: Transformer, prompt, chain):
+    """The target's cache after a plain pass over ``prompt [1, P]`` then ``chain [1, C]``
+    (right-padded chains share one program: the slots up to a chain's end are its own)."""
+    cache = target.decode(prompt, init_cache(target.cfg, 1, 16)).cache
+    return target.decode(chain, cache).cache
 
 
 def perturbed(model: Transformer, scale: float, rng) -> Transformer:
@@ -78,17 +108,19 @@ def test_greedy_methods_return_greedy_decoding(models, rng, method, draft, batch
     """Batch 1 and 4 where drafts are accepted often (the near copy); GliDe drafts at
     batch 1 after training: test_glide's jaxpar-generate test. ``glide_vocab``: a GliDe
     draft over 24 of the 64 tokens (glide.draft_vocab), whose proposals are only those;
-    ``glide_features``: one that reads the target's features (glide.features)."""
+    ``glide_features``: one that reads the target's features (glide.features). Gamma 3,
+    24 tokens, batch 4 or 1 (GAMMA, TOKENS): the runner-up, lookup and CaPE-vs-chain tests
+    run the same loops and references, compiled once."""
     target = models["target"]
     prompt = rng.integers(0, CFG.vocab_size, (batch, 6))
-    reference = greedy(target, prompt, 24)
-    out = speculative_generate(target, prompt, draft=models.get(draft), method=method, gamma=4,
-                               max_new_tokens=24)
+    reference = greedy(target, prompt, TOKENS)
+    out = speculative_generate(target, prompt, draft=models.get(draft), method=method, gamma=GAMMA,
+                               max_new_tokens=TOKENS)
     for b in range(batch):
         np.testing.assert_array_equal(out.tokens[b], reference[b])
-    assert 1.0 <= out.accepted_per_step <= 5.0
+    assert 1.0 <= out.accepted_per_step <= GAMMA + 1
     if draft == "close":  # the near copy is accepted often, but not always
-        assert 1.5 < out.accepted_per_step < 5.0
+        assert 1.5 < out.accepted_per_step < GAMMA + 1
 
 
 @pytest.mark.parametrize("method", ["speculative", "cape"])
@@ -143,19 +175,20 @@ def test_generate_streams_the_ar_rounds(models, rng):
 def test_streamed_rounds_are_the_loops_and_compile_once(models, rng):
     """``speculative_stream`` (what jaxpar-generate prints from) runs the loop's round:
     the same tokens and accepted tokens per round as ``speculative_generate``, and a
-    second stream of the same shapes compiles nothing (issue 20: one compiled round)."""
+    second stream of the same shapes compiles nothing (issue 20: one compiled round).
+    Batch 4, GAMMA and TOKENS: the loop is test_greedy_methods_return_greedy_decoding's."""
     from jaxpar.inference.decoding import speculative_stream
     from test_serving import compiles_during
 
     target, draft = models["target"], models["close"]
-    options = dict(draft=draft, method="speculative", gamma=3, max_new_tokens=12)
-    looped = speculative_generate(target, rng.integers(0, CFG.vocab_size, (2, 5)), **options)
-    list(speculative_stream(target, rng.integers(0, CFG.vocab_size, (2, 5)), **options))  # warm-up
-    prompt = rng.integers(0, CFG.vocab_size, (2, 5))
+    options = dict(draft=draft, method="speculative", gamma=GAMMA, max_new_tokens=TOKENS)
+    looped = speculative_generate(target, rng.integers(0, CFG.vocab_size, (4, 5)), **options)
+    list(speculative_stream(target, rng.integers(0, CFG.vocab_size, (4, 5)), **options))  # warm-up
+    prompt = rng.integers(0, CFG.vocab_size, (4, 5))
     steps = []
     assert compiles_during(lambda: steps.extend(speculative_stream(target, prompt, **options))) == 0
     looped = speculative_generate(target, prompt, **options)
-    streamed = [np.concatenate([new[b] for new, _ in steps]) for b in range(2)]
+    streamed = [np.concatenate([new[b] for new, _ in steps]) for b in range(4)]
     assert [t.tolist() for t in streamed] == [t.tolist() for t in looped.tokens]
     per_round = (steps[-1][1] * looped.rounds).sum() / looped.rounds.sum()  # per sequence -> over the batch
     np.testing.assert_allclose(per_round, looped.accepted_per_step, rtol=1e-6)
@@ -164,7 +197,9 @@ def test_streamed_rounds_are_the_loops_and_compile_once(models, rng):
 def test_prompts_of_nearby_lengths_share_one_program(models, rng):
     """Prompt widths round up to ``PROMPT_BUCKET``: a prompt of another length in the
     same bucket compiles nothing, and the padding is masked: its tokens are the
-    target's greedy ones recomputed over the unpadded sequence, no cache."""
+    target's greedy ones recomputed over the unpadded sequence, no cache (one causal
+    pass over the prompt and the tokens: each token is the argmax after its prefix,
+    which by induction is greedy decoding)."""
     from jaxpar.inference.decoding import PROMPT_BUCKET
     from test_serving import compiles_during
 
@@ -174,10 +209,11 @@ def test_prompts_of_nearby_lengths_share_one_program(models, rng):
     prompt = rng.integers(0, CFG.vocab_size, (1, PROMPT_BUCKET - 2))
     outs = []
     assert compiles_during(lambda: outs.append(speculative_generate(target, prompt, **options))) == 0
-    sequence = prompt
-    for _ in range(8):
-        sequence = np.concatenate([sequence, np.asarray(target(jnp.asarray(sequence)))[:, -1:].argmax(-1)], axis=1)
-    np.testing.assert_array_equal(outs[0].tokens[0], sequence[0, prompt.shape[1]:])
+    tokens = outs[0].tokens[0]
+    assert len(tokens) == 8
+    sequence = np.concatenate([prompt[0], tokens])[None]
+    logits = np.asarray(target(jnp.asarray(sequence)))[0, prompt.shape[1] - 1:-1]
+    np.testing.assert_array_equal(tokens, logits.argmax(-1))
 
 
 @pytest.mark.slow  # 4.6 and 9.4 s on 2 cores
@@ -197,19 +233,36 @@ def test_the_state_carries_the_targets_features_of_the_last_two_tokens(models, r
     prompt = rng.integers(0, CFG.vocab_size, (3, 7)).astype(np.int32)
     lengths = np.array([7, 4, 2], np.int32)  # ragged: the padding is not read
     state = prefill(graph, params, prompt, lengths, jax.random.key(0))
-    accepted = set()
+    accepted, seen = set(), []  # seen: per round, each sequence so far and the state's features
     for round_index in range(6):
         n = np.asarray(state.target_cache.lengths)
-        for b in range(3):
-            sequence = np.concatenate([prompt[b, :lengths[b]], np.asarray(state.out[b, :int(state.count[b]) - 1])])
-            assert len(sequence) == n[b]
-            features = target.final_norm(target.features(jnp.asarray(sequence[None])))
-            want = np.stack([np.asarray(features[0, i]) if i >= 0 else np.zeros(CFG.dim) for i in (n[b] - 2, n[b] - 1)])
-            assert rel_err(np.asarray(state.features[b]), want) < 1e-5, (round_index, b)
+        sequences = [np.concatenate([prompt[b, :lengths[b]], np.asarray(state.out[b, :int(state.count[b]) - 1])])
+                     for b in range(3)]
+        assert [len(sequence) for sequence in sequences] == n.tolist()
+        seen.append((sequences, np.asarray(state.features)))
         before = np.asarray(state.emitted)
         state = round_(graph, params, state)
         accepted |= set((np.asarray(state.emitted) - before - 1).tolist())
     assert 0 in accepted and len(accepted) > 1
+    # The whole sequences (each round's a prefix of them), right-padded to one width:
+    # one causal pass without a cache gives every prefix's features (one program).
+    final = seen[-1][0]
+    padded = np.zeros((3, max(map(len, final))), np.int32)
+    for b, sequence in enumerate(final):
+        padded[b, :len(sequence)] = sequence
+    features = np.asarray(final_features(target, jnp.asarray(padded)))
+    for round_index, (sequences, got) in enumerate(seen):
+        for b, sequence in enumerate(sequences):
+            np.testing.assert_array_equal(sequence, final[b][:len(sequence)])
+            n = len(sequence)
+            want = np.stack([features[b, i] if i >= 0 else np.zeros(CFG.dim) for i in (n - 2, n - 1)])
+            assert rel_err(got[b], want) < 1e-5, (round_index, b)
+
+
+@nnx.jit
+def final_features(target, tokens):
+    """The target's normed features of ``tokens [B, T]``, no cache."""
+    return target.final_norm(target.features(tokens))
 
 
 def test_a_features_draft_proposes_from_the_last_verified_tokens_feature(rng):
@@ -240,11 +293,14 @@ def test_a_features_draft_proposes_from_the_last_verified_tokens_feature(rng):
 
 @pytest.mark.slow
 def test_cape_accepts_siblings_and_beats_the_chain(models, rng):
-    """With a weak draft, CaPE's siblings catch target tokens the greedy chain misses."""
+    """With a weak draft, CaPE's siblings catch target tokens the greedy chain misses
+    (the loops of test_greedy_methods_return_greedy_decoding: the draft has the near
+    copy's graph)."""
     target, draft = models["target"], perturbed(models["target"], 0.5, rng)
     prompt = rng.integers(0, CFG.vocab_size, (4, 6))
-    chain = speculative_generate(target, prompt, draft=draft, method="speculative", max_new_tokens=24)
-    tree = speculative_generate(target, prompt, draft=draft, method="cape", max_new_tokens=24)
+    options = dict(draft=draft, gamma=GAMMA, max_new_tokens=TOKENS)
+    chain = speculative_generate(target, prompt, method="speculative", **options)
+    tree = speculative_generate(target, prompt, method="cape", **options)
     assert tree.accepted_per_step > chain.accepted_per_step
 
 
@@ -252,8 +308,10 @@ def test_cape_accepts_siblings_and_beats_the_chain(models, rng):
 def test_pallas_decode_kernel_verifies_chains_and_trees(models, rng):
     """Under execution.attention=pallas the target's verification passes run the Pallas decode
     kernel (interpret mode here): per-sequence lengths, causal chains and tree masks."""
-    target, prompt = models["target"], rng.integers(0, CFG.vocab_size, (2, 5))
-    reference = greedy(target, prompt, 10)
+    # the reference: greedy decoding's first 10 tokens, from test_greedy_methods_return_greedy_decoding's
+    # program (batch 4, TOKENS); 10 tokens of the interpreted kernel, whose rounds are slow
+    target, prompt = models["target"], rng.integers(0, CFG.vocab_size, (4, 5))
+    reference = greedy(target, prompt, TOKENS)[:, :10]
     with use_execution(kernels=KernelOptions(attention="pallas")):
         for method in ("speculative", "cape"):  # bins of 2: a 9-node tree, within the kernel's 16
             out = speculative_generate(target, prompt, draft=models["close"], method=method,
@@ -267,7 +325,7 @@ def test_ragged_prompts_and_eos(models, rng):
     either stop after it, the others go on."""
     target = models["target"]
     prompts = [rng.integers(0, CFG.vocab_size, n) for n in (2, 9, 5)]
-    references = [greedy(target, p[None], 12)[0] for p in prompts]
+    references = [greedy(target, p[None], TOKENS)[0][:12] for p in prompts]  # TOKENS: a program already compiled
     eos = (int(references[1][3]), int(references[0][2]))
     out = speculative_generate(target, prompts, draft=models["close"], max_new_tokens=12, eos_ids=eos)
     for reference, tokens in zip(references, out.tokens):
@@ -281,10 +339,14 @@ def _exact_marginals(target: Transformer, prompt: np.ndarray, steps: int, temper
     """The target's exact distribution of generated tokens 1..steps (summing over every
     path through a tiny vocabulary), ``[steps, V]``."""
     V = target.cfg.vocab_size
-    forward = nnx.jit(lambda m, t: probabilities(m(t)[:, -1], temperature, top_p))
+    forward = nnx.jit(lambda m, t, i: probabilities(m(t)[:, i], temperature, top_p))
     paths, weights, out = prompt[None, :], np.ones(1), []
     for _ in range(steps):
-        probs = np.asarray(forward(target, jnp.asarray(paths)), np.float64)  # [paths, V]
+        # every step's paths right-padded to the last step's rows and width: one program
+        # (a causal pass reads nothing after the path's last token)
+        padded = np.zeros((V ** (steps - 1), len(prompt) + steps - 1), np.int32)
+        padded[:len(paths), :paths.shape[1]] = paths
+        probs = np.asarray(forward(target, jnp.asarray(padded), paths.shape[1] - 1), np.float64)[:len(paths)]
         joint = weights[:, None] * probs
         out.append(joint.sum(0))
         paths = np.concatenate([np.repeat(paths, V, 0), np.tile(np.arange(V), len(paths))[:, None]], 1)
@@ -292,28 +354,36 @@ def _exact_marginals(target: Transformer, prompt: np.ndarray, steps: int, temper
     return np.stack(out)
 
 
+@pytest.fixture(scope="module")
+def sampling_target():
+    """The sampling test's target (a vocabulary of 8), prompt, and the exact marginals of
+    its tokens 1..3, computed once for its four drafts."""
+    rng = np.random.default_rng(0)
+    cfg = dataclasses.replace(CFG, vocab_size=8)
+    target = random_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), rng, std=0.5)
+    prompt = rng.integers(0, 8, 5)
+    return cfg, target, prompt, _exact_marginals(target, prompt, 3, 1.0, 0.95)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method,draft", [("speculative", "small"), ("glide", "glide"), ("glide", "glide_vocab"),
                                          ("glide", "glide_features")])
-def test_sampling_follows_the_target_distribution(method, draft, rng):
+def test_sampling_follows_the_target_distribution(method, draft, rng, sampling_target):
     """Chi-square goodness of fit at significance 0.001, per generated position, for the
     tokens the round's acceptance rule produced (positions 2 and 3: the first comes
     from the prefill). 6000 samples, a vocabulary of 8; draft and target disagree (most
     rounds reject something). ``glide_vocab``: the draft proposes 4 of the 8 tokens
     (its q is zero on the others, which only the residual draws)."""
-    cfg = dataclasses.replace(CFG, vocab_size=8)
-    target = random_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), rng, std=0.5)
+    cfg, target, prompt, exact = sampling_target
     drafts = {"small": lambda: Transformer(dataclasses.replace(cfg, layers=1), rngs=nnx.Rngs(0)),
               "glide": lambda: GlideDraft(cfg, rngs=nnx.Rngs(0)),
               "glide_vocab": lambda: GlideDraft(cfg, vocab=DraftVocab([0, 2, 3, 6], 8), rngs=nnx.Rngs(0)),
               "glide_features": lambda: GlideDraft(cfg, features=True, rngs=nnx.Rngs(0))}
     draft = random_init(drafts[draft], rng, std=0.5)
-    prompt = rng.integers(0, 8, 5)
-    temperature, top_p, n = 1.0, 0.95, 6000
+    temperature, top_p, n = 1.0, 0.95, 6000  # the fixture's exact marginals are for these
     out = speculative_generate(target, np.tile(prompt, (n, 1)), draft=draft, method=method,
                                gamma=3, max_new_tokens=3, temperature=temperature, top_p=top_p, seed=11)
     assert out.accepted_per_step < 3.0  # rejections happened
-    exact = _exact_marginals(target, prompt, 3, temperature, top_p)
     samples = np.stack(out.tokens)
     if draft == "glide_vocab":  # tokens the draft never proposes come, from the residual
         assert np.isin(samples[:, 1:], [1, 4, 5, 7]).mean() > 0.05
@@ -383,8 +453,10 @@ def test_compact_moves_the_accepted_path_into_place(rng):
 
 
 @nnx.jit
-def last_logits(model, tokens):
-    return model(tokens)[:, -1]
+def logits_at(model, tokens, index):
+    """``model``'s logits at position ``index`` of ``tokens [B, T]`` (right-padded
+    sequences share one program: a causal pass reads nothing after ``index``)."""
+    return model(tokens)[:, index]
 
 
 @pytest.mark.slow
@@ -402,7 +474,8 @@ def test_tree_pass_equals_each_branch_run_alone(models, rng):
     logits = target.decode(tree, cache, positions=positions, tree_mask=mask).logits
     for node in range(layout.size):
         branch = np.flatnonzero(layout.mask[node])  # its ancestors and itself, in depth order
-        alone = last_logits(target, jnp.concatenate([prompt, tree[:, branch]], axis=1))
+        padding = jnp.zeros((B, layout.gamma + 1 - len(branch)), prompt.dtype)  # every branch one width
+        alone = logits_at(target, jnp.concatenate([prompt, tree[:, branch], padding], axis=1), P + len(branch) - 1)
         assert rel_err(logits[:, node], alone) < 1e-5
 
 
@@ -446,21 +519,20 @@ def test_two_chains_keep_the_longer_and_its_cache(models, rng):
     right = ref[:, 1:gamma + 1]
     drafts = np.stack([wrong[0, 1:4], right[1], [right[2, 0], wrong[2, 2], right[2, 2]]])
     copied = np.stack([right[0], [right[1, 0], wrong[1, 2], right[1, 2]], [right[2, 0], right[2, 1], wrong[2, 3]]])
-    cache, path_tokens, accepted, nxt, _, _ = verification.verify_two_chains(
+    cache, path_tokens, accepted, nxt, _, _ = verify_two_chains(
         target, state.target_cache, state.last, jnp.asarray(drafts), jnp.asarray(copied), jnp.ones((3, gamma), bool), False)
     assert accepted.tolist() == [3, 3, 2]  # the copy, the draft (the copy has 1), the copy (the draft has 1)
     np.testing.assert_array_equal(path_tokens, np.stack([copied[0], drafts[1], copied[2]]))
     np.testing.assert_array_equal(nxt, ref[np.arange(3), np.asarray(accepted) + 1])
     # no valid copied token: the draft's chain, whatever the copied tokens say
-    assert verification.verify_two_chains(target, state.target_cache, state.last, jnp.asarray(wrong[:, 1:4]),
-                                         jnp.asarray(right), jnp.zeros((3, gamma), bool), False
-                                         ).accepted.tolist() == [0, 0, 0]
+    assert verify_two_chains(target, state.target_cache, state.last, jnp.asarray(wrong[:, 1:4]),
+                             jnp.asarray(right), jnp.zeros((3, gamma), bool), False
+                             ).accepted.tolist() == [0, 0, 0]
     for b in range(3):
         a = int(accepted[b])
-        chain = jnp.asarray(np.concatenate([[ref[b, 0]], np.asarray(path_tokens[b, :a])])[None])
-        alone = init_cache(CFG, 1, 16)
-        alone = target.decode(jnp.asarray(prompt[b:b + 1]), alone).cache
-        alone = target.decode(chain, alone).cache
+        chain = np.zeros((1, gamma + 1), np.int32)  # last and the accepted tokens, right-padded
+        chain[0, :a + 1] = np.concatenate([[ref[b, 0]], np.asarray(path_tokens[b, :a])])
+        alone = cache_after(target, jnp.asarray(prompt[b:b + 1]), jnp.asarray(chain))
         assert rel_err(cache.k[:, b, 6:7 + a], alone.k[:, 0, 6:7 + a]) < 1e-5
         assert rel_err(cache.v[:, b, 6:7 + a], alone.v[:, 0, 6:7 + a]) < 1e-5
 
@@ -495,11 +567,13 @@ def test_the_drafts_first_step_rewrites_its_cache_from_the_verified_tokens(model
         drafts, _, cache = propose(method_, target, draft, dataclasses.replace(state, draft_cache=dcache),
                                    jnp.asarray(True) if skip else None)
         for b in range(2):
-            sequence = state.history[b:b + 1, :n[b] + 1]
-            kind = drafting.as_draft(draft)
-            empty = drafting.draft_cache(kind, 1, dcache.k.shape[2])
+            # right-padded to the cache's width, one program: the slots up to n[b] are the
+            # causal pass's over the sequence alone (a query reads keys up to its position)
+            slots = dcache.k.shape[2]
+            sequence = np.zeros((1, slots), np.int32)
+            sequence[0, :n[b] + 1] = np.asarray(state.history[b, :n[b] + 1])
             alone = jax.tree.map(lambda x: x[:, b:b + 1] if x.ndim == 5 else x[b:b + 1], state.target_cache)
-            want = kind.forward(target, sequence, empty, alone, positions=jnp.arange(n[b] + 1)[None])[1]
+            want = draft_cache_over(target, draft, jnp.asarray(sequence), alone, slots)
             assert rel_err(cache.k[:, b, :n[b] + 1], want.k[:, 0, :n[b] + 1]) < 1e-5
             assert rel_err(cache.v[:, b, :n[b] + 1], want.v[:, 0, :n[b] + 1]) < 1e-5
         if skip:  # the draft's steps after the first did not run
@@ -519,8 +593,8 @@ def test_lookup_rounds_return_greedy_decoding(models, rng, method, draft, lookup
     target = models["target"]
     motif = rng.integers(0, CFG.vocab_size, (2, 4))
     prompt = np.concatenate([np.tile(motif, 3), rng.integers(0, CFG.vocab_size, (2, 12))])[:batch]  # [4, 12]
-    reference = greedy(target, prompt, 24)
-    out = speculative_generate(target, prompt, draft=models[draft], method=method, gamma=3, max_new_tokens=24,
+    reference = greedy(target, prompt, TOKENS)
+    out = speculative_generate(target, prompt, draft=models[draft], method=method, gamma=GAMMA, max_new_tokens=TOKENS,
                                lookup=lookup)
     for b in range(len(prompt)):
         np.testing.assert_array_equal(out.tokens[b], reference[b])
@@ -546,33 +620,36 @@ def test_the_runner_up_is_kept_where_the_chains_first_token_is_wrong(models, rng
     logits[0, right[0, 0]] = 10.0  # the draft's best, which the chain does not start with: right
     logits[1, right[1, 0]], logits[1, wrong[1, 1]] = 10.0, 9.0  # the chain's first is its best: the runner-up
     logits[2, wrong[2, 2]] = 10.0  # wrong, and not the chain's first either
-    cache, path_tokens, accepted, nxt, _, _ = verification.verify_with_runner_up(
+    cache, path_tokens, accepted, nxt, _, _ = verify_with_runner_up(
         target, state.target_cache, state.last, jnp.asarray(chain), jnp.asarray(logits), False)
     assert accepted.tolist() == [1, 2, 0]
     np.testing.assert_array_equal(np.asarray(path_tokens)[:, 0], [right[0, 0], right[1, 0], wrong[2, 1]])
     np.testing.assert_array_equal(nxt, ref[np.arange(3), np.asarray(accepted) + 1])
     for b in range(2):
         a = int(accepted[b])
-        kept = jnp.asarray(np.concatenate([[ref[b, 0]], np.asarray(path_tokens[b, :a])])[None])
-        alone = target.decode(jnp.asarray(prompt[b:b + 1]), init_cache(CFG, 1, 16)).cache
-        alone = target.decode(kept, alone).cache
+        kept = np.zeros((1, gamma + 1), np.int32)  # last and the kept tokens, right-padded (as in the two chains')
+        kept[0, :a + 1] = np.concatenate([[ref[b, 0]], np.asarray(path_tokens[b, :a])])
+        alone = cache_after(target, jnp.asarray(prompt[b:b + 1]), jnp.asarray(kept))
         assert rel_err(cache.k[:, b, 6:7 + a], alone.k[:, 0, 6:7 + a]) < 1e-5
         assert rel_err(cache.v[:, b, 6:7 + a], alone.v[:, 0, 6:7 + a]) < 1e-5
 
 
 @pytest.mark.parametrize("method,draft,lookup,batch", [
     ("glide", "glide", "", 4), ("glide", "glide_vocab", "", 4), ("speculative", "small", "", 4),
-    ("speculative", "close", "select", 2), ("glide", "glide", "select", 2), ("glide", "glide_features", "select", 2)])
+    ("speculative", "close", "select", 4), ("glide", "glide", "select", 4), ("glide", "glide_features", "select", 4)])
 def test_runner_up_rounds_return_greedy_decoding_and_accept_more(models, rng, method, draft, lookup, batch):
     """With the runner-up verified too, tokens equal plain greedy decoding, and rounds
     accept more than the chain alone: these random drafts' first tokens are often wrong,
-    and their second choices sometimes right."""
+    and their second choices sometimes right. Batch 4, GAMMA and TOKENS: the rounds
+    without the runner-up are (but for the small draft's and the features draft's with
+    select) loops test_greedy_methods_return_greedy_decoding and
+    test_lookup_rounds_return_greedy_decoding compiled, the reference theirs too."""
     target = models["target"]
     motif = rng.integers(0, CFG.vocab_size, (2, 4))
     prompt = np.concatenate([np.tile(motif, 3), rng.integers(0, CFG.vocab_size, (2, 12))])[:batch]
-    reference = greedy(target, prompt, 40)
-    runs = {runner_up: speculative_generate(target, prompt, draft=models[draft], method=method, gamma=3,
-                                            max_new_tokens=40, lookup=lookup, runner_up=runner_up)
+    reference = greedy(target, prompt, TOKENS)
+    runs = {runner_up: speculative_generate(target, prompt, draft=models[draft], method=method, gamma=GAMMA,
+                                            max_new_tokens=TOKENS, lookup=lookup, runner_up=runner_up)
             for runner_up in (False, True)}
     for b in range(len(prompt)):
         np.testing.assert_array_equal(runs[True].tokens[b], reference[b])
@@ -587,10 +664,11 @@ def test_select_takes_the_whole_copy_where_the_text_cycles(models, rng, draft):
     than the draft's ``gamma + 1``; the tokens are greedy decoding's."""
     target = perturbed(models["target"], 0.0, rng)
     target.layers.attn.o[...] = jnp.zeros_like(target.layers.attn.o[...])
-    prompt = greedy(target, rng.integers(0, CFG.vocab_size, (1, 6)), 32)[:, -8:]  # in its cycle by now
-    reference = greedy(target, prompt, 48)
+    # TOKENS at batch 1: the references are test_greedy_methods_return_greedy_decoding's program
+    prompt = greedy(target, rng.integers(0, CFG.vocab_size, (1, 6)), TOKENS)[:, -8:]  # in its cycle by now
+    reference = greedy(target, prompt, TOKENS)
     assert len(set(reference[0].tolist())) < 12  # it cycles
-    out = speculative_generate(target, prompt, draft=models[draft], method="glide", gamma=2, max_new_tokens=48,
+    out = speculative_generate(target, prompt, draft=models[draft], method="glide", gamma=2, max_new_tokens=TOKENS,
                                lookup="select", lookup_tokens=5)
     np.testing.assert_array_equal(out.tokens[0], reference[0])
     assert out.accepted_per_step > 3

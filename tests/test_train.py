@@ -70,20 +70,45 @@ def cli(*args, timeout=600, devices=None):
                           capture_output=True, text=True, timeout=timeout, env=env)
 
 
-def test_short_run_learns_and_writes_its_outputs(tmp_path, cache):
-    run = tmp_path / "run"
-    history = train(config(run, cache, "steps=30", "eval.every=10", "checkpoint.every=10"), progress=False)
+def resumable(cache) -> list[str]:
+    """The arguments of the 16-step runs that are stopped and resumed: one train-step program
+    (the step count is in it, the learning rate's schedule) for every run of this file that
+    can share one, compiled once for the test run (the persistent compilation cache)."""
+    return SMALL + ["steps=16", "checkpoint.every=4", "eval.every=0", f"cache_dir={cache}"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, cache):
+    """An uninterrupted run of ``resumable``, evaluated at steps 6, 12 and 16 (the last):
+    ``(run_dir, history)``. Tests read it, and copy it to resume it; its own checks are
+    test_short_run_learns_and_writes_its_outputs's."""
+    run = tmp_path_factory.mktemp("reference") / "run"
+    history = train(load_config("tiny", resumable(cache) + ["eval.every=6", f"run_dir={run}"]), progress=False)
+    return run, history
+
+
+def losses(history, key="loss") -> list[float]:
+    return [r[key] for r in history if key in r]
+
+
+def copy_run(reference, to: pathlib.Path) -> pathlib.Path:
+    shutil.copytree(reference[0], to)
+    return to
+
+
+def test_short_run_learns_and_writes_its_outputs(cache, reference):
+    run, history = reference
     rows = metrics(run)
-    assert [r["step"] for r in rows] == list(range(1, 31)) and rows == history
+    assert [r["step"] for r in rows] == list(range(1, 17)) and rows == history
     assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "device_live_bytes"} <= set(rows[0])
     # data=8: every device holds the parameters and Adam's two moments, float32, and more
     params = sum(x.size for x in jax.tree.leaves(nnx.state(nnx.eval_shape(
         lambda: build_model(config(run, cache))))))
     assert all(r["device_live_bytes"] >= 3 * 4 * params for r in rows)
-    val = [r["val_loss"] for r in rows if "val_loss" in r]
-    # Untrained, the loss is ln(512) = 6.24; by step 10 it has fallen well below, and goes on.
+    val = losses(rows, "val_loss")
+    # Untrained, the loss is ln(512) = 6.24; by step 6 it has fallen well below, and goes on.
     assert len(val) == 3 and val[0] < np.log(512) - 0.5 and val[2] < val[0]
-    assert sorted(os.listdir(run / "checkpoints")) == ["10", "20", "30"]
+    assert sorted(os.listdir(run / "checkpoints")) == ["12", "16", "8"]  # checkpoint.keep=3
     assert (run / "config.yaml").exists()
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
 
@@ -123,19 +148,6 @@ def test_new_run_dirs_share_the_per_user_cache_and_cache_dir_overrides_it(tmp_pa
     assert sorted(entries(mine)) == sorted(made) and entries(shared) == made
 
 
-def resumable(cache) -> list[str]:
-    """The arguments of the 12-step runs that are stopped and resumed."""
-    return SMALL + ["steps=12", "checkpoint.every=4", "eval.every=0", f"cache_dir={cache}"]
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, cache):
-    """An uninterrupted run of ``resumable``: ``(run_dir, losses)``."""
-    run = tmp_path_factory.mktemp("reference") / "run"
-    history = train(load_config("tiny", resumable(cache) + [f"run_dir={run}"]), progress=False)
-    return run, [r["loss"] for r in history]
-
-
 def wait_for_steps(proc, run, steps: int) -> None:
     """Returns once ``run``'s metrics have ``steps`` lines (``proc`` still running)."""
     deadline = time.time() + 300
@@ -146,41 +158,35 @@ def wait_for_steps(proc, run, steps: int) -> None:
     assert proc.poll() is None, "the run finished before it could be stopped"
 
 
-def test_sigkill_and_restart_gives_the_same_losses(tmp_path, cache, reference):
-    args = resumable(cache)
-    run = tmp_path / "killed"
-    command = [sys.executable, "-m", "jaxpar.train", "tiny", *args, f"run_dir={run}", "--no-progress"]
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    wait_for_steps(proc, run, 7)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert len(metrics(run)) < 12
-
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr
-    losses = [r["loss"] for r in metrics(run)]
-    assert len(losses) == 12
-    assert losses == reference[1]
-    assert not list((run / "checkpoints").glob("*tmp*"))  # the save the kill cut short
-
-
-def test_sigint_and_sigterm_stop_at_a_step_saved_and_resume(tmp_path, cache, reference):
-    """SIGINT, then SIGTERM, each sent while the run saves every step: one line, exit
-    130 / 143, the step it stopped at saved and no half-written checkpoint; resumed,
-    the losses are the uninterrupted run's. Each start says where it starts (a resumed
-    run: from which step and checkpoint) and that the step compiles."""
+def test_sigint_sigterm_and_sigkill_stop_and_resume_to_the_same_losses(tmp_path, cache, reference):
+    """One run dir through three stops (a process each; the last start finishes it):
+    SIGINT, then SIGTERM, each sent while the run saves every step: one line, exit
+    130 / 143, the step it stopped at saved and no half-written checkpoint. Then SIGKILL
+    while it saves every 4 steps (nothing flushed): restarted, it resumes from its last
+    checkpoint, behind its last logged step, and drops the save the kill cut short.
+    Throughout, the losses are the uninterrupted run's. Each start says where it starts
+    (a resumed run: from which step and checkpoint) and that the step compiles.
+    (SIGKILL once had a test of its own, from step 0; one run dir saves a process.)"""
     run = tmp_path / "stopped"
-    command = [sys.executable, "-m", "jaxpar.train", "tiny", *resumable(cache), "checkpoint.every=1",
-               f"run_dir={run}", "--no-progress"]
+    command = [sys.executable, "-m", "jaxpar.train", "tiny", *resumable(cache), f"run_dir={run}", "--no-progress"]
     starts = "jaxpar-train: starting at step 0 on mesh data=8 (8 cpu devices)"
+
+    def resumes(step):
+        return (f"jaxpar-train: resuming from step {step} (checkpoint {run / 'checkpoints' / str(step)}) on "
+                "mesh data=8 (8 cpu devices)")
+
+    def saved():
+        return max(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
+
     for signum, after in ((signal.SIGINT, 3), (signal.SIGTERM, 7)):
-        proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen([*command, "checkpoint.every=1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                text=True)
         wait_for_steps(proc, run, after)
         proc.send_signal(signum)
         _, err = proc.communicate(timeout=300)
         assert proc.returncode == 128 + signum, err
         step = len(metrics(run))
-        assert step < 12
+        assert step < 16
         # orbax's own advice, when a loaded machine makes a save wait for the last one
         # ("WARNING:absl:Waiting for previous save to complete took 1.4 seconds"), is not ours
         lines = [line for line in err.strip().splitlines() if not line.startswith("WARNING:absl:")]
@@ -188,15 +194,24 @@ def test_sigint_and_sigterm_stop_at_a_step_saved_and_resume(tmp_path, cache, ref
             starts, "jaxpar-train: compiling the train step (the first step waits for it)",
             f"jaxpar-train: stopped at step {step}; last checkpoint at step {step}; "
             "rerun the same command to resume"], err
-        starts = (f"jaxpar-train: resuming from step {step} (checkpoint {run / 'checkpoints' / str(step)}) on "
-                  "mesh data=8 (8 cpu devices)")
-        assert max(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == step
+        starts = resumes(step)
+        assert saved() == step
         assert not list((run / "checkpoints").glob("*tmp*"))
+
+    # SIGKILL at step 10 or later: checkpoint.every=4 leaves step 8's (or the stop's) behind it
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    wait_for_steps(proc, run, 10)
+    proc.send_signal(signal.SIGKILL)
+    _, err = proc.communicate(timeout=300)
+    assert err.splitlines()[0] == starts, err
+    assert len(metrics(run)) < 16
+    starts = resumes(saved())
 
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     assert done.stderr.splitlines()[0] == starts, done.stderr
-    assert [r["loss"] for r in metrics(run)] == reference[1]
+    assert losses(metrics(run)) == losses(reference[1])
+    assert not list((run / "checkpoints").glob("*tmp*"))  # the save the kill cut short
 
 
 def wait_for_handlers(done=lambda: False, seconds: float = 5.0) -> None:
@@ -257,32 +272,20 @@ def test_a_second_ctrl_c_ends_jaxpar_train_at_once():
     assert result.stderr.splitlines() == ["jaxpar-train: interrupted"]
 
 
-def test_a_finished_run_says_there_is_nothing_to_do(cache, reference):
-    """steps= at or below the run dir's step: one line, exit 0, the run dir untouched."""
-    run = reference[0]
-    before = {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()}
-    out = cli("tiny", *resumable(cache), "steps=10", f"run_dir={run}", "--no-progress")
-    assert out.returncode == 0, out.stderr
-    assert out.stderr.strip().splitlines() == [
-        f"jaxpar-train: {run} is already at step 12 (steps=10): nothing to do; raise steps= to continue "
-        "or choose another run_dir"]
-    assert out.stdout == ""
-    assert {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()} == before
-
-
-def test_checkpoint_restores_on_another_mesh(tmp_path, cache):
-    run = tmp_path / "run"
-    first = train(config(run, cache, "steps=8", "checkpoint.every=4", "eval.every=0", "mesh.data=8"), progress=False)
-    shutil.rmtree(run / "checkpoints" / "8")
-    second = train(config(run, cache, "steps=8", "checkpoint.every=4", "eval.every=0",
-                          "mesh.data=2", "mesh.fsdp=4"), progress=False)
-    assert [r["step"] for r in second] == [5, 6, 7, 8]
-    assert rel_err([r["loss"] for r in second], [r["loss"] for r in first[4:]]) < 1e-5
-    assert [r["step"] for r in metrics(run)] == list(range(1, 9))
-    # TensorBoard too: steps 5-8 of the first run dropped, each step once, in order.
+def test_checkpoint_restores_on_another_mesh(tmp_path, cache, reference):
+    run = copy_run(reference, tmp_path / "run")  # saved on mesh data=8
+    shutil.rmtree(run / "checkpoints" / "16")
+    second = train(load_config("tiny", resumable(cache) + [f"run_dir={run}", "mesh.data=2", "mesh.fsdp=4"]),
+                   progress=False)
+    assert [r["step"] for r in second] == [13, 14, 15, 16]
+    assert rel_err(losses(second), losses(reference[1][12:])) < 1e-5
+    assert [r["step"] for r in metrics(run)] == list(range(1, 17))
+    # TensorBoard too: steps 13-16 of the first run dropped, each step once, in order
+    # (its step-16 validation loss with them: this run does not evaluate).
     steps = tensorboard_steps(run)
+    assert steps.pop("val_loss") == [6, 12]
     assert set(steps) == {"loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "device_live_bytes"}
-    assert all(s == list(range(1, 9)) for s in steps.values()), steps
+    assert all(s == list(range(1, 17)) for s in steps.values()), steps
 
 
 def corrupt(step_dir: pathlib.Path) -> None:
@@ -295,42 +298,50 @@ def skipped(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if "cannot be restored" in r.getMessage()]
 
 
-def test_corrupt_latest_checkpoint_falls_back_to_the_previous(tmp_path, cache, caplog):
+def test_corrupt_latest_checkpoint_falls_back_to_the_previous(tmp_path, cache, reference, caplog):
     """The unreadable step is moved to checkpoints/corrupt/ with one log line, retrained
-    and saved again, so the next start resumes from it; with every checkpoint
+    and saved again, so the next start resumes from it (here: finds the run finished,
+    and says so in one line, leaving the run dir untouched); with every checkpoint
     unreadable the run starts over and ends with its final checkpoint saved."""
-    run = tmp_path / "run"
-    args = ("checkpoint.every=4", "eval.every=0", "--no-progress")
-    first = train(config(run, cache, "steps=8", *args[:-1]), progress=False)
-    corrupt(run / "checkpoints" / "8")
-    out = cli("tiny", *SMALL, f"run_dir={run}", f"cache_dir={cache}", "steps=8", *args)
+    run = copy_run(reference, tmp_path / "run")  # checkpoints 8, 12 and 16
+    corrupt(run / "checkpoints" / "16")
+    command = ("tiny", *resumable(cache), f"run_dir={run}", "--no-progress")
+    out = cli(*command)
     assert out.returncode == 0, out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 3, out.stderr  # orbax's own errors about the files it met held back
-    assert re.fullmatch(rf"jaxpar-train: checkpoint at step 8 in {run / 'checkpoints'} cannot be "
-                        r"restored \(\w+: .+\); moved to checkpoints/corrupt/8; trying the previous one",
+    assert re.fullmatch(rf"jaxpar-train: checkpoint at step 16 in {run / 'checkpoints'} cannot be "
+                        r"restored \(\w+: .+\); moved to checkpoints/corrupt/16; trying the previous one",
                         lines[0]), lines[0]
-    assert lines[1:] == [f"jaxpar-train: resuming from step 4 (checkpoint {run / 'checkpoints' / '4'}) on mesh "
+    assert lines[1:] == [f"jaxpar-train: resuming from step 12 (checkpoint {run / 'checkpoints' / '12'}) on mesh "
                          "data=8 (8 cpu devices)", "jaxpar-train: compiling the train step (the first step waits for it)"]
     again = metrics(run)
-    assert [r["step"] for r in again] == list(range(1, 9))
-    assert rel_err([r["loss"] for r in again[4:]], [r["loss"] for r in first[4:]]) < 1e-6
-    assert sorted(os.listdir(run / "checkpoints")) == ["4", "8", "corrupt"]
-    assert os.listdir(run / "checkpoints" / "corrupt") == ["8"]
+    assert [r["step"] for r in again] == list(range(1, 17))
+    assert rel_err(losses(again[12:]), losses(reference[1][12:])) < 1e-6
+    assert sorted(os.listdir(run / "checkpoints")) == ["12", "16", "8", "corrupt"]
+    assert os.listdir(run / "checkpoints" / "corrupt") == ["16"]
 
-    with caplog.at_level(logging.WARNING):
-        third = train(config(run, cache, "steps=10", *args[:-1]), progress=False)
-    assert [r["step"] for r in third] == [9, 10] and not skipped(caplog)
+    # The next start restores step 16 (no line about it) and finds the run finished:
+    # steps= at or below the run dir's step is one line, exit 0, the run dir untouched.
+    # (A fresh process: its stderr is all jaxpar-train's.)
+    before = {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()}
+    out = cli(*command, "steps=10")
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.strip().splitlines() == [
+        f"jaxpar-train: {run} is already at step 16 (steps=10): nothing to do; raise steps= to continue "
+        "or choose another run_dir"]
+    assert out.stdout == ""
+    assert {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()} == before
 
-    for step in (4, 8, 10):
+    for step in (8, 12, 16):
         corrupt(run / "checkpoints" / str(step))
     with caplog.at_level(logging.WARNING):
-        fourth = train(config(run, cache, "steps=10", *args[:-1]), progress=False)
+        fourth = train(load_config("tiny", resumable(cache) + [f"run_dir={run}"]), progress=False)
     assert len(skipped(caplog)) == 3
-    assert [r["step"] for r in fourth] == list(range(1, 11))
-    assert sorted(os.listdir(run / "checkpoints" / "corrupt")) == ["10", "4", "8", "8-2"]
+    assert [r["step"] for r in fourth] == list(range(1, 17))
+    assert sorted(os.listdir(run / "checkpoints" / "corrupt")) == ["12", "16", "16-2", "8"]
     with Checkpoints(run, keep=3) as checkpoints:
-        assert checkpoints.steps() == [4, 8, 10] and checkpoints.read_meta(10)["step"] == 10
+        assert checkpoints.steps() == [8, 12, 16] and checkpoints.read_meta(16)["step"] == 16
 
 
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, cache):
@@ -363,8 +374,8 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, cache):
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, cache, capfd, override, code, message):
     """jaxpar-train's main in this process (its 8 devices; capfd reads file descriptor 2,
     XLA's own lines included): a subprocess per case spent its time importing. A fresh
-    process's stderr is one line too: test_empty_data_directory and
-    test_a_finished_run_says_there_is_nothing_to_do."""
+    process's stderr is one line too: test_empty_data_directory and the finished run of
+    test_corrupt_latest_checkpoint_falls_back_to_the_previous."""
     from jaxpar.train.cli import main
 
     run = tmp_path / "run"
@@ -376,12 +387,11 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, cache, capfd, overri
     assert not run.exists()
 
 
-def test_run_dir_of_another_model_is_refused_untouched(tmp_path, cache, capfd):
+def test_run_dir_of_another_model_is_refused_untouched(cache, reference, capfd):
     """(jaxpar-train's main in this process, as test_bad_input_is_one_line_and_writes_nothing.)"""
     from jaxpar.train.cli import main
 
-    run = tmp_path / "run"
-    train(config(run, cache, "steps=2", "eval.every=0"), progress=False)
+    run = reference[0]  # a checkpoint of model.layers=2
     before = {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()}
     capfd.readouterr()
     assert main(["tiny", *SMALL, f"run_dir={run}", f"cache_dir={cache}", "model.layers=3"]) == 1
@@ -400,7 +410,8 @@ def test_empty_data_directory(tmp_path, cache):
 def test_dry_run_prints_the_profile_and_writes_nothing(tmp_path, cache, capsys):
     profiles = {}
     for mesh in ("mesh.data=8", "mesh.fsdp=8"):
-        train(config(tmp_path / "run", cache, "dry_run=true", mesh), progress=False)
+        # steps=16: data=8's step is the reference run's program, compiled once
+        train(config(tmp_path / "run", cache, "dry_run=true", "steps=16", mesh), progress=False)
         profiles[mesh] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert not (tmp_path / "run").exists()
     dp, fsdp = profiles["mesh.data=8"], profiles["mesh.fsdp=8"]
@@ -469,11 +480,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_match_one_and_share_checkpoints(tmp_path, cache):
-    """2 processes x 4 CPU devices on jax.distributed (gloo) == 1 process x 8 devices."""
-    args = SMALL + ["steps=8", "checkpoint.every=4", "eval.every=4", f"cache_dir={cache}"]
-    single = train(load_config("tiny", args + [f"run_dir={tmp_path / 'single'}"]), progress=False)
-
+def test_two_processes_match_one_and_share_checkpoints(tmp_path, cache, reference):
+    """2 processes x 4 CPU devices on jax.distributed (gloo) == 1 process x 8 devices (the reference)."""
+    args = resumable(cache) + ["eval.every=6"]
     run, port = tmp_path / "two", _free_port()
     procs = [
         subprocess.Popen(
@@ -487,15 +496,15 @@ def test_two_processes_match_one_and_share_checkpoints(tmp_path, cache):
     for proc in procs:
         _, err = proc.communicate(timeout=600)
         assert proc.returncode == 0, err[-2000:]
-    two = metrics(run)
-    assert rel_err([r["loss"] for r in two], [r["loss"] for r in single]) < 1e-5
-    assert rel_err([r["val_loss"] for r in two if "val_loss" in r],
-                   [r["val_loss"] for r in single if "val_loss" in r]) < 1e-5
+    two, single = metrics(run), reference[1]
+    assert rel_err(losses(two), losses(single)) < 1e-5
+    assert rel_err(losses(two, "val_loss"), losses(single, "val_loss")) < 1e-5
 
-    # The 2-process checkpoint of step 4 restores in one process and continues the same.
-    shutil.rmtree(run / "checkpoints" / "8")
-    resumed = train(load_config("tiny", args + [f"run_dir={run}"]), progress=False)
-    assert rel_err([r["loss"] for r in resumed], [r["loss"] for r in single[4:]]) < 1e-5
+    # The 2-process checkpoint of step 12 restores in one process and continues the same.
+    shutil.rmtree(run / "checkpoints" / "16")
+    resumed = train(load_config("tiny", resumable(cache) + [f"run_dir={run}"]), progress=False)
+    assert [r["step"] for r in resumed] == [13, 14, 15, 16]
+    assert rel_err(losses(resumed), losses(single[12:])) < 1e-5
 
 
 def test_mfu_flops_per_token_matches_the_compiled_step():

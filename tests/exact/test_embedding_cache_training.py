@@ -15,10 +15,21 @@ from jaxpar.train.loop import train
 from jaxpar.train.recsys import load_run
 
 
-def run(tmp_path, name, *overrides, steps=30):
-    """A ``dlrm`` run on the 8 simulated devices: ``(losses, checkpointed state, history)``."""
-    cfg = load_config("dlrm", [f"run_dir={tmp_path / name}", f"steps={steps}", "eval.every=0",
-                               "checkpoint.every=10", *overrides])
+# The dlrm preset's tables at a fifth of their rows (40,000 in all), and 8 samples a
+# step (one a device): the table's init, updates and checkpoints cost a fifth, fewer
+# misses a step need fewer of the cache's padded transfer programs (sizes), and 1% of
+# the rows (400; 100 a device over a quarter of them) still fills within a few
+# steps of the warm-up and then evicts every step.
+SHAPE = ["model.table_rows=[2000,4000,6000,10000,2000,8000,5000,3000]", "batch_size=8"]
+STEPS, EVERY = 12, 4  # cached_sgd saves at 4, 8 and 12; the resumed run starts from 8
+
+
+def run(tmp_path, name, *overrides, steps=STEPS, every=0):
+    """A ``dlrm`` run on the 8 simulated devices: ``(losses, checkpointed state, history)``.
+    It saves at its last step (what ``load_run`` reads), and every ``every`` steps: each
+    save of the 4-device runs costs orbax dozens of small slicing programs."""
+    cfg = load_config("dlrm", [*SHAPE, f"run_dir={tmp_path / name}", f"steps={steps}", "eval.every=0",
+                               f"checkpoint.every={every}", *overrides])
     history = train(cfg, progress=False)
     return [r["loss"] for r in history], load_run(tmp_path / name)[2], history
 
@@ -36,7 +47,7 @@ def cached_sgd(tmp_path_factory):
     """1% of the rows cached, SGD: ``(run(...), its run dir)``, for the two tests that
     check it (one run, not one each)."""
     tmp = tmp_path_factory.mktemp("cached_sgd")
-    return run(tmp, "cached", "embedding.optimizer=sgd"), tmp / "cached"
+    return run(tmp, "cached", "embedding.optimizer=sgd", every=EVERY), tmp / "cached"
 
 
 def leaves(state) -> dict:
@@ -81,13 +92,14 @@ def test_everything_cached_is_the_uncached_model(tmp_path, uncached):
 
 
 def test_resumed_on_another_cache_continues_exactly(tmp_path, uncached, cached_sgd):
-    """Step 20's checkpoint of a run with 1% cached, resumed with 5% and LRU: the
+    """Step 8's checkpoint of a run with 1% cached, resumed with 5% and LRU: the
     uninterrupted run's next losses and final state."""
+    start = STEPS - EVERY
     (tmp_path / "resumed" / "checkpoints").mkdir(parents=True)
-    shutil.copytree(cached_sgd[1] / "checkpoints" / "20", tmp_path / "resumed" / "checkpoints" / "20")
+    shutil.copytree(cached_sgd[1] / "checkpoints" / str(start), tmp_path / "resumed" / "checkpoints" / str(start))
     rest, state, _ = run(tmp_path, "resumed", "embedding.optimizer=sgd", "embedding.cache_ratio=0.05",
                          "embedding.eviction=lru")
-    assert rest == uncached["sgd"][0][20:]
+    assert len(rest) == EVERY and rest == uncached["sgd"][0][start:]
     assert_same(state, uncached["sgd"][1], exact=True)
 
 

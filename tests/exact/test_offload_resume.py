@@ -8,13 +8,16 @@ restore with offload puts every leaf in the memory the plan says, before any ste
 The offloaded runs use ``offload.params=host offload.optimizer=host
 offload.resident_layers=1`` on a 2-layer model: every stacked leaf is stored as a
 ``Split`` of one device-resident layer and one host-resident layer, the form whose
-conversion to and from the checkpoint's model order can go wrong."""
+conversion to and from the checkpoint's model order can go wrong; and two checkpoint
+names' saved residuals in host memory (one offloaded program for every offloaded run
+here, compiled once)."""
 
 import gc
 import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 
 import jax
 import numpy as np
@@ -35,13 +38,22 @@ from test_train import SMALL, metrics, wait_for_steps
 
 pytestmark = pytest.mark.slow  # end-to-end runs, as tests/test_train.py
 
-STEPS, EVERY = 12, 4  # saved at 4, 8 and 12; the resumed runs start from 4
-OFFLOAD = ["offload.params=host", "offload.optimizer=host", "offload.resident_layers=1"]
+STEPS, EVERY = 16, 4  # saved at 4, 8, 12 and 16
+START = 8  # the continued runs start from step 8's checkpoint
+# The tiny preset at width 32 (2 heads of 16, MLP 64) over 32-token rows: a step's
+# arithmetic, which XLA:CPU runs unoptimised here (conftest.py, FAST_COMPILE), costs a
+# tenth of the preset's at width 128 over 64 tokens, and every layer is still split in
+# two memories. The text: the standard library's email package (0.3 MB, for 4,000
+# tokens of training), not the whole library, which every run would walk to list it.
+SHAPE = ["model.dim=32", "model.heads=2", "model.kv_heads=2", "model.head_dim=16", "model.mlp_dim=64", "seq_len=32",
+         f"data.path={sysconfig.get_paths()['stdlib']}/email/*.py"]
+OFFLOAD = ["offload.params=host", "offload.optimizer=host", "offload.resident_layers=1",
+           "offload.activations=[layer_input,mlp_hidden]"]
 HOST, DEVICE = "pinned_host", "device"
 
 
 def args(run, *extra) -> list[str]:
-    return [*SMALL, f"steps={STEPS}", f"checkpoint.every={EVERY}", "eval.every=0",
+    return [*SMALL, *SHAPE, f"steps={STEPS}", f"checkpoint.every={EVERY}", "eval.every=0",
             f"cache_dir={default_cache_dir()}", f"run_dir={run}", *extra]
 
 
@@ -54,7 +66,7 @@ def losses(run) -> list[float]:
 
 
 def final_params(run):
-    """The parameters of ``run``'s newest checkpoint (step 12), on one device."""
+    """The parameters of ``run``'s newest checkpoint (step 16), on one device."""
     return nnx.state(load_run(run))
 
 
@@ -76,7 +88,7 @@ def param_bytes(run) -> int:
 
 @pytest.fixture(scope="module")
 def on_device(tmp_path_factory):
-    """An uninterrupted all-on-device run of 12 steps: its run dir."""
+    """An uninterrupted all-on-device run of 16 steps: its run dir."""
     run = tmp_path_factory.mktemp("on_device") / "run"
     run_train(run)
     return run
@@ -84,28 +96,30 @@ def on_device(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def offloaded(tmp_path_factory):
-    """An uninterrupted run of the same 12 steps with ``OFFLOAD``: its run dir."""
+    """An uninterrupted run of the same 16 steps with ``OFFLOAD``: its run dir."""
     run = tmp_path_factory.mktemp("offloaded") / "run"
     run_train(run, *OFFLOAD)
     return run
 
 
 def resumable_copy(source, run) -> None:
-    """``run``: a copy of ``source`` as it was after step 4 (the later checkpoints gone;
+    """``run``: a copy of ``source`` as it was after step 8 (the later checkpoints gone;
     the loop drops the metrics after its checkpoint itself)."""
     shutil.copytree(source, run)
-    for step in range(EVERY + 1, STEPS + 1):
+    for step in range(START + 1, STEPS + 1):
         shutil.rmtree(run / "checkpoints" / str(step), ignore_errors=True)
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [str(EVERY)]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [str(START)]  # keep=3: 8, 12, 16
 
 
 def test_offloaded_run_killed_and_restarted_gives_the_same_losses(tmp_path, offloaded, on_device):
     """SIGKILL mid-run (the CLI), then the same run again (in-process): the losses and
-    the final parameters are the uninterrupted offloaded run's, bit for bit."""
+    the final parameters are the uninterrupted offloaded run's, bit for bit. (Killed
+    once step 9 is logged: step 8's save waited for step 4's, which is on disk then,
+    and 7 steps are left for the kill to land in.)"""
     run = tmp_path / "killed"
     command = [sys.executable, "-m", "jaxpar.train", "tiny", *args(run, *OFFLOAD), "--no-progress"]
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    wait_for_steps(proc, run, 7)
+    wait_for_steps(proc, run, START + 1)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert len(metrics(run)) < STEPS
@@ -123,12 +137,12 @@ def test_offloaded_run_killed_and_restarted_gives_the_same_losses(tmp_path, offl
 
 
 def test_a_checkpoint_saved_with_offload_continues_without_it(tmp_path, offloaded, on_device):
-    """4 steps offloaded, then 8 with everything on the device in the same run dir: the
-    12 losses and the final parameters are those of the all-on-device run."""
+    """8 steps offloaded, then 8 with everything on the device in the same run dir: the
+    16 losses and the final parameters are those of the all-on-device run."""
     run = tmp_path / "run"
     resumable_copy(offloaded, run)
     resumed = run_train(run)
-    assert [r["step"] for r in resumed] == list(range(EVERY + 1, STEPS + 1))
+    assert [r["step"] for r in resumed] == list(range(START + 1, STEPS + 1))
     assert rel_err(losses(run), losses(on_device)) < 1e-6
     assert_same_final_params(run, on_device)
     # the continuation kept its state on the device: parameters and Adam's two moments,
@@ -137,15 +151,15 @@ def test_a_checkpoint_saved_with_offload_continues_without_it(tmp_path, offloade
 
 
 def test_a_checkpoint_saved_without_offload_continues_with_it(tmp_path, on_device):
-    """4 steps all on the device, then 8 with ``OFFLOAD`` and two checkpoint names'
-    residuals offloaded: the losses and final parameters of the all-on-device run, and
-    only the resident layer's parameters on the device after each step."""
+    """8 steps all on the device, then 8 with ``OFFLOAD`` (two checkpoint names'
+    residuals offloaded too): the losses and final parameters of the all-on-device run,
+    and only the resident layer's parameters on the device after each step."""
     run = tmp_path / "run"
     resumable_copy(on_device, run)
     gc.collect()
     before = offload_lib.device_live_bytes()  # arrays other tests left alive: not this run's
-    resumed = run_train(run, *OFFLOAD, "offload.activations=[layer_input,mlp_hidden]")
-    assert [r["step"] for r in resumed] == list(range(EVERY + 1, STEPS + 1))
+    resumed = run_train(run, *OFFLOAD)
+    assert [r["step"] for r in resumed] == list(range(START + 1, STEPS + 1))
     assert rel_err(losses(run), losses(on_device)) < 1e-6
     assert_same_final_params(run, on_device)
     # one of the two layers' parameters (less than all of them) is what stays on the
@@ -197,15 +211,22 @@ def flat(tree) -> list[tuple[str, object]]:
     return [(jax.tree_util.keystr(path), leaf) for path, leaf in jax.tree.leaves_with_path(tree)]
 
 
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory):
+    """``planned_step`` for the offloaded runs' config, built (and its all-on-device step
+    profiled) once for both sources."""
+    return planned_step(load_config("tiny", args(tmp_path_factory.mktemp("planned") / "unused", *OFFLOAD)))
+
+
 @pytest.mark.parametrize("source", ["on_device", "offloaded"])
-def test_a_restore_with_offload_places_every_leaf_where_the_plan_says(tmp_path, request, source):
+def test_a_restore_with_offload_places_every_leaf_where_the_plan_says(request, planned, source):
     """The loop's restore path (``restore_latest`` onto ``abstract_state``, then
     ``in_storage_order``) from a checkpoint written on the device or offloaded: every
     stored leaf has the plan's memory kind and the step's sharding, the joined stacked
     leaves come back in host memory without a detour through the device, and the
     values are the checkpoint's."""
     run = request.getfixturevalue(source)
-    step_fn, plan, abstract_model = planned_step(load_config("tiny", args(tmp_path / "unused", *OFFLOAD)))
+    step_fn, plan, abstract_model = planned
     assert (plan.options.params, plan.options.optimizer, plan.layers, plan.resident_layers) == ("host", "host", 2, 1)
     target = step_fn.abstract_state(abstract_model)
     with Checkpoints(run, keep=3) as checkpoints:
