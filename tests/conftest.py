@@ -177,6 +177,21 @@ def train_steps(cfg, data, mesh=None, rules=None, *, prepare=lambda batch: batch
 
 
 @nnx.jit
+def _forward(model, tokens: jax.Array) -> jax.Array:
+    return model(tokens)
+
+
+def dense_logits(model, tokens, width: int) -> np.ndarray:
+    """A ``Transformer``'s float32 logits ``[T, V]`` over one sequence ``tokens`` (no
+    cache): one compiled forward over ``width`` tokens, right-padded (causal: the padding
+    is unseen), so every length up to ``width`` shares the program where eager forwards
+    would compile their ops for each length."""
+    padded = np.zeros((1, width), np.int32)
+    padded[0, :len(tokens)] = tokens
+    return np.array(_forward(model, jnp.asarray(padded))[0, :len(tokens)], np.float32)  # a writable copy
+
+
+@nnx.jit
 def _next_token_without_cache(model, tokens: jax.Array, at: jax.Array) -> jax.Array:
     return jnp.argmax(model(tokens)[:, at], axis=-1).astype(jnp.int32)
 

@@ -27,7 +27,7 @@ import openai
 import pytest
 import tokenizers
 import uvicorn
-from conftest import random_init
+from conftest import dense_logits, random_init
 from flax import nnx
 from test_serving import compiles_during
 
@@ -579,7 +579,7 @@ def test_n_choices_sample_with_seed_plus_i(served):
 def log_softmax_reference(model, prompt, ids) -> np.ndarray:
     """``[len(ids), V]``: the log-softmax of the model's logits (one dense forward over
     ``prompt + ids``, float32) at the positions that chose each of ``ids``."""
-    logits = dense_logits(model, list(prompt) + list(ids[:-1]))[len(prompt) - 1:]
+    logits = dense_logits(model, list(prompt) + list(ids[:-1]), LOGITS_WIDTH)[len(prompt) - 1:]
     return np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1))
 
 
@@ -668,20 +668,6 @@ def test_chat_logprobs_are_the_models_log_softmax(served):
 LOGITS_WIDTH = 288
 
 
-@nnx.jit
-def _forward(model, tokens):
-    return model(tokens)
-
-
-def dense_logits(model, tokens) -> jax.Array:
-    """The model's logits over ``tokens`` (one sequence, no cache), ``[T, V]``: one
-    compiled forward over LOGITS_WIDTH tokens, right-padded (causal: the padding is
-    unseen), rather than an eager forward compiling its ops for every length."""
-    padded = np.zeros((1, LOGITS_WIDTH), np.int32)
-    padded[0, :len(tokens)] = tokens
-    return _forward(model, jnp.asarray(padded))[0, :len(tokens)]
-
-
 def penalized_greedy(model, prompt, steps, presence, frequency, eos) -> list[int]:
     """Greedy tokens with OpenAI's penalties over the tokens generated so far: a
     token's logit less ``presence`` if it appeared, less ``frequency`` times its count
@@ -690,7 +676,7 @@ def penalized_greedy(model, prompt, steps, presence, frequency, eos) -> list[int
     tokens, ids = np.zeros(len(prompt) + steps, np.int32), []
     tokens[:len(prompt)] = prompt
     while len(ids) < steps and not (ids and ids[-1] in eos):
-        logits = np.asarray(dense_logits(model, tokens)[len(prompt) + len(ids) - 1], np.float32)
+        logits = dense_logits(model, tokens, LOGITS_WIDTH)[len(prompt) + len(ids) - 1]
         counts = np.bincount(ids, minlength=logits.size)
         ids.append(int(np.argmax(logits - presence * (counts > 0) - frequency * counts)))
         tokens[len(prompt) + len(ids) - 1] = ids[-1]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import rel_err
+from conftest import dense_logits, rel_err
 from jaxpar.inference import speculative
 from jaxpar.inference.decoding import generate, speculative_generate
 from jaxpar.kernels import KernelOptions
@@ -368,7 +368,7 @@ def rounds_as_the_dense_decoders(served: Engine, model, draft, method: str, prom
 def check_logprobs(model, prompt, out, k: int) -> None:
     """``out``'s logprobs and top ``k`` are ``log_softmax`` of the model's dense logits
     over the prompt and the tokens before each (float32, 1e-5)."""
-    logits = dense_logits(model, list(prompt) + out.token_ids)
+    logits = dense_logits(model, list(prompt) + out.token_ids, LOGITS_WIDTH)
     logp = np.asarray(jax.nn.log_softmax(logits[len(prompt) - 1:-1], axis=-1))
     assert [lp.token_id for lp in out.logprobs] == out.token_ids
     np.testing.assert_allclose([lp.logprob for lp in out.logprobs], logp[np.arange(len(out.token_ids)), out.token_ids],
@@ -456,20 +456,6 @@ def test_cape_trees_over_pages_accept_as_the_dense_decoder_does(model):
 LOGITS_WIDTH = 192
 
 
-@nnx.jit
-def _forward(model, tokens):
-    return model(tokens)
-
-
-def dense_logits(model, tokens) -> np.ndarray:
-    """The model's logits over ``tokens`` (one sequence, no cache), float32 ``[T, V]``:
-    one compiled forward over LOGITS_WIDTH tokens, right-padded (causal: the padding is
-    unseen), rather than an eager forward compiling its ops for every length."""
-    padded = np.zeros((1, LOGITS_WIDTH), np.int32)
-    padded[0, :len(tokens)] = tokens
-    return np.array(_forward(model, jnp.asarray(padded))[0, :len(tokens)], np.float32)
-
-
 def test_pages_on_demand_preempt_the_newest_and_it_resumes_with_its_own_tokens(model):
     """A pool of 23 pages (184 tokens) for 8 requests that would reserve 74 pages whole
     (up to 23 each): pages come as sequences grow, the newest running sequence is preempted when
@@ -531,7 +517,7 @@ def test_logprobs_are_the_models_log_softmax_and_penalties_lower_repeats(model):
     penalized = SamplingParams(max_tokens=10, presence_penalty=1.5, frequency_penalty=0.7)
     tokens = []
     for _ in range(10):
-        row = dense_logits(model, prompt + tokens)[-1]
+        row = dense_logits(model, prompt + tokens, LOGITS_WIDTH)[-1]
         for t in set(tokens):
             row[t] -= 1.5 + 0.7 * tokens.count(t)
         tokens.append(int(np.argmax(row)))
