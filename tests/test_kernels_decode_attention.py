@@ -20,16 +20,17 @@ from jaxpar.kernels import decode_attention, decode_attention_reference, dispatc
 
 def inputs(rng, lengths, T, N, K, H, S, dtype=jnp.float32, tree=False):
     """Random ``q, k_cache, v_cache, lengths, tree_mask`` (``None`` unless ``tree``), the
-    cache past each length poisoned with values up to 1e4."""
+    cache past each length poisoned with values up to 1e4. (Cast by numpy and put on the
+    device as they are: jnp.asarray would compile a conversion program per shape.)"""
     B = len(lengths)
     q = rng.standard_normal((B, T, N, H))
     k, v = rng.standard_normal((2, B, S, K, H))
     for b, length in enumerate(lengths):
         k[b, length:] = rng.uniform(-1e4, 1e4, k[b, length:].shape)
         v[b, length:] = rng.uniform(-1e4, 1e4, v[b, length:].shape)
-    tree_mask = jnp.asarray(random_trees(rng, B, T)) if tree else None
-    return (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype),
-            jnp.asarray(lengths, jnp.int32), tree_mask)
+    tree_mask = jax.device_put(random_trees(rng, B, T)) if tree else None
+    return (*(jax.device_put(x.astype(dtype)) for x in (q, k, v)),
+            jax.device_put(np.asarray(lengths, np.int32)), tree_mask)
 
 
 def random_trees(rng, B, T):
@@ -64,32 +65,23 @@ def naive(q, k, v, lengths, tree_mask):
     return out
 
 
-@pytest.mark.parametrize("T,N,K,S,block_k,num_splits,tree", [
-    (1, 4, 4, 77, 16, 1, False),   # G = 1, one new token
-    (4, 8, 2, 77, 16, 1, True),    # G = 4, a token tree
-    (4, 16, 2, 50, 16, 3, True),   # G = 8, split
-    (4, 8, 1, 100, 32, 4, False),  # G = 8, causal, split
-    (1, 8, 2, 64, 16, 2, False),   # S a multiple of block_k, a length of S
+# H: GPT-2's, SmolLM2's and Qwen's head dims too, which the kernel computes on pow2(H)
+# columns of q (zeros past H), masking the cache's columns past H.
+@pytest.mark.parametrize("T,N,K,S,block_k,num_splits,tree,H", [
+    (1, 4, 4, 77, 16, 1, False, 72),   # G = 1, one new token
+    (4, 8, 2, 77, 16, 1, True, 80),    # G = 4, a token tree
+    (4, 16, 2, 50, 16, 3, True, 96),   # G = 8, split
+    (4, 8, 1, 100, 32, 4, False, 32),  # G = 8, causal, split
+    (1, 8, 2, 64, 16, 2, False, 32),   # S a multiple of block_k, a length of S
 ])
-def test_kernel_matches_the_reference(rng, T, N, K, S, block_k, num_splits, tree):
+def test_kernel_matches_the_reference(rng, T, N, K, S, block_k, num_splits, tree, H):
     lengths = [T, int(rng.integers(T + 1, S - 1)), S - (S % block_k != 0)]
-    q, k, v, lengths, tree_mask = inputs(rng, lengths, T, N, K, 32, S, tree=tree)
+    q, k, v, lengths, tree_mask = inputs(rng, lengths, T, N, K, H, S, tree=tree)
     got = decode_attention(q, k, v, lengths, tree_mask=tree_mask, block_k=block_k,
                            num_splits=num_splits, interpret=True)
     want = decode_attention_reference(q, k, v, lengths, tree_mask=tree_mask)
     assert got.shape == q.shape and got.dtype == jnp.float32
     assert rel_err(got, want) < 1e-5
-
-
-@pytest.mark.parametrize("H", [72, 80, 96])
-def test_head_dims_that_are_not_powers_of_two(rng, H):
-    """GPT-2's, SmolLM2's and Qwen's head dims: the kernel computes on pow2(H) columns of
-    q (zeros past H) and masks the cache's columns past H."""
-    q, k, v, lengths, tree_mask = inputs(rng, [4, 37], 4, 4, 2, H, 45, tree=True)
-    got = decode_attention(q, k, v, lengths, tree_mask=tree_mask, block_k=16, num_splits=2,
-                           interpret=True)
-    assert got.shape == q.shape
-    assert rel_err(got, decode_attention_reference(q, k, v, lengths, tree_mask=tree_mask)) < 1e-5
 
 
 def test_more_new_tokens_than_the_bitmask_holds_run_the_reference(rng, caplog, monkeypatch):
@@ -124,6 +116,7 @@ def test_reference_matches_dot_product_attention(rng, T, N, K):
     q, k, v, lengths, _ = inputs(rng, [T, 17, S], T, N, K, 16, S)
     got = decode_attention_reference(q, k, v, lengths)
     attention = jax.jit(dot_product_attention)
+    q, k, v, got = (np.asarray(x) for x in (q, k, v, got))  # sliced by numpy: no program per slice
     for b, length in enumerate(np.asarray(lengths)):
         want = attention(q[b:b + 1], k[b:b + 1, :length], v[b:b + 1, :length], q_start=length - T)
         assert rel_err(got[b:b + 1], want) < 1e-5
@@ -142,11 +135,13 @@ def test_reference_and_kernel_match_a_loop_over_the_visible_slots(rng, tree):
 
 
 def test_causal_default_is_the_lower_triangular_tree(rng):
-    T = 4
-    q, k, v, lengths, _ = inputs(rng, [T, 20], T, 4, 2, 16, 33)
-    causal = jnp.tril(jnp.ones((2, T, T), bool))
+    """(The shapes and tiles of test_reference_and_kernel_match_a_loop_over_the_visible_slots,
+    whose four compiled programs this reuses.)"""
+    T, S = 4, 45
+    q, k, v, lengths, _ = inputs(rng, [T, 9, 30, S], T, 8, 2, 16, S)
+    causal = jax.device_put(np.broadcast_to(np.tril(np.ones((T, T), bool)), (4, T, T)))
     for fn in (decode_attention_reference,
-               lambda *a, **kw: decode_attention(*a, block_k=16, interpret=True, **kw)):
+               lambda *a, **kw: decode_attention(*a, block_k=16, num_splits=2, interpret=True, **kw)):
         assert rel_err(fn(q, k, v, lengths), fn(q, k, v, lengths, tree_mask=causal)) == 0
 
 
@@ -164,17 +159,17 @@ def test_without_interpret_off_gpu_is_the_reference(rng):
 
 
 def test_bad_shapes(rng):
-    q, k, v, lengths, _ = inputs(rng, [4, 6], 4, 8, 2, 16, 8)
+    q, k, v, lengths = map(np.asarray, inputs(rng, [4, 6], 4, 8, 2, 16, 8)[:4])
     shapes = r"q \[B, T, N, H\], k_cache and v_cache \[B, S, K, H\] with N a multiple of K, lengths \[B\]"
     with pytest.raises(ValueError, match=shapes + r"; got q \(2, 4, 8, 16\), k_cache \(2, 8, 3, 16\)"):
-        decode_attention(q, jnp.ones((2, 8, 3, 16)), jnp.ones((2, 8, 3, 16)), lengths)
+        decode_attention(q, np.ones((2, 8, 3, 16), np.float32), np.ones((2, 8, 3, 16), np.float32), lengths)
     with pytest.raises(ValueError, match=r"v_cache \(2, 8, 2, 8\)"):
         decode_attention(q, k, v[..., :8], lengths)
     with pytest.raises(ValueError, match=r"lengths \(3,\)"):
-        decode_attention(q, k, v, jnp.ones(3, jnp.int32))
+        decode_attention(q, k, v, np.ones(3, np.int32))
     with pytest.raises(ValueError, match=r"T=4 new tokens do not fit a cache of S=2 slots"):
         decode_attention(q, k[:, :2], v[:, :2], lengths)
     with pytest.raises(ValueError, match=r"tree_mask \[B, T, T\] = \(2, 4, 4\), got \(2, 4\)"):
-        decode_attention(q, k, v, lengths, tree_mask=jnp.ones((2, 4), bool))
+        decode_attention(q, k, v, lengths, tree_mask=np.ones((2, 4), bool))
     with pytest.raises(ValueError, match="block_k must be a power of two >= 16"):
         decode_attention(q, k, v, lengths, block_k=24, interpret=True)

@@ -18,7 +18,13 @@ def lowers_for_cuda(fn, *args):
 
 
 def normal(rng, shape, dtype=jnp.bfloat16):
-    return jnp.asarray(rng.standard_normal(shape), dtype)
+    """Cast by numpy: nothing here runs, and jnp.asarray would compile a conversion
+    program per shape (most of this file's CPU time once)."""
+    return rng.standard_normal(shape).astype(dtype)
+
+
+def ints(rng, low, high, shape):
+    return rng.integers(low, high, shape).astype(np.int32)
 
 
 @pytest.mark.parametrize("T,N,K,H,causal,window,packed,dtype", [
@@ -31,7 +37,7 @@ def normal(rng, shape, dtype=jnp.bfloat16):
 ])
 def test_flash_attention(rng, T, N, K, H, causal, window, packed, dtype):
     q, k, v = normal(rng, (2, T, N, H), dtype), normal(rng, (2, T, K, H), dtype), normal(rng, (2, T, K, H), dtype)
-    seg = jnp.asarray(np.sort(rng.integers(0, 3, (2, T)), axis=1), jnp.int32) if packed else None
+    seg = np.sort(ints(rng, 0, 3, (2, T)), axis=1) if packed else None
 
     def loss(q, k, v):
         out = kernels.flash_attention(q, k, v, causal=causal, segment_ids=seg, window=window,
@@ -47,7 +53,7 @@ def test_ring_steps(rng, H):
     q, k, v, do = (normal(rng, (B, T, N, H)), normal(rng, (B, T, K, H)), normal(rng, (B, T, K, H)),
                    normal(rng, (B, T, N, H)))
     o, lse = normal(rng, (B, T, N, H), jnp.float32), normal(rng, (B, N, T), jnp.float32)
-    pos = jnp.arange(T, dtype=jnp.int32)
+    pos = np.arange(T, dtype=np.int32)
     lowers_for_cuda(lambda *a: block_update(*a, pos, pos, causal=True, interpret=False), q, k, v, o, lse)
     lowers_for_cuda(lambda *a: block_grads(*a, pos, pos, causal=True, interpret=False),
                     q, k, v, do, lse, lse)
@@ -58,8 +64,8 @@ def test_ring_steps(rng, H):
 def test_decode_attention(rng, T, tree, H):
     B, S, N, K = 2, 77, 8, 2
     q, k, v = normal(rng, (B, T, N, H)), normal(rng, (B, S, K, H)), normal(rng, (B, S, K, H))
-    lengths = jnp.asarray([T + 3, S], jnp.int32)
-    mask = jnp.asarray(np.tril(np.ones((B, T, T), bool))) if tree else None
+    lengths = np.asarray([T + 3, S], np.int32)
+    mask = np.tril(np.ones((B, T, T), bool)) if tree else None
     lowers_for_cuda(lambda q, k, v: kernels.decode_attention(q, k, v, lengths, tree_mask=mask,
                                                              interpret=False), q, k, v)
 
@@ -68,7 +74,7 @@ def test_decode_attention_with_more_new_tokens_than_the_kernel_takes(rng):
     """T = 40 > 32: the XLA reference runs (no Triton call), rather than a failure."""
     B, T, S, N, K, H = 1, 40, 64, 2, 1, 64
     q, k, v = normal(rng, (B, T, N, H)), normal(rng, (B, S, K, H)), normal(rng, (B, S, K, H))
-    lengths = jnp.asarray([50], jnp.int32)
+    lengths = np.asarray([50], np.int32)
     text = jax.jit(lambda q, k, v: kernels.decode_attention(q, k, v, lengths, interpret=False)) \
         .trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
     assert "triton" not in text
@@ -80,11 +86,11 @@ def test_paged_decode_attention(rng, T, H, page_size):
     reads and the rows they pick lower too (pages of 6 slots: any size)."""
     L, P, B, N, K, max_pages = 2, 9, 3, 8, 2, 4
     q, k, v = normal(rng, (B, T, N, H)), normal(rng, (L, P, page_size, K, H)), normal(rng, (L, P, page_size, K, H))
-    tables = jnp.asarray(rng.integers(0, P, (B, max_pages)), jnp.int32)
-    lengths = jnp.asarray([T, page_size, max_pages * page_size], jnp.int32)
+    tables = ints(rng, 0, P, (B, max_pages))
+    lengths = np.asarray([T, page_size, max_pages * page_size], np.int32)
     lowers_for_cuda(lambda q, k, v, layer: kernels.paged_decode_attention(q, k, v, layer, tables, lengths,
                                                                           interpret=False),
-                    q, k, v, jnp.int32(1))
+                    q, k, v, np.int32(1))
 
 
 def test_paged_decode_attention_over_more_rows_than_int32_counts(rng):
@@ -92,7 +98,7 @@ def test_paged_decode_attention_over_more_rows_than_int32_counts(rng):
     the kernel's int32 row numbers would overflow, so the XLA reference runs instead."""
     pages = jax.ShapeDtypeStruct((2, 2**26, 16, 1, 16), jnp.bfloat16)
     q = normal(rng, (1, 1, 2, 16))
-    tables, lengths = jnp.ones((1, 2), jnp.int32), jnp.asarray([20], jnp.int32)
+    tables, lengths = np.ones((1, 2), np.int32), np.asarray([20], np.int32)
     text = jax.jit(lambda q, k, v: kernels.paged_decode_attention(q, k, v, 1, tables, lengths, interpret=False)) \
         .trace(q, pages, pages).lower(lowering_platforms=("cuda",)).as_text()
     assert "triton" not in text
@@ -105,20 +111,20 @@ def test_ragged_paged_attention(rng, H, page_size, block_q, num_splits):
     page table's reads, the splits; pages of 6 slots (any size), head dims padded inside."""
     L, P, S, W, T, N, K = 2, 9, 3, 4, 13, 8, 2
     q, k, v = normal(rng, (T, N, H)), normal(rng, (L, P, page_size, K, H)), normal(rng, (L, P, page_size, K, H))
-    tables = jnp.asarray(rng.integers(0, P, (S, W)), jnp.int32)
-    seq = jnp.asarray(rng.integers(-1, S, T), jnp.int32)
-    positions = jnp.asarray(rng.integers(0, W * page_size, T), jnp.int32)
+    tables = ints(rng, 0, P, (S, W))
+    seq = ints(rng, -1, S, T)
+    positions = ints(rng, 0, W * page_size, T)
     lowers_for_cuda(lambda q, k, v, layer: kernels.ragged_paged_attention(
         q, k, v, layer, seq, positions, tables, block_q=block_q, num_splits=num_splits, interpret=False),
-        q, k, v, jnp.int32(1))
+        q, k, v, np.int32(1))
 
 
 def test_ragged_paged_attention_over_more_rows_than_int32_counts(rng):
     """Pages of 2**31 rows (shapes only, nothing allocated): the XLA reference runs instead."""
     pages = jax.ShapeDtypeStruct((2, 2**26, 16, 1, 16), jnp.bfloat16)
     q = normal(rng, (3, 2, 16))
-    seq, positions = jnp.asarray([0, 0, -1], jnp.int32), jnp.asarray([3, 4, 0], jnp.int32)
-    tables = jnp.ones((1, 2), jnp.int32)
+    seq, positions = np.asarray([0, 0, -1], np.int32), np.asarray([3, 4, 0], np.int32)
+    tables = np.ones((1, 2), np.int32)
     text = jax.jit(lambda q, k, v: kernels.ragged_paged_attention(q, k, v, 1, seq, positions, tables,
                                                                   interpret=False)) \
         .trace(q, pages, pages).lower(lowering_platforms=("cuda",)).as_text()
@@ -139,7 +145,7 @@ def test_norm(rng, kind, D):
 @pytest.mark.parametrize("D", [128, 576, 768])
 def test_linear_cross_entropy(rng, D):
     x, w = normal(rng, (100, D)), normal(rng, (D, 1000))
-    targets = jnp.asarray(rng.integers(0, 1000, 100), jnp.int32)
+    targets = ints(rng, 0, 1000, 100)
 
     def loss(x, w):
         return kernels.linear_cross_entropy(x, w, targets, interpret=False).sum()

@@ -61,16 +61,18 @@ def inputs(rng, tokens, N, K, H, page_size, width, dtype=jnp.float32, sequences=
             owned[LAYER, tables[i, s // page_size], s % page_size] = True
     pages = np.where(owned[None, ..., None, None], clean, np.nan)
     q = rng.standard_normal((len(tokens), N, H))
-    as_jnp = lambda x: tuple(jnp.asarray(a, dtype) for a in x)  # noqa: E731
-    return (jnp.asarray(q, dtype), as_jnp(pages), as_jnp(clean), jnp.int32(LAYER), jnp.asarray(seq),
-            jnp.asarray(positions), jnp.asarray(tables))
+    # Cast by numpy and put on the device as they are: jnp.asarray would compile a
+    # conversion program per shape.
+    put = lambda x: jax.device_put(np.asarray(x).astype(dtype))  # noqa: E731
+    return (put(q), tuple(map(put, pages)), tuple(map(put, clean)), jax.device_put(np.int32(LAYER)),
+            *map(jax.device_put, (seq, positions, tables)))
 
 
 def naive(q, pages, layer, seq, positions, tables):
     """float64 loops: each sequence's keys and values read slot by slot through its table
     up to its largest position (``[n, K, H]``), then per token a softmax over the first
     ``position + 1``; zeros for padding."""
-    q, k, v = (np.asarray(x, np.float64) for x in (q, pages[0][layer], pages[1][layer]))
+    q, k, v = np.asarray(q, np.float64), *(np.asarray(x, np.float64)[layer] for x in pages)
     seq, positions, tables = np.asarray(seq), np.asarray(positions), np.asarray(tables)
     T, N, H = q.shape
     page_size, G = k.shape[1], N // k.shape[2]
@@ -90,9 +92,14 @@ def naive(q, pages, layer, seq, positions, tables):
     return out
 
 
-def kernel(q, pages, layer, seq, positions, tables, **kw):
+def kernel(q, pages, layer, seq, positions, tables, *, block_q=None, block_k=16, num_splits=None):
     return ragged_paged_attention(q, *pages, layer, seq, positions, tables, interpret=True,
-                                  **{"block_k": 16, **kw})
+                                  block_q=block_q, block_k=block_k, num_splits=num_splits)
+
+
+# The kernel and its wrapper's clipping as one program (the wrapper run eagerly compiles
+# each of its few ops apart).
+compiled_kernel = jax.jit(kernel, static_argnames=("block_q", "block_k", "num_splits"))
 
 
 @pytest.mark.parametrize("N,K,H,page_size,width,block_q,num_splits,shuffle", [
@@ -105,12 +112,13 @@ def test_mixed_batch_matches_the_reference(rng, N, K, H, page_size, width, block
     if shuffle:  # any order: the chunk's tokens, and everyone's, scattered
         tokens = [tokens[i] for i in rng.permutation(len(tokens))]
     q, pages, clean, layer, seq, positions, tables = inputs(rng, tokens, N, K, H, page_size, width)
-    got = kernel(q, pages, layer, seq, positions, tables, block_q=block_q, num_splits=num_splits)
+    got = compiled_kernel(q, pages, layer, seq, positions, tables, block_q=block_q, num_splits=num_splits)
     want = ragged_paged_attention_reference(q, *clean, layer, seq, positions, tables)
     assert got.shape == q.shape and got.dtype == jnp.float32
-    assert bool(jnp.isfinite(got).all())
+    got = np.asarray(got)
+    assert np.isfinite(got).all()
     assert rel_err(got, want) < 2e-5
-    assert not bool(got[seq < 0].any())  # padding: zeros
+    assert not got[np.asarray(seq) < 0].any()  # padding: zeros
 
 
 def test_the_reference_matches_a_loop_over_each_sequences_gathered_slots(rng):
@@ -126,13 +134,13 @@ def test_one_decode_token_over_a_long_context_splits(rng):
     """Batch 1: one token over 46 slots in 12 pages, one kv head: the automatic split (16
     programs) gives three a tile each and thirteen nothing (log-sum-exp -inf, weight 0)."""
     q, pages, clean, layer, seq, positions, tables = inputs(rng, [(0, 45)], 4, 1, 32, 4, 12)
-    got = kernel(q, pages, layer, seq, positions, tables)
+    got = compiled_kernel(q, pages, layer, seq, positions, tables)
     assert rel_err(got, naive(q, clean, LAYER, seq, positions, tables)) < 2e-5
 
 
 def test_bfloat16(rng):
     q, pages, clean, layer, seq, positions, tables = inputs(rng, mixed(20), 4, 2, 64, 4, 5, jnp.bfloat16)
-    got = kernel(q, pages, layer, seq, positions, tables, block_q=4)
+    got = compiled_kernel(q, pages, layer, seq, positions, tables, block_q=4)
     assert got.dtype == jnp.bfloat16
     assert rel_err(got, naive(q, clean, LAYER, seq, positions, tables)) < 2e-2
 
@@ -155,6 +163,8 @@ def test_more_rows_than_int32_counts_run_the_reference(rng, caplog, monkeypatch)
 
 def test_bad_shapes(rng):
     q, (k, v), _, layer, seq, positions, tables = inputs(rng, mixed(20), 4, 2, 16, 4, 5)
+    # numpy's slices: no program per slice
+    q, k, v, layer, seq, positions, tables = map(np.asarray, (q, k, v, layer, seq, positions, tables))
     shapes = (r"q \[T, N, H\], k_pages and v_pages \[L, P, S_p, K, H\] with N a multiple of K, layer a "
               r"scalar, seq \[T\], positions \[T\], tables \[S, W\] \(S, W >= 1\); got q \(18, 4, 16\), "
               r"k_pages \(2, \d+, 4, 3, 16\)")
@@ -162,7 +172,7 @@ def test_bad_shapes(rng):
         ragged_paged_attention(q, k[:, :, :, :1].repeat(3, 3), v[:, :, :, :1].repeat(3, 3), layer, seq, positions,
                                tables)
     with pytest.raises(ValueError, match=r"layer \(1,\), seq"):
-        ragged_paged_attention(q, k, v, jnp.zeros(1, jnp.int32), seq, positions, tables)
+        ragged_paged_attention(q, k, v, np.zeros(1, np.int32), seq, positions, tables)
     with pytest.raises(ValueError, match=r"positions \(17,\)"):
         ragged_paged_attention(q, k, v, layer, seq, positions[1:], tables)
     with pytest.raises(ValueError, match=r"tables \(6, 0\)"):
@@ -187,14 +197,18 @@ def test_kernel_ops(rng, impl, tensor, K, runs):
         out = kernel_ops.ragged_paged_attention(q, k, v, layer, seq, positions, tables)
         return q if out is None else out  # a program must return something
 
+    args = (q, *pages, layer, seq, positions, tables)
+
+    def run():  # traced once: the program's text, then its result
+        traced = jax.jit(call).trace(*args)
+        return traced.lower().compile()(*args), str(traced.jaxpr)
+
     with use_execution(kernels=KernelOptions(attention=impl)):
         if tensor == 1:
-            got = jax.jit(call)(q, *pages, layer, seq, positions, tables)
-            program = str(jax.make_jaxpr(call)(q, *pages, layer, seq, positions, tables))
+            got, program = run()
         else:
             with use_mesh(jaxpar.make_mesh(tensor=tensor, devices=jax.devices()[:tensor])):
-                got = jax.jit(call)(q, *pages, layer, seq, positions, tables)
-                program = str(jax.make_jaxpr(call)(q, *pages, layer, seq, positions, tables))
+                got, program = run()
     assert ("ragged_paged_attention" in program) == runs
     if runs:
         assert rel_err(got, ragged_paged_attention_reference(q, *pages, layer, seq, positions, tables)) < 2e-5
