@@ -94,7 +94,11 @@ def test_smoke(bench, tmp_path, capsys):
     profile = tmp_path / "cpu.yaml"
     profile.write_text(PROFILE)
     png = ["--png", str(tmp_path / "ranking.png")] if HAS_MPL else []
-    out = bench.main(["--smoke", "--hardware", str(profile), "--json", str(tmp_path / "r.json"), *png])
+    # --seed: the sample lands on the plan's third eligible layout, one of those it compiled
+    # (tiny's ranking today), so its run reads its program from the compilation cache;
+    # seed 0 drew a 16-microbatch pipeline whose steps took a third of the test's time.
+    out = bench.main(["--smoke", "--seed", "5945", "--hardware", str(profile), "--json", str(tmp_path / "r.json"),
+                      *png])
     rows = out["rows"]
     assert [r["pick"] for r in rows] == ["top", "top", "sample"]
     assert rows[0]["rank"] < rows[1]["rank"] < rows[2]["rank"]

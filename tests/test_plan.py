@@ -28,6 +28,18 @@ def tiny():
 
 
 @pytest.fixture(scope="module")
+def figures(tiny):
+    """``compiled_figures`` of ``tiny`` under a layout, each layout compiled once for the
+    module (the analytic-memory sample, the independence pair and the plan's candidates
+    share programs)."""
+    import functools
+
+    from jaxpar.train.plan import compiled_figures
+
+    return functools.cache(lambda layout: compiled_figures(tiny, layout))
+
+
+@pytest.fixture(scope="module")
 def h100(tmp_path_factory):
     return hardware.load("h100", tmp_path_factory.mktemp("hw"))
 
@@ -63,25 +75,24 @@ def test_overrides_select_the_layout(tiny):
 
 
 @pytest.mark.slow
-def test_analytic_memory_against_compiled(tiny):
+def test_analytic_memory_against_compiled(tiny, figures):
     """Parameters, optimizer state and batch are exact (they are the compiled program's
     arguments); the whole estimate is within 5% of XLA's buffer assignment on a fixed
     sample: every remat policy, and pure data parallelism, FSDP with 1D tensor
     parallelism, Megatron SP, a 2D grid, ``seq`` and a pipeline. Not every candidate is
     within 5% (BENCHMARKS.md, "Planning", reports the distribution and the worst cases:
     ``seq`` layouts are the model's weakest)."""
-    from jaxpar.train.plan import compiled_figures
-
     work = work_of(tiny)
     for layout in (Layout(data=8, remat="full"), Layout(fsdp=4, tensor=2, remat="dots_no_batch"),
                    Layout(data=2, tensor=4, sequence_parallel=True, remat="dots_no_batch"),
                    Layout(data=2, seq=2, tensor=2, remat="dots"), Layout(fsdp=2, tensor=(2, 2), remat="dots"),
                    Layout(fsdp=2, pipe=2, data=2, microbatches=4)):
-        figures = compiled_figures(tiny, layout)
+        fig = figures(layout)
         parts = memory.estimate(work, layout, backend="cpu")
         arguments = parts["params"] + parts["optimizer"] + parts["batch"]
-        assert abs(arguments / figures["argument_bytes"] - 1) < 1e-3, layout.describe()
-        compiled = figures["argument_bytes"] + figures["output_bytes"] - figures["alias_bytes"] + figures["temp_bytes"]
+        assert abs(arguments / fig["argument_bytes"] - 1) < 1e-3, layout.describe()
+        compiled = (fig["argument_bytes"] + fig["output_bytes"] - fig["alias_bytes"]
+                    + fig["temp_bytes"])
         assert abs(parts["device"] / compiled - 1) < 0.05, (layout.describe(), parts["device"], compiled)
 
 
@@ -150,15 +161,15 @@ def test_time_model_counts_the_schedule_built(h100):
     assert t_few.bubble / (t_few.bubble + t_few.compute + t_few.communication - 0) == pytest.approx(3 / 7, rel=0.05)
 
 
-def test_plan_is_deterministic_and_a_second_run_answers_from_the_cache(tiny, h100, tmp_path):
-    from jaxpar.train.plan import compiled_figures
-
+def test_plan_is_deterministic_and_a_second_run_answers_from_the_cache(tiny, figures, h100, tmp_path):
+    """compile_top=1 still compiles three of tiny's candidates (the test needs two or
+    more); ``figures`` compiles each layout once for the module, the disk cache is this
+    test's own."""
     work = work_of(tiny)
-    compile = lambda layout: compiled_figures(tiny, layout)  # noqa: E731
-    first = search.search(work, 8, h100, device_memory=80 * GIB, devices_per_node=8, compile=compile,
-                          compile_top=2, cache=FigureCache(tmp_path))
-    second = search.search(work, 8, h100, device_memory=80 * GIB, devices_per_node=8, compile=compile,
-                           compile_top=2, cache=FigureCache(tmp_path))
+    first = search.search(work, 8, h100, device_memory=80 * GIB, devices_per_node=8, compile=figures,
+                          compile_top=1, cache=FigureCache(tmp_path))
+    second = search.search(work, 8, h100, device_memory=80 * GIB, devices_per_node=8, compile=figures,
+                           compile_top=1, cache=FigureCache(tmp_path))
     assert first.compiled >= 2 and second.compiled == 0 and second.cached == first.compiled
     strip = lambda plan: {k: v for k, v in plan.to_json().items() if k not in ("seconds", "compiled", "from_cache")}  # noqa: E731
     assert strip(first) == strip(second)
@@ -174,24 +185,23 @@ CANDIDATES = """
     a = Layout(data=2, seq=2, tensor=2, seq_impl="ulysses", sequence_parallel=True, remat="dots")
     b = Layout(data=2, seq=2, tensor=2, seq_impl="ring", sequence_parallel=False, remat="dots")
     keys = ("argument_bytes", "temp_bytes", "flops", "collectives_by_axes")
-    print(json.dumps({l.describe(): {k: compiled_figures(cfg, l)[k] for k in keys} for l in (b, a)}))
+    print(json.dumps({l.describe(): {k: compiled_figures(cfg, l)[k] for k in keys} for l in (a, b)}))
 """
 
 
 @pytest.mark.slow
-def test_candidates_compile_independently_of_each_other(tiny):
+def test_candidates_compile_independently_of_each_other(figures):
     """Two candidates with different execution options compiled one after the other in
     one process give each one's own figures, in either order (nothing read from context
-    while tracing leaks from one into the other): a then b here, b then a in a fresh
-    process."""
+    while tracing leaks from one into the other): b then a here (b is the analytic
+    test's seq layout, compiled there after three other layouts when that test ran first), a
+    then b in a fresh process."""
     import textwrap
-
-    from jaxpar.train.plan import compiled_figures
 
     a = Layout(data=2, seq=2, tensor=2, seq_impl="ulysses", sequence_parallel=True, remat="dots")
     b = Layout(data=2, seq=2, tensor=2, seq_impl="ring", sequence_parallel=False, remat="dots")
     keys = ("argument_bytes", "temp_bytes", "flops", "collectives_by_axes")
-    here = {l.describe(): {k: compiled_figures(tiny, l)[k] for k in keys} for l in (a, b)}
+    here = {l.describe(): {k: figures(l)[k] for k in keys} for l in (b, a)}
     out = run_python(textwrap.dedent(CANDIDATES))
     assert out.returncode == 0, out.stderr[-2000:]
     there = json.loads(out.stdout.strip().splitlines()[-1])
@@ -210,7 +220,7 @@ def test_mesh_auto_trains_on_a_layout_whose_compiled_memory_fits(tmp_path):
     # data.max_files: a few documents (tiny's 1,687 take 6 s to train a tokenizer on and
     # pack, for two steps); the plan reads the model, batch and sequence, not the data
     cfg = load_config("tiny", ["model.layers=2", "mesh=auto", f"plan.hardware={profile}", "plan.device_memory=40MiB",
-                               "plan.compile_top=2", "steps=2", "eval.every=0", "data.max_files=40",
+                               "plan.compile_top=1", "steps=2", "eval.every=0", "data.max_files=40",
                                f"run_dir={tmp_path / 'run'}", f"cache_dir={tmp_path / 'cache'}"])
     hw = hardware.load(str(profile), tmp_path)
     plan = plan_lib.run_plan(cfg, 8, hw=hw, device_memory=40 * 2 ** 20, devices_per_node=8,
