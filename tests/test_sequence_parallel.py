@@ -1,5 +1,6 @@
 """Sequence parallelism (jaxpar.ring_attention) against plain attention on one device."""
 
+import functools
 import re
 
 import jax
@@ -33,13 +34,20 @@ def inputs(rng, B=2, T=64, N=8, K=2, H=64, documents=3):
     return normal(B, T, N, H), normal(B, T, K, H), normal(B, T, K, H), normal(B, T, N, H), segments
 
 
+@functools.partial(jaxpar.jit, static_argnums=5)
+def reference(q, k, v, g, seg, causal):
+    """Plain attention on one device: its output and q/k/v gradients for the cotangent
+    ``g``. One compiled program per shape, shared by the tests (eagerly, every op of the
+    forward and backward compiled apart for each new shape); ``jaxpar.jit``, so a test
+    under other kernel options (the flash kernel's) gets its own."""
+    out, vjp = jax.vjp(lambda q, k, v: jaxpar.dot_product_attention(q, k, v, causal=causal, segment_ids=seg),
+                       q, k, v)
+    return out, vjp(g)
+
+
 def check_against_reference(q, k, v, g, seg, mesh, *, causal, impl, layout, n, tol=1e-5):
     """ring_attention's output and q/k/v gradients equal plain attention's (one device)."""
-    def reference(q, k, v):
-        return jaxpar.dot_product_attention(q, k, v, causal=causal, segment_ids=seg)
-
-    out_ref, vjp_ref = jax.vjp(reference, q, k, v)
-    grads_ref = vjp_ref(g)
+    out_ref, grads_ref = reference(q, k, v, g, seg, causal)
     z = (lambda x: None if x is None else to_zigzag(x, n)) if layout == "zigzag" else (lambda x: x)
 
     def parallel(q, k, v):
