@@ -27,8 +27,9 @@ from jaxpar.train.loop import train  # noqa: E402
 pytestmark = pytest.mark.slow  # Ray and jaxpar-train processes
 
 TESTS = pathlib.Path(__file__).parent
+# checkpoint.every=0: a job saves when it is stopped (the step it resumes from) and at its end
 OVERRIDES = ["model.layers=2", "model.vocab_size=512", "data.max_files=40", "data.val_fraction=0.1",
-             "seq_len=32", "eval.every=0", "optimizer.warmup_steps=2", "checkpoint.every=1",
+             "seq_len=32", "eval.every=0", "optimizer.warmup_steps=2", "checkpoint.every=0",
              "checkpoint.keep=100"]
 JOBS = [  # b shrinks from 2 devices to 1 (and doubles its batch) after 2 steps; c, waiting, takes the device freed
     {"id": "a", "steps": 4, "devices": 2},
@@ -120,17 +121,17 @@ def training_processes(under: pathlib.Path) -> list[int]:
     return pids
 
 
-def train_alone(argv, env) -> None:
-    """What ``train_command``'s ``argv`` and ``env`` run, in this process: its overrides,
-    on the first ``--simulate-devices`` of this process's 8 devices (``mesh.data``; the
-    job's mesh is data parallel over all of its devices), without a process start and
-    JAX import per run."""
+def train_alone(argv, env, *overrides) -> None:
+    """What ``train_command``'s ``argv`` and ``env`` run, in this process: its overrides
+    (then ``overrides``), on the first ``--simulate-devices`` of this process's 8 devices
+    (``mesh.data``; the job's mesh is data parallel over all of its devices), without a
+    process start and JAX import per run."""
     config, *rest = argv[argv.index("jaxpar.train") + 1:]
     at = rest.index("--simulate-devices")
     devices = int(rest[at + 1])
     assert rest[at:] == ["--simulate-devices", str(devices), "--no-progress"], argv
     assert env == {"JAX_NUM_CPU_DEVICES": str(devices)}, env
-    train(load_config(config, [*rest[:at], f"mesh.data={devices}"]), progress=False)
+    train(load_config(config, [*rest[:at], f"mesh.data={devices}", *overrides]), progress=False)
 
 
 def test_three_jobs_one_resized_finish_exactly_and_leave_nothing(tmp_path):
@@ -156,11 +157,11 @@ def test_three_jobs_one_resized_finish_exactly_and_leave_nothing(tmp_path):
 
     # b alone on the same devices and batches: 2 at batch 8 to the end, then again on 1 at
     # batch 16 from the checkpoint of the step it was stopped at (the later checkpoints
-    # removed), as its resize did
+    # removed), as its resize did. Alone it saves every stopped_at steps, that one included.
     spec = {s.id: s for s in load_jobs(tmp_path / "jobs.yaml")}["b"]
     alone = tmp_path / "alone"
     for command in (train_command(spec, alone, 2), train_command(spec, alone, 1, 16, steps["b"])):
-        train_alone(*command)
+        train_alone(*command, f"checkpoint.every={stopped_at}")
         for later in [p for p in (alone / "checkpoints").iterdir() if p.name.isdigit() and int(p.name) > stopped_at]:
             shutil.rmtree(later)
     expected, got = [r["loss"] for r in metrics(alone)], [r["loss"] for r in metrics(work / "b")]

