@@ -97,6 +97,18 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable within a file
 
 
+def pytest_collection_finish(session):
+    """Python's cyclic collector out of tracing's way. JAX's tracing and lowering make
+    container objects by the million: test_decoding.py and test_dlrm.py ran 679 young,
+    62 middle and 4 full collections (3.3 s of collecting; each full one walks the
+    ~170,000 objects that JAX, Flax and the collected test modules hold). What collection
+    imported is frozen out of the walks (``gc.freeze``, as ``jaxpar-serve`` does once
+    started), and the young generation waits for 50,000 new objects instead of 700: 7
+    collections, 0.4 s, the peak memory no higher (1.7 against 2.0 GB)."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 10, 10)
+
 
 @pytest.fixture(autouse=True, scope="module")
 def bounded_compiled_code():
@@ -137,7 +149,8 @@ def random_init(build, rng, std: float = 0.3):
     def draw(path, x):
         noise = rng.standard_normal(x.shape)
         scale = "scale" in jax.tree_util.keystr(path)
-        return jnp.asarray(1 + 0.1 * noise if scale else std * noise, x.dtype)
+        # numpy casts and device_put places: jnp.asarray compiles a program per shape
+        return jax.device_put(np.asarray(1 + 0.1 * noise if scale else std * noise).astype(x.dtype))
 
     nnx.update(model, jax.tree.map_with_path(draw, nnx.state(model)))
     return model
@@ -188,7 +201,7 @@ def dense_logits(model, tokens, width: int) -> np.ndarray:
     would compile their ops for each length."""
     padded = np.zeros((1, width), np.int32)
     padded[0, :len(tokens)] = tokens
-    return np.array(_forward(model, jnp.asarray(padded))[0, :len(tokens)], np.float32)  # a writable copy
+    return np.array(_forward(model, padded)[0, :len(tokens)], np.float32)  # a writable copy
 
 
 @nnx.jit
