@@ -5,6 +5,7 @@ stated rule, and logs the gradient noise scale."""
 import json
 import logging
 import math
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -145,9 +146,11 @@ def test_the_noise_scale_step_updates_as_the_plain_one_and_returns_both_norms():
     assert tree_rel_err(got[0], want[0]) < 1e-5 and rel_err(got[2]["loss"], want[2]["loss"]) < 1e-5
     assert rel_err(got[2]["grad_sq_big"], want[2]["grad_norm"] ** 2) < 1e-5
     graphdef, state = nnx.split(model)
-    grad = jax.jit(jax.grad(lambda p, b: loss_fn(nnx.merge(graphdef, p), b)))
-    small = np.mean([float(optax.tree.norm(grad(state, {k: v[2 * r:2 * r + 2] for k, v in batch.items()}),
-                                           squared=True)) for r in range(4)])
+    # one program for each replica's squared gradient norm, its rows cut in numpy
+    grad_sq = jax.jit(lambda p, b: optax.tree.norm(jax.grad(lambda p: loss_fn(nnx.merge(graphdef, p), b))(p),
+                                                   squared=True))
+    host = {k: np.asarray(v) for k, v in batch.items()}
+    small = np.mean([float(grad_sq(state, {k: v[2 * r:2 * r + 2] for k, v in host.items()})) for r in range(4)])
     assert rel_err(got[2]["grad_sq_small"], small) < 1e-5
     with pytest.raises(ValueError, match="eval.noise_scale needs a mesh"):
         make_train_step(model, optax.sgd(0.1), None, noise_scale=True)
@@ -190,15 +193,21 @@ def seen(monkeypatch):
 
 
 def test_a_resized_run_sees_every_sample_once_and_matches_one_kept_on_8_devices(tmp_path, cache, seen, caplog):
+    """The two runs' first segments are one config (8 devices, batch 16, steps 1-3): it
+    runs once, and the kept run continues from a copy of its run dir, its records
+    those steps' records."""
+    assert RESIZED[0] == KEPT[0]
     with caplog.at_level(logging.INFO, logger="jaxpar.train.loop"):
-        resized = run_segments(tmp_path / "resized", cache, RESIZED, seen)
+        resized = run_segments(tmp_path / "resized", cache, RESIZED[:1], seen)
+        shutil.copytree(tmp_path / "resized", tmp_path / "kept")
+        resized += run_segments(tmp_path / "resized", cache, RESIZED[1:], seen)
     meshes = [r.getMessage().split(" on ")[-1] for r in caplog.records if " on mesh" in r.getMessage()]
     assert meshes == ["mesh data=8 (8 cpu devices)", "mesh data=4 (4 cpu devices)", "mesh data=8 (8 cpu devices)"]
     read = np.concatenate(seen["rows"])
     stream = Loader(seen["loader"].rows, 1, seed=0, **one_process())
     assert len(read) == 3 * 16 + 3 * 32 + 3 * 16
     np.testing.assert_array_equal(read, stream.sample_rows(0, len(read)))
-    kept = run_segments(tmp_path / "kept", cache, KEPT, seen)
+    kept = resized[:3] + run_segments(tmp_path / "kept", cache, KEPT[1:], seen)
     assert [r["step"] for r in resized] == [r["step"] for r in kept] == list(range(1, 10))
     assert rel_err([r["loss"] for r in resized], [r["loss"] for r in kept]) < 1e-5
     # sqrt scaling against the first batch, 16: steps 4-6 at sqrt(2) times the schedule

@@ -544,22 +544,23 @@ def test_device_live_bytes_counts_device_memory_on_the_most_loaded_device():
 
 @pytest.mark.slow
 def test_dry_run_reports_the_plan_and_refuses_a_budget_nothing_fits(tmp_path, capsys):
-    """tiny (2 layers) on fsdp=8: a budget the all-on-device step fits, then one below
-    every plan (a ConfigError, which jaxpar-train exits 2 on, before anything is written)."""
+    """tiny (4 layers) on fsdp=8: a budget the all-on-device step fits, then one below
+    every plan (a ConfigError, which jaxpar-train exits 2 on, before anything is written).
+    The model and shapes of the next test: the all-on-device step compiles once for both."""
     from jaxpar.train.loop import train
 
-    base = ["dry_run=true", "model.layers=2", "mesh.fsdp=8", "batch_size=8", "seq_len=64", f"run_dir={tmp_path / 'run'}"]
+    base = ["dry_run=true", "mesh.fsdp=8", "batch_size=8", "seq_len=64", f"run_dir={tmp_path / 'run'}"]
     train(load_config("tiny", base + ["offload.params=auto", "offload.optimizer=auto", "offload.device_budget=1GiB"]),
           progress=False)
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     p = out["offload_plan"]
-    assert (p["params"], p["optimizer"], p["resident_layers"], p["budget_bytes"]) == ("device", "device", 2, 2**30)
+    assert (p["params"], p["optimizer"], p["resident_layers"], p["budget_bytes"]) == ("device", "device", 4, 2**30)
     assert out["device_state_bytes"] == out["alias_bytes"] and out["host_state_bytes"] == 0
     assert out["transfer_bytes"] == {"host_to_device": 0, "device_to_host": 0}
     assert p["device_bytes"] == out["peak_bytes"] == sum(p["device"].values())
-    # the smallest plan streams both layers, the embedding and head with them
+    # the smallest plan streams all four layers, the embedding and head with them
     with pytest.raises(ConfigError, match=r"^offload.device_budget=1MiB is below what any plan needs: the smallest "
-                                          r"\(params=host resident_layers=0/2 prefetch=1 optimizer=host\) needs .* "
+                                          r"\(params=host resident_layers=0/4 prefetch=1 optimizer=host\) needs .* "
                                           r"most of it the step's "
                                           r"compiled temporaries"):
         train(load_config("tiny", base + ["dry_run=false", "offload.params=auto", "offload.optimizer=auto",

@@ -68,13 +68,20 @@ def test_training_matches_single_device(single_device_run, sizes):
         assert k.sharding.spec == jax.sharding.PartitionSpec("pipe", "fsdp", None, None)
 
 
+@pytest.fixture(scope="module")
+def single_device_grads():
+    """``(batch, grads)``: one random batch and ``Transformer(CFG)``'s gradients on it on
+    one device, the reference of every gradient test below (traced and compiled once)."""
+    batch = batches(np.random.default_rng(0), 1)[0]
+    return batch, jax.jit(nnx.grad(loss_fn))(Transformer(CFG, rngs=nnx.Rngs(0)), batch)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sizes", MESHES[:2], ids=["fsdp=8", "data=2,fsdp=4"])
-def test_gradients_match_single_device(rng, sizes):
-    batch = batches(rng, 1)[0]
+def test_gradients_match_single_device(single_device_grads, sizes):
+    batch, ref = single_device_grads
     model = Transformer(CFG, rngs=nnx.Rngs(0))
     grad_fn = jax.jit(nnx.grad(loss_fn))
-    ref = grad_fn(model, batch)
     mesh = jaxpar.make_mesh(**sizes)
     jaxpar.shard_model(model, mesh)
     with jaxpar.use_mesh(mesh):
@@ -186,11 +193,10 @@ def test_gradient_accumulation_on_a_mesh_matches_one_big_batch():
 @pytest.mark.slow
 @pytest.mark.parametrize("tensor,sequence_parallel", [(4, False), (4, True), ((2, 2), False)],
                          ids=["1d", "1d+sp", "2d"])
-def test_tensor_parallel_gradients_match_single_device(rng, tensor, sequence_parallel):
-    batch = batches(rng, 1)[0]
+def test_tensor_parallel_gradients_match_single_device(single_device_grads, tensor, sequence_parallel):
+    batch, ref = single_device_grads
     model = Transformer(CFG, rngs=nnx.Rngs(0))
     grad_fn = jax.jit(nnx.grad(loss_fn))
-    ref = grad_fn(model, batch)
     mesh = jaxpar.make_mesh(data=2, tensor=tensor)
     rules = sharding_rules(CFG, mesh, sequence_parallel=sequence_parallel)
     jaxpar.shard_model(model, mesh, rules)
@@ -206,9 +212,10 @@ def test_vocab_parallel_cross_entropy_never_gathers_the_logits():
     model = nnx.eval_shape(lambda: Transformer(CFG, rngs=nnx.Rngs(0)))
     mesh = jaxpar.make_mesh(data=2, tensor=4)
     step = make_train_step(model, optax.adamw(1e-3), mesh, sharding_rules(CFG, mesh))
-    hlo = step.compile(model, batch_size=8, seq_len=16).as_text()
+    compiled = step.compile(model, batch_size=8, seq_len=16)
+    hlo = compiled.as_text()
     gathers = [line for line in hlo.splitlines() if "all-gather(" in line or "all-gather-start(" in line]
     assert not [g for g in gathers if f",16,{CFG.vocab_size}]" in g.split("=")[1].split("all-gather")[0]]
-    profile = jaxpar.profiler.profile(step.compile(model, batch_size=8, seq_len=16))
+    profile = jaxpar.profiler.profile(compiled)
     full_logits = 8 // 2 * 16 * CFG.vocab_size * 4  # one data shard's f32 logits
     assert profile["collectives"]["all-gather"] < full_logits
