@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import typing
 from collections.abc import Sequence
 
 import jax
@@ -115,10 +116,10 @@ class EmbeddingCache:
                              f"the first batch has {unique} distinct ids: the smallest cache_ratio that holds it "
                              f"is {unique / self.num_rows:.6g}")
 
-    def prepare(self, ids, upcoming: Sequence = ()) -> np.ndarray:
-        """Make every id of ``ids`` (global row ids, any shape) resident; return their
-        slots, int32, shaped like ``ids``. ``upcoming``: the ids of at most ``prefetch``
-        next batches, kept from eviction when room allows and staged by the thread."""
+    def _plan(self, ids, upcoming: Sequence) -> tuple[np.ndarray, _Move]:
+        """The first half of ``prepare``, on the host alone: ``(slots, move)``, the slots
+        (final) and the swap that makes them hold their rows, the maps already updated.
+        ``ShardedCache`` runs the swaps of all its caches as one program between the halves."""
         ids = np.asarray(ids)
         uniq, inverse, counts = np.unique(self._checked(ids, "ids"), return_inverse=True, return_counts=True)
         if len(uniq) > self.cache_rows:
@@ -135,20 +136,46 @@ class EmbeddingCache:
         slots = self._id_to_slot[uniq].astype(np.int64)
         miss = slots < 0
         stats = CacheStats(hits=int((~miss).sum()), misses=int(miss.sum()))
+        move = _Move.none(self.dim, soon)
         if stats.misses:
-            slots[miss] = self._admit(uniq[miss], slots[~miss], soon, stats)
+            move = self._admit(uniq[miss], slots[~miss], soon, stats)
+            slots[miss] = move.fill
         self._last_used[slots] = self._step
-        if self._prefetcher is not None:
-            self._prefetcher.submit(soon[self._id_to_slot[soon] < 0])
         self.last_step = stats
         self.total += stats
-        return slots[inverse.reshape(-1)].reshape(ids.shape).astype(np.int32)
+        return slots[inverse.reshape(-1)].reshape(ids.shape).astype(np.int32), move
+
+    def prepare(self, ids, upcoming: Sequence = ()) -> np.ndarray:
+        """Make every id of ``ids`` (global row ids, any shape) resident; return their
+        slots, int32, shaped like ``ids``. ``upcoming``: the ids of at most ``prefetch``
+        next batches, kept from eviction when room allows and staged by the thread."""
+        slots, move = self._plan(ids, upcoming)
+        self.arrays, old_rows, old_state = swap(self.arrays, move.victims, move.fill, move.rows, move.state)
+        self._moved(move, old_rows, old_state)
+        return slots
+
+    def _moved(self, move: _Move, old_rows, old_state) -> None:
+        """The second half of ``prepare``, once ``move``'s swap has run: the evicted rows
+        (``old_rows``, ``old_state``: what was at ``move.victims``) written back to the
+        host, then the coming batches' missing rows staged."""
+        if len(move.victim_ids):
+            self.store.write(move.victim_ids, old_rows, old_state)
+        if self._prefetcher is not None:
+            self._prefetcher.submit(move.soon[self._id_to_slot[move.soon] < 0])
 
     def warmup(self, sample_ids=None, *, counts=None, ratio: float = 1.0) -> int:
         """Preload the hottest ``ratio * cache_rows`` ids into free slots, hottest first,
         from ``sample_ids`` (ids of a sample of the training data) or per-id ``counts
         [num_rows]``; the counts also seed LFU's (Colossal-AI's dataset strategy).
         Returns the number of rows loaded."""
+        move = self._warmup_plan(sample_ids, counts, ratio)
+        self.arrays, _, _ = swap(self.arrays, move.victims, move.fill, move.rows, move.state)
+        return len(move.fill)
+
+    def _warmup_plan(self, sample_ids, counts, ratio) -> _Move:
+        """``warmup`` on the host alone: the maps, counts and statistics updated; returns
+        the swap (nothing evicted) that loads the rows (``ShardedCache`` runs its caches'
+        as one program)."""
         if (sample_ids is None) == (counts is None):
             raise ValueError("warmup: give exactly one of sample_ids and counts")
         if isinstance(ratio, bool) or not isinstance(ratio, numbers.Real) or not 0 <= ratio <= 1:
@@ -166,10 +193,11 @@ class EmbeddingCache:
         candidates = np.flatnonzero((counts > 0) & (self._id_to_slot < 0))
         hot = np.sort(candidates[smallest((-counts[candidates], candidates), n)])
         rows, state = self.store.gather(hot)
-        self._install(hot, free[: len(hot)], np.zeros(0, np.int64), rows, state)
+        none = np.zeros(0, np.int64)
+        self._assign(hot, free[: len(hot)], none)
         self._last_used[free[: len(hot)]] = self._step
         self.total.h2d_bytes += len(hot) * self.store.row_bytes
-        return len(hot)
+        return _Move(none, none, free[: len(hot)], rows, state, none)
 
     def flush(self) -> None:
         """Write every cached row and its state back to the host; the cache stays valid."""
@@ -227,9 +255,9 @@ class EmbeddingCache:
             raise ValueError(f"{name}: row id {bad} outside [0, num_rows={self.num_rows})")
         return flat
 
-    def _admit(self, missing: np.ndarray, hit_slots: np.ndarray, soon: np.ndarray, stats: CacheStats) -> np.ndarray:
-        """Load ``missing`` ids (sorted, none resident), evicting first if room is short;
-        returns their slots."""
+    def _admit(self, missing: np.ndarray, hit_slots: np.ndarray, soon: np.ndarray, stats: CacheStats) -> _Move:
+        """Slots for ``missing`` ids (sorted, none resident), evicting first if room is
+        short, in the maps; returns the swap that loads them (``fill``: their slots)."""
         rows, state = self._fetch(missing, stats)
         free = np.flatnonzero(self._slot_to_id < 0)
         victims = np.zeros(0, np.int64)
@@ -245,11 +273,11 @@ class EmbeddingCache:
             victims = np.sort(resident[chosen])
             free = np.sort(np.concatenate([free, victims]))
         fill = free[: len(missing)]
-        self._install(missing, fill, victims, rows, state)
+        victim_ids = self._assign(missing, fill, victims)
         stats.evictions = len(victims)
         stats.h2d_bytes = len(missing) * self.store.row_bytes
         stats.d2h_bytes = len(victims) * self.store.row_bytes
-        return fill
+        return _Move(victims, victim_ids, fill, rows, state, soon)
 
     def _fetch(self, ids: np.ndarray, stats: CacheStats):
         """Host rows of ``ids``: those the prefetch thread staged, the rest gathered now."""
@@ -266,16 +294,40 @@ class EmbeddingCache:
         return rows, state
 
     def _install(self, ids, fill, victims, rows, state) -> None:
-        """One device program: read out the rows at ``victims`` (written back to the
-        host), then write ``rows`` (and ``state``) of ``ids`` at slots ``fill``."""
+        """Read out the rows at ``victims`` (written back to the host), then write
+        ``rows`` (and ``state``) of ``ids`` at slots ``fill`` (``transfer.swap``)."""
+        victim_ids = self._assign(ids, fill, victims)
         self.arrays, old_rows, old_state = swap(self.arrays, victims, fill, rows, state)
         if len(victims):
-            victim_ids = self._slot_to_id[victims]
             self.store.write(victim_ids, old_rows, old_state)
-            self._id_to_slot[victim_ids] = -1
-            self._slot_to_id[victims] = -1
+
+    def _assign(self, ids, fill, victims) -> np.ndarray:
+        """The maps: ``ids`` at slots ``fill``, the ids at ``victims`` no longer resident
+        (returned: their rows go back to the host once read out)."""
+        victim_ids = self._slot_to_id[victims]
+        self._id_to_slot[victim_ids] = -1
+        self._slot_to_id[victims] = -1
         self._slot_to_id[fill] = ids
         self._id_to_slot[ids] = fill
+        return victim_ids
+
+
+class _Move(typing.NamedTuple):
+    """One cache's swap for a batch: read out the slots ``victims`` (the rows of
+    ``victim_ids``), then write ``rows`` (``[len(fill), D]``) and ``state`` at ``fill``;
+    ``soon``: the upcoming batches' ids, staged once the victims are back on the host."""
+
+    victims: np.ndarray
+    victim_ids: np.ndarray
+    fill: np.ndarray
+    rows: np.ndarray
+    state: np.ndarray | None
+    soon: np.ndarray
+
+    @classmethod
+    def none(cls, dim: int, soon: np.ndarray) -> _Move:
+        empty = np.zeros(0, np.int64)
+        return cls(empty, empty, empty, np.zeros((0, dim), np.float32), None, soon)
 
 
 def _readonly(a: np.ndarray) -> np.ndarray:

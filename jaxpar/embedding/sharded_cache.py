@@ -11,7 +11,9 @@ uncached split table (``sharded_lookup`` / ``sharded_update`` under the plan
 ``ShardingPlan((n * cache_rows,), n, "row")``), so owners still sum each row's gradients
 in the global batch's order: a cached split table trains the uncached one bit for bit.
 
-Eviction, write-back, warm-up and prefetch stay per device, as in ``EmbeddingCache``;
+Eviction, write-back, warm-up and prefetch stay per device, as in ``EmbeddingCache``,
+but a step's swaps of rows in and out of the caches are one program over the axis
+(``transfer.swap_sharded``), not one for each device;
 a batch must fit each owner's cache (a hot table under table-wise sharding sizes its
 device's cache). Checkpoints flush every cache and join the shards into the exact table.
 """
@@ -28,6 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxpar.embedding.cache import EmbeddingCache
 from jaxpar.embedding.sharded import ShardingPlan, sharded_lookup, sharded_update
 from jaxpar.embedding.stats import CacheStats
+from jaxpar.embedding.transfer import swap_sharded
 from jaxpar.embedding.update import CacheArrays, SparseOptimizer
 
 
@@ -45,6 +48,7 @@ class ShardedCache:
         self.plan, self.cache_rows, self.optimizer = plan, cache_rows, optimizer
         self.num_rows, self.dim = table.shape
         self.sharding = NamedSharding(mesh, P(axis))
+        self._mesh, self._axis = mesh, axis
         owners = self._devices(mesh, axis)
         rows = plan.to_shards(table)
         states = plan.to_shards(np.asarray(state, np.float32)) if state is not None else None
@@ -114,17 +118,33 @@ class ShardedCache:
         soon = [self._split(u) for u in upcoming]
         out = np.empty(owner.shape, np.int64)
         stats = CacheStats()
+        moves = []
         for k, cache in enumerate(self.caches):
             mine = owner == k
             ahead = [loc[own == k] for own, loc in soon]
-            out[mine] = k * self.cache_rows + cache.prepare(local[mine], ahead)
+            slots, move = cache._plan(local[mine], ahead)
+            out[mine] = k * self.cache_rows + slots
+            moves.append(move)
             stats += cache.last_step
+        # Every cache's swap in one read and one write program over the axis, not a
+        # program per device (EmbeddingCache.prepare's, compiled for its own device).
+        self.arrays, old_rows, old_state = swap_sharded(
+            self.arrays, [m.victims for m in moves], [m.fill for m in moves], [m.rows for m in moves],
+            [m.state for m in moves], mesh=self._mesh, axis=self._axis)
+        for cache, move, rows, state in zip(self.caches, moves, old_rows, old_state, strict=True):
+            cache._moved(move, rows, state)
         self.last_step = stats
         return out.astype(np.int32)
 
     def warmup(self, sample_ids, *, ratio: float = 1.0) -> int:
+        """Each cache's ``EmbeddingCache.warmup`` from the ids of ``sample_ids`` it owns,
+        the rows loaded by one program over the axis; returns the rows loaded."""
         owner, local = self._split(np.asarray(sample_ids).reshape(-1))
-        return sum(cache.warmup(local[owner == k], ratio=ratio) for k, cache in enumerate(self.caches))
+        moves = [cache._warmup_plan(local[owner == k], None, ratio) for k, cache in enumerate(self.caches)]
+        self.arrays, _, _ = swap_sharded(self.arrays, [m.victims for m in moves], [m.fill for m in moves],
+                                         [m.rows for m in moves], [m.state for m in moves],
+                                         mesh=self._mesh, axis=self._axis)
+        return sum(len(m.fill) for m in moves)
 
     def rows_of(self, ids) -> np.ndarray:
         """The exact rows of ``ids`` (any shape) ``[..., D]``, read from the host shards."""

@@ -8,6 +8,11 @@ old rows made XLA copy the whole ``[C, D]`` cache first (the compile-only ``memo
 benchmark measured the copy: 900 MB for a 90 GB table's 1% cache). Index arrays
 are padded to a size bucket with out-of-bounds slots (the gathers fill them, the
 scatters drop them), so a few programs serve every step instead of one per miss count.
+
+``swap_sharded`` does the same for the caches of a split table (``ShardedCache``: one
+cache a device, laid end to end in one array split over a mesh axis): each device's
+slots are a row of an ``[n, P]`` index array, so one read and one write program serve
+every device, where a swap per device's cache compiled each program for each device.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import functools
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.embedding.update import CacheArrays
 
@@ -60,6 +66,67 @@ def _write(arrays: CacheArrays, fill_slots, fill_rows, fill_state):
     if state is not None:
         state = state.at[fill_slots].set(fill_state, mode="drop")
     return CacheArrays(rows, state)
+
+
+def swap_sharded(arrays: CacheArrays, victims: list[np.ndarray], fill: list[np.ndarray], rows: list[np.ndarray],
+                 state: list[np.ndarray | None], *, mesh, axis: str):
+    """``swap`` for ``n`` caches of ``C`` rows laid end to end, ``arrays.rows [n * C, D]``
+    split over ``mesh``'s ``axis`` (device k holds cache k): ``victims[k]``, ``fill[k]``,
+    ``rows[k]``, ``state[k]`` are cache k's, its slots local (``[0, C)``). Returns
+    ``(arrays, old_rows, old_state)``, the last two lists of cache k's evicted rows (and
+    state; ``None`` where it evicts nothing). One read program and one donated write
+    program for all devices, the index arrays padded to one size bucket."""
+    n = len(victims)
+    C, D = arrays.rows.shape[0] // n, arrays.rows.shape[1]
+    size = max(max(len(f), len(v)) for f, v in zip(fill, victims))
+    if size == 0:
+        return arrays, [None] * n, [None] * n
+    P = bucket(size)
+    split = NamedSharding(mesh, PartitionSpec(axis))
+    put = lambda x: jax.device_put(x, split)  # noqa: E731
+    old_rows, old_state = [None] * n, [None] * n
+    if any(len(v) for v in victims):  # read out first, in a program of its own (see swap)
+        got_rows, got_state = _read_split(arrays, put(np.stack([_padded(v, P, C) for v in victims])),
+                                          mesh=mesh, axis=axis)
+        got_rows = np.asarray(got_rows)
+        got_state = np.asarray(got_state) if got_state is not None else None
+        for k, v in enumerate(victims):
+            if len(v):
+                old_rows[k] = got_rows[k, : len(v)]
+                old_state[k] = got_state[k, : len(v)] if got_state is not None else None
+    if any(len(f) for f in fill):
+        fill_rows = np.zeros((n, P, D), np.float32)
+        fill_state = None if arrays.state is None else np.zeros((n, P), np.float32)
+        for k, f in enumerate(fill):
+            if len(f):
+                fill_rows[k, : len(f)] = rows[k]
+                if fill_state is not None:
+                    fill_state[k, : len(f)] = state[k]
+        arrays = _write_split(arrays, put(np.stack([_padded(f, P, C) for f in fill])), put(fill_rows),
+                              None if fill_state is None else put(fill_state), mesh=mesh, axis=axis)
+    return arrays, old_rows, old_state
+
+
+@functools.partial(jax.jit, static_argnames=("mesh", "axis"))
+def _read_split(arrays: CacheArrays, victim_slots, *, mesh, axis):
+    """Each device's ``_read`` of its own cache, at its row of ``victim_slots [n, P]``."""
+    def local(arrays, slots):
+        rows, state = _read(arrays, slots[0])
+        return rows[None], None if state is None else state[None]
+
+    spec = PartitionSpec(axis)
+    return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec), out_specs=spec)(arrays, victim_slots)
+
+
+@functools.partial(jax.jit, donate_argnums=0, static_argnames=("mesh", "axis"))
+def _write_split(arrays: CacheArrays, fill_slots, fill_rows, fill_state, *, mesh, axis):
+    """Each device's ``_write`` into its own cache (donated), from its row of the inputs."""
+    def local(arrays, slots, rows, state):
+        return _write(arrays, slots[0], rows[0], None if state is None else state[0])
+
+    spec = PartitionSpec(axis)
+    return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, spec), out_specs=spec)(
+        arrays, fill_slots, fill_rows, fill_state)
 
 
 def bucket(n: int) -> int:

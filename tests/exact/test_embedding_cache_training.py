@@ -16,18 +16,21 @@ from jaxpar.train.recsys import load_run
 
 
 # The dlrm preset's tables at a fifth of their rows (40,000 in all), and 8 samples a
-# step (one a device): the table's init, updates and checkpoints cost a fifth, fewer
+# step (two a device): the table's init, updates and checkpoints cost a fifth, fewer
 # misses a step need fewer of the cache's padded transfer programs (sizes), and 1% of
-# the rows (400; 100 a device over a quarter of them) still fills within a few
-# steps of the warm-up and then evicts every step.
-SHAPE = ["model.table_rows=[2000,4000,6000,10000,2000,8000,5000,3000]", "batch_size=8"]
+# the rows (400) still fills within a few steps of the warm-up and then evicts every
+# step. On 4 of the 8 simulated devices (build_mesh takes the first 4), as the split
+# tables of test_tables_split_over_four_devices: a save of replicated arrays has orbax
+# slice each into one piece per replica, a program per piece and device (32 on these 4
+# devices, 64 on all 8), which every run here then shares.
+SHAPE = ["model.table_rows=[2000,4000,6000,10000,2000,8000,5000,3000]", "batch_size=8", "mesh.data=4"]
 STEPS, EVERY = 12, 4  # cached_sgd saves at 4, 8 and 12; the resumed run starts from 8
 
 
 def run(tmp_path, name, *overrides, steps=STEPS, every=0):
-    """A ``dlrm`` run on the 8 simulated devices: ``(losses, checkpointed state, history)``.
-    It saves at its last step (what ``load_run`` reads), and every ``every`` steps: each
-    save of the 4-device runs costs orbax dozens of small slicing programs."""
+    """A ``dlrm`` run on 4 devices (unless ``overrides`` set ``mesh.data``): ``(losses,
+    checkpointed state, history)``. It saves at its last step (what ``load_run``
+    reads), and every ``every`` steps."""
     cfg = load_config("dlrm", [*SHAPE, f"run_dir={tmp_path / name}", f"steps={steps}", "eval.every=0",
                                f"checkpoint.every={every}", *overrides])
     history = train(cfg, progress=False)
@@ -92,30 +95,38 @@ def test_everything_cached_is_the_uncached_model(tmp_path, uncached):
 
 
 def test_resumed_on_another_cache_continues_exactly(tmp_path, uncached, cached_sgd):
-    """Step 8's checkpoint of a run with 1% cached, resumed with 5% and LRU: the
-    uninterrupted run's next losses and final state."""
+    """Step 8's checkpoint of a run with 1% cached under LFU, resumed on a fresh cache
+    of 1% under LRU, which its warm-up fills otherwise and whose misses load rows: the
+    uninterrupted run's next losses and final state. (The cache shape of the run it
+    resumes: its step program, compiled once. A cache of 5% held every row of these 4
+    steps from its warm-up on, and never missed.)"""
     start = STEPS - EVERY
     (tmp_path / "resumed" / "checkpoints").mkdir(parents=True)
     shutil.copytree(cached_sgd[1] / "checkpoints" / str(start), tmp_path / "resumed" / "checkpoints" / str(start))
-    rest, state, _ = run(tmp_path, "resumed", "embedding.optimizer=sgd", "embedding.cache_ratio=0.05",
-                         "embedding.eviction=lru")
+    rest, state, history = run(tmp_path, "resumed", "embedding.optimizer=sgd", "embedding.eviction=lru")
+    assert any(r["h2d_bytes"] for r in history), history
     assert len(rest) == EVERY and rest == uncached["sgd"][0][start:]
     assert_same(state, uncached["sgd"][1], exact=True)
 
 
 def test_tables_split_over_four_devices(tmp_path):
     """The table split row-wise and table-wise over 4 devices (lookups and updates by
-    all-to-all), without a cache and with one per device over its own shard (1%,
-    evicting every step once full): the same losses and table all four ways, bit for
-    bit with SGD (each owner sums a row's gradients in the global batch's order), and
-    one device's within float32 rounding (the MLPs' gradients are summed over 4 devices
-    there)."""
+    all-to-all), without a cache and with one per device over its own shard (100 rows
+    each, evicting every step once full): the same losses and table all four ways, bit
+    for bit with SGD (each owner sums a row's gradients in the global batch's order),
+    and one device's within float32 rounding (the MLPs' gradients are summed over 4
+    devices there)."""
     uncached = ["embedding.cache_ratio=null"]
+    # 100 rows a device both ways (1% of a row-wise shard of 10,000 rows, 0.9% of the
+    # largest table-wise one, 11,000): the two cached steps are one program (the joined
+    # caches [4 * 100, D]), compiled once, where cache_ratio=0.01 would make them 100
+    # and 110 rows, two programs. 6400 bytes: 100 rows of 16 float32s (SGD: no state).
+    cached = ["embedding.cache_ratio=auto", "embedding.device_budget=6400B"]
     runs = {}
     for name, devices, extra in (("row", 4, ["embedding.sharding=row_wise", *uncached]),
                                  ("table", 4, ["embedding.sharding=table_wise", *uncached]),
-                                 ("row cached", 4, ["embedding.sharding=row_wise", "embedding.cache_ratio=0.01"]),
-                                 ("table cached", 4, ["embedding.sharding=table_wise", "embedding.cache_ratio=0.01"]),
+                                 ("row cached", 4, ["embedding.sharding=row_wise", *cached]),
+                                 ("table cached", 4, ["embedding.sharding=table_wise", *cached]),
                                  ("one", 1, uncached)):
         # in this process: mesh.data=N takes the first N of its 8 devices (build_mesh), as
         # a process of N devices would, without a process start and import per run

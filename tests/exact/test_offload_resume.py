@@ -45,8 +45,11 @@ START = 8  # the continued runs start from step 8's checkpoint
 # tenth of the preset's at width 128 over 64 tokens, and every layer is still split in
 # two memories. The text: the standard library's email package (0.3 MB, for 4,000
 # tokens of training), not the whole library, which every run would walk to list it.
+# Data parallel over 2 of the 8 simulated devices: a save has orbax slice each
+# replicated array into one piece per replica, a program per piece and device (16
+# here, 64 over all 8).
 SHAPE = ["model.dim=32", "model.heads=2", "model.kv_heads=2", "model.head_dim=16", "model.mlp_dim=64", "seq_len=32",
-         f"data.path={sysconfig.get_paths()['stdlib']}/email/*.py"]
+         f"data.path={sysconfig.get_paths()['stdlib']}/email/*.py", "mesh.data=2"]
 OFFLOAD = ["offload.params=host", "offload.optimizer=host", "offload.resident_layers=1",
            "offload.activations=[layer_input,mlp_hidden]"]
 HOST, DEVICE = "pinned_host", "device"
@@ -146,7 +149,7 @@ def test_a_checkpoint_saved_with_offload_continues_without_it(tmp_path, offloade
     assert rel_err(losses(run), losses(on_device)) < 1e-6
     assert_same_final_params(run, on_device)
     # the continuation kept its state on the device: parameters and Adam's two moments,
-    # float32, on every device (data=8)
+    # float32, on every device (data=2)
     assert all(r["device_live_bytes"] >= 3 * param_bytes(run) for r in resumed)
 
 
