@@ -32,6 +32,7 @@ import dataclasses
 import itertools
 import math
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import jax
@@ -54,6 +55,9 @@ from jaxpar.serving.pages import NULL_PAGE, init_pages, page_bytes
 from jaxpar.serving.requests import Logprob, RequestOutput, SamplingParams, _Request  # noqa: F401 (re-exported)
 from jaxpar.serving.scheduler import Plan, Scheduler, Seq
 
+# Threads compiling ``warm_up``'s programs while the caller lowers the next ones (XLA:CPU
+# compiles one on about 1.6 of 2 cores: measured choice in BENCHMARKS "Start-up").
+COMPILE_THREADS = 1
 
 class Call(NamedTuple):
     """One call of a compiled program: ``key`` names its shape bucket
@@ -341,23 +345,27 @@ class Engine:
         executable kept for the calls of its key (``jax.jit``'s own call would trace and
         lower the program again the first time its shapes come, 0.3-0.5 s of a request's
         time to first token; where JAX's persistent compilation cache is on, a second
-        start loads them from it). ``report(key)`` after each. One at a time: XLA:CPU
-        already compiles a program on about 1.6 of 2 cores, and a thread per core took
-        35.5 s instead of 38.8 s for the 7 programs with a draft (2026-11-28), not worth
-        the threads. First, on a CPU, whether the programs' code fits the process's
-        memory-map limit (``code_maps.check_code_mappings``: ValueError, one line, where
-        it would not; ``check_maps=False``: the caller checked).
+        start loads them from it). ``report(key)`` after each, in order. Pipelined: this
+        thread traces and lowers the next program (Python, holding the GIL) while
+        ``COMPILE_THREADS`` others compile the ones lowered (XLA, which releases it). First,
+        on a CPU, whether the programs' code fits the process's memory-map limit
+        (``code_maps.check_code_mappings``: ValueError, one line, where it would not;
+        ``check_maps=False``: the caller checked).
         """
         calls = self.warm_up_programs()
         if check_maps:
             code_maps.check_code_mappings(len(calls), platform=jax.default_backend(),
                                           maps_per_program=self.maps_per_program)
-        for call in calls:
-            with self._on_mesh():
-                self._executables[call.key] = call.program.lower(*call.static, *call.args).compile()
-            self.compiled_programs.add(call.key)
-            if report is not None:
-                report(call.key)
+        with ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="jaxpar-compile") as compiler:
+            compiling = []
+            for call in calls:
+                with self._on_mesh():
+                    compiling.append((call.key, compiler.submit(call.program.lower(*call.static, *call.args).compile)))
+            for key, executable in compiling:
+                self._executables[key] = executable.result()
+                self.compiled_programs.add(key)
+                if report is not None:
+                    report(key)
 
     def _on_mesh(self):
         """The engine's mesh in force (programs trace and run on it), if it has one."""
