@@ -59,6 +59,7 @@ from jaxpar.serving.scheduler import Plan, Scheduler, Seq
 # compiles one on about 1.6 of 2 cores: measured choice in BENCHMARKS "Start-up").
 COMPILE_THREADS = 1
 
+
 class Call(NamedTuple):
     """One call of a compiled program: ``key`` names its shape bucket
     (``Engine.compiled_programs``), ``program`` is a ``jaxpar.serving.programs``
