@@ -19,7 +19,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
 from jaxpar.models import from_gguf, from_hf
-from jaxpar.models.gguf import SUPPORTED_TYPES, gguf_metadata, gguf_tokenizer
+from jaxpar.models.gguf import SUPPORTED_TYPES, _reader, gguf_metadata, gguf_tokenizer
 
 D, LAYERS, HEADS, KV, H, F = 64, 2, 4, 2, 16, 96
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -243,20 +243,9 @@ def test_smollm2_equals_transformers_gguf_loader(monkeypatch):
     name = "SmolLM2-135M-Instruct.Q4_1.gguf"
     tok = gguf_tokenizer(folder / name)
 
-    class Reader(gguf.GGUFReader):
-        """gguf's reader over a plain array view of the memory map (np.memmap's slices are
-        slow; the parsing is gguf's own)."""
-
-        @property
-        def data(self):
-            return self._data
-
-        @data.setter
-        def data(self, mapped):
-            self._data = mapped.view(np.ndarray)
-
     with monkeypatch.context() as patched:  # transformers imports both from gguf at each call
-        patched.setattr(gguf, "GGUFReader", functools.cache(Reader))
+        # our reader: gguf's own parsing over a plain view of the memory map, one per file version
+        patched.setattr(gguf, "GGUFReader", lambda path, *args, **kwargs: _reader(path))
         patched.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
         hf_tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
         hf = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
