@@ -89,3 +89,37 @@ def test_buckets_at_the_servers_defaults_with_and_without_a_draft():
     assert plain.token_buckets == (8, 16, 32, 64, 128, 256) and plain.rows_buckets == ()
     assert drafted.token_buckets == (16, 64, 256) and drafted.rows_buckets == (1, 4, 16, 51)
     assert len(drafted.shapes()) == 7
+
+
+def test_steps_stay_within_the_programs_compiled_so_far():
+    """While warm-up compiles in the background (``ready``): without a draft only the
+    8-token step compiled caps a step at 8 tokens, decode rows first, the rest waiting;
+    with a draft (gamma 2: 3 tokens a row) only the 1-row round and the 8-token step, a
+    step runs one sequence's round and 8 prompt tokens; all compiled (None), the whole
+    budget again."""
+    s = scheduler()
+    s.ready = frozenset({("step", 8)})
+    a, b = Seq("a", list(range(1, 11)), 10), Seq("b", list(range(20, 25)), 5)
+    s.waiting.extend([a, b])
+    assert shape(plan := s.schedule()) == ([], [("a", 8)], 0, 8)  # not a's 10 and b's 5 in a 16-token step
+    apply(s, plan)
+    assert shape(plan := s.schedule()) == ([], [("a", 2), ("b", 5)], 0, 8)
+    apply(s, plan)
+    s.ready = None
+    assert shape(s.schedule()) == (["a", "b"], [], 0, 8)
+
+    def drafted(ready):
+        d = Scheduler(PagePool(17), page_size=4, max_pages=8, max_batch=4, max_num_batched_tokens=16,
+                      max_prefills=2, tokens_per_row=3, draft=True)
+        assert d.token_buckets == (8, 16) and d.rows_buckets == (1, 4)
+        d.ready = ready
+        for name, start in (("x", 1), ("y", 11)):  # prompts computed, a token generated: a round's turn
+            seq = Seq(name, list(range(start, start + 6)), 5)
+            seq.pages, seq.computed, seq.order = d.pool.take(2), 5, next(d._order)
+            d.running.append(seq)
+        d.waiting.append(Seq("z", list(range(21, 31)), 10))
+        return d.schedule()
+
+    # x's round and 8 of z's tokens; y's round and z's last 2 tokens wait
+    assert shape(drafted(frozenset({("step", 8), ("round_step", 1)}))) == (["x"], [("z", 8)], 1, 8)
+    assert shape(drafted(None)) == (["x", "y"], [("z", 10)], 4, 16)

@@ -2,6 +2,8 @@
 each request the tokens it gets decoded alone (jaxpar.inference.decoding.generate),
 whatever it is batched with; pages all come back; no compiles after warm-up."""
 
+import threading
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -66,11 +68,13 @@ def requests(seed: int, count: int):
 
 
 def compiles_during(fn) -> int:
-    """Backend compiles while ``fn()`` runs (jax.monitoring's compile-duration event)."""
+    """Backend compiles while ``fn()`` runs (jax.monitoring's compile-duration event),
+    but those of a warm-up compiling in the background (``Engine.warm_up``'s thread)."""
     count = [0]
 
     def listen(event, duration, **_):
-        count[0] += event == "/jax/core/compile/backend_compile_duration"
+        count[0] += (event == "/jax/core/compile/backend_compile_duration"
+                     and threading.current_thread().name != "jaxpar-warm-up")
 
     jax.monitoring.register_event_duration_secs_listener(listen)
     try:
@@ -84,7 +88,8 @@ def compiles_during(fn) -> int:
 def test_continuous_batching_gives_each_request_its_tokens_alone(model):
     """10 requests of 1 to 149 prompt tokens and 1 to 29 new ones through 4 slots: each
     request's greedy tokens are those it gets decoded alone; every page is free after;
-    a second, different mix after this warm-up compiles nothing."""
+    a second, different mix on an engine warming up in the background compiles nothing
+    outside its warm-up and each gets its tokens alone."""
     served = engine(model)
     prompts, params = requests(0, 10)
     outputs = served.generate(prompts, params)
@@ -98,9 +103,17 @@ def test_continuous_batching_gives_each_request_its_tokens_alone(model):
     shapes = served.scheduler.shapes()
     assert served.compiled_programs <= set(shapes)
 
-    served.warm_up()  # what a server does before it listens: every bucket compiled
+    # what a server does before it listens: the smallest bucket compiled, then the others
+    # while it serves, each step within the ones compiled so far
+    served = engine(model)
+    served.warm_up(background=True)
+    assert ("step", 8) in served.compiled_programs
     prompts, params = requests(1, 10)
-    assert compiles_during(lambda: served.generate(prompts, params)) == 0
+    outputs = []
+    assert compiles_during(lambda: outputs.extend(served.generate(prompts, params))) == 0
+    steps = greedy(model, prompts, max(p.max_tokens for p in params))
+    assert [o.token_ids for o in outputs] == [ref[:p.max_tokens] for p, ref in zip(params, steps)]
+    assert served.wait_warm_up() and served.scheduler.ready is None
     # a program per token bucket (8, 16, 32, 64), whatever the context: the flat batch's shape alone
     assert shapes == [("step", t) for t in (8, 16, 32, 64)] and served.compiled_programs == set(shapes)
 

@@ -7,9 +7,13 @@ tokenizer, its end-of-sequence ids and its context length. A Hugging Face direct
 chat template (``chat_template.jinja``, or ``tokenizer_config.json``'s
 ``chat_template``) enables ``/v1/chat/completions``. On stderr, a line says what it
 loads and one how many programs it compiles (``Engine.warm_up``, every program it will
-run, before the server listens; a progress bar over them on a terminal; JAX's persistent
-compilation cache in ``--cache-dir``/xla makes a second start load them), then one gives
-the URL. SIGTERM (or Ctrl-C) stops admitting requests, lets the running ones finish for
+run; a progress bar over them on a terminal; JAX's persistent compilation cache in
+``--cache-dir``/xla makes a second start load them), then one gives the URL. The server
+listens once the smallest programs are compiled (the smallest flat batch, and with a
+draft the one-sequence round) and compiles the others while it serves, each step
+within the programs compiled so far (a bigger batch waits a step or two), smallest
+first; a line says when the last is compiled. ``--wait-for-programs`` compiles them all
+before listening (benchmarks: no compiling beside the first requests). SIGTERM (or Ctrl-C) stops admitting requests, lets the running ones finish for
 up to ``--shutdown-timeout`` seconds, and exits 0 with a line saying how many finished.
 
 ``--api-key KEY`` (default: the environment's ``JAXPAR_API_KEY``) makes every ``/v1``
@@ -44,6 +48,7 @@ import pathlib
 import signal
 import socket
 import sys
+import time
 
 from jaxpar.inference.token_tree import DEFAULT_BINS, check_bins
 from jaxpar.serving.config import add_flags, from_args
@@ -78,6 +83,9 @@ def _parser() -> CommandParser:
     add_flags(parser)  # the engine's settings: jaxpar.serving.config.ServingConfig's fields
     add_compile_cache_flags(parser, cache_dir=True)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar while the programs compile")
+    parser.add_argument("--wait-for-programs", action="store_true",
+                        help="compile every program before listening (default: listen once the smallest step, and "
+                             "with a draft the smallest round, is compiled; the others compile while it serves)")
     return parser
 
 
@@ -174,21 +182,35 @@ def say(message: str) -> None:
     print(f"jaxpar-serve: {message}", file=sys.stderr, flush=True)
 
 
-def warm_up(engine, progress: bool) -> None:
+def warm_up(engine, progress: bool, wait: bool) -> None:
     """``engine.warm_up()`` with a line saying what it compiles and, on a terminal, a
-    progress bar over the programs."""
+    progress bar over the programs; unless ``wait``, in the background once the smallest
+    are compiled, with a line when the last one is (and what start-up made frozen out of
+    the collector's walks: ``build``)."""
     from tqdm.std import tqdm
 
-    count = len(engine.warm_up_programs())
-    say(f"compiling {count} programs: {engine.describe_programs()} (a second start loads them from the compilation "
-        "cache)")
+    count, started = len(engine.warm_up_programs()), time.perf_counter()
+    say(f"compiling {count} programs: {engine.describe_programs()}; "
+        + ("serving once all are compiled" if wait else "serving once the smallest are, the others compiling meanwhile")
+        + " (a second start loads them from the compilation cache)")
+    done = []
+
+    def report(key):
+        bar.update(1)  # nothing once closed
+        done.append(key)
+        if len(done) == count and not wait:  # the last one, most likely compiled while serving
+            gc.collect()
+            gc.freeze()
+            say(f"all {count} programs compiled, {time.perf_counter() - started:.1f} s after the first began")
+
     with tqdm(total=count, desc="compile", unit="program", disable=not progress or None, leave=False) as bar:
-        engine.warm_up(report=lambda key: bar.update(1))
+        engine.warm_up(report=report, background=not wait)
 
 
 def build(args):
     """``(async_engine, app, engine)`` for parsed ``args``: the model loaded, the engine
-    warmed up (every program compiled)."""
+    warmed up (``warm_up``: its smallest programs compiled, or with
+    ``--wait-for-programs`` all)."""
     from jaxpar.serving import Engine
     from jaxpar.serving.async_engine import AsyncEngine
     from jaxpar.serving.replicas import Replicas
@@ -212,7 +234,7 @@ def build(args):
                        mesh=mesh)
                 for mesh in meshes(mesh_size(args, "data"), mesh_size(args, "tensor"))]
     engine = replicas[0] if len(replicas) == 1 else Replicas(replicas)
-    warm_up(engine, not args.no_progress)
+    warm_up(engine, not args.no_progress, args.wait_for_programs)
     # What start-up made (the model, its programs, JAX's caches: some 270,000 objects)
     # lives as long as the server: out of the collector's sight, Python's full
     # collections no longer walk it (each walk stopped both the engine thread and the
@@ -247,6 +269,7 @@ def main(argv=None) -> int:
     try:
         sock = socket.create_server((args.host, args.port))
     except OSError as e:
+        engine.stop_warm_up()
         print(f"jaxpar-serve: error: {e}", file=sys.stderr)
         return 1
 
@@ -265,11 +288,13 @@ def main(argv=None) -> int:
                             access_log=args.access_log, timeout_graceful_shutdown=args.shutdown_timeout)
     host, port = sock.getsockname()[:2]
     host = f"[{host}]" if ":" in host else host
-    say(f"serving {app.state.model_name!r} on http://{host}:{port}/v1 ({len(engine.compiled_programs)} compiled "
-        f"programs; at most {engine.max_batch} running, {engine.pool.total} KV pages of {engine.page_size} tokens, "
+    compiled, count = len(engine.compiled_programs), len(engine.warm_up_programs())
+    say(f"serving {app.state.model_name!r} on http://{host}:{port}/v1 ({compiled} of {count} programs compiled"
+        f"{'' if compiled == count else ', the others compiling'}; at most {engine.max_batch} running, {engine.pool.total} KV pages of {engine.page_size} tokens, "
         f"context {engine.max_context}{'; /v1 needs the API key' if args.api_key else ''})")
     server = Server(config)
     server.run(sockets=[sock])
+    engine.stop_warm_up()  # after the program compiling, if any is
     ended = async_engine.metrics().finished
     done, cut = ended.get("stop", 0) + ended.get("length", 0), ended.get("abort", 0) + ended.get("error", 0)
     say(f"stopped{f' by {signal.Signals(server.stopped_by).name}' if server.stopped_by else ''}: {done} "

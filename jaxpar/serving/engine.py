@@ -22,7 +22,9 @@ it. Its text grows incrementally (``jaxpar.serving.detokenize``).
 
 Compiled programs: one per step shape (``Engine.compiled_programs``): the flat token
 batch's bucket, and with a draft the rounds' rows bucket (``Scheduler.shapes``), so a
-handful whatever the context length. ``warm_up`` compiles them all.
+handful whatever the context length. ``warm_up`` compiles them all, smallest first; in
+the background (``warm_up(background=True)``, the server's default) the engine serves
+from the first of each kind on, each step within the programs compiled so far.
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ import contextlib
 import dataclasses
 import itertools
 import math
+import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import jax
@@ -54,11 +56,6 @@ from jaxpar.serving.page_pool import PagePool
 from jaxpar.serving.pages import NULL_PAGE, init_pages, page_bytes
 from jaxpar.serving.requests import Logprob, RequestOutput, SamplingParams, _Request  # noqa: F401 (re-exported)
 from jaxpar.serving.scheduler import Plan, Scheduler, Seq
-
-# Threads compiling ``warm_up``'s programs while the caller lowers the next ones (XLA:CPU
-# compiles one on about 1.6 of 2 cores: measured choice in BENCHMARKS "Start-up").
-COMPILE_THREADS = 1
-
 
 class Call(NamedTuple):
     """One call of a compiled program: ``key`` names its shape bucket
@@ -170,6 +167,8 @@ class Engine:
         self.max_batch, self.max_num_batched_tokens = max_batch, max_num_batched_tokens
         self.compiled_programs: set[tuple] = set()
         self._executables: dict[tuple, jax.stages.Compiled] = {}  # warm_up's, by key
+        self._warming: threading.Thread | None = None
+        self._stop_warming, self._warm_up_error = threading.Event(), None
         self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self._no_bias: dict[int, jax.Array] = {}  # rows -> zeros [rows, V] on the device
@@ -340,33 +339,80 @@ class Engine:
                     for k in kinds)
         return -(-total // len(kinds))
 
-    def warm_up(self, report: Callable[[tuple], None] | None = None, *, check_maps: bool = True) -> None:
+    def warm_up(self, report: Callable[[tuple], None] | None = None, *, check_maps: bool = True,
+                background: bool = False) -> None:
         """Compiles every program the engine runs (``warm_up_programs``), so serving
         compiles nothing. Ahead of time: each is lowered and compiled, not run, and its
         executable kept for the calls of its key (``jax.jit``'s own call would trace and
         lower the program again the first time its shapes come, 0.3-0.5 s of a request's
         time to first token; where JAX's persistent compilation cache is on, a second
-        start loads them from it). ``report(key)`` after each, in order. Pipelined: this
-        thread traces and lowers the next program (Python, holding the GIL) while
-        ``COMPILE_THREADS`` others compile the ones lowered (XLA, which releases it). First,
-        on a CPU, whether the programs' code fits the process's memory-map limit
+        start loads them from it). ``report(key)`` after each. First, on a CPU, whether
+        the programs' code fits the process's memory-map limit
         (``code_maps.check_code_mappings``: ValueError, one line, where it would not;
         ``check_maps=False``: the caller checked).
+
+        Smallest first, on a thread of its own (``jaxpar-warm-up``): the smallest step,
+        with a draft the smallest round, then the next of each. ``background=True``
+        returns once the first of each kind is compiled, and the engine serves while the
+        others compile, each step within the programs compiled so far
+        (``Scheduler.ready``: a larger batch waits for a later step); ``wait_warm_up``
+        waits for the rest, ``stop_warm_up`` stops after the program compiling.
         """
         calls = self.warm_up_programs()
         if check_maps:
             code_maps.check_code_mappings(len(calls), platform=jax.default_backend(),
                                           maps_per_program=self.maps_per_program)
-        with ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="jaxpar-compile") as compiler:
-            compiling = []
-            for call in calls:
-                with self._on_mesh():
-                    compiling.append((call.key, compiler.submit(call.program.lower(*call.static, *call.args).compile)))
-            for key, executable in compiling:
-                self._executables[key] = executable.result()
-                self.compiled_programs.add(key)
-                if report is not None:
-                    report(key)
+        kinds = [call.key[0] for call in calls]
+        rank = [kinds[:i].count(kind) for i, kind in enumerate(kinds)]  # the n-th of its kind
+        order = [call for _, call in sorted(zip(rank, calls), key=lambda pair: pair[0])
+                 if call.key not in self._executables]
+        self.scheduler.ready = frozenset(self._executables)
+        ready, self._warm_up_error = threading.Event(), None
+
+        def compile_all():
+            try:
+                for call in order:
+                    if self._stop_warming.is_set():
+                        break
+                    with self._on_mesh():
+                        self._executables[call.key] = call.program.lower(*call.static, *call.args).compile()
+                    self.compiled_programs.add(call.key)
+                    self.scheduler.ready |= {call.key}  # a new set: the engine thread reads it unlocked
+                    if report is not None:
+                        report(call.key)
+                    if {kind for kind, _ in self.scheduler.ready} >= set(kinds):
+                        ready.set()
+                else:
+                    self.scheduler.ready = None  # every shape
+            except BaseException as e:  # noqa: BLE001 (the caller's, or wait_warm_up's, to raise)
+                self._warm_up_error = e
+            finally:
+                ready.set()
+
+        self._stop_warming.clear()
+        self._warming = threading.Thread(target=compile_all, name="jaxpar-warm-up")
+        self._warming.start()
+        ready.wait()
+        if not background:
+            self.wait_warm_up()
+        elif self._warm_up_error is not None:
+            raise self._warm_up_error
+
+    def wait_warm_up(self, timeout: float | None = None) -> bool:
+        """Waits for ``warm_up``'s programs (re-raising what it raised); True when all
+        are compiled."""
+        if self._warming is not None:
+            self._warming.join(timeout)
+        if self._warm_up_error is not None:
+            raise self._warm_up_error
+        return self.scheduler.ready is None
+
+    def stop_warm_up(self) -> None:
+        """Stops ``warm_up`` after the program it is compiling (the engine keeps serving
+        within the ones compiled)."""
+        self._stop_warming.set()
+        if self._warming is not None:
+            self._warming.join()
 
     def _on_mesh(self):
         """The engine's mesh in force (programs trace and run on it), if it has one."""

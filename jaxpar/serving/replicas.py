@@ -115,14 +115,21 @@ class Replicas:
         """Every replica's programs (``Engine.warm_up_programs``)."""
         return [call for e in self.engines for call in e.warm_up_programs()]
 
-    def warm_up(self, report=None) -> None:
+    def warm_up(self, report=None, *, background: bool = False) -> None:
         """Every replica compiles its programs, at once (``report`` is called from their
         threads), once their code is known to fit the process's memory-map limit
         together (``Engine.warm_up``)."""
         code_maps.check_code_mappings(sum(len(e.warm_up_programs()) for e in self.engines),
                                       platform=jax.default_backend(),
                                       maps_per_program=max(e.maps_per_program for e in self.engines))
-        list(self._threads.map(lambda e: e.warm_up(report, check_maps=False), self.engines))
+        list(self._threads.map(lambda e: e.warm_up(report, check_maps=False, background=background), self.engines))
+
+    def wait_warm_up(self, timeout: float | None = None) -> bool:
+        return all([e.wait_warm_up(timeout) for e in self.engines])
+
+    def stop_warm_up(self) -> None:
+        for e in self.engines:
+            e.stop_warm_up()
 
     def step(self) -> list[RequestOutput]:
         """One step of every replica with work, at once; their changed outputs."""

@@ -28,7 +28,10 @@ budget; with a draft, the decode rows (speculative rounds, a program of their ow
 ``rows_buckets`` and the prompt chunks' tokens to ``token_buckets``. How long the
 sequences are changes no shape (the page tables are the context's whole width, and
 attention reads each sequence's own pages up to its length): ``shapes`` lists every
-shape a step can take (what ``Engine.warm_up`` compiles).
+shape a step can take (what ``Engine.warm_up`` compiles). While some are still
+compiling (``Engine.warm_up(background=True)``), ``ready`` names the ones compiled and a
+step stays within them: at most the largest compiled bucket's tokens (rows, with a
+draft), the rest of the work waiting for a later step.
 """
 
 from __future__ import annotations
@@ -127,6 +130,7 @@ class Scheduler:
         first = 16 if draft else 8
         self.token_buckets = _powers(max_num_batched_tokens, max(1, min(first, max_num_batched_tokens // 2)),
                                      base=4 if draft else 2)
+        self.ready: frozenset[tuple[str, int]] | None = None  # None: every shape (compiled on demand)
         self.waiting: deque[Seq] = deque()
         self.running: list[Seq] = []
         self._pending: Counter[bytes] = Counter()  # keys running sequences are computing
@@ -140,23 +144,35 @@ class Scheduler:
         and, with a draft, ``("round_step", B)`` for each rows bucket."""
         return [("step", t) for t in self.token_buckets] + [("round_step", r) for r in self.rows_buckets]
 
+    def _buckets(self, kind: str, buckets: tuple[int, ...]) -> tuple[int, ...]:
+        """``buckets`` whose programs a step may run now (``ready``)."""
+        ready = self.ready  # one read: the warm-up thread replaces it
+        return buckets if ready is None else tuple(b for b in buckets if (kind, b) in ready)
+
     # ---------------------------------------------------------------- one step
 
     def schedule(self) -> Plan | None:
         """The next step's plan (None: nothing to run)."""
+        token_buckets = self._buckets("step", self.token_buckets)
+        rows_buckets = self._buckets("round_step", self.rows_buckets)
+        # within the largest programs compiled: the flat batch (without a draft, decode
+        # tokens and chunks; with one, the chunks) and the rounds' rows
+        most_tokens = max(token_buckets, default=0)
+        budget = self.budget if self.draft else min(self.budget, most_tokens)
+        most_rows = max(rows_buckets, default=0) if self.draft else budget
         scheduled: set[int] = set()
-        decode = self._decode_rows(scheduled)
-        rows = next(b for b in self.rows_buckets if b >= len(decode)) if decode and self.draft else 0
+        decode = self._decode_rows(scheduled, min(most_rows, budget // self.tokens_per_row))
+        rows = next(b for b in rows_buckets if b >= len(decode)) if decode and self.draft else 0
         used = len(decode) * self.tokens_per_row
         chunks: list[tuple[Seq, int]] = []
-        if used < self.budget:
+        if used < budget:
             self._admit_static()
-            left = self._running_chunks(chunks, scheduled, self.budget - used)
+            left = self._running_chunks(chunks, scheduled, min(budget - used, most_tokens))
             self._admit(chunks, left)
         if not decode and not chunks:
             return None
         flat = sum(n for _, n in chunks) + (0 if self.draft else len(decode))
-        tokens = next(t for t in self.token_buckets if t >= flat) if flat else 0
+        tokens = next(t for t in token_buckets if t >= flat) if flat else 0
         return Plan(decode, chunks, rows, tokens)
 
     def decodes(self, seq: Seq) -> bool:
@@ -164,10 +180,11 @@ class Scheduler:
         generated token, which a round feeds the draft with the one before)."""
         return seq.remaining == 1 and (not self.draft or seq.generated > 0)
 
-    def _decode_rows(self, scheduled: set[int]) -> list[Seq]:
+    def _decode_rows(self, scheduled: set[int], most: int) -> list[Seq]:
+        """At most ``most`` running sequences' decode rows, oldest first."""
         decode: list[Seq] = []
         for seq in list(self.running):
-            if (len(decode) + 1) * self.tokens_per_row > self.budget:
+            if len(decode) == most:
                 break
             if seq.order < 0 or not self.decodes(seq):  # preempted above, or prefilling
                 continue
