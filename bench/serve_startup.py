@@ -60,8 +60,9 @@ def random_draft(path: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
     return out
 
 
-def first_answer(url: str) -> None:
-    """A 4-token greedy completion from the server at ``url`` (``.../v1``)."""
+def first_answer(url: str, row: dict, began: float) -> None:
+    """A 4-token greedy completion from the server at ``url`` (``.../v1``); its time
+    since ``began`` into ``row["answer"]``."""
     import urllib.request
 
     body = json.dumps({"model": "startup", "prompt": "The capital of France is", "max_tokens": 4,
@@ -69,6 +70,7 @@ def first_answer(url: str) -> None:
     request = urllib.request.Request(f"{url}/completions", body, {"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=600) as response:
         assert json.load(response)["choices"][0]["text"] is not None
+    row["answer"] = round(time.perf_counter() - began, 1)
 
 
 def start(serve: list[str], path, flags: list[str], cache: pathlib.Path, timeout: float = 900) -> dict:
@@ -88,9 +90,8 @@ def start(serve: list[str], path, flags: list[str], cache: pathlib.Path, timeout
                 compiled, total = map(int, found.groups()) if found else [int(re.search(
                     r"\((\d+) compiled programs", line)[1])] * 2
                 row |= {"programs": total, "compiled_when_listening": compiled}
-                url = re.search(r" on (http://\S+/v1) ", line)[1]
-                threading.Thread(target=lambda: (first_answer(url), row.update(
-                    answer=round(time.perf_counter() - began, 1))), daemon=True).start()
+                threading.Thread(target=first_answer, args=(re.search(r" on (http://\S+/v1) ", line)[1], row, began),
+                                 daemon=True).start()
             if "seconds" in row and (line.startswith("jaxpar-serve: all ")
                                      or row["compiled_when_listening"] == row["programs"]):
                 row["all"] = round(time.perf_counter() - began, 1)
@@ -144,9 +145,10 @@ def main(argv=None) -> None:
         if "error" in cold:
             print(f"| {r['label']} | {r['context']} | {r['draft']} | - | exits: {cold['error'][:120]} | - | - |")
             continue
-        times = lambda t: " / ".join(str(t.get(k, "-")) for k in ("seconds", "answer", "all"))  # noqa: E731
-        print(f"| {r['label']} | {r['context']} | {r['draft']} | {cold['programs']} | {times(cold)} | "
-              f"{times(cached)} | {cold['maps']:,} |")
+        cold_times, cached_times = (" / ".join(str(t.get(k, "-")) for k in ("seconds", "answer", "all"))
+                                    for t in (cold, cached))
+        print(f"| {r['label']} | {r['context']} | {r['draft']} | {cold['programs']} | {cold_times} | "
+              f"{cached_times} | {cold['maps']:,} |")
     shutil.rmtree(work, ignore_errors=True)
 
 

@@ -44,10 +44,16 @@ os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 # differently, and under the elemental emitters contract different multiply-adds into
 # FMAs (1e-5 apart). They run with the default emitters, in a pytest of their own that
 # tests/test_exact_programs.py starts (EXACT set), and this run does not collect them.
+#
+# XLA:CPU also splits each program's LLVM module into parts it compiles on a thread pool;
+# with both cores already busy (two xdist workers) the parts only add work: one part
+# took test_parallel.py + test_decoding.py from 76.5 to 69.5 CPU seconds (two
+# interleaved runs each, 2026-11-29). It changes how the code is compiled, not what.
 EXACT = "JAXPAR_TESTS_EXACT"
-FAST_COMPILE = ("--xla_backend_optimization_level=0",
+FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_cpu_parallel_codegen_split_count=1",
                 *(() if os.environ.get(EXACT) else ("--xla_cpu_use_fusion_emitters=false",)))
-_OURS = ("--xla_backend_optimization_level", "--xla_cpu_use_fusion_emitters")  # a parent run's, replaced
+_OURS = ("--xla_backend_optimization_level", "--xla_cpu_parallel_codegen_split_count",
+         "--xla_cpu_use_fusion_emitters")  # a parent run's, replaced
 _inherited = [f for f in os.environ.get("XLA_FLAGS", "").split() if f.split("=")[0] not in _OURS]
 os.environ["XLA_FLAGS"] = " ".join((*_inherited, *FAST_COMPILE))
 collect_ignore = [] if os.environ.get(EXACT) else ["exact"]

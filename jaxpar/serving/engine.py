@@ -57,6 +57,7 @@ from jaxpar.serving.pages import NULL_PAGE, init_pages, page_bytes
 from jaxpar.serving.requests import Logprob, RequestOutput, SamplingParams, _Request  # noqa: F401 (re-exported)
 from jaxpar.serving.scheduler import Plan, Scheduler, Seq
 
+
 class Call(NamedTuple):
     """One call of a compiled program: ``key`` names its shape bucket
     (``Engine.compiled_programs``), ``program`` is a ``jaxpar.serving.programs``
@@ -392,11 +393,15 @@ class Engine:
         self._stop_warming.clear()
         self._warming = threading.Thread(target=compile_all, name="jaxpar-warm-up")
         self._warming.start()
-        ready.wait()
-        if not background:
-            self.wait_warm_up()
-        elif self._warm_up_error is not None:
-            raise self._warm_up_error
+        try:
+            ready.wait()
+            if not background:
+                self.wait_warm_up()
+            elif self._warm_up_error is not None:
+                raise self._warm_up_error
+        except BaseException:  # Ctrl-C while waiting: the process ends once the program compiling is
+            self._stop_warming.set()
+            raise
 
     def wait_warm_up(self, timeout: float | None = None) -> bool:
         """Waits for ``warm_up``'s programs (re-raising what it raised); True when all
