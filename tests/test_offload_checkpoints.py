@@ -99,3 +99,32 @@ def test_saving_replicated_host_state_makes_no_device_copies(tmp_path, rng, repl
         _, back, _ = checkpoints.restore_latest(target)
     for name in state:
         np.testing.assert_array_equal(np.asarray(back[name]), np.asarray(state[name]))
+
+
+def test_one_process_saves_replicated_state_without_compiling(tmp_path, rng):
+    """State replicated over 8 devices in one process: the default save is not
+    replica-parallel (every replica is on this host; orbax would slice each array on
+    each device, a compiled program per shape and device), so it compiles nothing, and
+    the state restores bit for bit."""
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    state = {name: jnp.asarray(rng.standard_normal((16, 256)), jnp.float32) for name in ("w", "mu")}
+    replicated = NamedSharding(mesh, PartitionSpec())
+    placed = jax.device_put(state, replicated)
+    compiles = []
+
+    def listen(event, duration, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        with Checkpoints(tmp_path, keep=1) as checkpoints:
+            checkpoints.save(1, placed, {})
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert compiles == []
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), state)
+    with Checkpoints(tmp_path, keep=1) as checkpoints:
+        _, back, _ = checkpoints.restore_latest(target)
+    for name in state:
+        np.testing.assert_array_equal(np.asarray(back[name]), np.asarray(state[name]))

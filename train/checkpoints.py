@@ -70,9 +70,18 @@ def _state_handler(replica_parallel: bool) -> ocp.PyTreeCheckpointHandler:
 
 class Checkpoints:
     """A run's checkpoints; ``replica_parallel=False`` for state that lives in host
-    memory (``_state_handler``)."""
+    memory (``_state_handler``).
 
-    def __init__(self, run_dir: str | pathlib.Path, *, keep: int, replica_parallel: bool = True):
+    ``replica_parallel=None`` (the default): replica-parallel where the job has more than
+    one process, whose hosts then share the writing of replicated arrays. In one process
+    every replica lives on the same host and the slicing only costs: orbax slices each
+    replicated array on each of its devices, a compiled program per array shape and
+    device (72 of the 87 programs a two-step data=8 run of the ``tiny`` preset compiled,
+    all for its one save, 2026-11-29), for the same bytes written."""
+
+    def __init__(self, run_dir: str | pathlib.Path, *, keep: int, replica_parallel: bool | None = None):
+        if replica_parallel is None:
+            replica_parallel = jax.process_count() > 1
         self.directory = pathlib.Path(run_dir).absolute() / "checkpoints"
         # create=False: a run that fails before its first save leaves no empty directory.
         # Unfinished saves are removed here, synchronously: orbax's own cleanup

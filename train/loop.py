@@ -438,7 +438,7 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
         return []
     host_state = setup.offload_plan is not None and setup.offload_plan.options.state_on_host
     with Checkpoints(pathlib.Path(cfg.run_dir), keep=cfg.checkpoint.keep,  # closed on every way out
-                     replica_parallel=not host_state) as checkpoints:
+                     replica_parallel=False if host_state else None) as checkpoints:
         _check_same_model(checkpoints, cfg)
         restored = checkpoints.restore_latest(setup.step_fn.abstract_state(setup.abstract_model))
         start = 0 if restored is None else restored[0]
