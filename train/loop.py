@@ -109,7 +109,10 @@ def batch_scale(rule: str, batch: int, base: int) -> float:
 def make_optimizer(opt: OptimizerConfig, steps: int, scale: float = 1.0, *,
                    adascale: tuple[int, int, int] | None = None):
     """``(tx, schedule)``: clipped AdamW with warmup and cosine decay, its peak ``opt.lr``
-    times ``scale`` (``batch_scale``'s), on the step clock whatever the batch.
+    times ``scale`` (``batch_scale``'s), on the step clock whatever the batch; the
+    ``schedule`` returned (what the step records log) is compiled as one program
+    (called outside a step, optax's schedule runs op by op, a dozen programs compiled in
+    every process).
     ``adascale``: ``(base, batch, replicas)``: AdamW's learning rate scaled by AdaScale's
     gain instead (``jaxpar.elastic.adascale``: the schedule read at the gain's progress;
     the step passes the noise scale's norms to ``tx.update``)."""
@@ -125,7 +128,7 @@ def make_optimizer(opt: OptimizerConfig, steps: int, scale: float = 1.0, *,
         base, batch, replicas = adascale
         adamw = optax.chain(optax.scale_by_adam(b1=opt.b1, b2=opt.b2), optax.add_decayed_weights(opt.weight_decay),
                             adascale_lib.scale_by_adascale(schedule, base=base, batch=batch, replicas=replicas))
-    return optax.chain(optax.clip_by_global_norm(opt.clip_norm), adamw), schedule
+    return optax.chain(optax.clip_by_global_norm(opt.clip_norm), adamw), jax.jit(schedule)
 
 
 def flops_per_token(cfg) -> float:
