@@ -35,7 +35,6 @@ import pathlib
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import yaml
@@ -134,13 +133,17 @@ def initial_state(cfg: Config, sharding):
     with row-wise Adagrad, its ``table_state`` (numpy: the checkpoint's layout); ``stub``
     stands for the table in the model (the step's rows come from the cache)."""
     m = cfg.model
-    with jax.default_device(jax.devices("cpu")[0]):  # the table is made in host memory, never on a GPU
-        model = DLRM(m, rngs=nnx.Rngs(cfg.seed))
+    # the table is made in host memory, never on a GPU; one program makes the model (made
+    # op by op, it compiled one per operation and shape, some 40)
+    with jax.default_device(jax.devices("cpu")[0]):
+        model = nnx.jit(lambda: DLRM(m, rngs=nnx.Rngs(cfg.seed)))()
     graphdef, table_state, params = nnx.split(model, nnx.PathContains("table"), ...)
-    stub = jax.tree.map(lambda t: jnp.zeros((0, m.embed_dim), t.dtype), table_state)
+    stub = jax.tree.map(lambda t: np.zeros((0, m.embed_dim), t.dtype), table_state)
     tx, schedule = make_optimizer(cfg.optimizer, cfg.steps)
+    if isinstance(sharding, jax.Device):
+        sharding = jax.sharding.SingleDeviceSharding(sharding)
     params = jax.device_put(params, sharding)
-    state = {"params": params, "opt_state": jax.device_put(tx.init(params), sharding),
+    state = {"params": params, "opt_state": jax.jit(tx.init, out_shardings=sharding)(params),
              "table": np.asarray(table_state["table"][...])}
     optimizer = SparseOptimizer(cfg.embedding.optimizer)
     if optimizer.has_state:
@@ -305,13 +308,16 @@ def save_checkpoint(checkpoints: Checkpoints, step: int, params, opt_state, tabl
         raise TrainingError(str(e)) from None
 
 
+_bce_loss = jax.jit(bce_loss)  # one program (op by op: one per operation)
+
+
 def evaluate(forward, params, tables, batches, rows_of) -> dict:
     """``val_loss`` and ``val_auc`` over the held-out ``batches``, their rows read exactly
     (in one read: a cache flushes once, a split table is gathered once)."""
     embs = tables.rows_of(np.stack([rows_of(batch["sparse"]) for batch in batches]))  # [n, B, F, D]
     logits = np.concatenate([np.asarray(forward(params, batch["dense"], emb)) for batch, emb in zip(batches, embs)])
     labels = np.concatenate([batch["labels"] for batch in batches])
-    loss = float(bce_loss(jnp.asarray(logits), jnp.asarray(labels)))
+    loss = float(_bce_loss(logits, labels))
     try:
         return {"val_loss": loss, "val_auc": auc(logits, labels)}
     except ValueError:  # one class only among the held-out labels: AUC undefined
