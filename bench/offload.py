@@ -6,7 +6,7 @@ go over one step.
         [--budgets 4GiB 8GiB 16GiB] [--remats shipped full] [--max-layers 4096]
         [--no-accumulate] [--set KEY=VALUE ...] [--cache PATH] [--json PATH]
     python bench/offload.py overhead [--configs tiny small] [--small-layers 4]
-        [--steps 4] [--rounds 3] [--json PATH]
+        [--steps 4] [--rounds 3] [--batch B] [--seq-len T] [--json PATH]
     python bench/offload.py picture [--config 1b] [--mesh fsdp=8] [--budget 4GiB]
         [--set KEY=VALUE ...] [--png PATH] [--json PATH]
 
@@ -333,6 +333,7 @@ def overhead(args) -> dict:
     for name in args.configs:
         cfg = PRESETS[name]
         batch, seq = (16, 128) if name == "tiny" else (2, 128)
+        batch, seq = args.batch or batch, args.seq_len or seq
         if name != "tiny":
             cfg = dataclasses.replace(cfg, layers=args.small_layers)
         rng = np.random.default_rng(0)
@@ -516,6 +517,8 @@ def main(argv=None) -> None:
     ovh.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     ovh.add_argument("--steps", type=int, default=4, help="steps per round and mode")
     ovh.add_argument("--rounds", type=int, default=3)
+    ovh.add_argument("--batch", type=int, help="sequences per step (default: 16 for tiny, 2 for small)")
+    ovh.add_argument("--seq-len", type=int, help="tokens per sequence (default: 128)")
     pic = sub.add_parser("picture", help="one plan's device bytes over a step, as a PNG")
     pic.add_argument("--config", default="1b")
     pic.add_argument("--mesh", default="fsdp=8")

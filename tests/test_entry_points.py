@@ -93,7 +93,9 @@ def test_offload_benchmark(tmp_path):
     (`train.offload.resolve` on the all-on-device compile, as `dry_run=true` plans)
     promises exactly the device bytes reported, under the budget; the picture's step
     never exceeds its plan's promise (and is a PNG where matplotlib, the `bench` extra,
-    is installed); the overhead table times both modes."""
+    is installed); the overhead table times both modes. The picture reads the capacity
+    search's compile profiles (``--cache``), and the overhead steps are 2 x 32 tokens: the
+    checks read the modes and that each step took time, not how long."""
     from flax import nnx
 
     from jaxpar.models.transformer import sharding_rules
@@ -104,7 +106,8 @@ def test_offload_benchmark(tmp_path):
 
     bench = runpy.run_path(str(ROOT / "bench" / "offload.py"), run_name="bench_offload")
     bench["main"](["capacity", "--config", "tiny", "--meshes", "fsdp=8", "--budgets", "24MiB",
-                   "--remats", "shipped", "--max-layers", "10", "--json", str(tmp_path / "capacity.json")])
+                   "--remats", "shipped", "--max-layers", "10", "--json", str(tmp_path / "capacity.json"),
+                   "--cache", str(tmp_path / "profiles.json")])
     result = json.loads((tmp_path / "capacity.json").read_text())
     assert set(result) == {"meta", "capacity"} and {"command", "date", "machine"} <= set(result["meta"])
     (row,) = result["capacity"]["rows"]
@@ -130,7 +133,7 @@ def test_offload_benchmark(tmp_path):
     png = ["--png", str(tmp_path / "plan.png")] if importlib.util.find_spec("matplotlib") else []
     bench["main"](["picture", "--config", "tiny", "--budget", "24MiB",
                    "--set", f"model.layers={offloaded['layers']}", "--json", str(tmp_path / "picture.json"),
-                   *png])
+                   "--cache", str(tmp_path / "profiles.json"), *png])
     assert not png or (tmp_path / "plan.png").read_bytes().startswith(b"\x89PNG")
     picture = json.loads((tmp_path / "picture.json").read_text())["picture"]
     on_device, planned = picture["panels"]
@@ -142,7 +145,7 @@ def test_offload_benchmark(tmp_path):
         assert peak <= panel["plan"]["device_bytes"]
 
     bench["main"](["overhead", "--configs", "tiny", "--modes", "both", "--steps", "1", "--rounds", "1",
-                   "--json", str(tmp_path / "overhead.json")])
+                   "--batch", "2", "--seq-len", "32", "--json", str(tmp_path / "overhead.json")])
     rows = json.loads((tmp_path / "overhead.json").read_text())["overhead"]["rows"]
     assert [r["mode"] for r in rows] == ["none", "both"] and all(r["step_s"] > 0 for r in rows)
 

@@ -96,7 +96,7 @@ def copy_run(reference, to: pathlib.Path) -> pathlib.Path:
     return to
 
 
-def test_short_run_learns_and_writes_its_outputs(cache, reference):
+def test_short_run_learns_and_writes_its_outputs(cache, reference, capsys):
     run, history = reference
     rows = metrics(run)
     assert [r["step"] for r in rows] == list(range(1, 17)) and rows == history
@@ -112,11 +112,12 @@ def test_short_run_learns_and_writes_its_outputs(cache, reference):
     assert (run / "config.yaml").exists()
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
 
-    out = subprocess.run([sys.executable, "-m", "jaxpar.train.generate", str(run), "--prompt",
-                          "def main(", "--max-new-tokens", "8", "--json"],
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    sample = json.loads(out.stdout)
+    # jaxpar-generate's main in this process (a subprocess spent its time importing)
+    from jaxpar.train.generate import main as generate
+
+    capsys.readouterr()
+    assert generate([str(run), "--prompt", "def main(", "--max-new-tokens", "8", "--json"]) == 0
+    sample = json.loads(capsys.readouterr().out)
     assert 0 < len(sample["tokens"]) <= 8 and sample["tokens_per_s"] >= 0  # may stop at EOS
 
     # An exported Hugging Face copy generating the same tokens: test_glide's
@@ -158,15 +159,16 @@ def wait_for_steps(proc, run, steps: int) -> None:
     assert proc.poll() is None, "the run finished before it could be stopped"
 
 
-def test_sigint_sigterm_and_sigkill_stop_and_resume_to_the_same_losses(tmp_path, cache, reference):
-    """One run dir through three stops (a process each; the last start finishes it):
+def test_sigint_sigterm_and_sigkill_stop_and_resume_to_the_same_losses(tmp_path, cache, reference, capfd):
+    """One run dir through three stops (a process each; a last start finishes it):
     SIGINT, then SIGTERM, each sent while the run saves every step: one line, exit
     130 / 143, the step it stopped at saved and no half-written checkpoint. Then SIGKILL
     while it saves every 4 steps (nothing flushed): restarted, it resumes from its last
     checkpoint, behind its last logged step, and drops the save the kill cut short.
     Throughout, the losses are the uninterrupted run's. Each start says where it starts
     (a resumed run: from which step and checkpoint) and that the step compiles.
-    (SIGKILL once had a test of its own, from step 0; one run dir saves a process.)"""
+    (SIGKILL once had a test of its own, from step 0; one run dir saves a process. The
+    last start is jaxpar-train's main in this process: a fresh one spent its time importing.)"""
     run = tmp_path / "stopped"
     command = [sys.executable, "-m", "jaxpar.train", "tiny", *resumable(cache), f"run_dir={run}", "--no-progress"]
     starts = "jaxpar-train: starting at step 0 on mesh data=8 (8 cpu devices)"
@@ -207,9 +209,13 @@ def test_sigint_sigterm_and_sigkill_stop_and_resume_to_the_same_losses(tmp_path,
     assert len(metrics(run)) < 16
     starts = resumes(saved())
 
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr
-    assert done.stderr.splitlines()[0] == starts, done.stderr
+    # The last start in this process (as test_bad_input_is_one_line_and_writes_nothing)
+    from jaxpar.train.cli import main
+
+    capfd.readouterr()
+    assert main(command[3:]) == 0
+    err = capfd.readouterr().err
+    assert err.splitlines()[0] == starts, err
     assert losses(metrics(run)) == losses(reference[1])
     assert not list((run / "checkpoints").glob("*tmp*"))  # the save the kill cut short
 
