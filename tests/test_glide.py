@@ -383,6 +383,21 @@ def generate_cli(capsys, *args):
     return code, (json.loads(out) if code == 0 else None), err
 
 
+def test_ar_is_one_program_whatever_a_drafts_settings_say():
+    """ar reads none of a draft's settings, so it decodes with one program whatever gamma,
+    bins, lookup or runner-up a caller passes (jaxpar-generate times its ar baseline with
+    the drafted method's, bench/glide_curve.py its reference at its gamma); sampling
+    settings are ar's own."""
+    from jaxpar.inference import decoding
+
+    target = nnx.eval_shape(lambda: Transformer(CFG, rngs=nnx.Rngs(0)))
+    method = lambda *settings: decoding._setup(target, [[1, 2, 3]], None, "ar", *settings)[0]  # noqa: E731
+    plain = method(1, decoding.DEFAULT_BINS, 0.0, 1.0, 4)
+    assert method(3, (2,) * 11, 0.0, 1.0, 4, "tree") == plain
+    assert method(4, decoding.DEFAULT_BINS, 0.0, 1.0, 4, "select", 2, True) == plain
+    assert method(1, decoding.DEFAULT_BINS, 0.8, 0.9, 4) != plain
+
+
 @pytest.fixture(scope="module")
 def vanilla_run(target_run):
     """An independent one-layer draft with the target's tokenizer (the same data cache)."""
@@ -399,7 +414,7 @@ def test_generate_with_trained_drafts_gives_the_targets_tokens(target_run, glide
     """jaxpar-generate on trained runs: every method prints ar's greedy tokens and its
     accepted tokens per step; mismatched drafts and settings are one line, exit 1."""
     vanilla = vanilla_run
-    common = [target_run, "--prompt", "def main(", "--max-new-tokens", "20"]
+    common = [target_run, "--prompt", "def main(", "--max-new-tokens", "20", "--gamma", "3"]
     code, ar, err = generate_cli(capsys, *common)
     assert code == 0, err
     assert "accepted_per_step" not in ar and len(ar["tokens"]) > 0
@@ -407,7 +422,7 @@ def test_generate_with_trained_drafts_gives_the_targets_tokens(target_run, glide
                                    (vanilla, "cape"), (glide_run, "glide", "--lookup", "tree"),
                                    (vanilla, "speculative", "--lookup", "select"),
                                    (glide_run, "glide", "--lookup", "select", "--runner-up")]:
-        code, out, err = generate_cli(capsys, *common, "--draft", draft, "--method", method, "--gamma", "3", *lookup)
+        code, out, err = generate_cli(capsys, *common, "--draft", draft, "--method", method, *lookup)
         assert code == 0, err
         assert out["tokens"] == ar["tokens"] and out["text"] == ar["text"]
         assert 1.0 <= out["accepted_per_step"] <= 4.0 and out["method"] == method and out["speedup"] > 0
@@ -457,14 +472,18 @@ def test_speculative_benchmark(target_run, glide_run, vanilla_run, capsys, monke
     GliDe draft restricted at decoding to 100 tokens too, and the drafts with prompt
     lookup and the runner-up), the picture and the JSON, with two GliDe runs in one loop rows of each
     run's name; then bench/glide_curve.py, bench/round_cost.py, bench/round_profile.py and
-    bench/speculative_runs.py."""
+    bench/speculative_runs.py.
+
+    Every decoding here is one prompt of 32 tokens (the code and prose prompts cut to the
+    chat prompt's length in this tokenizer) with 12 new tokens at gamma 4, so the table's
+    programs serve glide_curve's decodings and (through the persistent cache) round_profile's."""
     script = pathlib.Path(__file__).resolve().parents[1] / "bench" / "speculative.py"
     png = ["--png", str(tmp_path / "s.png")] if importlib.util.find_spec("matplotlib") else []  # the bench extra
     again = tmp_path / "again"  # a second GliDe run: the same one by another name
     again.symlink_to(glide_run, target_is_directory=True)
     monkeypatch.setattr(sys, "argv", [str(script), "--target", str(target_run), "--draft", str(vanilla_run),
-                                      "--glide", str(glide_run), str(again), "--prompts", "1", "--prompt-tokens", "8",
-                                      "--max-new-tokens", "12", "--batch", "3", "--repeats", "1",
+                                      "--glide", str(glide_run), str(again), "--prompts", "1", "--prompt-tokens", "32",
+                                      "--max-new-tokens", "12", "--batch", "1", "--repeats", "1",
                                       "--draft-vocab", "100", "--lookup", "tree", "select", "--runner-up",
                                       "--json", str(tmp_path / "s.json"), *png])
     runpy.run_path(str(script), run_name="__main__")
@@ -490,11 +509,11 @@ def test_speculative_benchmark(target_run, glide_run, vanilla_run, capsys, monke
         assert len(r["speedup_by_repeat"]) == 1 and math.isclose(r["speedup_by_repeat"][0], r["speedup"])
     assert not png or (tmp_path / "s.png").read_bytes().startswith(b"\x89PNG")
 
-    # bench/glide_curve.py: the draft's acceptance at each checkpoint (the same 3 prompts, one batch).
+    # bench/glide_curve.py: the draft's acceptance at each checkpoint (the table's code prompt).
     curve = runpy.run_path(str(script.with_name("glide_curve.py")), run_name="glide_curve")
     png = ["--png", str(tmp_path / "c.png")] if png else []
-    curve["main"](["--target", str(target_run), "--runs", f"draft={glide_run}", "--prompts", "1",
-                   "--prompt-tokens", "8", "--max-new-tokens", "12", "--json", str(tmp_path / "c.json"), *png])
+    curve["main"](["--target", str(target_run), "--runs", f"draft={glide_run}", "--kinds", "code", "--prompts", "1",
+                   "--prompt-tokens", "32", "--max-new-tokens", "12", "--json", str(tmp_path / "c.json"), *png])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| draft |")]
     assert [r.split("|")[2].strip() for r in rows] == ["3", "6"] and all(r.endswith("| yes |") for r in rows)
     points = json.loads((tmp_path / "c.json").read_text())["curves"]["draft"]
@@ -518,12 +537,12 @@ def test_speculative_benchmark(target_run, glide_run, vanilla_run, capsys, monke
 
     # bench/round_profile.py: a round's time split by the name scopes of its parts.
     profile = runpy.run_path(str(script.with_name("round_profile.py")), run_name="round_profile")
-    profile["main"](["--target", str(target_run), "--glide", str(glide_run), "--gamma", "2", "--prompt-tokens", "8",
+    profile["main"](["--target", str(target_run), "--glide", str(glide_run), "--gamma", "4", "--prompt-tokens", "32",
                      "--max-new-tokens", "12", "--repeats", "1", "--json", str(tmp_path / "p.json")])  # one trace each
     rows = [line.split("|")[1].strip() for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
-    assert rows[1:] == ["ar", "glide, gamma 2", "cape, gamma 2"]
+    assert rows[1:] == ["ar", "glide, gamma 4", "cape, gamma 4"]
     split = {name: r["ms"] for name, r in json.loads((tmp_path / "p.json").read_text()).items()}
-    assert split["ar"]["draft"] == 0 and split["glide, gamma 2"]["draft"] > 0
+    assert split["ar"]["draft"] == 0 and split["glide, gamma 4"]["draft"] > 0
     assert all(ms["target head"] > 0 and ms["target layers: matmuls"] > 0 for ms in split.values())
 
     # bench/speculative_runs.py: the same rows across runs (here the run above, and a copy of
@@ -718,6 +737,7 @@ def head(draft, target, x):
     return logits if draft.vocab is None else (logits, draft.vocab.full_logits(logits))
 
 
+@pytest.mark.slow
 def test_a_draft_vocabulary_slices_the_shared_head(rng):
     """A draft over N tokens gives the whole-vocabulary draft's logits of those tokens
     (its head: those columns of the target's; tied and untied), -inf elsewhere in
@@ -768,7 +788,8 @@ def test_drafts_from_the_teacher_cache_equal_drafts_from_the_live_target(target_
 
     # bench/glide_step.py on this cache, as BENCHMARKS.md runs it on SmolLM2 (in this process, small).
     script = pathlib.Path(__file__).resolve().parents[1] / "bench" / "glide_step.py"
-    overrides = [o for o in common[2:] if "=" in o and not o.startswith(("steps=", "eval.", "checkpoint."))]
+    # steps=3 too: the optimizer's schedule, so the bench's step is the runs' program (a persistent-cache hit)
+    overrides = [o for o in common[2:] if "=" in o and not o.startswith(("eval.", "checkpoint."))]
     monkeypatch.setattr(sys, "argv", [str(script), "--target", str(target_run), "--cache", str(cache),
                                       "--steps", "1", *overrides])
     runpy.run_path(str(script), run_name="__main__")

@@ -144,6 +144,8 @@ def _setup(target, prompt, draft, method, gamma, bins, temperature, top_p, max_n
     method = Method(method, gamma, tuple(bins), float(temperature), float(top_p), lookup or "", int(lookup_tokens),
                     bool(runner_up))
     speculative.check(method, target, draft)
+    if method.name == "ar":  # its rounds read no draft setting: one program whatever gamma, lookup, runner-up say
+        method = Method("ar", 1, temperature=method.temperature, top_p=method.top_p)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be at least 1")
     tokens, lengths = _prompts(prompt)
