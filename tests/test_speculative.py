@@ -68,6 +68,22 @@ def cache_after(target: Transformer, prompt, chain):
     return target.decode(chain, cache).cache
 
 
+@nnx.jit
+def prefilled(target: Transformer, prompt):
+    """A round's start for the verification alone: the target's cache (16 slots) after a
+    plain pass over ``prompt [B, P]``, and ``last``, its greedy token after it."""
+    logits, cache, _ = target.decode(prompt, init_cache(target.cfg, prompt.shape[0], 16))
+    return cache, jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
+
+
+def greedy_in_batch_four(target: Transformer, prompt: np.ndarray, max_new_tokens: int) -> np.ndarray:
+    """``greedy`` for up to 4 rows of ``prompt``, run padded to 4 rows and TOKENS tokens:
+    the program the batch-4 tests compile rather than one of its own."""
+    rows = len(prompt)
+    padded = np.concatenate([prompt, np.repeat(prompt[:1], 4 - rows, axis=0)])
+    return greedy(target, padded, TOKENS)[:rows, :max_new_tokens]
+
+
 def perturbed(model: Transformer, scale: float, rng) -> Transformer:
     """A copy of ``model`` with every weight moved by relative noise ``scale``: a draft
     that agrees with the target often but not always (so rounds accept 0..gamma)."""
@@ -101,16 +117,17 @@ def restricted(vocab_size: int, n: int, rng) -> DraftVocab:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method,draft,batch", [
-    ("ar", None, 4), ("speculative", "close", 1), ("speculative", "close", 4), ("cape", "close", 1),
-    ("cape", "close", 4), ("glide", "glide", 4), ("cape", "glide", 4), ("glide", "glide_vocab", 4),
-    ("cape", "glide_vocab", 4), ("glide", "glide_features", 4), ("cape", "glide_features", 4)])
+    ("ar", None, 4), ("speculative", "close", 4), ("cape", "close", 4), ("glide", "glide", 4), ("cape", "glide", 4),
+    ("glide", "glide_vocab", 4), ("cape", "glide_vocab", 4), ("glide", "glide_features", 4),
+    ("cape", "glide_features", 4)])
 def test_greedy_methods_return_greedy_decoding(models, rng, method, draft, batch):
-    """Batch 1 and 4 where drafts are accepted often (the near copy); GliDe drafts at
-    batch 1 after training: test_glide's jaxpar-generate test. ``glide_vocab``: a GliDe
-    draft over 24 of the 64 tokens (glide.draft_vocab), whose proposals are only those;
-    ``glide_features``: one that reads the target's features (glide.features). Gamma 3,
-    24 tokens, batch 4 or 1 (GAMMA, TOKENS): the runner-up, lookup and CaPE-vs-chain tests
-    run the same loops and references, compiled once."""
+    """Batch 4 here; batch 1 where drafts are accepted often (a near copy):
+    test_a_tied_targets_head_made_once_per_model's chain and tree, whose loops (a tied
+    target's) are compiled anyway; GliDe drafts at batch 1 after training: test_glide's
+    jaxpar-generate test. ``glide_vocab``: a GliDe draft over 24 of the 64 tokens
+    (glide.draft_vocab), whose proposals are only those; ``glide_features``: one that
+    reads the target's features (glide.features). GAMMA and TOKENS: the runner-up, lookup
+    and CaPE-vs-chain tests run the same loops and references, compiled once."""
     target = models["target"]
     prompt = rng.integers(0, CFG.vocab_size, (batch, 6))
     reference = greedy(target, prompt, TOKENS)
@@ -124,12 +141,15 @@ def test_greedy_methods_return_greedy_decoding(models, rng, method, draft, batch
 
 
 @pytest.mark.parametrize("method", ["speculative", "cape"])
+@pytest.mark.slow
 def test_a_tied_targets_head_made_once_per_model(rng, method):
     """A target with tied embeddings: the verification passes multiply by its head made
     once as a ``[D, V]`` copy, kept with the model: a second generation reuses it, new
     weights (as a training step leaves) make a new one, never the stale one, and it is
     dropped once the weights it was made from are freed. The tokens are greedy
-    decoding's throughout."""
+    decoding's throughout. Batch 1 with a near copy for a draft, GAMMA and TOKENS: also
+    the chain's and the tree's check at batch 1 (test_greedy_methods_return_greedy_decoding
+    runs batch 4), accepted often but not always."""
     import gc
 
     from jaxpar.inference import decoding
@@ -137,12 +157,12 @@ def test_a_tied_targets_head_made_once_per_model(rng, method):
     cfg = dataclasses.replace(CFG, tie_embeddings=True)
     target = random_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), rng)
     draft = perturbed(target, 0.05, rng)
-    prompt = rng.integers(0, cfg.vocab_size, (2, 6))
-    options = dict(draft=draft, method=method, gamma=3, max_new_tokens=16)
+    prompt = rng.integers(0, cfg.vocab_size, (1, 6))
+    options = dict(draft=draft, method=method, gamma=GAMMA, max_new_tokens=TOKENS)
     before = set(decoding._HEADS)
     out = speculative_generate(target, prompt, **options)
-    np.testing.assert_array_equal(np.stack(out.tokens), greedy(target, prompt, 16))
-    assert out.accepted_per_step > 1.5
+    np.testing.assert_array_equal(np.stack(out.tokens), greedy(target, prompt, TOKENS))
+    assert 1.5 < out.accepted_per_step < GAMMA + 1
     [key] = set(decoding._HEADS) - before
     head = decoding._HEADS[key][1]
     np.testing.assert_array_equal(np.asarray(head), np.asarray(target.head_weight()))
@@ -153,7 +173,7 @@ def test_a_tied_targets_head_made_once_per_model(rng, method):
     gc.collect()
     assert key not in decoding._HEADS  # its table was freed
     out = speculative_generate(target, prompt, **options)
-    np.testing.assert_array_equal(np.stack(out.tokens), greedy(target, prompt, 16))
+    np.testing.assert_array_equal(np.stack(out.tokens), greedy(target, prompt, TOKENS))
     assert len(set(decoding._HEADS) - before) == 1
     del target, draft
     gc.collect()
@@ -172,6 +192,7 @@ def test_generate_streams_the_ar_rounds(models, rng):
     assert len(set(streamed.ravel().tolist())) > 3
 
 
+@pytest.mark.slow
 def test_streamed_rounds_are_the_loops_and_compile_once(models, rng):
     """``speculative_stream`` (what jaxpar-generate prints from) runs the loop's round:
     the same tokens and accepted tokens per round as ``speculative_generate``, and a
@@ -236,8 +257,8 @@ def test_the_state_carries_the_targets_features_of_the_last_two_tokens(models, r
     accepted, seen = set(), []  # seen: per round, each sequence so far and the state's features
     for round_index in range(6):
         n = np.asarray(state.target_cache.lengths)
-        sequences = [np.concatenate([prompt[b, :lengths[b]], np.asarray(state.out[b, :int(state.count[b]) - 1])])
-                     for b in range(3)]
+        out, count = np.asarray(state.out), np.asarray(state.count)  # sliced in numpy, not eagerly
+        sequences = [np.concatenate([prompt[b, :lengths[b]], out[b, :count[b] - 1]]) for b in range(3)]
         assert [len(sequence) for sequence in sequences] == n.tolist()
         seen.append((sequences, np.asarray(state.features)))
         before = np.asarray(state.emitted)
@@ -265,6 +286,7 @@ def final_features(target, tokens):
     return target.final_norm(target.features(tokens))
 
 
+@pytest.mark.slow
 def test_a_features_draft_proposes_from_the_last_verified_tokens_feature(rng):
     """An oracle draft that only passes the target's feature through (fuse ``[0, I]``,
     its layers' outputs zero, unit norm scales in both): its logits at a position are
@@ -325,7 +347,7 @@ def test_ragged_prompts_and_eos(models, rng):
     either stop after it, the others go on."""
     target = models["target"]
     prompts = [rng.integers(0, CFG.vocab_size, n) for n in (2, 9, 5)]
-    references = [greedy(target, p[None], TOKENS)[0][:12] for p in prompts]  # TOKENS: a program already compiled
+    references = [greedy(target, p[None], TOKENS)[0][:12] for p in prompts]  # TOKENS: the batch-1 tests' program
     eos = (int(references[1][3]), int(references[0][2]))
     out = speculative_generate(target, prompts, draft=models["close"], max_new_tokens=12, eos_ids=eos)
     for reference, tokens in zip(references, out.tokens):
@@ -368,12 +390,20 @@ def sampling_target():
 @pytest.mark.slow
 @pytest.mark.parametrize("method,draft", [("speculative", "small"), ("glide", "glide"), ("glide", "glide_vocab"),
                                          ("glide", "glide_features")])
-def test_sampling_follows_the_target_distribution(method, draft, rng, sampling_target):
+def test_sampling_follows_the_target_distribution(method, draft, rng, sampling_target, monkeypatch):
     """Chi-square goodness of fit at significance 0.001, per generated position, for the
     tokens the round's acceptance rule produced (positions 2 and 3: the first comes
     from the prefill). 6000 samples, a vocabulary of 8; draft and target disagree (most
     rounds reject something). ``glide_vocab``: the draft proposes 4 of the 8 tokens
-    (its q is zero on the others, which only the residual draws)."""
+    (its q is zero on the others, which only the residual draws).
+
+    The 5-token prompt is padded to 8, not to ``PROMPT_BUCKET`` (32): the padding is
+    masked either way (test_prompts_of_nearby_lengths_share_one_program), and over 6000
+    rows a prefill of 32 positions and rounds over its cache took most of the time (a
+    draft's compiled loop ran 5.1 s of CPU padded to 32, 2.0 s padded to 8)."""
+    from jaxpar.inference import decoding
+
+    monkeypatch.setattr(decoding, "PROMPT_BUCKET", 8)
     cfg, target, prompt, exact = sampling_target
     drafts = {"small": lambda: Transformer(dataclasses.replace(cfg, layers=1), rngs=nnx.Rngs(0)),
               "glide": lambda: GlideDraft(cfg, rngs=nnx.Rngs(0)),
@@ -429,7 +459,9 @@ def test_verify_greedy_walks_the_tree():
     # target_next[b, j]: the target's argmax after node j.
     target_next = jnp.array([[1, 4, 0, 0, 7, 0, 0], [1, 3, 0, 5, 0, 8, 0],
                              [2, 0, 6, 0, 0, 0, 0], [1, 4, 0, 0, 0, 0, 0]])
-    path, accepted, bonus = verify_greedy(layout, tokens, valid, target_next)
+    # jitted, as a round runs it (eagerly, every operation would compile apart), checked in numpy
+    walk = jax.jit(verify_greedy, static_argnums=0)(layout, tokens, valid, target_next)
+    path, accepted, bonus = (np.asarray(x) for x in walk)
     np.testing.assert_array_equal(accepted, [2, 3, 1, 1])
     np.testing.assert_array_equal(bonus, [7, 8, 6, 4])
     np.testing.assert_array_equal(path[:, :3], [[0, 1, 4], [0, 1, 3], [0, 2, 2], [0, 1, 1]])
@@ -437,19 +469,23 @@ def test_verify_greedy_walks_the_tree():
 
 
 def test_compact_moves_the_accepted_path_into_place(rng):
+    """Jitted, as the round runs it; checked in numpy (indexing the device arrays
+    eagerly compiles an operation per index)."""
     L, B, S, K, H = 2, 2, 12, 2, 3
-    k = jnp.asarray(rng.standard_normal((L, B, S, K, H)), jnp.float32)
-    v = jnp.asarray(rng.standard_normal((L, B, S, K, H)), jnp.float32)
-    starts = jnp.array([2, 4])
-    path = jnp.array([[0, 2, 4, 4], [0, 1, 3, 6]])
-    out = compact(KVCache(k, v, starts + 7), starts, path)
+    k = rng.standard_normal((L, B, S, K, H)).astype(np.float32)
+    v = rng.standard_normal((L, B, S, K, H)).astype(np.float32)
+    starts = np.array([2, 4])
+    path = np.array([[0, 2, 4, 4], [0, 1, 3, 6]])
+    out = jax.jit(compact)(KVCache(jnp.asarray(k), jnp.asarray(v), jnp.asarray(starts + 7)), jnp.asarray(starts),
+                           jnp.asarray(path))
+    out_k, out_v = np.asarray(out.k), np.asarray(out.v)
     for b in range(B):
         s = int(starts[b])
         for i in range(4):
-            np.testing.assert_array_equal(out.k[:, b, s + i], k[:, b, s + int(path[b, i])])
-            np.testing.assert_array_equal(out.v[:, b, s + i], v[:, b, s + int(path[b, i])])
+            np.testing.assert_array_equal(out_k[:, b, s + i], k[:, b, s + int(path[b, i])])
+            np.testing.assert_array_equal(out_v[:, b, s + i], v[:, b, s + int(path[b, i])])
         untouched = [j for j in range(S) if not s <= j < s + 4]
-        np.testing.assert_array_equal(out.k[:, b, untouched], k[:, b, untouched])
+        np.testing.assert_array_equal(out_k[:, b, untouched], k[:, b, untouched])
 
 
 @nnx.jit
@@ -459,23 +495,29 @@ def logits_at(model, tokens, index):
     return model(tokens)[:, index]
 
 
+@nnx.jit
+def tree_pass(target: Transformer, prompt, tree, positions, mask):
+    """The target's logits over ``tree [B, N]`` (``positions``, ``mask``) after a plain
+    pass over ``prompt [B, P]``, one program (eagerly, every operation compiles apart)."""
+    cache = target.decode(prompt, init_cache(target.cfg, prompt.shape[0], 16)).cache
+    return target.decode(tree, cache, positions=positions, tree_mask=mask).logits
+
+
 @pytest.mark.slow
 def test_tree_pass_equals_each_branch_run_alone(models, rng):
     """The target over a whole tree (tree mask, depth positions, one pass over the cache)
     gives every node the logits of its root-to-node sequence run on its own."""
     target, layout = models["target"], TreeLayout(gamma=3, width=2)
     B, P = 2, 5
-    prompt = jnp.asarray(rng.integers(0, CFG.vocab_size, (B, P)))
-    tree = jnp.asarray(rng.integers(0, CFG.vocab_size, (B, layout.size)))
-    cache = init_cache(CFG, B, 16)
-    cache = target.decode(prompt, cache).cache
-    positions = P + jnp.broadcast_to(jnp.asarray(layout.depths), (B, layout.size))
-    mask = jnp.broadcast_to(jnp.asarray(layout.mask), (B, layout.size, layout.size))
-    logits = target.decode(tree, cache, positions=positions, tree_mask=mask).logits
+    prompt = rng.integers(0, CFG.vocab_size, (B, P)).astype(np.int32)
+    tree = rng.integers(0, CFG.vocab_size, (B, layout.size)).astype(np.int32)
+    positions = P + np.broadcast_to(layout.depths, (B, layout.size)).astype(np.int32)
+    mask = np.broadcast_to(layout.mask, (B, layout.size, layout.size))
+    logits = np.asarray(tree_pass(target, prompt, tree, positions, mask))
     for node in range(layout.size):
         branch = np.flatnonzero(layout.mask[node])  # its ancestors and itself, in depth order
-        padding = jnp.zeros((B, layout.gamma + 1 - len(branch)), prompt.dtype)  # every branch one width
-        alone = logits_at(target, jnp.concatenate([prompt, tree[:, branch], padding], axis=1), P + len(branch) - 1)
+        padding = np.zeros((B, layout.gamma + 1 - len(branch)), prompt.dtype)  # every branch one width
+        alone = logits_at(target, np.concatenate([prompt, tree[:, branch], padding], axis=1), P + len(branch) - 1)
         assert rel_err(logits[:, node], alone) < 1e-5
 
 
@@ -483,7 +525,9 @@ def test_tree_pass_equals_each_branch_run_alone(models, rng):
 
 
 def test_lookup_copies_what_followed_the_latest_earlier_occurrence():
-    from jaxpar.inference.prompt_lookup import chain as lookup_chain
+    from jaxpar.inference.prompt_lookup import chain
+
+    lookup_chain = jax.jit(chain, static_argnums=2, static_argnames="ngram")  # as the rounds run it
 
     history = jnp.array([[5, 1, 2, 5, 3, 4, 5, 0, 0],    # last=5 at 6: latest earlier 5 at 3 -> 3, 4, 5
                          [5, 1, 2, 5, 3, 4, 5, 0, 0],    # last=4 at 5 (n=5): never before -> nothing
@@ -502,37 +546,34 @@ def test_lookup_copies_what_followed_the_latest_earlier_occurrence():
     assert tokens[3].tolist() == [2, 3, 1]
 
 
+@pytest.mark.slow
 def test_two_chains_keep_the_longer_and_its_cache(models, rng):
     """The draft's chain and a copied one in one pass: each sequence keeps the chain
     with more of the target's greedy tokens (the draft's on a tie), emits the target's
     token after it, and its cache entries are those of a plain pass over that chain."""
-    from jaxpar.inference import speculative
-
     target, gamma = models["target"], 3
     prompt = rng.integers(0, CFG.vocab_size, (3, 6)).astype(np.int32)
-    ref = greedy(target, prompt, gamma + 2)  # ref[:, 0] is `last` after the prefill
-    method = speculative.Method("glide", gamma=gamma, lookup="tree")
-    prefill = speculative.compiled(method, 8, ()).prefill
-    graph, params = nnx.split((target, models["glide"]))
-    state = prefill(graph, params, prompt, np.full(3, 6, np.int32), jax.random.key(0))
+    ref = greedy_in_batch_four(target, prompt, gamma + 2)  # ref[:, 0] is `last` after the prompt
+    target_cache, last = prefilled(target, prompt)
+    np.testing.assert_array_equal(last, ref[:, 0])
     wrong = (ref + 1) % CFG.vocab_size
     right = ref[:, 1:gamma + 1]
     drafts = np.stack([wrong[0, 1:4], right[1], [right[2, 0], wrong[2, 2], right[2, 2]]])
     copied = np.stack([right[0], [right[1, 0], wrong[1, 2], right[1, 2]], [right[2, 0], right[2, 1], wrong[2, 3]]])
-    cache, path_tokens, accepted, nxt, _, _ = verify_two_chains(
-        target, state.target_cache, state.last, jnp.asarray(drafts), jnp.asarray(copied), jnp.ones((3, gamma), bool), False)
+    cache, path_tokens, accepted, nxt, _, _ = jax.device_get(verify_two_chains(  # sliced in numpy, not eagerly
+        target, target_cache, last, jnp.asarray(drafts), jnp.asarray(copied), jnp.ones((3, gamma), bool), False))
     assert accepted.tolist() == [3, 3, 2]  # the copy, the draft (the copy has 1), the copy (the draft has 1)
     np.testing.assert_array_equal(path_tokens, np.stack([copied[0], drafts[1], copied[2]]))
     np.testing.assert_array_equal(nxt, ref[np.arange(3), np.asarray(accepted) + 1])
     # no valid copied token: the draft's chain, whatever the copied tokens say
-    assert verify_two_chains(target, state.target_cache, state.last, jnp.asarray(wrong[:, 1:4]),
+    assert verify_two_chains(target, target_cache, last, jnp.asarray(wrong[:, 1:4]),
                              jnp.asarray(right), jnp.zeros((3, gamma), bool), False
                              ).accepted.tolist() == [0, 0, 0]
     for b in range(3):
         a = int(accepted[b])
         chain = np.zeros((1, gamma + 1), np.int32)  # last and the accepted tokens, right-padded
-        chain[0, :a + 1] = np.concatenate([[ref[b, 0]], np.asarray(path_tokens[b, :a])])
-        alone = cache_after(target, jnp.asarray(prompt[b:b + 1]), jnp.asarray(chain))
+        chain[0, :a + 1] = np.concatenate([[ref[b, 0]], path_tokens[b, :a]])
+        alone = jax.device_get(cache_after(target, prompt[b:b + 1], chain))
         assert rel_err(cache.k[:, b, 6:7 + a], alone.k[:, 0, 6:7 + a]) < 1e-5
         assert rel_err(cache.v[:, b, 6:7 + a], alone.v[:, 0, 6:7 + a]) < 1e-5
 
@@ -564,20 +605,21 @@ def test_the_drafts_first_step_rewrites_its_cache_from_the_verified_tokens(model
         stale = jnp.asarray((slots[None, :] >= n[:, None] - gamma) & (slots[None, :] < n[:, None]))[None, :, :, None, None]
         noise = lambda x: jnp.where(stale, jnp.asarray(rng.standard_normal(x.shape), x.dtype), x)  # noqa: E731
         dcache = dataclasses.replace(state.draft_cache, k=noise(state.draft_cache.k), v=noise(state.draft_cache.v))
-        drafts, _, cache = propose(method_, target, draft, dataclasses.replace(state, draft_cache=dcache),
-                                   jnp.asarray(True) if skip else None)
+        drafts, _, cache = jax.device_get(propose(method_, target, draft, dataclasses.replace(state, draft_cache=dcache),
+                                                  jnp.asarray(True) if skip else None))  # sliced in numpy
+        history, target_cache = jax.device_get((state.history, state.target_cache))
         for b in range(2):
             # right-padded to the cache's width, one program: the slots up to n[b] are the
             # causal pass's over the sequence alone (a query reads keys up to its position)
             slots = dcache.k.shape[2]
             sequence = np.zeros((1, slots), np.int32)
-            sequence[0, :n[b] + 1] = np.asarray(state.history[b, :n[b] + 1])
-            alone = jax.tree.map(lambda x: x[:, b:b + 1] if x.ndim == 5 else x[b:b + 1], state.target_cache)
-            want = draft_cache_over(target, draft, jnp.asarray(sequence), alone, slots)
+            sequence[0, :n[b] + 1] = history[b, :n[b] + 1]
+            alone = jax.tree.map(lambda x: x[:, b:b + 1] if x.ndim == 5 else x[b:b + 1], target_cache)
+            want = jax.device_get(draft_cache_over(target, draft, sequence, alone, slots))
             assert rel_err(cache.k[:, b, :n[b] + 1], want.k[:, 0, :n[b] + 1]) < 1e-5
             assert rel_err(cache.v[:, b, :n[b] + 1], want.v[:, 0, :n[b] + 1]) < 1e-5
         if skip:  # the draft's steps after the first did not run
-            assert (np.asarray(drafts[:, 1:]) == 0).all()
+            assert (drafts[:, 1:] == 0).all()
         state = round_(graph, params, state)
 
 
@@ -606,13 +648,11 @@ def test_the_runner_up_is_kept_where_the_chains_first_token_is_wrong(models, rng
     start with) is right, the round keeps it and the target's token after it, and its
     cache entry is that of a plain pass over ``[last, other]``; elsewhere the chain's
     accepted prefix, the other its runner-up where the chain starts with the draft's best."""
-    from jaxpar.inference import speculative
-
     target, gamma = models["target"], 3
     prompt = rng.integers(0, CFG.vocab_size, (3, 6)).astype(np.int32)
-    ref = greedy(target, prompt, gamma + 2)  # ref[:, 0] is `last` after the prefill
-    state = speculative.compiled(speculative.Method("glide", gamma=gamma, runner_up=True), 8, ()).prefill(
-        *nnx.split((target, models["glide"])), prompt, np.full(3, 6, np.int32), jax.random.key(0))
+    ref = greedy_in_batch_four(target, prompt, gamma + 2)  # ref[:, 0] is `last` after the prompt
+    target_cache, last = prefilled(target, prompt)
+    np.testing.assert_array_equal(last, ref[:, 0])
     wrong = (ref + 1) % CFG.vocab_size
     right = ref[:, 1:gamma + 1]
     chain = np.stack([wrong[0, 1:4], [right[1, 0], right[1, 1], wrong[1, 3]], wrong[2, 1:4]])
@@ -620,16 +660,16 @@ def test_the_runner_up_is_kept_where_the_chains_first_token_is_wrong(models, rng
     logits[0, right[0, 0]] = 10.0  # the draft's best, which the chain does not start with: right
     logits[1, right[1, 0]], logits[1, wrong[1, 1]] = 10.0, 9.0  # the chain's first is its best: the runner-up
     logits[2, wrong[2, 2]] = 10.0  # wrong, and not the chain's first either
-    cache, path_tokens, accepted, nxt, _, _ = verify_with_runner_up(
-        target, state.target_cache, state.last, jnp.asarray(chain), jnp.asarray(logits), False)
+    cache, path_tokens, accepted, nxt, _, _ = jax.device_get(verify_with_runner_up(  # sliced in numpy
+        target, target_cache, last, jnp.asarray(chain), jnp.asarray(logits), False))
     assert accepted.tolist() == [1, 2, 0]
-    np.testing.assert_array_equal(np.asarray(path_tokens)[:, 0], [right[0, 0], right[1, 0], wrong[2, 1]])
-    np.testing.assert_array_equal(nxt, ref[np.arange(3), np.asarray(accepted) + 1])
+    np.testing.assert_array_equal(path_tokens[:, 0], [right[0, 0], right[1, 0], wrong[2, 1]])
+    np.testing.assert_array_equal(nxt, ref[np.arange(3), accepted + 1])
     for b in range(2):
         a = int(accepted[b])
         kept = np.zeros((1, gamma + 1), np.int32)  # last and the kept tokens, right-padded (as in the two chains')
-        kept[0, :a + 1] = np.concatenate([[ref[b, 0]], np.asarray(path_tokens[b, :a])])
-        alone = cache_after(target, jnp.asarray(prompt[b:b + 1]), jnp.asarray(kept))
+        kept[0, :a + 1] = np.concatenate([[ref[b, 0]], path_tokens[b, :a]])
+        alone = jax.device_get(cache_after(target, prompt[b:b + 1], kept))
         assert rel_err(cache.k[:, b, 6:7 + a], alone.k[:, 0, 6:7 + a]) < 1e-5
         assert rel_err(cache.v[:, b, 6:7 + a], alone.v[:, 0, 6:7 + a]) < 1e-5
 
@@ -637,6 +677,7 @@ def test_the_runner_up_is_kept_where_the_chains_first_token_is_wrong(models, rng
 @pytest.mark.parametrize("method,draft,lookup,batch", [
     ("glide", "glide", "", 4), ("glide", "glide_vocab", "", 4), ("speculative", "small", "", 4),
     ("speculative", "close", "select", 4), ("glide", "glide", "select", 4), ("glide", "glide_features", "select", 4)])
+@pytest.mark.slow
 def test_runner_up_rounds_return_greedy_decoding_and_accept_more(models, rng, method, draft, lookup, batch):
     """With the runner-up verified too, tokens equal plain greedy decoding, and rounds
     accept more than the chain alone: these random drafts' first tokens are often wrong,
@@ -657,6 +698,7 @@ def test_runner_up_rounds_return_greedy_decoding_and_accept_more(models, rng, me
 
 
 @pytest.mark.parametrize("draft", ["glide", "glide_features"])
+@pytest.mark.slow
 def test_select_takes_the_whole_copy_where_the_text_cycles(models, rng, draft):
     """A target with its attention's outputs zeroed: its greedy token a function of the
     last one alone, so its text falls into a cycle that a copy predicts exactly. ``select``
@@ -664,7 +706,7 @@ def test_select_takes_the_whole_copy_where_the_text_cycles(models, rng, draft):
     than the draft's ``gamma + 1``; the tokens are greedy decoding's."""
     target = perturbed(models["target"], 0.0, rng)
     target.layers.attn.o[...] = jnp.zeros_like(target.layers.attn.o[...])
-    # TOKENS at batch 1: the references are test_greedy_methods_return_greedy_decoding's program
+    # TOKENS at batch 1: the references are the batch-1 lookup and eos tests' program
     prompt = greedy(target, rng.integers(0, CFG.vocab_size, (1, 6)), TOKENS)[:, -8:]  # in its cycle by now
     reference = greedy(target, prompt, TOKENS)
     assert len(set(reference[0].tolist())) < 12  # it cycles
