@@ -121,6 +121,7 @@ def test_torchrec_smoke(tmp_path):
     assert any(line.startswith("| 1.05 | PyTorch nn.EmbeddingBag |") for line in out.stdout.splitlines())
 
 
+@pytest.mark.slow
 def test_memory_smoke(tmp_path, capsys):
     """Compile-only bytes on abstract inputs: the cache's device state is 1% of the
     table's, the device table's step holds the whole table, the swap program compiles."""

@@ -64,6 +64,7 @@ def test_plan_memory_smoke(tmp_path):
     assert again["meta"]["compiled_in"].startswith("python ")
 
 
+@pytest.mark.slow
 def test_plan_published_no_rank(tmp_path):
     """Every usable published run is predicted (finite step time, MFU and split); the FP8
     rows and the 175B estimate without a layout are skipped with a reason."""
@@ -92,6 +93,7 @@ def test_plan_published_no_rank(tmp_path):
     assert [line for line in out.stdout.splitlines() if line.startswith("| megatron-gpt-1t-table1-3072gpu |")]
 
 
+@pytest.mark.slow
 def test_plan_published_rank(tmp_path):
     """The planner's search places the published layout (found among its candidates, or
     inserted where the bounds leave it out) and names its top choice (two analytic

@@ -281,6 +281,7 @@ def test_generate_fits_the_prompt_and_new_tokens_in_the_context(runs, capsys):
     assert json.loads(out)["tokens"] == json.loads(end)["tokens"] and len(json.loads(end)["tokens"]) == 8
 
 
+@pytest.mark.slow
 def test_generate_stops_at_a_runs_end_of_text_token(runs, tmp_path, capsys):
     """A jaxpar run ends a sequence at its tokenizer's end-of-text token (appended to
     every document it trained on), as an HF model stops at its eos_token_id

@@ -101,6 +101,7 @@ def test_forward_is_call_on_gathered_rows():
                                   np.asarray(model(jnp.asarray(dense), jnp.asarray(gathered))))
 
 
+@pytest.mark.slow
 def test_gradient_touches_only_looked_up_rows():
     model = _model(SMALL)
     dense, ids, _ = _inputs(SMALL)
@@ -123,6 +124,7 @@ def test_bce_loss_is_stable_and_exact():
 
 
 @pytest.mark.parametrize("interaction", ["dot", "dcn"])
+@pytest.mark.slow
 def test_trains_to_planted_signal(interaction):
     """100 Adam steps of the ``dlrm`` preset on Zipf(1.2) data with a planted signal.
     Measured held-out AUC: dot 0.777, dcn 0.767; the planted logits' own AUC is 0.853

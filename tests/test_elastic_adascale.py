@@ -74,6 +74,7 @@ def test_adascale_without_the_noise_scale_is_one_line_exit_2(tmp_path, capfd):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_a_resized_run_follows_the_gain_and_carries_its_averages(tmp_path):
     """Batch 16 on data=8 for 2 steps, then 32 on data=4: at the base batch the gain is 1
     and the rate the schedule's on the step clock; after the resize the gain is measured

@@ -130,6 +130,7 @@ def test_the_simple_estimator_recovers_a_known_noise_scale():
         noise_lib.simple_estimates(1.0, 1.0, 4, 4)
 
 
+@pytest.mark.slow
 def test_the_noise_scale_step_updates_as_the_plain_one_and_returns_both_norms():
     """Replicas that count different numbers of tokens: the update is the batch's
     token-weighted one all the same, ``grad_sq_big`` its gradient's squared norm and
@@ -192,6 +193,7 @@ def seen(monkeypatch):
     return log
 
 
+@pytest.mark.slow
 def test_a_resized_run_sees_every_sample_once_and_matches_one_kept_on_8_devices(tmp_path, cache, seen, caplog):
     """The two runs' first segments are one config (8 devices, batch 16, steps 1-3): it
     runs once, and the kept run continues from a copy of its run dir, its records

@@ -86,6 +86,7 @@ def trace():
 
 
 @pytest.mark.parametrize("name", sorted(SCHEDULERS))
+@pytest.mark.slow
 def test_every_scheduler_keeps_the_cluster_and_each_minimum(name, trace):
     result = simulate(trace, by_name(name, seed=0), devices=8, round_s=1800.0)
     minimum = {j.id: j.min_devices for j in trace}

@@ -265,6 +265,7 @@ def test_prefetch_changes_nothing_but_timing():
     assert sum(s.prefetched for s in runs["on"][3]) > 0 == sum(s.prefetched for s in runs["off"][3])
 
 
+@pytest.mark.slow
 def test_prefetch_memory_stays_bounded_over_1000_steps():
     batches = zipf_ids(13, 1003, (4, 2), num_rows=2000)
     cache = EmbeddingCache.from_ratio(2000, D, 0.02, prefetch=3)

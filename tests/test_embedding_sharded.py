@@ -222,6 +222,7 @@ def test_bad_lookups_fail_naming_the_value():
 
 
 @pytest.mark.parametrize("kind", ["row", "table"])
+@pytest.mark.slow
 def test_a_cache_per_device_trains_the_split_table(kind):
     """``ShardedCache`` (each device caching 5% of its own shard, evicting every step once
     full) against the uncached split table (``DeviceTable`` with the plan): the same

@@ -15,6 +15,7 @@ from jaxpar.placement.execution import current
 from conftest import rel_err
 
 
+@pytest.mark.slow
 def test_same_function_under_two_sequence_layouts_gives_both_results(rng):
     """Causal attention over a length split 4 ways, in natural and in zigzag token order:
     a program traced for one order and reused for the other would be wrong."""

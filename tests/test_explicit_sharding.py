@@ -75,6 +75,7 @@ def _train_explicit_mlp(mesh, data):
     return losses, params
 
 
+@pytest.mark.slow
 def test_model_written_for_explicit_sharding_trains_like_one_device(rng):
     """On jaxpar's fsdp=4 x tensor=2 Explicit mesh, with the mesh-axis annotations
     resolved by ``jaxpar.rules.identity``, through jaxpar's own train step: the losses
@@ -95,6 +96,7 @@ def test_mesh_axis_annotations_need_identity_rules():
         jaxpar.shard_model(model, mesh)
 
 
+@pytest.mark.slow
 def test_shard_model_inside_jit_on_an_explicit_mesh():
     """jaxpar's model, created under ``nnx.jit`` and placed there as ``jaxpar-train``
     creates it: the parameters' Explicit types are their shardings, and their values
@@ -133,6 +135,7 @@ def tiny_one_device(tiny_data):
     return train_steps(TINY, tiny_data)[0]
 
 
+@pytest.mark.slow
 def test_jaxpar_model_trains_alike_on_auto_and_explicit_meshes(tiny_data, tiny_one_device):
     """jaxpar's Transformer (written for Auto axes; its loss runs under
     ``jaxpar.auto_axes``) on fsdp=4 x tensor=2: 3 steps' losses on the Explicit mesh
@@ -146,6 +149,7 @@ def test_jaxpar_model_trains_alike_on_auto_and_explicit_meshes(tiny_data, tiny_o
     assert set(q.mesh.axis_types) == {jax.sharding.AxisType.Explicit}
 
 
+@pytest.mark.slow
 def test_jaxpar_pipeline_trains_on_an_explicit_mesh(tiny_data, tiny_one_device):
     """The pipelined step (data=2 x pipe=2 x tensor=2, 1F1B over 4 microbatches) on an
     Explicit mesh: one device's losses."""

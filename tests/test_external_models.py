@@ -90,6 +90,7 @@ def lm1b_reference():
 
 
 @pytest.mark.parametrize("mesh_name", MESHES)
+@pytest.mark.slow
 def test_flax_lm1b_shards_and_trains_as_one_device(mesh_name, lm1b_reference):
     """The README's Linen recipe, unedited model: strict shardings, then jit."""
     tokens, (want_losses, want_params) = lm1b_reference

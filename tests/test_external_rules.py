@@ -29,6 +29,7 @@ class LinenMLP(nn.Module):
         return nn.with_logical_constraint(h @ w_out, ("activation_batch", "activation_embed"))
 
 
+@pytest.mark.slow
 def test_linen_project_uses_the_rules(rng):
     x = jnp.asarray(rng.standard_normal((8, 16), np.float32))
     model = LinenMLP()

@@ -59,6 +59,7 @@ def test_without_a_python_that_has_jax_one_line(tmp_path):
         f"gpu_check: no GPU here (no Python with jax: tried {tmp_path / 'no-such-python'}); nothing to check"]
 
 
+@pytest.mark.slow
 def test_an_uninstalled_checkout_imports_as_the_package(tmp_path):
     """The parts import jaxpar from the checkout the script sits in, through links laid
     out as pyproject's package-dir installs it, ahead of any installed jaxpar (here the

@@ -138,6 +138,7 @@ def test_twelve_and_four_rows_equal_sixteen_and_resume_after_sigkill(tmp_path, c
                    [r["val_loss"] for r in single if "val_loss" in r]) < 1e-5
 
 
+@pytest.mark.slow
 def test_unequal_device_rows_with_random_masks_equal_the_whole_batch():
     """4 data devices with 6, 2, 4 and 4 real rows (slot 6, microbatches of 2) and random
     masks: the loss and gradients equal the token-weighted mean over all 16 rows."""

@@ -207,6 +207,7 @@ def test_profile_devices_writes_a_loadable_profile(capsys, tmp_path):
     assert out.endswith(out_file.read_text().split("ranks:")[1])
 
 
+@pytest.mark.slow
 def test_bench_table_and_picture(monkeypatch, tmp_path, h100):
     """bench/hetero_allocation.py on one of its clusters: a row per schedule and M, auto
     never predicted slower, and the picture drawn."""

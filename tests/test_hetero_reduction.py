@@ -96,6 +96,7 @@ def run(step, model, batches):
 
 
 @pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.slow
 def test_adasum_is_the_tree_of_the_replicas_gradients(steps, model, n):
     batch = batch_of(n)
     (got,), metrics, _ = run(steps(Reduction("adasum"), data=n), model, [batch])
@@ -105,6 +106,7 @@ def test_adasum_is_the_tree_of_the_replicas_gradients(steps, model, n):
     np.testing.assert_allclose(metrics["loss"], losses.mean(), rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_dct_ratio_one_is_the_mean(steps, model):
     batch = batch_of(10)
     (mean,), _, _ = run(steps(None, data=4), model, [batch])
@@ -141,6 +143,7 @@ def test_dct_sends_few_and_carries_the_rest(steps, model):
 
 
 @pytest.mark.parametrize("axis_types", ["auto", "explicit"])
+@pytest.mark.slow
 def test_adasum_composes_with_fsdp_and_grad_accum(steps, model, axis_types):
     """data=2 x fsdp=2, two microbatches per replica: each replica accumulates its rows'
     gradient, then the two reduce once; FSDP's devices within a replica take the mean."""
@@ -150,6 +153,7 @@ def test_adasum_composes_with_fsdp_and_grad_accum(steps, model, axis_types):
     assert tree_rel_err(got, _adasum_reference(replica_grads(model, batch, 2)[1])) < 1e-5
 
 
+@pytest.mark.slow
 def test_dct_composes_with_fsdp_and_grad_accum(steps, model):
     batches = [batch_of(40 + i) for i in range(2)]
     want, _, want_state = run(steps(DCT, data=2), model, batches)
@@ -158,6 +162,7 @@ def test_dct_composes_with_fsdp_and_grad_accum(steps, model):
     assert tree_rel_err(state[0].residual, want_state[0].residual) < 1e-5
 
 
+@pytest.mark.slow
 def test_profiler_counts_the_sparse_exchange(steps, model):
     """data=4: the mean all-reduces every gradient; dct_topk at 0.1 all-gathers 8 bytes
     (f32 value, int32 index) per kept entry from each of the 3 others, and all-reduces

@@ -97,6 +97,7 @@ def test_one_new_token_matches_jax_gpu_paged_attention(rng):
     assert rel_err(kernel(q, k, v, tables, lengths, num_splits=2)[:, 0], want) < 1e-5
 
 
+@pytest.mark.slow
 def test_new_tokens_match_jax_ragged_paged_attention_reference(rng):
     """The TPU ops' plain-``jnp`` ``ref_ragged_paged_attention``: the batch's queries
     packed into ``[B * T, N, H]``, one layer's keys and values interleaved along the

@@ -8,6 +8,8 @@ import subprocess
 import sys
 import tomllib
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -42,6 +44,7 @@ def test_every_package_is_listed_for_installation(tmp_path):
     assert found == listed
 
 
+@pytest.mark.slow
 def test_decoding_and_the_chat_template_import_no_web_stack():
     """fastapi, starlette and uvicorn are jaxpar-serve's app's alone: the engine, decoding
     and the chat template (bench/speculative.py's chat prompts) import with them blocked,

@@ -307,6 +307,7 @@ def _transfers(jaxpr, times=1):
 
 
 @pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.slow
 def test_plan_is_what_the_step_places_and_moves(tied):
     """The plan's state bytes by memory against the step's stored shardings, and its
     transfer bytes against the device_puts of the traced step (nothing compiles), for
@@ -344,6 +345,7 @@ def test_plan_is_what_the_step_places_and_moves(tied):
 
 
 
+@pytest.mark.slow
 def test_an_accumulating_all_on_device_step_holds_two_whole_gradients():
     """What the planner takes out of an accumulating step's temporaries when the host
     layers' gradients are summed on the host: the all-on-device compile with 2

@@ -167,6 +167,7 @@ def test_unannotated_parameter_is_an_error():
         jaxpar.shard_model(model, jaxpar.make_mesh(fsdp=8))
 
 
+@pytest.mark.slow
 def test_custom_rules_move_fsdp_to_the_mlp_dimension():
     rules = dict(jaxpar.rules.DEFAULT_RULES) | {"embed": None, "mlp": ("fsdp", "tensor")}
     model = jaxpar.shard_model(Transformer(CFG, rngs=nnx.Rngs(0)), jaxpar.make_mesh(fsdp=8), tuple(rules.items()))

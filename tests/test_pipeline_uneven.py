@@ -65,6 +65,7 @@ def pipelined_loss_and_grads(graphdef, state, kind, P, M, V, stage_layers, other
 
 
 @pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.slow
 def test_uneven_stages_match_one_device(model_and_reference, case):
     """Loss and gradients equal one device's (float32, 1e-5), whatever the padding
     holds; the padded layers' gradients are exactly zero."""
@@ -111,6 +112,7 @@ def test_masked_layers_run_the_first_count(lockstep):
         assert np.all(np.asarray(leaf)[2] == 0) and np.any(np.asarray(leaf)[:2] != 0)
 
 
+@pytest.mark.slow
 def test_a_state_resumes_under_another_split():
     """Two AdamW steps under (3, 1, 2, 2), the state put in model order (what a
     checkpoint keeps), then a third under (2, 2, 1, 3): the losses of one device's run."""
@@ -214,6 +216,7 @@ def test_a_run_resumes_under_another_split(tmp_path):
     assert tree_rel_err(*saved) < 1e-5
 
 
+@pytest.mark.slow
 def test_auto_stage_layers_follow_the_device_profile(tmp_path, capsys):
     """``pipeline.stage_layers=auto`` with rank 1 at half speed: the run's step is
     compiled with more layers on rank 0 (the planner's split, jaxpar.planning.stages),

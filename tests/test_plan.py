@@ -96,6 +96,7 @@ def test_analytic_memory_against_compiled(tiny, figures):
         assert abs(parts["device"] / compiled - 1) < 0.05, (layout.describe(), parts["device"], compiled)
 
 
+@pytest.mark.slow
 def test_fsdp_on_a_2d_grid_gathers_one_layer_at_a_time():
     """FSDP's point is one layer's weights whole at a time. On a 2D grid SUMMA wants each
     weight blocked (row, col) only; unpinned, XLA propagated that back through the layer
@@ -136,6 +137,7 @@ def test_long_sequences_move_the_plan_to_the_seq_axis(h100):
     assert search.search(long, 8, h100, device_memory=80 * GIB, devices_per_node=8).best.layout.seq > 1
 
 
+@pytest.mark.slow
 def test_slow_inter_node_links_keep_tensor_inside_a_node(h100):
     work = work_of(load_config("small", []))
     slow = dataclasses.replace(h100, inter_node_bandwidth=1e9)
@@ -161,6 +163,7 @@ def test_time_model_counts_the_schedule_built(h100):
     assert t_few.bubble / (t_few.bubble + t_few.compute + t_few.communication - 0) == pytest.approx(3 / 7, rel=0.05)
 
 
+@pytest.mark.slow
 def test_plan_is_deterministic_and_a_second_run_answers_from_the_cache(tiny, figures, h100, tmp_path):
     """compile_top=1 still compiles three of tiny's candidates (the test needs two or
     more); ``figures`` compiles each layout once for the module, the disk cache is this

@@ -102,6 +102,7 @@ def _metrics(run) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
 
 
+@pytest.mark.slow
 def test_cache_ratio_auto_sizes_the_cache_from_the_budget(tmp_path, caplog):
     """100 KiB of 68-byte rows (dim 16 and an Adagrad accumulator): 1,505 of the 200,000
     rows; without a budget on a CPU (which does not say its memory), one line."""

@@ -27,6 +27,7 @@ def greedy(model, prompt, n):
     return np.asarray([int(t[0]) for t in stream])
 
 
+@pytest.mark.slow
 def test_rows_are_each_prompt_and_the_targets_greedy_continuation(rng, tmp_path):
     """Prompts of seven lengths (one twice) in batches of three (the last padded, each
     generating for its shortest prompt): every row is its prompt and then the target's

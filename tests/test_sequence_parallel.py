@@ -147,6 +147,7 @@ def _while_bodies(hlo: str) -> dict[str, str]:
     return out
 
 
+@pytest.mark.slow
 def test_next_transfer_is_issued_before_the_block_is_computed():
     """In every ring step of the compiled program (forward and backward), the keys and
     values for the next step are sent before this step's block computation and do not

@@ -232,6 +232,7 @@ def pages_all_free(served) -> None:
     assert not getattr(served.engine, "_where", None)
 
 
+@pytest.mark.slow
 def test_concurrent_requests_get_their_tokens_alone(served):
     """48 requests at once, at most 8 running, in a pool of 24 pages that forces
     preemptions: prompts of 1 to 300 tokens (one reaching the end token), 1 to 100 new

@@ -118,6 +118,7 @@ def test_continuous_batching_gives_each_request_its_tokens_alone(model):
     assert shapes == [("step", t) for t in (8, 16, 32, 64)] and served.compiled_programs == set(shapes)
 
 
+@pytest.mark.slow
 def test_static_batching_admits_only_into_an_empty_batch(model):
     """The baseline the benchmark compares with: 6 requests through 4 slots, the last 2
     admitted only once the first 4 have all ended; the same tokens as continuous."""
@@ -469,6 +470,7 @@ def test_cape_trees_over_pages_accept_as_the_dense_decoder_does(model):
 LOGITS_WIDTH = 192
 
 
+@pytest.mark.slow
 def test_pages_on_demand_preempt_the_newest_and_it_resumes_with_its_own_tokens(model):
     """A pool of 23 pages (184 tokens) for 8 requests that would reserve 74 pages whole
     (up to 23 each): pages come as sequences grow, the newest running sequence is preempted when

@@ -166,6 +166,7 @@ def test_ids_past_the_tokenizer_are_never_allowed(smollm2):
     jsonschema.validate(json.loads(tok.decode(tokens)), NESTED)
 
 
+@pytest.mark.slow
 def test_the_engine_decodes_json_that_validates_beside_free_requests(smollm2):
     """A random model over SmolLM2's vocabulary in the engine: a request with a schema
     gives JSON that validates, ended by an end token, beside an unconstrained request
