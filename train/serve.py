@@ -13,8 +13,9 @@ listens once the smallest programs are compiled (the smallest flat batch, and wi
 draft the one-sequence round) and compiles the others while it serves, each step
 within the programs compiled so far (a bigger batch waits a step or two), smallest
 first; a line says when the last is compiled. ``--wait-for-programs`` compiles them all
-before listening (benchmarks: no compiling beside the first requests). SIGTERM (or Ctrl-C) stops admitting requests, lets the running ones finish for
-up to ``--shutdown-timeout`` seconds, and exits 0 with a line saying how many finished.
+before listening (benchmarks: no compiling beside the first requests). SIGTERM (or
+Ctrl-C) stops admitting requests, lets the running ones finish for up to
+``--shutdown-timeout`` seconds, and exits 0 with a line saying how many finished.
 
 ``--api-key KEY`` (default: the environment's ``JAXPAR_API_KEY``) makes every ``/v1``
 request send ``Authorization: Bearer KEY`` (401 otherwise); ``/health`` and
@@ -290,8 +291,9 @@ def main(argv=None) -> int:
     host = f"[{host}]" if ":" in host else host
     compiled, count = len(engine.compiled_programs), len(engine.warm_up_programs())
     say(f"serving {app.state.model_name!r} on http://{host}:{port}/v1 ({compiled} of {count} programs compiled"
-        f"{'' if compiled == count else ', the others compiling'}; at most {engine.max_batch} running, {engine.pool.total} KV pages of {engine.page_size} tokens, "
-        f"context {engine.max_context}{'; /v1 needs the API key' if args.api_key else ''})")
+        f"{'' if compiled == count else ', the others compiling'}; at most {engine.max_batch} running, "
+        f"{engine.pool.total} KV pages of {engine.page_size} tokens, context {engine.max_context}"
+        f"{'; /v1 needs the API key' if args.api_key else ''})")
     server = Server(config)
     server.run(sockets=[sock])
     engine.stop_warm_up()  # after the program compiling, if any is
