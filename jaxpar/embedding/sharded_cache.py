@@ -126,11 +126,7 @@ class ShardedCache:
             out[mine] = k * self.cache_rows + slots
             moves.append(move)
             stats += cache.last_step
-        # Every cache's swap in one read and one write program over the axis, not a
-        # program per device (EmbeddingCache.prepare's, compiled for its own device).
-        self.arrays, old_rows, old_state = swap_sharded(
-            self.arrays, [m.victims for m in moves], [m.fill for m in moves], [m.rows for m in moves],
-            [m.state for m in moves], mesh=self._mesh, axis=self._axis)
+        old_rows, old_state = self._swap(moves)
         for cache, move, rows, state in zip(self.caches, moves, old_rows, old_state, strict=True):
             cache._moved(move, rows, state)
         self.last_step = stats
@@ -141,10 +137,16 @@ class ShardedCache:
         the rows loaded by one program over the axis; returns the rows loaded."""
         owner, local = self._split(np.asarray(sample_ids).reshape(-1))
         moves = [cache._warmup_plan(local[owner == k], None, ratio) for k, cache in enumerate(self.caches)]
-        self.arrays, _, _ = swap_sharded(self.arrays, [m.victims for m in moves], [m.fill for m in moves],
-                                         [m.rows for m in moves], [m.state for m in moves],
-                                         mesh=self._mesh, axis=self._axis)
+        self._swap(moves)
         return sum(len(m.fill) for m in moves)
+
+    def _swap(self, moves) -> tuple[list, list]:
+        """Every cache's swap (``moves``, cache k's k-th) in one read and one write program
+        over the axis, not a program per device; the evicted rows and state, per cache."""
+        self.arrays, old_rows, old_state = swap_sharded(
+            self.arrays, [m.victims for m in moves], [m.fill for m in moves], [m.rows for m in moves],
+            [m.state for m in moves], mesh=self._mesh, axis=self._axis)
+        return old_rows, old_state
 
     def rows_of(self, ids) -> np.ndarray:
         """The exact rows of ``ids`` (any shape) ``[..., D]``, read from the host shards."""

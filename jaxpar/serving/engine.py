@@ -33,7 +33,6 @@ import contextlib
 import dataclasses
 import itertools
 import math
-import threading
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -56,6 +55,7 @@ from jaxpar.serving.page_pool import PagePool
 from jaxpar.serving.pages import NULL_PAGE, init_pages, page_bytes
 from jaxpar.serving.requests import Logprob, RequestOutput, SamplingParams, _Request  # noqa: F401 (re-exported)
 from jaxpar.serving.scheduler import Plan, Scheduler, Seq
+from jaxpar.serving.warm_up import Warming
 
 
 class Call(NamedTuple):
@@ -168,8 +168,7 @@ class Engine:
         self.max_batch, self.max_num_batched_tokens = max_batch, max_num_batched_tokens
         self.compiled_programs: set[tuple] = set()
         self._executables: dict[tuple, jax.stages.Compiled] = {}  # warm_up's, by key
-        self._warming: threading.Thread | None = None
-        self._stop_warming, self._warm_up_error = threading.Event(), None
+        self._warming: Warming | None = None
         self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self._no_bias: dict[int, jax.Array] = {}  # rows -> zeros [rows, V] on the device
@@ -352,7 +351,7 @@ class Engine:
         (``code_maps.check_code_mappings``: ValueError, one line, where it would not;
         ``check_maps=False``: the caller checked).
 
-        Smallest first, on a thread of its own (``jaxpar-warm-up``): the smallest step,
+        Smallest first, on a thread of its own (``warm_up.Warming``): the smallest step,
         with a draft the smallest round, then the next of each. ``background=True``
         returns once the first of each kind is compiled, and the engine serves while the
         others compile, each step within the programs compiled so far
@@ -368,56 +367,33 @@ class Engine:
         order = [call for _, call in sorted(zip(rank, calls), key=lambda pair: pair[0])
                  if call.key not in self._executables]
         self.scheduler.ready = frozenset(self._executables)
-        ready, self._warm_up_error = threading.Event(), None
 
-        def compile_all():
-            try:
-                for call in order:
-                    if self._stop_warming.is_set():
-                        break
-                    with self._on_mesh():
-                        self._executables[call.key] = call.program.lower(*call.static, *call.args).compile()
-                    self.compiled_programs.add(call.key)
-                    self.scheduler.ready |= {call.key}  # a new set: the engine thread reads it unlocked
-                    if report is not None:
-                        report(call.key)
-                    if {kind for kind, _ in self.scheduler.ready} >= set(kinds):
-                        ready.set()
-                else:
-                    self.scheduler.ready = None  # every shape
-            except BaseException as e:  # noqa: BLE001 (the caller's, or wait_warm_up's, to raise)
-                self._warm_up_error = e
-            finally:
-                ready.set()
+        def compile_one(call: Call):
+            with self._on_mesh():
+                self._executables[call.key] = call.program.lower(*call.static, *call.args).compile()
+            self.compiled_programs.add(call.key)
+            self.scheduler.ready |= {call.key}  # a new set: the engine thread reads it unlocked
+            if report is not None:
+                report(call.key)
 
-        self._stop_warming.clear()
-        self._warming = threading.Thread(target=compile_all, name="jaxpar-warm-up")
-        self._warming.start()
-        try:
-            ready.wait()
-            if not background:
-                self.wait_warm_up()
-            elif self._warm_up_error is not None:
-                raise self._warm_up_error
-        except BaseException:  # Ctrl-C while waiting: the process ends once the program compiling is
-            self._stop_warming.set()
-            raise
+        self._warming = Warming(order, compile_one, ready=lambda: {k for k, _ in self.scheduler.ready} >= set(kinds),
+                                finished=lambda: setattr(self.scheduler, "ready", None))  # every shape
+        self._warming.wait_ready()
+        if not background:
+            self._warming.join()
 
     def wait_warm_up(self, timeout: float | None = None) -> bool:
         """Waits for ``warm_up``'s programs (re-raising what it raised); True when all
         are compiled."""
         if self._warming is not None:
             self._warming.join(timeout)
-        if self._warm_up_error is not None:
-            raise self._warm_up_error
         return self.scheduler.ready is None
 
     def stop_warm_up(self) -> None:
         """Stops ``warm_up`` after the program it is compiling (the engine keeps serving
         within the ones compiled)."""
-        self._stop_warming.set()
         if self._warming is not None:
-            self._warming.join()
+            self._warming.stop()
 
     def _on_mesh(self):
         """The engine's mesh in force (programs trace and run on it), if it has one."""
