@@ -18,10 +18,22 @@ def run(*args):
     return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
-def test_fsdp_memory_benchmark():
-    out = run("bench/fsdp_memory.py", "--models", "tiny", "--seq-len", "32")
-    assert out.returncode == 0, out.stderr
-    ratio = [line.split("|")[5] for line in out.stdout.splitlines() if line.startswith("| tiny | 1.8M | 8 |")]
+def run_here(monkeypatch, capsys, script, *args) -> str:
+    """``python script *args`` in this process (the suite's 8 devices, which these
+    scripts ask for or accept; JAX and jaxpar already imported, a subprocess's import
+    and start-up saved): its stdout. A failure raises here."""
+    monkeypatch.setattr(sys, "argv", [script, *args])  # the scripts read it at import and in main
+    capsys.readouterr()
+    try:
+        runpy.run_path(str(ROOT / script), run_name="__main__")
+    except SystemExit as exit_:
+        assert not exit_.code, exit_.code
+    return capsys.readouterr().out
+
+
+def test_fsdp_memory_benchmark(monkeypatch, capsys):
+    out = run_here(monkeypatch, capsys, "bench/fsdp_memory.py", "--models", "tiny", "--seq-len", "32")
+    ratio = [line.split("|")[5] for line in out.splitlines() if line.startswith("| tiny | 1.8M | 8 |")]
     assert ratio and 0.125 <= float(ratio[0]) < 0.13
 
 
@@ -54,36 +66,36 @@ def test_pipeline_benchmark():
     assert "| 1f1b | 1 |" in out.stdout and "no-bubble step" in out.stdout
 
 
-def test_sequence_parallel_benchmark():
+def test_sequence_parallel_benchmark(monkeypatch, capsys):
     """A budget (0.09 GiB) whose longest lengths are fitted ones (512 at N=1, 1,024 at
     N=2): their confirming compiles are the fits' own, cached (0.1 GiB confirmed 1,536
-    at N=2 by one more compile, a fifth of the test's time)."""
-    out = run("bench/sequence_parallel.py", "--config", "tiny", "--impls", "ring",
-              "--devices", "1", "2", "--lengths", "256", "512", "1024", "--budget-gib", "0.09")
-    assert out.returncode == 0, out.stderr
-    rows = [line for line in out.stdout.splitlines() if line.startswith("| ring |")]
+    at N=2 by one more compile, a fifth of the test's time). In this process: the
+    script's 8 devices are the suite's."""
+    out = run_here(monkeypatch, capsys, "bench/sequence_parallel.py", "--config", "tiny", "--impls", "ring",
+                   "--devices", "1", "2", "--lengths", "256", "512", "1024", "--budget-gib", "0.09")
+    rows = [line for line in out.splitlines() if line.startswith("| ring |")]
     assert len(rows) == 2
-    assert "ring, longest at N=2 / (N x longest at N=1)" in out.stdout
+    assert "ring, longest at N=2 / (N x longest at N=1)" in out
 
 
-def test_kernels_benchmark_smoke():
+def test_kernels_benchmark_smoke(monkeypatch, capsys):
     """bench/kernels.py --smoke: tiny shapes, Pallas interpret mode on CPU (a correctness
     smoke of the script, not a performance figure). The training part is skipped here:
     test_train runs execution.attention=pallas. Only the attention impls whose rows the
     test reads, and decode of one new token (a failed measurement is a table cell, not
     an exit: jax-triton's and T=3's interpret-mode compiles checked nothing here, and
     took a third of those parts' time; tests/test_kernels_decode_attention.py checks
-    the kernel at T > 1)."""
-    out = run("bench/kernels.py", "--smoke", "--skip-train", "--attention-impls", "jaxpar", "xla", "cudnn",
-              "--decode-new-tokens", "1")
-    assert out.returncode == 0, out.stderr
-    assert "| BxNxTxH | causal | impl | fwd ms | fwd TFLOP/s |" in out.stdout
-    xla = [line.split("|") for line in out.stdout.splitlines() if line.startswith("| 1x2x256x64 | yes | xla |")]
+    the kernel at T > 1). In this process: without the training part the script runs
+    its kernels in its own process, on its first device."""
+    stdout = run_here(monkeypatch, capsys, "bench/kernels.py", "--smoke", "--skip-train", "--attention-impls",
+                      "jaxpar", "xla", "cudnn", "--decode-new-tokens", "1")
+    assert "| BxNxTxH | causal | impl | fwd ms | fwd TFLOP/s |" in stdout
+    xla = [line.split("|") for line in stdout.splitlines() if line.startswith("| 1x2x256x64 | yes | xla |")]
     assert xla and float(xla[0][4]) > 0 and float(xla[0][7]) < 1e-2  # timed, and close to float32
-    assert "| 1x2x256x64 | yes | jaxpar |" in out.stdout and "| 1x2x256x64 | no | cudnn | needs GPU |" in out.stdout
+    assert "| 1x2x256x64 | yes | jaxpar |" in stdout and "| 1x2x256x64 | no | cudnn | needs GPU |" in stdout
     for header in ("| B | S | T | KV MB | impl |", "| norm | mode | impl |", "| NxDxV | mode | impl |"):
-        assert header in out.stdout
-    last = out.stdout.strip().splitlines()
+        assert header in stdout
+    last = stdout.strip().splitlines()
     assert "| target (issue) | jaxpar measured | verdict |" in last[-7] and last[-1].startswith("| decode >= 70%")
 
 

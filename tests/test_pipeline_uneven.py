@@ -189,31 +189,8 @@ def test_the_profile_prices_the_padding():
     assert all(s["layer_parameter_bytes"] == 3 * layer for s in stages)
 
 
-@pytest.mark.slow
-def test_a_run_resumes_under_another_split(tmp_path):
-    """jaxpar-train with pipe=2 over 4 layers: a run under stage_layers [3, 1], resumed
-    from its step-2 checkpoint under [1, 3], gives its step 3 (loss and validation
-    loss), and its step-3 checkpoint is the model's."""
-    import shutil
-
-    from jaxpar.train.data import default_cache_dir
-    from jaxpar.train.loop import train
-    from jaxpar.train.runs import load_run
-    from test_train import config
-
-    common = ("steps=3", "checkpoint.every=2", "eval.every=3", "mesh.pipe=2", "model.layers=4", "batch_size=16")
-    first = train(config(tmp_path / "a", default_cache_dir(), *common, "pipeline.stage_layers=[3,1]"),
-                  progress=False)
-    shutil.copytree(tmp_path / "a", tmp_path / "b")
-    shutil.rmtree(tmp_path / "b" / "checkpoints" / "3")
-    resumed = train(config(tmp_path / "b", default_cache_dir(), *common, "pipeline.stage_layers=[1,3]"),
-                    progress=False)
-    assert [r["step"] for r in resumed] == [3]
-    for key in ("loss", "val_loss"):
-        got, want = [r[key] for r in resumed if key in r], [r[key] for r in first[2:] if key in r]
-        assert len(got) == len(want) > 0 and rel_err(got, want) < 1e-5, key
-    saved = [nnx.state(load_run(tmp_path / name)) for name in ("a", "b")]
-    assert tree_rel_err(*saved) < 1e-5
+# jaxpar-train resuming a checkpoint under uneven stages: test_train_parallel.py
+# (test_a_run_resumes_under_uneven_stages, beside the even run it resumes).
 
 
 @pytest.mark.slow

@@ -215,6 +215,18 @@ def test_streamed_rounds_are_the_loops_and_compile_once(models, rng):
     np.testing.assert_allclose(per_round, looped.accepted_per_step, rtol=1e-6)
 
 
+def test_the_same_settings_share_one_set_of_programs():
+    """``speculative.compiled`` returns the same jitted programs for equal settings (so a
+    benchmark lowering a loop ``speculative_generate`` ran traces nothing anew), other
+    programs for other settings."""
+    from jaxpar.inference import speculative
+
+    programs = speculative.compiled(speculative.Method("glide", gamma=GAMMA), TOKENS, ())
+    assert speculative.compiled(speculative.Method("glide", gamma=GAMMA), TOKENS, ()) is programs
+    assert speculative.compiled(speculative.Method("glide", gamma=GAMMA), TOKENS, (0,)) is not programs
+    assert speculative.compiled(speculative.Method("cape", gamma=GAMMA), TOKENS, ()) is not programs
+
+
 def test_prompts_of_nearby_lengths_share_one_program(models, rng):
     """Prompt widths round up to ``PROMPT_BUCKET``: a prompt of another length in the
     same bucket compiles nothing, and the padding is masked: its tokens are the

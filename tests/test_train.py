@@ -304,18 +304,26 @@ def skipped(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if "cannot be restored" in r.getMessage()]
 
 
-def test_corrupt_latest_checkpoint_falls_back_to_the_previous(tmp_path, cache, reference, caplog):
+def test_corrupt_latest_checkpoint_falls_back_to_the_previous(tmp_path, cache, reference, caplog, capfd):
     """The unreadable step is moved to checkpoints/corrupt/ with one log line, retrained
     and saved again, so the next start resumes from it (here: finds the run finished,
     and says so in one line, leaving the run dir untouched); with every checkpoint
-    unreadable the run starts over and ends with its final checkpoint saved."""
+    unreadable the run starts over and ends with its final checkpoint saved.
+    (jaxpar-train's main in this process, as test_bad_input_is_one_line_and_writes_nothing:
+    capfd reads file descriptor 2, and caplog sees any orbax record that reached a
+    handler; a fresh process's stderr is one line: test_empty_data_directory.)"""
+    from jaxpar.train.cli import main
+
     run = copy_run(reference, tmp_path / "run")  # checkpoints 8, 12 and 16
     corrupt(run / "checkpoints" / "16")
-    command = ("tiny", *resumable(cache), f"run_dir={run}", "--no-progress")
-    out = cli(*command)
-    assert out.returncode == 0, out.stderr
-    lines = out.stderr.strip().splitlines()
-    assert len(lines) == 3, out.stderr  # orbax's own errors about the files it met held back
+    command = ["tiny", *resumable(cache), f"run_dir={run}", "--no-progress"]
+    capfd.readouterr()
+    with caplog.at_level(logging.WARNING):
+        assert main(command) == 0
+    err = capfd.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 3, err  # orbax's own errors about the files it met held back
+    assert not [r for r in caplog.records if r.name == "absl"], caplog.records
     assert re.fullmatch(rf"jaxpar-train: checkpoint at step 16 in {run / 'checkpoints'} cannot be "
                         r"restored \(\w+: .+\); moved to checkpoints/corrupt/16; trying the previous one",
                         lines[0]), lines[0]
@@ -329,18 +337,21 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous(tmp_path, cache, r
 
     # The next start restores step 16 (no line about it) and finds the run finished:
     # steps= at or below the run dir's step is one line, exit 0, the run dir untouched.
-    # (A fresh process: its stderr is all jaxpar-train's.)
     before = {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()}
-    out = cli(*command, "steps=10")
-    assert out.returncode == 0, out.stderr
-    assert out.stderr.strip().splitlines() == [
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert main([*command, "steps=10"]) == 0
+    out = capfd.readouterr()
+    assert out.err.strip().splitlines() == [
         f"jaxpar-train: {run} is already at step 16 (steps=10): nothing to do; raise steps= to continue "
-        "or choose another run_dir"]
-    assert out.stdout == ""
+        "or choose another run_dir"], out.err
+    assert out.out == ""
+    assert not [r for r in caplog.records if r.name == "absl"], caplog.records
     assert {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()} == before
 
     for step in (8, 12, 16):
         corrupt(run / "checkpoints" / str(step))
+    caplog.clear()
     with caplog.at_level(logging.WARNING):
         fourth = train(load_config("tiny", resumable(cache) + [f"run_dir={run}"]), progress=False)
     assert len(skipped(caplog)) == 3
@@ -380,8 +391,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, cache):
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, cache, capfd, override, code, message):
     """jaxpar-train's main in this process (its 8 devices; capfd reads file descriptor 2,
     XLA's own lines included): a subprocess per case spent its time importing. A fresh
-    process's stderr is one line too: test_empty_data_directory and the finished run of
-    test_corrupt_latest_checkpoint_falls_back_to_the_previous."""
+    process's stderr is one line too: test_empty_data_directory."""
     from jaxpar.train.cli import main
 
     run = tmp_path / "run"

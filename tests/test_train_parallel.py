@@ -71,23 +71,51 @@ def test_pallas_kernels_train_like_xla(tmp_path, cache, xla_data_parallel):
     same_losses(history, xla_data_parallel)
 
 
-def test_interleaved_runs_save_and_evaluate_the_model(tmp_path, cache):
-    """An interleaved run stores its layers device-major, yet checkpoints and evaluates
-    the model: resumed from a 1f1b run's step-1 checkpoint it gives that run's loss and
-    validation loss at step 2, and its step-2 checkpoint is the 1f1b run's."""
-    common = ("steps=2", "checkpoint.every=1", "eval.every=2", "mesh.pipe=2", "model.layers=4",
-              "batch_size=16")
-    first = train(config(tmp_path / "1f1b", cache, *common, "pipeline.schedule=1f1b"), progress=False)
-    shutil.copytree(tmp_path / "1f1b", tmp_path / "interleaved")
-    shutil.rmtree(tmp_path / "interleaved" / "checkpoints" / "2")
-    resumed = train(config(tmp_path / "interleaved", cache, *common, "pipeline.schedule=interleaved",
-                           "pipeline.virtual_stages=2"), progress=False)
+# pipe=2 over 4 layers, two steps, a checkpoint at each, evaluated at step 2: the runs below
+# resume the 1f1b run's step-1 checkpoint under other stored layouts.
+PIPELINED = ("steps=2", "checkpoint.every=1", "eval.every=2", "mesh.pipe=2", "model.layers=4", "batch_size=16")
+
+
+@pytest.fixture(scope="module")
+def even_1f1b(tmp_path_factory, cache):
+    """The 1f1b run of PIPELINED, even stages: ``(run_dir, history)``."""
+    run = tmp_path_factory.mktemp("1f1b") / "run"
+    return run, train(config(run, cache, *PIPELINED, "pipeline.schedule=1f1b"), progress=False)
+
+
+def resumes_like_the_1f1b_run(even_1f1b, run_dir, cache, *extra) -> None:
+    """Resumed from the 1f1b run's step-1 checkpoint under ``extra``, a run gives that
+    run's loss and validation loss at step 2, and its step-2 checkpoint is the 1f1b run's."""
+    first_dir, first = even_1f1b
+    shutil.copytree(first_dir, run_dir)
+    shutil.rmtree(run_dir / "checkpoints" / "2")
+    resumed = train(config(run_dir, cache, *PIPELINED, *extra), progress=False)
     assert [r["step"] for r in resumed] == [2]
     for key in ("loss", "val_loss"):
         got, want = [r[key] for r in resumed if key in r], [r[key] for r in first[1:] if key in r]
         assert len(got) == len(want) > 0 and rel_err(got, want) < 1e-5, key
-    saved = [nnx.state(load_run(tmp_path / name)) for name in ("interleaved", "1f1b")]
+    saved = [nnx.state(load_run(name)) for name in (run_dir, first_dir)]
     assert tree_rel_err(*saved) < 1e-5
+
+
+def test_interleaved_runs_save_and_evaluate_the_model(tmp_path, cache, even_1f1b):
+    """An interleaved run stores its layers device-major, yet checkpoints and evaluates
+    the model: resumed from a 1f1b run's step-1 checkpoint it gives that run's loss and
+    validation loss at step 2, and its step-2 checkpoint is the 1f1b run's."""
+    resumes_like_the_1f1b_run(even_1f1b, tmp_path / "interleaved", cache, "pipeline.schedule=interleaved",
+                              "pipeline.virtual_stages=2")
+
+
+def test_a_run_resumes_under_uneven_stages(tmp_path, cache, even_1f1b):
+    """Uneven stages (test_pipeline_uneven.py) through jaxpar-train's checkpoints: resumed
+    from the even 1f1b run's step-1 checkpoint under stage_layers [3, 1] (stored padded,
+    the model's order restored to save), a run gives that run's step 2 (loss and
+    validation loss), and its step-2 checkpoint is the even run's. Both directions
+    between a checkpoint and an uneven stored layout; from one uneven split to another
+    in a train step: test_pipeline_uneven.py's test_a_state_resumes_under_another_split.
+    (It was a run of its own under [3, 1] resumed under [1, 3]: two more programs.)"""
+    resumes_like_the_1f1b_run(even_1f1b, tmp_path / "uneven", cache, "pipeline.schedule=1f1b",
+                              "pipeline.stage_layers=[3,1]")
 
 
 def test_explicit_mesh_trains_like_auto(tmp_path, cache, xla_data_parallel):

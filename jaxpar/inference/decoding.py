@@ -10,7 +10,6 @@ rounds, so plain and speculative decoding share one autoregressive step.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import weakref
 from collections.abc import Iterator, Sequence
 
@@ -50,7 +49,7 @@ def generate(
     """
     method, tokens, lengths, graph, params = _setup(model, prompt, None, "ar", 1, DEFAULT_BINS,
                                                     temperature, top_p, max_new_tokens)
-    programs = _compiled(method, max_new_tokens, _eos(eos_ids))
+    programs = speculative.compiled(method, max_new_tokens, _eos(eos_ids))
     state = programs.prefill(graph, params, tokens, lengths, jax.random.key(seed))
     while True:
         yield np.asarray(state.last)
@@ -98,11 +97,6 @@ def _prompts(prompt) -> tuple[jax.Array, jax.Array]:
     for b, r in enumerate(rows):
         tokens[b, : len(r)] = r
     return jnp.asarray(tokens), jnp.asarray([len(r) for r in rows], jnp.int32)
-
-
-@functools.lru_cache(maxsize=32)
-def _compiled(method: Method, max_new_tokens: int, eos_ids: tuple[int, ...]):
-    return speculative.compiled(method, max_new_tokens, eos_ids)
 
 
 # The heads the rounds multiply (``speculative.loop_heads``: a tied target's [D, V]
@@ -219,7 +213,7 @@ def speculative_generate(
                                                     temperature, top_p, max_new_tokens, lookup, lookup_tokens,
                                                     runner_up)
     eos_ids = _eos(eos_ids)
-    programs = _compiled(method, max_new_tokens, eos_ids)
+    programs = speculative.compiled(method, max_new_tokens, eos_ids)
     state = programs.loop(graph, params, tokens, lengths, jax.random.key(seed), _heads(programs, method, graph, params))
     rounds, emitted = np.asarray(state.rounds), np.asarray(state.emitted)
     accepted = float(emitted.sum() / max(rounds.sum(), 1)) if method.name != "ar" else 1.0
@@ -243,7 +237,7 @@ def speculative_stream(target: Transformer, prompt, *, draft=None, method: str =
                                                     temperature, top_p, max_new_tokens, lookup, lookup_tokens,
                                                     runner_up)
     eos_ids = _eos(eos_ids)
-    programs = _compiled(method, max_new_tokens, eos_ids)
+    programs = speculative.compiled(method, max_new_tokens, eos_ids)
     state = programs.prefill(graph, params, tokens, lengths, jax.random.key(seed))
     heads = _heads(programs, method, graph, params)  # the loop's
     round_ = lambda state: programs.round(graph, params, state, heads)  # noqa: E731

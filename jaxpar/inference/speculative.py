@@ -67,6 +67,7 @@ both run it, so they give the same tokens and accepted counts for the same draft
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -468,13 +469,16 @@ class Programs(NamedTuple):
     heads: Callable  # (graph, params) -> loop_heads(...)
 
 
+@functools.lru_cache(maxsize=64)  # a benchmark's table: methods x gammas x lookups
 def compiled(method: Method, max_new_tokens: int, eos_ids: tuple[int, ...]) -> Programs:
     """``Programs`` jitted for ``method``: ``loop`` runs the rounds in a ``while_loop``
     until every sequence is done; it and a stream's ``round`` take the heads ``heads``
     made (``loop_heads``, once per model), so a streamed round costs the loop's.
     Temperature and top-p are part of ``method``, and the end-of-sequence ids
     ``eos_ids`` (any of them ends a sequence; none, ``()``) static too, so each setting
-    compiles once."""
+    compiles once. The same settings return the same ``Programs`` (cached), so every
+    caller (``jaxpar.inference.decoding``, a benchmark lowering the loop to read its
+    program) shares their traces and compiled programs rather than tracing anew."""
 
     def do_prefill(graph, params, prompt, lengths, key):
         target, draft = nnx.merge(graph, params)
