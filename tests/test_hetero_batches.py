@@ -75,7 +75,7 @@ def test_bad_weights_are_one_line(weights, message):
     ("data.batch_weights=[1,2]", "has 2 entries for 1 processes"),
     ("data.batch_weights=[0]", "every weight must be positive"),
     ("data.rebalance_every=5", "re-measures data.batch_weights=auto"),
-    ("data.batch_weights=[1] mesh.fsdp=2", "on mesh.data alone"),
+    ("data.batch_weights=[1] mesh.fsdp=2", "data.batch_weights=[1.0] with mesh.fsdp=2 is not supported yet"),
 ])
 def test_bad_batch_weights_exit_2_and_write_nothing(tmp_path, capfd, arg, message):
     from jaxpar.train.cli import main
@@ -148,6 +148,8 @@ def test_unequal_device_rows_with_random_masks_equal_the_whole_batch():
     from jax.sharding import NamedSharding, PartitionSpec
 
     from jaxpar.models import Transformer
+    from jaxpar.placement.sharding import use_mesh
+    from jaxpar.train import gradients
     from jaxpar.train.step import loss_fn
 
     cfg = load_config("tiny", ["model.layers=2", "model.dim=64", "model.heads=2", "model.kv_heads=2",
@@ -165,9 +167,10 @@ def test_unequal_device_rows_with_random_masks_equal_the_whole_batch():
              for k, v in whole.items()}
     batch = jax.device_put({k: v.astype(np.int32) for k, v in slots.items()}, NamedSharding(mesh, PartitionSpec("data")))
     replicated = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
-    with jax.set_mesh(mesh):
-        value, grads = jax.jit(lambda p, b: weighted.loss_and_grads(loss_fn, graphdef, p, b, (), mesh=mesh,
-                                                                     axes=("data",), unit=2))(replicated, batch)
+    per_replica = gradients.over_replicas(gradients.plain(loss_fn, graphdef), gradients.Replicas(rows=2), mesh,
+                                          PartitionSpec())
+    with use_mesh(mesh):
+        value, grads, _, _ = jax.jit(lambda p, b: per_replica(p, None, b))(replicated, batch)
     ref_value, ref_grads = jax.jit(jax.value_and_grad(
         lambda p: loss_fn(nnx.merge(graphdef, p), {k: jnp.asarray(v, jnp.int32) for k, v in whole.items()})))(params)
     assert rel_err(value, ref_value) < 1e-5

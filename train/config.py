@@ -22,11 +22,12 @@ from jaxpar.kernels.dispatch import IMPLS as KERNEL_IMPLS
 from jaxpar.models.config import CHECKPOINT_NAMES, PRESETS, ModelConfig
 from jaxpar.models.dlrm import DLRM_PRESETS, DLRMConfig
 from jaxpar.offload.budget import parse_bytes
-from jaxpar.offload.planner import PCIE5_X16_BANDWIDTH, PLACES as OFFLOAD_PLACES, UNSUPPORTED_AXES
+from jaxpar.offload.planner import PCIE5_X16_BANDWIDTH, PLACES as OFFLOAD_PLACES
 from jaxpar.parallel.pipeline_schedule import KINDS as PIPELINE_SCHEDULES
 from jaxpar.placement.mesh import AXIS_TYPES
 from jaxpar.placement.execution import SEQUENCE_IMPLS, SEQUENCE_LAYOUTS, SequenceOptions
 from jaxpar.kernels.dispatch import KernelOptions
+from jaxpar.train import combinations
 from jaxpar.train.config_load import ConfigError, _build, _merge, _read_yaml, _set
 from jaxpar.train.data import DataConfig
 from jaxpar.train.pipelined import check_stage_layers
@@ -463,15 +464,9 @@ class Config:
         if offload.resident_layers is not None and offload.resident_layers > self.model.layers:
             raise ValueError(f"offload.resident_layers={offload.resident_layers} is above "
                              f"model.layers={self.model.layers}")
-        if offload.requested and self.task == "glide":
-            raise ValueError(f"{offload.requested[0]} with task=glide is not supported yet: the draft's "
-                             "model (one layer beside its frozen target) does not fetch host-resident layers")
+        combinations.check(self)  # the mesh's features too, once it is known
         if self.auto_mesh:
             return  # the rest checks the mesh: the plan's, once chosen
-        for axis, why in UNSUPPORTED_AXES.items():
-            size = getattr(self.mesh, axis)
-            if offload.requested and size > 1:
-                raise ValueError(f"{offload.requested[0]} with mesh.{axis}={size} is not supported yet: {why}")
         seq = self.mesh.seq
         ways = 2 * seq if self.execution.seq_layout == "zigzag" else seq
         if seq > 1 and self.seq_len % ways:

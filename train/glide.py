@@ -51,7 +51,7 @@ from jaxpar.models.cache import init_cache
 from jaxpar.train import teacher_cache
 from jaxpar.train.config import Config
 from jaxpar.train.data import PackedRows
-from jaxpar.train.step import Batch, cross_entropy, masked_mean
+from jaxpar.train.losses import Batch, cross_entropy, masked_mean
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ import dataclasses
 import logging
 
 from jaxpar.elastic.adascale import simple_estimates
-from jaxpar.train.config import Config, ConfigError
+from jaxpar.train.config import Config
 from jaxpar.train.trainer import Hook, StepInfo
 
 log = logging.getLogger(__name__)
@@ -57,16 +57,10 @@ def replicas_of(mesh) -> int:
 
 def enabled(cfg: Config, mesh) -> bool:
     """Whether the step should return the norms: ``eval.noise_scale``, and more than one
-    data replica (else one log line says why not); ``ConfigError`` (exit 2) beside what
-    the step's option does not compose with (``make_train_step``'s ``noise_scale``)."""
+    data replica (else one log line says why not). What it does not compose with is
+    refused when the config is read (``jaxpar.train.combinations``)."""
     if not cfg.eval.noise_scale:
         return False
-    others = [key for key, on in [("mesh.pipe", cfg.mesh.pipe > 1), ("offload", bool(cfg.offload.requested)),
-                                  ("data.batch_weights", cfg.data.batch_weights is not None),
-                                  ("optimizer.reduction/compression", not cfg.optimizer.gradient_reduction.is_mean)]
-              if on]
-    if others:
-        raise ConfigError(f"eval.noise_scale=true does not compose with {', '.join(others)} yet")
     if replicas_of(mesh) < 2:
         log.warning("eval.noise_scale: one data replica (mesh.data=1) gives one batch size per step; the "
                     "noise scale needs two, so it is not estimated")

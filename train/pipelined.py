@@ -6,7 +6,7 @@ why), the final norm, vocabulary projection and cross-entropy on the last stage.
 
 The batch ``[B, T]`` is cut into ``M`` microbatches of ``B / M`` rows (row ``r`` to
 microbatch ``r % M``); each microbatch's loss (the mean over its tokens) is weighted by
-its share of the batch's counted tokens (``jaxpar.train.step.token_shares``), as with
+its share of the batch's counted tokens (``jaxpar.train.gradients.token_shares``), as with
 gradient accumulation: the loss is the whole batch's token-weighted mean. Inside the
 pipeline (``shard_map`` manual over ``pipe`` only) the other mesh axes stay
 automatic, so data, FSDP, tensor (1D and 2D) and sequence parallelism
@@ -58,7 +58,9 @@ from jaxpar.placement import rules as rules_lib
 from jaxpar.models.transformer import ACT_BTD, run_layers
 from jaxpar.parallel.pipeline_schedule import Schedule
 from jaxpar.placement.execution import current
-from jaxpar.train.step import head_loss, microbatches, token_shares
+from jaxpar.placement.sharding import auto_axes
+from jaxpar.train.gradients import GradFn, microbatches, token_shares
+from jaxpar.train.losses import head_loss
 
 
 def needs_lockstep(mesh) -> bool:
@@ -229,6 +231,17 @@ def loss_and_grads(graphdef, params, batch: dict, schedule: Schedule, mesh, stag
     g_layers = jax.tree.map(lambda g: g.reshape(layout.size, *g.shape[3:]), g_stages)
     _, grads = nnx.split(nnx.merge(split_def, g_layers, g_rest))
     return loss, grads
+
+
+def source(graphdef, schedule: Schedule, mesh, stage_layers, params_sharding) -> GradFn:
+    """The step's gradient source through ``schedule`` (``jaxpar.train.gradients``):
+    ``loss_and_grads`` of jaxpar's own model, which, as ``loss_fn`` does, runs on an
+    Explicit mesh with the axes made Auto, its ``shard_map`` on the mesh in force there."""
+    def run(params, batch):
+        on = jax.sharding.get_abstract_mesh() if mesh.explicit_axes else mesh
+        return loss_and_grads(graphdef, params, batch, schedule, on, stage_layers)
+
+    return auto_axes(run, out_sharding=(jax.sharding.PartitionSpec(), params_sharding))
 
 
 def profile_fields(schedule: Schedule, state, model_cfg, mesh, rules, batch_size: int, seq_len: int,

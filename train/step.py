@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -25,77 +24,16 @@ from jaxpar.elastic import adascale as adascale_lib
 from jaxpar.hetero import reduction as reduction_lib
 from jaxpar.offload import state as offload_state
 from jaxpar.offload.fetch import is_split, to_device, to_host
-from jaxpar.ops import kernel_ops
 from jaxpar.placement import rules as rules_lib
 from jaxpar.kernels.dispatch import KernelOptions
 from jaxpar.placement.execution import Execution, OffloadOptions, SequenceOptions, use_execution
-from jaxpar.placement.sharding import auto_axes, like_params, model_shardings, use_mesh
+from jaxpar.placement.sharding import like_params, model_shardings, use_mesh
+from jaxpar.train import combinations, gradients, pipelined
+from jaxpar.train.losses import Batch, loss_fn
 
-Batch = dict[str, jax.Array]
 BATCH_AXES = ("batch", "length")
 # What the data loader gives, each int32 [B, T].
 BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "mask")
-
-
-def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array | None = None) -> jax.Array:
-    """Mean next-token cross-entropy in float32.
-
-    Args:
-      logits: ``[B, T, V]``; targets: int ``[B, T]``; mask: ``[B, T]`` (1 = counted).
-    """
-    logits = logits.astype(jnp.float32)
-    logz = jax.nn.logsumexp(logits, axis=-1)
-    # A masked sum rather than a gather: with the vocabulary split over `tensor`, each
-    # device picks from its own slice and one [B, T] all-reduce combines them (Megatron's
-    # vocab-parallel cross-entropy); the full [B, T, V] logits are never gathered.
-    vocab = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
-    picked = jnp.where(vocab == targets[..., None], logits, 0.0).sum(-1)
-    return masked_mean(logz - picked, mask)
-
-
-def masked_mean(losses: jax.Array, mask: jax.Array | None) -> jax.Array:
-    """The mean of per-token ``losses [B, T]`` over the tokens ``mask`` counts."""
-    if mask is None:
-        return losses.mean()
-    mask = mask.astype(jnp.float32)
-    return (losses * mask).sum() / jnp.maximum(mask.sum(), 1.0)
-
-
-@auto_axes  # the model is written for Auto axes: on an Explicit mesh it runs with them Auto
-def loss_fn(model: nnx.Module, batch: Batch) -> jax.Array:
-    """Loss of ``model`` on a batch with ``inputs``, ``targets`` (int ``[B, T]``) and
-    optionally ``positions``, ``segment_ids`` and ``mask`` (all ``[B, T]``)."""
-    x = model.features(batch["inputs"], positions=batch.get("positions"),
-                       segment_ids=batch.get("segment_ids"))
-    return head_loss(model, x, batch["targets"], batch.get("mask"))
-
-
-def head_loss(model: nnx.Module, x: jax.Array, targets: jax.Array,
-              mask: jax.Array | None = None) -> jax.Array:
-    """The mean next-token loss of the last layer's output ``x [B, T, D]``: final norm,
-    vocabulary projection and cross-entropy. Under ``execution.loss`` "pallas" the projection
-    and the cross-entropy run as one fused kernel (``jaxpar.ops.kernel_ops.token_losses``): the
-    ``[B, T, V]`` logits never exist."""
-    losses = kernel_ops.token_losses(model.final_norm(x), model.head_weight(), targets)
-    if losses is None:
-        return cross_entropy(model.logits(x), targets, mask)
-    return masked_mean(losses, mask)
-
-
-def token_shares(mask: jax.Array) -> jax.Array:
-    """Each microbatch's weight in the batch's loss: ``mask [k, ...]`` (``k`` microbatches'
-    masks, 1 = counted) -> ``[k]`` float32, the microbatch's counted tokens over the whole
-    batch's (all zero when no token counts).
-
-    A microbatch's loss is the mean over its own tokens (``masked_mean``); times its
-    share, it contributes ``sum_i loss_i / total`` with ``total`` the whole batch's
-    count, so the microbatches' weighted losses (and gradients) add up to the whole
-    batch's token-weighted mean. The plain mean of the microbatch means is not that
-    when masks (packing, documents) count different numbers of tokens per microbatch.
-    Gradient accumulation and the pipeline (``jaxpar.train.pipelined``) both weight by it.
-    """
-    counts = mask.astype(jnp.float32).reshape(mask.shape[0], -1).sum(axis=1)
-    return counts / jnp.maximum(counts.sum(), 1.0)
 
 
 @functools.cache
@@ -110,12 +48,6 @@ def _converter(fn: Callable, out_shardings, **kwargs) -> Callable:
     calls one."""
     shardings, treedef = jax.tree.flatten(out_shardings)
     return _cached_converter(fn, tuple(sorted(kwargs.items())), tuple(shardings), treedef)
-
-
-def microbatches(x: jax.Array, count: int) -> jax.Array:
-    """``[B, ...] -> [count, B / count, ...]``; microbatch ``j`` holds rows ``j, j + count,
-    ...``, so each device's rows stay on it under data parallelism."""
-    return jnp.swapaxes(x.reshape(x.shape[0] // count, count, *x.shape[1:]), 0, 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,8 +140,6 @@ class TrainStep:
         keeps them) with its stacked layers in the model's order, each array on its
         sharding (a split stacked leaf joined in host memory); ``state`` itself when
         ``layer_order`` and ``split`` are None."""
-        from jaxpar.train import pipelined
-
         if self.split is not None:
             shardings = jax.tree.map(lambda x: x.sharding, state)
             out = jax.tree.map(lambda s: s.offloaded if is_split(s) else s, shardings, is_leaf=is_split)
@@ -219,8 +149,6 @@ class TrainStep:
     def in_storage_order(self, state):
         """The inverse of ``in_model_order``: a model-order state stored as the step keeps
         it (under offload: split and placed in the memories ``execution.offload`` says)."""
-        from jaxpar.train import pipelined
-
         if self.offloading:
             shardings = self._stored_shardings(state)
             if self.split is None:
@@ -249,9 +177,7 @@ class TrainStep:
     def model(self, params) -> nnx.Module:
         """The model that ``params`` (as this step keeps them) are; traceable."""
         if self.layer_order is not None:
-            from jaxpar.train import pipelined
-
-            params = pipelined.to_model(params, self.layer_order)
+                params = pipelined.to_model(params, self.layer_order)
         return nnx.merge(self.graphdef, params)
 
     def abstract_state(self, model: nnx.Module, sharding=None, *, stored: bool = False) -> dict:
@@ -269,9 +195,7 @@ class TrainStep:
                 shardings = jax.tree.map(lambda s: s.offloaded if is_split(s) else s, shardings,
                                          is_leaf=is_split)
         elif stored and self.layer_order is not None:  # padded where the stages are uneven
-            from jaxpar.train import pipelined
-
-            params = jax.eval_shape(functools.partial(pipelined.to_storage, order=self.layer_order), params)
+                params = jax.eval_shape(functools.partial(pipelined.to_storage, order=self.layer_order), params)
         state = {"params": params, "opt_state": jax.eval_shape(self.tx.init, params)}
         if sharding is not None or self.params_sharding is None:
             return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), state)
@@ -295,12 +219,6 @@ class TrainStep:
             return self.step(params, opt_state, batch, *frozen)
 
 
-def _batch_axes(mesh, resolved) -> tuple[tuple[str, ...], int]:
-    """The mesh axes the rules split the batch over, and how many ways in all."""
-    axes = rules_lib.as_tuple(rules_lib.logical_to_spec(("batch",), resolved)[0])
-    return axes, math.prod(mesh.shape[a] for a in axes)
-
-
 def make_train_step(
     model: nnx.Module,
     tx: optax.GradientTransformation,
@@ -320,164 +238,111 @@ def make_train_step(
     weighted: int | None = None,
     noise_scale: bool = False,
 ) -> TrainStep:
-    """Builds the jitted train step for ``model``'s structure on ``mesh`` (or one device).
+    """Builds the jitted train step for ``model``'s structure on ``mesh`` (or one device),
+    its loss and gradients composed from the parts of ``jaxpar.train.gradients``: a source
+    (the plain ``loss``, or ``pipeline``), ``grad_accum`` microbatches, and a per-replica
+    part where ``reduction``, ``weighted`` or ``noise_scale`` asks for one.
 
-    With ``grad_accum=k`` the batch ``[B, T]`` is split into ``k`` microbatches of
-    ``B / k`` rows (row ``r`` goes to microbatch ``r % k``, so each device's rows stay
-    on it) whose losses and gradients are summed, each weighted by its share of the
-    batch's counted tokens (``token_shares``), inside the one jitted step: the loss and
-    gradients of the whole batch's token-weighted mean, whatever ``k``.
-
-    ``pipeline``: a ``jaxpar.parallel.pipeline_schedule.Schedule`` over the mesh's ``pipe`` axis;
-    the step then runs the model through it (``jaxpar.train.pipelined``), with the
-    stacked layers stored in the order it reads them (``TrainStep.layer_order``).
-    ``stage_layers``: with ``pipeline``, the layers of each of its ``P V`` stages in
-    stage order (summing to the model's layers, each at least 1); None: ``L / (P V)``
-    each. Uneven stages are stored padded to the largest (``jaxpar.train.pipelined``).
-
-    ``loss``: ``(model, batch) -> scalar`` (default ``loss_fn``, next-token
-    cross-entropy), or ``(model, batch, frozen) -> scalar`` with ``frozen``.
-
-    ``frozen``: an ``nnx.State`` (another model's, as a GliDe draft reads its target's
-    embedding and LM head) that the loss reads and the step never trains. The step then
-    takes it on every call, ``step(params, opt_state, batch, frozen)``, placed like
-    parameters by its logical annotations. An argument rather than something the loss
-    closes over: a closed-over array becomes a constant of the compiled step (the
-    target's weights copied into its HLO), and no gradient is taken with respect to it
-    nor update made. Give its value (or abstract state) here for its shardings.
-
-    ``offload``: which state lives in host memory between steps (``jaxpar.offload``; the
-    step's ``execution.offload``): with ``params="host"`` the model fetches each
-    host-resident stacked layer ``prefetch`` layers ahead of its use and the embedding,
-    final norm and head where it reads them (``jaxpar.offload.fetch``); with
-    ``optimizer="host"`` the update runs on the host (``jaxpar.offload.state``). Neither
-    composes with ``pipeline`` yet. ``TrainStep.init`` places the state so, on one device
-    too (``params_sharding`` / ``opt_sharding`` then name the device and memory kind).
-
-    ``weighted``: with ``data.batch_weights`` (``jaxpar.train.weighted``), the batch holds
-    each data-parallel device's slot of rows, real rows first, and every device runs its
-    own real rows in microbatches of ``weighted`` rows before one sum over the data axes:
-    the loss and gradients of the token-weighted mean over all real rows.
-
-    ``reduction``: how the ``data`` replicas' gradients combine
-    (``jaxpar.hetero.reduction.Reduction``): None or the uncompressed mean is this program
-    as it is (XLA's all-reduce of the batch's gradients); Adasum or ``dct_topk``
-    compression computes each replica's gradient under ``shard_map`` over ``data`` (after
-    its ``grad_accum`` microbatches) and reduces them explicitly, ``dct_topk``'s residuals
-    carried in the optimizer state (``TrainStep.tx`` is then ``optax.chain(carried, tx)``).
-    Needs a mesh; not with ``pipeline`` or ``offload`` yet.
-
-    ``noise_scale``: the step also returns ``grad_sq_small``, the mean over the ``data``
-    replicas of each one's gradient's squared norm, and ``grad_sq_big``, the batch
-    gradient's (``jaxpar.hetero.reduction.value_grads_and_replica_norm``: each replica's
-    gradient under ``shard_map``, token-weighted and summed, so the update is the plain
-    step's): what ``jaxpar.train.noise_scale`` estimates the gradient noise scale from.
-    Needs a mesh; not with ``pipeline``, ``offload``, ``weighted`` or another reduction.
+    ``grad_accum=k``: ``k`` microbatches of ``B / k`` rows, each weighted by its share of
+    the batch's counted tokens: the whole batch's token-weighted mean, whatever ``k``.
+    ``pipeline``: a ``jaxpar.parallel.pipeline_schedule.Schedule`` over the ``pipe`` axis
+    (``jaxpar.train.pipelined``), the stacked layers stored in the order it reads them
+    (``TrainStep.layer_order``); ``stage_layers``: its ``P V`` stages' layers (None: even).
+    ``loss``: ``(model, batch) -> scalar`` (default ``loss_fn``), or ``(model, batch,
+    frozen) -> scalar`` with ``frozen``: an ``nnx.State`` (a GliDe draft's target's
+    embedding and head) the loss reads and the step never trains, an argument of every
+    call (``step(params, opt_state, batch, frozen)``) rather than a constant baked into
+    the program; give its value or abstract state here for its shardings.
+    ``offload``: which state lives in host memory between steps (``jaxpar.offload``);
+    ``TrainStep.init`` places it so, on one device too.
+    ``weighted``: HetSeq's unequal rows per data device (``jaxpar.train.weighted``), run
+    in microbatches of ``weighted`` rows. ``reduction``: how the ``data`` replicas'
+    gradients combine (``jaxpar.hetero.reduction.Reduction``; the uncompressed mean is
+    XLA's all-reduce); ``dct_topk``'s residuals are carried in the optimizer state
+    (``TrainStep.tx`` is then ``optax.chain(carried, tx)``). ``noise_scale``: the step also
+    returns ``grad_sq_small`` and ``grad_sq_big`` (``jaxpar.train.noise_scale``).
+    ``_refuse`` names the combinations not built yet.
     """
     graphdef, params = nnx.split(model)
-    resolved = None if mesh is None else rules_lib.for_mesh(mesh, rules_lib.DEFAULT_RULES if rules is None else rules)
-    offload = offload or OffloadOptions()
-    execution = Execution(resolved, kernels or KernelOptions(), sequence, offload)
-    offloading = offload.state_on_host
-    layer_order = None
     reduction = None if reduction is None or reduction.is_mean else reduction
+    offload = offload or OffloadOptions()
+    _refuse(mesh, pipeline, offload, reduction, weighted, noise_scale, grad_accum, stage_layers, loss, frozen)
+    resolved = None if mesh is None else rules_lib.for_mesh(mesh, rules_lib.DEFAULT_RULES if rules is None else rules)
+    execution = Execution(resolved, kernels or KernelOptions(), sequence, offload)
     if reduction is not None:
-        if pipeline is not None or offloading or weighted is not None:
-            raise ValueError(f"optimizer.reduction={reduction.kind} / compression={reduction.compression} does "
-                             "not compose with a pipeline, offload or data.batch_weights yet: give the mean, "
-                             "no compression")
         reduction_lib.check(reduction, mesh)
         tx = reduction_lib.with_state(tx, reduction, mesh)
-    if noise_scale and (mesh is None or pipeline is not None or offloading or weighted is not None
-                        or reduction is not None):
-        raise ValueError("eval.noise_scale needs a mesh and the plain mean over data replicas: not with a "
-                         "pipeline, offload, data.batch_weights or another reduction yet")
-    if stage_layers is not None and pipeline is None:
-        raise ValueError(f"stage_layers={list(stage_layers)} needs a pipeline")
-    if pipeline is not None and offloading:
-        raise ValueError("offload.params=host / offload.optimizer=host do not compose with a pipeline yet: "
-                         "a stage's layers would have to be fetched inside the schedule's shard_map")
+    layer_order = None
     if pipeline is not None:
-        if loss is not loss_fn or frozen is not None:
-            raise ValueError("a pipelined step computes its own next-token loss: no loss= or frozen=")
-        from jaxpar.train import pipelined
-
         layer_order = pipelined.storage_order(pipeline, model.cfg.layers, stage_layers)
         stage_layers = None if stage_layers is None else tuple(int(n) for n in stage_layers)
-
-    def pipelined_loss_and_grads(params, batch):
-        from jaxpar.train import pipelined
-
-        # jaxpar's own model, as in loss_fn: on an Explicit mesh it runs with the axes
-        # made Auto (auto_axes below), its shard_maps on the mesh in force there.
-        on = jax.sharding.get_abstract_mesh() if mesh.explicit_axes else mesh
-        return pipelined.loss_and_grads(graphdef, params, batch, pipeline, on, stage_layers)
-
-    def loss_and_grads(params, batch, *frozen):
-        if weighted is not None:  # unequal rows per data device (data.batch_weights)
-            from jaxpar.train import weighted as weighted_lib
-
-            axes, _ = _batch_axes(mesh, resolved)
-            return weighted_lib.loss_and_grads(loss, graphdef, params, batch, frozen, mesh=mesh, axes=axes,
-                                               unit=weighted)
-        if pipeline is not None:
-            run = auto_axes(pipelined_loss_and_grads, out_sharding=(PartitionSpec(), params_sharding))
-            return run(params, batch)
-        return jax.value_and_grad(lambda p: loss(nnx.merge(graphdef, p), batch, *frozen))(params)
-
-    def accumulated(params, batch, *frozen):
-        micro = jax.tree.map(lambda x: microbatches(x, grad_accum), batch)
-        mask = micro.get("mask")
-        shares = (jnp.full((grad_accum,), 1 / grad_accum, jnp.float32) if mask is None
-                  else token_shares(mask))
-
-        def body(carry, xs):
-            micro, share = xs
-            value, grads = loss_and_grads(params, micro, *frozen)
-            # each sum where its gradient lives: a host-resident parameter's on the host
-            return offload_state.accumulate(carry, (value, grads), share), None
-
-        zeros = (jnp.zeros((), jnp.float32), offload_state.zeros_like(params) if offloading
-                 else jax.tree.map(jnp.zeros_like, params))
-        total, _ = jax.lax.scan(body, zeros, (micro, shares))
-        return total
-
-    def reduced(params, opt_state, batch, *frozen):
-        grad_fn = loss_and_grads if grad_accum == 1 else accumulated
-        return reduction_lib.value_and_grads(grad_fn, reduction, mesh, params_sharding, opt_sharding,
-                                             params, opt_state, batch, *frozen)
-
-    def with_noise(params, batch, *frozen):
-        grad_fn = loss_and_grads if grad_accum == 1 else accumulated
-        return reduction_lib.value_grads_and_replica_norm(grad_fn, mesh, params_sharding, params, batch, *frozen)
-
-    @use_execution(execution)  # bound at trace time, whatever the caller's context
-    def step(params, opt_state, batch, *frozen):
-        extra = {}
-        if noise_scale:
-            value, grads, small = with_noise(params, batch, *frozen)
-            extra = {"grad_sq_small": small, "grad_sq_big": optax.tree.norm(grads, squared=True)}
-        elif reduction is not None:
-            value, grads, opt_state = reduced(params, opt_state, batch, *frozen)
-        elif grad_accum == 1:
-            value, grads = loss_and_grads(params, batch, *frozen)
-        else:
-            value, grads = accumulated(params, batch, *frozen)
-        if offloading:
-            params, opt_state, norm = offload_state.update(tx, offload, grads, opt_state, params)
-            return params, opt_state, {"loss": value, "grad_norm": norm}
-        # the noise scale's norms reach a transformation that reads them (AdaScale's)
-        updates, opt_state = optax.with_extra_args_support(tx).update(grads, opt_state, params, **extra)
-        params = optax.apply_updates(params, updates)
-        adascale = adascale_lib.state_of(opt_state)
-        if adascale is not None:
-            extra |= {"lr": adascale.rate, "adascale_gain": adascale.gain, "adascale_progress": adascale.progress}
-        return params, opt_state, {"loss": value, "grad_norm": optax.tree.norm(grads), **extra}
-
+    shardings = _shardings(params, tx, mesh, rules, resolved, offload, reduction, frozen)
+    if pipeline is not None:
+        source = pipelined.source(graphdef, pipeline, mesh, stage_layers, shardings.params)
+    else:
+        source = gradients.plain(loss, graphdef)
+    if grad_accum > 1:
+        source = gradients.accumulated(source, grad_accum)
+    replicas = gradients.Replicas(reduction, weighted, noise_scale)
+    step = _step(source, replicas, tx, mesh, offload, shardings, execution)
     donate_argnums = (0, 1) if donate else ()
-    if mesh is None and not offloading:
+    if mesh is None and not offload.state_on_host:
         return TrainStep(graphdef, tx, jax.jit(step, donate_argnums=donate_argnums),
                          None, None, None, None, execution, loss, layer_order, stage_layers=stage_layers)
+    jitted = jax.jit(
+        step,
+        in_shardings=(shardings.params, shardings.opt, shardings.batch, *shardings.frozen),
+        out_shardings=(shardings.params, shardings.opt, shardings.replicated),
+        donate_argnums=donate_argnums,
+    )
+    return TrainStep(graphdef, tx, jitted, mesh, shardings.params, shardings.opt, shardings.batch,
+                     execution, loss, layer_order, shardings.split, stage_layers)
+
+
+def _refuse(mesh, pipeline, offload: OffloadOptions, reduction, weighted, noise_scale: bool, grad_accum: int,
+            stage_layers, loss, frozen) -> None:
+    """One ``ValueError`` line for options that do not compose: the pairs of
+    ``jaxpar.train.combinations`` (the table a config is checked against), then what the
+    step's own arguments need."""
+    shape = {} if mesh is None else dict(mesh.shape)
+    tensor = [shape[a] for a in ("tensor", "tensor_row", "tensor_col") if shape.get(a, 1) > 1]
+    present = {
+        "offload": offload.state_on_host and f"offload.params={offload.params!r} optimizer={offload.optimizer!r}",
+        "data.batch_weights": weighted is not None and "data.batch_weights",
+        "optimizer.reduction=adasum": reduction is not None and reduction.kind == "adasum" and "reduction=adasum",
+        "optimizer.compression=dct_topk": reduction is not None and reduction.compressed and "compression=dct_topk",
+        "eval.noise_scale": noise_scale and "noise_scale", "task=glide": frozen is not None and "frozen=",
+        "optimizer.grad_accum": grad_accum > 1 and f"grad_accum={grad_accum}",
+        "mesh.fsdp": shape.get("fsdp", 1) > 1 and f"mesh.fsdp={shape.get('fsdp')}",
+        "mesh.tensor": bool(tensor) and f"mesh.tensor={tensor}",
+        "mesh.pipe": pipeline is not None and "pipeline", "mesh.seq": shape.get("seq", 1) > 1 and f"mesh.seq={shape.get('seq')}",
+    }
+    line = combinations.refusal({key: shown for key, shown in present.items() if shown})
+    if line is not None:
+        raise ValueError(line)
+    if noise_scale and mesh is None:
+        raise ValueError("eval.noise_scale compares the data replicas' gradients: give the step a mesh")
+    if stage_layers is not None and pipeline is None:
+        raise ValueError(f"stage_layers={list(stage_layers)} needs a pipeline")
+    if pipeline is not None and (loss is not loss_fn or frozen is not None):
+        raise ValueError("a pipelined step computes its own next-token loss: no loss= or frozen=")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shardings:
+    """Where the step's inputs and outputs live (all None without a mesh or offload)."""
+
+    params: Any = None
+    opt: Any = None
+    batch: Any = None
+    replicated: Any = None
+    frozen: tuple = ()
+    split: tuple[int, int] | None = None
+
+
+def _shardings(params, tx, mesh, rules, resolved, offload: OffloadOptions, reduction, frozen) -> _Shardings:
+    if mesh is None and not offload.state_on_host:
+        return _Shardings()
     if mesh is None:  # offloading on one device: a sharding of its own, for the memory kinds
         one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         params_sharding, replicated = jax.tree.map(lambda _: one, params), one
@@ -491,17 +356,47 @@ def make_train_step(
     if reduction is not None:  # the carried residuals: per replica, split over data
         opt_sharding = reduction_lib.state_shardings(reduction, opt_sharding, params_sharding, mesh)
     split = None
-    if offloading:
+    if offload.state_on_host:
         params_sharding, opt_sharding, split = _offloaded_shardings(params, tx, offload, params_sharding,
                                                                     opt_sharding)
-    jitted = jax.jit(
-        step,
-        in_shardings=(params_sharding, opt_sharding, batch_sharding, *frozen_sharding),
-        out_shardings=(params_sharding, opt_sharding, replicated),
-        donate_argnums=donate_argnums,
-    )
-    return TrainStep(graphdef, tx, jitted, mesh, params_sharding, opt_sharding, batch_sharding,
-                     execution, loss, layer_order, split, stage_layers)
+    return _Shardings(params_sharding, opt_sharding, batch_sharding, replicated, frozen_sharding, split)
+
+
+def _step(source: gradients.GradFn, replicas: gradients.Replicas, tx, mesh, offload: OffloadOptions,
+          shardings: _Shardings, execution: Execution) -> Callable:
+    """``(params, opt_state, batch, *frozen) -> (params, opt_state, metrics)``: the loss and
+    gradients from ``source`` (per replica where ``replicas`` asks for it), then the update."""
+    per_replica = replicas != gradients.Replicas()
+    compressed = replicas.reduction is not None and replicas.reduction.compressed
+    if per_replica:
+        state_sharding = shardings.opt[0] if compressed else None
+        combined = gradients.over_replicas(source, replicas, mesh, shardings.params, state_sharding)
+
+    @use_execution(execution)  # bound at trace time, whatever the caller's context
+    def step(params, opt_state, batch, *frozen):
+        measured = {}
+        if per_replica:
+            state = opt_state[0] if compressed else None
+            value, grads, state, measured = combined(params, state, batch, *frozen)
+            if compressed:
+                opt_state = (state, *opt_state[1:])
+        else:
+            value, grads = source(params, batch, *frozen)
+        if replicas.measure:
+            measured["grad_sq_big"] = optax.tree.norm(grads, squared=True)
+        if offload.state_on_host:
+            params, opt_state, norm = offload_state.update(tx, offload, grads, opt_state, params)
+            return params, opt_state, {"loss": value, "grad_norm": norm}
+        # the noise scale's norms reach a transformation that reads them (AdaScale's)
+        updates, opt_state = optax.with_extra_args_support(tx).update(grads, opt_state, params, **measured)
+        params = optax.apply_updates(params, updates)
+        adascale = adascale_lib.state_of(opt_state)
+        if adascale is not None:
+            measured |= {"lr": adascale.rate, "adascale_gain": adascale.gain,
+                         "adascale_progress": adascale.progress}
+        return params, opt_state, {"loss": value, "grad_norm": optax.tree.norm(grads), **measured}
+
+    return step
 
 
 def _offloaded_shardings(params, tx, offload: OffloadOptions, params_sharding, opt_sharding):

@@ -6,7 +6,8 @@ token-weighted mean over all its rows, whichever process read them.
 
 How one SPMD program gives unequal processes unequal work: every data-parallel device
 has a slot of ``slot`` rows in the step's global batch (the most any device reads), its
-real rows first, the rest padding (mask 0). Under ``shard_map`` over the data axes each
+real rows first, the rest padding (mask 0). Under ``shard_map`` over the data axis (the
+step's per-replica part, ``jaxpar.train.gradients.over_replicas`` with ``rows``) each
 device runs its own rows in microbatches of ``unit`` rows, as many as it has real rows
 for (a ``fori_loop`` whose trip count is the device's own, read from its mask: the last
 row with a counted token), summing each microbatch's loss and gradients times its
@@ -41,13 +42,8 @@ import math
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
-from jax.sharding import PartitionSpec
 
-from jaxpar.placement import rules as rules_lib
-from jaxpar.placement.execution import use_execution
 from jaxpar.placement.sharding import use_mesh
 from jaxpar.train import data as data_lib
 from jaxpar.train.config import Config, ConfigError
@@ -118,40 +114,6 @@ def row_counts(global_batch: int, weights, processes: int, devices: int) -> Layo
     return Layout(tuple(int(c) * devices * quantum for c in counts), devices, quantum)
 
 
-def loss_and_grads(loss, graphdef, params, batch: dict, frozen: tuple, *, mesh, axes: tuple[str, ...],
-                   unit: int):
-    """``(loss, grads)``: the token-weighted mean over every device's real rows of
-    ``batch`` (each device's slot, real rows first), its own rows in microbatches of
-    ``unit`` (see the module docstring)."""
-    # Inside, the data axes are manual: the model's activation constraints name none.
-    local_rules = tuple((name, None) for name, _ in rules_lib.for_mesh(mesh, rules_lib.DEFAULT_RULES))
-
-    def device(params, batch, *frozen):
-        counted = batch["mask"].sum(axis=1) > 0
-        last = jnp.max(jnp.where(counted, jnp.arange(counted.shape[0]) + 1, 0))
-
-        def microbatch(i, carry):
-            total, tokens, grads = carry
-            rows = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, i * unit, unit), batch)
-            count = rows["mask"].sum().astype(jnp.float32)
-            with use_execution(rules=local_rules):
-                value, g = jax.value_and_grad(lambda p: loss(nnx.merge(graphdef, p), rows, *frozen))(params)
-            return total + count * value, tokens + count, jax.tree.map(lambda a, b: a + count * b, grads, g)
-
-        zeros = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-        total, tokens, grads = jax.lax.psum(jax.lax.fori_loop(0, (last + unit - 1) // unit, microbatch, zeros),
-                                            axes)
-        scale = 1.0 / jnp.maximum(tokens, 1.0)
-        return total * scale, jax.tree.map(lambda g: g * scale, grads)
-
-    spec = PartitionSpec(axes)
-    # check_vma=False: JAX 0.10 crashes (a segfault while linearising the layers' scan)
-    # checking the varying-manual-axes types of this loop; the psum above is explicit.
-    run = jax.shard_map(device, mesh=mesh, in_specs=(PartitionSpec(), spec, *(PartitionSpec(),) * len(frozen)),
-                        out_specs=(PartitionSpec(), PartitionSpec()), check_vma=False)
-    return run(params, batch, *frozen)
-
-
 def measure(step_fn, params, rows: dict, *, repeats: int = 3) -> float:
     """This process's tokens/s: the median of ``repeats`` timed forward/backward passes
     of ``rows`` (one microbatch, numpy ``[unit, T]``) on its first device, times its
@@ -183,17 +145,12 @@ def shared_speeds(speed: float) -> tuple[float, ...]:
 
 def layout_of(cfg: Config, mesh) -> Layout | None:
     """With ``data.batch_weights``, how each global batch splits over the processes
-    (``auto``: evenly until measured); ``ConfigError`` (exit 2) where the weights or the
-    run do not fit (the limits above)."""
+    (``auto``: evenly until measured); ``ConfigError`` (exit 2) where the weights do not
+    fit the run. The features it does not compose with (the limits above) are refused
+    when the config is read (``jaxpar.train.combinations``)."""
     weights = cfg.data.batch_weights
     if weights is None:
         return None
-    others = {k: v for k, v in mesh.shape.items() if k != "data" and v > 1}
-    if others or cfg.optimizer.grad_accum != 1 or cfg.task != "lm" or not cfg.optimizer.gradient_reduction.is_mean:
-        raise ConfigError(f"data.batch_weights={weights!r} runs a language model (task: lm) on mesh.data alone, "
-                          f"without optimizer.grad_accum or another reduction than the mean; got task={cfg.task} "
-                          f"mesh {others or ''} optimizer.grad_accum={cfg.optimizer.grad_accum} "
-                          f"optimizer.reduction={cfg.optimizer.reduction} optimizer.compression={cfg.optimizer.compression}")
     processes = jax.process_count()
     try:
         return row_counts(cfg.batch_size, (1.0,) * processes if weights == "auto" else weights,

@@ -5,11 +5,13 @@ axis inside the train step (``jaxpar.train.step.make_train_step(..., reduction=.
 The mean needs nothing here: XLA all-reduces the gradients of the whole batch's loss
 itself, and ``Reduction()`` (the mean, uncompressed) leaves that program as it is.
 Otherwise each data-parallel replica computes its own gradient under ``shard_map``
-manual over ``data`` only (the other axes stay automatic, so FSDP, tensor and
-sequence sharding work inside a replica as they do without it, and FSDP's gradients are
-reduced within the replica by XLA as usual), its loss being the token-weighted mean of
-its own rows (with gradient accumulation, of all its microbatches: the replicas
-accumulate, then reduce once). The replicas' gradients then combine by:
+manual over ``data`` only (the train step's one per-replica part,
+``jaxpar.train.gradients.over_replicas``: the other axes stay automatic, so FSDP, tensor
+and sequence sharding work inside a replica as they do without it, and FSDP's gradients
+are reduced within the replica by XLA as usual), its loss being the token-weighted mean
+of its own rows (with gradient accumulation, of all its microbatches: the replicas
+accumulate, then reduce once). The replicas' gradients then combine, inside that
+``shard_map``, by:
 
 * ``adasum``: Adasum (``jaxpar.hetero.adasum``), leaf by leaf as Horovod does, by
   recursive doubling: at level ``k`` replica ``i`` swaps its partial result with
@@ -44,8 +46,8 @@ The residuals and thresholds are per replica, state sharded over ``data`` (``[n,
 ...]`` per leaf, ``ResidualState``), and live in the optimizer state: the step's
 optimizer is ``optax.chain(carried(n), tx)`` (``with_state``), so checkpoints hold them
 and a resume is exact (onto the same ``data`` size). ``carried``'s own update passes
-the gradients through; the step replaces its state with the one ``value_and_grads``
-returns before ``tx`` runs.
+the gradients through; the step replaces its state with the one ``exchange`` returns
+before ``tx`` runs.
 
 The replicas' losses are means over their own tokens, so with masks that count
 different numbers of tokens per replica the reduced gradient is the mean of the
@@ -56,9 +58,7 @@ plain step computes; they agree when every replica counts as many tokens.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
-from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -69,8 +69,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxpar.hetero import adasum
 from jaxpar.hetero.compression import select, threshold_of
 from jaxpar.placement import rules as rules_lib
-from jaxpar.placement.execution import current, use_execution
-from jaxpar.placement.sharding import auto_axes
 
 AXIS = "data"
 KINDS = ("mean", "adasum")
@@ -170,79 +168,6 @@ def state_shardings(reduction: Reduction, opt_sharding, params_sharding, mesh):
     return (carried_sharding, *opt_sharding[1:])
 
 
-def value_and_grads(grad_fn: Callable, reduction: Reduction, mesh, params_sharding, opt_sharding,
-                    params, opt_state, batch, *frozen):
-    """``(loss, grads, opt_state)``: ``grad_fn(params, batch, *frozen) -> (loss, grads)``
-    run per replica on its rows, the gradients reduced as ``reduction`` says, the loss
-    the replicas' mean, ``opt_state`` with the new carried state (``with_state``). On an
-    Explicit mesh it runs with the axes made Auto, as the model's loss does."""
-    state = opt_state[0] if reduction.compressed else None
-    state_sharding = opt_sharding[0] if reduction.compressed else None
-    run = auto_axes(functools.partial(_per_replica, grad_fn, reduction, mesh),
-                    out_sharding=(PartitionSpec(), params_sharding, state_sharding))
-    value, grads, state = run(params, state, batch, *frozen)
-    if reduction.compressed:
-        opt_state = (state, *opt_state[1:])
-    return value, grads, opt_state
-
-
-def _per_replica(grad_fn, reduction: Reduction, mesh, params, state, batch, *frozen):
-    """The ``shard_map`` manual over ``data``: each replica's gradient, then the reduction."""
-    on = jax.sharding.get_abstract_mesh() if mesh.explicit_axes else mesh
-    n = replicas(mesh)
-    rules = without_axis(current().rules, AXIS)
-
-    def replica(params, state, batch, *frozen):
-        with use_execution(rules=rules):  # inside, `data` is manual: activations name it no more
-            value, grads = grad_fn(params, batch, *frozen)
-        if reduction.compressed:
-            grads, state = _exchange(grads, state, reduction, n)
-        elif reduction.kind == "adasum":
-            grads = adasum_over(grads, AXIS, n)
-        return jax.lax.pmean(value, AXIS), grads, state
-
-    whole, split = PartitionSpec(), PartitionSpec(AXIS)
-    state_spec = ResidualState(split, split, whole) if reduction.compressed else None
-    # check_vma off: a gradient taken inside with respect to a replicated input is the
-    # replica's own (with it on, JAX would sum it over `data` by the transpose rule).
-    return jax.shard_map(replica, mesh=on, in_specs=(whole, state_spec, split, *(whole,) * len(frozen)),
-                         out_specs=(whole, whole, state_spec), axis_names={AXIS}, check_vma=False,
-                         )(params, state, batch, *frozen)
-
-
-def value_grads_and_replica_norm(grad_fn: Callable, mesh, params_sharding, params, batch, *frozen):
-    """``(loss, grads, small)``: the batch's token-weighted mean loss and gradient (the
-    plain step's, each replica's ``grad_fn`` result weighted by its counted tokens and
-    summed over ``data``) and ``small``, the mean over the replicas of each one's own
-    gradient's squared norm: the two batch sizes of McCandlish et al.'s noise-scale
-    estimator within one step (``jaxpar.train.noise_scale``). Run per replica under
-    ``shard_map`` over ``data`` as ``value_and_grads``; without a ``mask`` every replica
-    weighs the same."""
-    run = auto_axes(functools.partial(_weighted_per_replica, grad_fn, mesh),
-                    out_sharding=(PartitionSpec(), params_sharding, PartitionSpec()))
-    return run(params, batch, *frozen)
-
-
-def _weighted_per_replica(grad_fn, mesh, params, batch, *frozen):
-    on = jax.sharding.get_abstract_mesh() if mesh.explicit_axes else mesh
-    rules = without_axis(current().rules, AXIS)
-
-    def replica(params, batch, *frozen):
-        with use_execution(rules=rules):  # inside, `data` is manual: activations name it no more
-            value, grads = grad_fn(params, batch, *frozen)
-        counted = batch["mask"].astype(jnp.float32).sum() if "mask" in batch else jnp.ones((), jnp.float32)
-        share = counted / jnp.maximum(jax.lax.psum(counted, AXIS), 1.0)
-        small = jax.lax.pmean(optax.tree.norm(grads, squared=True), AXIS)
-        value, grads = jax.lax.psum((share * value, jax.tree.map(lambda g: (share * g).astype(g.dtype), grads)), AXIS)
-        return value, grads, small
-
-    whole, split = PartitionSpec(), PartitionSpec(AXIS)
-    # check_vma off, as in _per_replica: each replica's gradient is its own until the psum.
-    return jax.shard_map(replica, mesh=on, in_specs=(whole, split, *(whole,) * len(frozen)),
-                         out_specs=(whole, whole, whole), axis_names={AXIS}, check_vma=False,
-                         )(params, batch, *frozen)
-
-
 def without_axis(rules, axis: str):
     """``rules`` with ``axis`` removed from every rule (a dimension mapped only to it
     becomes replicated): what activations follow inside a ``shard_map`` manual over it."""
@@ -271,7 +196,7 @@ def adasum_over(grads, axis: str, n: int):
     return grads
 
 
-def _exchange(grads, state: ResidualState, reduction: Reduction, n: int):
+def exchange(grads, state: ResidualState, reduction: Reduction, n: int):
     """One replica's side of ``dct_topk``: ``(reduced grads, new local state)``; the
     local state's leaves are this replica's ``[1, ...]`` blocks."""
     fresh = state.count % reduction.threshold_every == 0
