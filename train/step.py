@@ -321,7 +321,7 @@ def _refuse(mesh, pipeline, offload: OffloadOptions, reduction, weighted, noise_
     if line is not None:
         raise ValueError(line)
     if noise_scale and mesh is None:
-        raise ValueError("eval.noise_scale compares the data replicas' gradients: give the step a mesh")
+        raise ValueError("eval.noise_scale needs a mesh: it compares the data replicas' gradients")
     if stage_layers is not None and pipeline is None:
         raise ValueError(f"stage_layers={list(stage_layers)} needs a pipeline")
     if pipeline is not None and (loss is not loss_fn or frozen is not None):
