@@ -153,6 +153,10 @@ DLRM_PRESETS: dict[str, DLRMConfig] = {
     # 8 tables of 10,000-50,000 rows (200,000 in all; 1% holds a batch of 64): trains in
     # seconds on a CPU (the CI model).
     "dlrm": DLRMConfig(),
+    # Criteo's 26 features at the CPU model's size: the dlrm preset's 200,000 rows in all,
+    # each table its Criteo Terabyte cardinality up to a common cap (what `jaxpar-train
+    # dlrm data.format=criteo` trains).
+    "dlrm_criteo_small": DLRMConfig(table_rows=capped_rows(CRITEO_1TB_CARDINALITIES, 200_000)),
     # MLPerf DLRM-DCNv2's shape on 26 tables hashed to 4,194,304 rows in all: each table
     # keeps its Criteo Terabyte cardinality up to a common cap (546,574 rows; 6 tables
     # are capped), as DLRM's --max-ind-range caps them. Low-rank cross layers, rank 512,

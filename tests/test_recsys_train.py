@@ -58,12 +58,29 @@ def test_trained_dlrm_learns_the_planted_signal(learned):
     (["embedding.cache_ratio=1.5"], r"embedding.cache_ratio=1.5 must be in \(0, 1\]"),
     (["data.format=criteo"], r"data.format=criteo needs data.path"),
     (["data.format=text"], r"task=dlrm reads data.format=criteo"),
+    (["data.format=criteo", "data.path=day_0.gz"],
+     r"^data.format=criteo has 26 categorical features, but the model has 8 tables: give model=dlrm_criteo_small"),
     (["mesh.fsdp=2"], r"task=dlrm trains data parallel"),
     (["task=lm"], r"task='lm' with a DLRMConfig model"),
 ])
 def test_bad_config_is_one_line(args, message):
     with pytest.raises(ConfigError, match=message):
         load_config("dlrm", args)
+
+
+def test_the_readmes_criteo_command_trains(tmp_path):
+    """README: ``jaxpar-train dlrm model=dlrm_criteo_small data.format=criteo
+    data.path=day_0.gz``, on 300 random Criteo lines (gzip), shortened to 2 steps of 64
+    samples with no evaluation: it trains them, to finite losses."""
+    import math
+
+    from test_recsys_data import _lines, _write
+
+    day = _write(tmp_path / "day_0.gz", _lines(300)[0], gz=True)
+    history = train(load_config("dlrm", ["model=dlrm_criteo_small", "data.format=criteo", f"data.path={day}",
+                                         f"run_dir={tmp_path / 'criteo'}", "steps=2", "eval.every=0"]),
+                    progress=False)
+    assert [r["step"] for r in history] == [1, 2] and all(math.isfinite(r["loss"]) for r in history)
 
 
 @pytest.mark.parametrize("sharding", ["replicated", "row_wise"])

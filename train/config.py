@@ -31,6 +31,7 @@ from jaxpar.train import combinations
 from jaxpar.train.config_load import ConfigError, _build, _merge, _read_yaml, _set
 from jaxpar.train.data import DataConfig
 from jaxpar.train.pipelined import check_stage_layers
+from jaxpar.train.recsys_data import SPARSE as CRITEO_FEATURES
 
 CONFIG_DIR = pathlib.Path(__file__).parent / "configs"
 
@@ -483,6 +484,10 @@ class Config:
             raise ValueError("task=dlrm reads data.format=criteo (a Criteo TSV at data.path) or synthetic")
         if self.data.format == "criteo" and not self.data.path:
             raise ValueError("data.format=criteo needs data.path=FILE (Criteo's TSV, plain or .gz)")
+        if self.data.format == "criteo" and len(self.model.table_rows) != CRITEO_FEATURES:
+            raise ValueError(f"data.format=criteo has {CRITEO_FEATURES} categorical features, but the model has "
+                             f"{len(self.model.table_rows)} tables: give model=dlrm_criteo_small (or dlrm_criteo, "
+                             f"or {CRITEO_FEATURES} model.table_rows)")
         if self.auto_mesh or any(getattr(self.mesh, a) not in (1, None) for a in ("fsdp", "pipe", "seq")) \
                 or self.mesh.tensor != 1:
             raise ValueError("task=dlrm trains data parallel: give mesh.data (or nothing) and no other axis")
