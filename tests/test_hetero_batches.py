@@ -141,12 +141,17 @@ def test_twelve_and_four_rows_equal_sixteen_and_resume_after_sigkill(tmp_path, c
 @pytest.mark.slow
 def test_unequal_device_rows_with_random_masks_equal_the_whole_batch():
     """4 data devices with 6, 2, 4 and 4 real rows (slot 6, microbatches of 2) and random
-    masks: the loss and gradients equal the token-weighted mean over all 16 rows."""
+    masks: the loss and gradients equal the token-weighted mean over all 16 rows; with
+    Adasum, the Adasum of each device's token-weighted mean over its own real rows, and
+    with DCT top-k at ratio 1 (everything sent), their mean (each against one device)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
     from jax.sharding import NamedSharding, PartitionSpec
 
+    from jaxpar.hetero import adasum
+    from jaxpar.hetero import reduction as reduction_lib
+    from jaxpar.hetero.reduction import Reduction
     from jaxpar.models import Transformer
     from jaxpar.placement.sharding import use_mesh
     from jaxpar.train import gradients
@@ -174,6 +179,36 @@ def test_unequal_device_rows_with_random_masks_equal_the_whole_batch():
     ref_value, ref_grads = jax.jit(jax.value_and_grad(
         lambda p: loss_fn(nnx.merge(graphdef, p), {k: jnp.asarray(v, jnp.int32) for k, v in whole.items()})))(params)
     assert rel_err(value, ref_value) < 1e-5
-    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+    close(grads, ref_grads)
+
+    # Each device's own rows on one device, then the replicas combined by hand.
+    one = jax.jit(jax.value_and_grad(lambda p, b: loss_fn(nnx.merge(graphdef, p), b)))
+    own = [one(params, {k: jnp.asarray(v[a:b], jnp.int32) for k, v in whole.items()})
+           for a, b in zip(starts, starts[1:])]
+    losses = np.mean([float(v) for v, _ in own])
+    stacked = jax.tree.map(lambda *g: np.stack([np.asarray(x) for x in g]), *[g for _, g in own])
+    split = NamedSharding(mesh, PartitionSpec("data"))
+    for reduction, want in ((Reduction("adasum"), adasum.reduce_stacked(stacked)),
+                            (Reduction("mean", "dct_topk", ratio=1.0), jax.tree.map(lambda g: g.mean(0), stacked))):
+        state, state_spec = None, None
+        if reduction.compressed:
+            state_spec = reduction_lib.ResidualState(PartitionSpec("data"), PartitionSpec("data"), PartitionSpec())
+            state = reduction_lib.carried(4).init(params)
+            state = reduction_lib.ResidualState(jax.device_put(state.residual, split),
+                                                jax.device_put(state.threshold, split),
+                                                jax.device_put(state.count, NamedSharding(mesh, PartitionSpec())))
+        per_replica = gradients.over_replicas(gradients.plain(loss_fn, graphdef), gradients.Replicas(reduction, rows=2),
+                                              mesh, PartitionSpec(), state_spec)
+        with use_mesh(mesh):
+            value, grads, _, _ = jax.jit(per_replica)(replicated, state, batch)
+        assert rel_err(value, losses) < 1e-5, reduction
+        close(grads, want)
+
+
+def close(got, want):
+    """Every leaf of ``got`` within 1e-5 of ``want``'s largest entry."""
+    import jax
+
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         g, r = np.asarray(g), np.asarray(r)
         assert np.max(np.abs(g - r)) <= 1e-5 * np.max(np.abs(r)), np.max(np.abs(g - r)) / np.max(np.abs(r))

@@ -73,8 +73,6 @@ REFUSED: dict[frozenset, str] = {frozenset(pair): why for pair, why in {
     ("data.batch_weights", "mesh.pipe"): _ROWS_LOOP,
     ("data.batch_weights", "mesh.seq"): _ROWS_LOOP,
     ("data.batch_weights", "optimizer.grad_accum"): "the loop over each device's rows is the accumulation",
-    ("data.batch_weights", "optimizer.reduction=adasum"): "unequal rows are combined by the token-weighted mean",
-    ("data.batch_weights", "optimizer.compression=dct_topk"): "unequal rows are combined by the token-weighted mean",
     ("data.batch_weights", "eval.noise_scale"): "the noise scale's small batch assumes equal rows per replica",
     ("data.batch_weights", "task=glide"): "unequal rows are built for a language model's batch (task=lm)",
     ("optimizer.reduction=adasum", "mesh.pipe"): _REDUCTION_NOT_BUILT.format("a pipeline schedule"),

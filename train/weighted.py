@@ -31,7 +31,11 @@ hook); a new slot size compiles the step anew, once per distinct layout.
 Limits, stated: a data-parallel mesh only (``mesh.data``; the per-device loop must hold
 no collective, which FSDP, tensor, sequence and pipeline axes would put in it), no
 ``optimizer.grad_accum`` (the microbatch loop is the accumulation), the same number of
-devices in every process, and a language model (``task: lm``).
+devices in every process, and a language model (``task: lm``); refused when the config
+is read (``jaxpar.train.combinations``). With ``optimizer.reduction=adasum`` or
+``optimizer.compression=dct_topk`` each device's token-weighted mean over its own real
+rows is what the replicas combine (Adasum's, or the top-k exchange's mean), in place of
+the global token-weighted mean.
 """
 
 from __future__ import annotations
