@@ -206,3 +206,31 @@ def test_config_fields():
         with pytest.raises(ConfigError, match=message) as error:
             load_config("tiny", [override])
         assert "\n" not in str(error.value)
+
+
+@pytest.mark.slow
+def test_adasum_dct_and_the_noise_scale_run_through_a_pipeline(model):
+    """data=2 x pipe=2 (1F1B, 2 microbatches): each replica's gradient goes through the
+    pipeline schedule inside the per-replica shard_map; Adasum gives the Adasum of the
+    replicas' gradients, DCT at ratio 1 their mean, and the noise scale the replicas'
+    mean squared norm and the batch's (against one device, 1e-5)."""
+    from jaxpar.parallel.pipeline_schedule import build
+
+    mesh = jaxpar.make_mesh(data=2, pipe=2, devices=jax.devices()[:4])
+    batch = batch_of(30)
+    losses, grads = replica_grads(model, batch, 2)
+
+    def step(**options):
+        return make_train_step(model, recorder(), mesh, donate=False, pipeline=build("1f1b", 2, 2), **options)
+
+    (got,), metrics, _ = run(step(reduction=Reduction("adasum")), model, [batch])
+    assert tree_rel_err(got, _adasum_reference(grads)) < 1e-5
+    np.testing.assert_allclose(metrics["loss"], losses.mean(), rtol=1e-5)
+    (got,), _, _ = run(step(reduction=Reduction("mean", "dct_topk", ratio=1.0)), model, [batch])
+    assert tree_rel_err(got, jax.tree.map(lambda g: g.mean(0), grads)) < 1e-5
+    (got,), metrics, _ = run(step(noise_scale=True), model, [batch])
+    whole = _value_and_grad(*nnx.split(model), batch)[1]
+    assert tree_rel_err(got, whole) < 1e-5
+    small = np.mean([sum(float(np.sum(np.square(g[r]))) for g in jax.tree.leaves(grads)) for r in range(2)])
+    np.testing.assert_allclose(metrics["grad_sq_small"], small, rtol=1e-5)
+    np.testing.assert_allclose(metrics["grad_sq_big"], optax.tree.norm(whole, squared=True), rtol=1e-5)

@@ -238,7 +238,10 @@ def source(graphdef, schedule: Schedule, mesh, stage_layers, params_sharding) ->
     ``loss_and_grads`` of jaxpar's own model, which, as ``loss_fn`` does, runs on an
     Explicit mesh with the axes made Auto, its ``shard_map`` on the mesh in force there."""
     def run(params, batch):
-        on = jax.sharding.get_abstract_mesh() if mesh.explicit_axes else mesh
+        context = jax.sharding.get_abstract_mesh()
+        # inside another shard_map (a data replica's, jaxpar.train.gradients.over_replicas)
+        # or on Explicit axes, the schedule's shard_map runs on the mesh in force there
+        on = context if mesh.explicit_axes or (not context.empty and context.manual_axes) else mesh
         return loss_and_grads(graphdef, params, batch, schedule, on, stage_layers)
 
     return auto_axes(run, out_sharding=(jax.sharding.PartitionSpec(), params_sharding))
