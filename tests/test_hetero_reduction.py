@@ -234,3 +234,20 @@ def test_adasum_dct_and_the_noise_scale_run_through_a_pipeline(model):
     small = np.mean([sum(float(np.sum(np.square(g[r]))) for g in jax.tree.leaves(grads)) for r in range(2)])
     np.testing.assert_allclose(metrics["grad_sq_small"], small, rtol=1e-5)
     np.testing.assert_allclose(metrics["grad_sq_big"], optax.tree.norm(whole, squared=True), rtol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("offload", [OffloadOptions(optimizer="host"), OffloadOptions(params="host"),
+                                     OffloadOptions(params="host", optimizer="host")], ids=str)
+def test_adasum_composes_with_offload(model, offload):
+    """Adasum on data=2 with parameters, optimizer state or both in host memory: one SGD
+    step (rate 1) moves the parameters by minus the Adasum of the replicas' gradients
+    (against one device, 1e-5), wherever they are stored."""
+    mesh = jaxpar.make_mesh(data=2, devices=jax.devices()[:2])
+    batch = batch_of(31)
+    _, grads = replica_grads(model, batch, 2)
+    step = make_train_step(model, optax.sgd(1.0), mesh, donate=False, offload=offload, reduction=Reduction("adasum"))
+    params, opt_state = step.init(model)
+    params, _, _ = step(params, opt_state, batch)
+    moved = jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b), nnx.state(model), step.in_model_order(params))
+    assert tree_rel_err(moved, _adasum_reference(grads)) < 1e-5

@@ -75,7 +75,6 @@ REFUSED: dict[frozenset, str] = {frozenset(pair): why for pair, why in {
     ("data.batch_weights", "optimizer.grad_accum"): "the loop over each device's rows is the accumulation",
     ("data.batch_weights", "eval.noise_scale"): "the noise scale's small batch assumes equal rows per replica",
     ("data.batch_weights", "task=glide"): "unequal rows are built for a language model's batch (task=lm)",
-    ("optimizer.reduction=adasum", "offload"): _REDUCTION_NOT_BUILT.format("on host-resident state"),
     ("optimizer.compression=dct_topk", "offload"): _REDUCTION_NOT_BUILT.format("on host-resident state"),
     ("eval.noise_scale", "offload"): _REDUCTION_NOT_BUILT.format("on host-resident state"),
     ("eval.noise_scale", "optimizer.reduction=adasum"): _NOISE_MEAN.format("Adasum"),
