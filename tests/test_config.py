@@ -98,7 +98,7 @@ def test_presets_are_the_one_definition_of_each_model():
     assert load_config("dlrm", ["model=dlrm_criteo"]).model == DLRM_PRESETS["dlrm_criteo"]
     assert load_config("dlrm", ["model.embed_dim=8", "model.bottom=[32,8]"]).model == \
         dataclasses.replace(DLRM_PRESETS["dlrm"], embed_dim=8, bottom=(32, 8))
-    with pytest.raises(ConfigError, match=r"model.preset='huge' is not one of \['1b', 'dlrm', 'dlrm_criteo', 'gpt2', 'small', 'tiny'\]"):
+    with pytest.raises(ConfigError, match=r"model.preset='huge' is not one of \['1b', 'dlrm', 'dlrm_criteo', 'dlrm_criteo_small', 'gpt2', 'small', 'tiny'\]"):
         load_config("tiny", ["model.preset=huge"])
 
 
