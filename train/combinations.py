@@ -18,6 +18,8 @@ import dataclasses
 import itertools
 from collections.abc import Callable
 
+from jaxpar.offload.planner import UNSUPPORTED_AXES
+
 
 @dataclasses.dataclass(frozen=True)
 class Feature:
@@ -79,8 +81,8 @@ REFUSED: dict[frozenset, str] = {frozenset(pair): why for pair, why in {
     ("eval.noise_scale", "offload"): _REDUCTION_NOT_BUILT.format("on host-resident state"),
     ("eval.noise_scale", "optimizer.reduction=adasum"): _NOISE_MEAN.format("Adasum"),
     ("eval.noise_scale", "optimizer.compression=dct_topk"): _NOISE_MEAN.format("the top-k exchange"),
-    ("offload", "mesh.pipe"): "pipeline stages hold their own layers, which their schedule would have to fetch",
-    ("offload", "mesh.seq"): "the sequence-parallel attention's shard_map and the layer fetch do not compose yet",
+    ("offload", "mesh.pipe"): UNSUPPORTED_AXES["pipe"],  # the offload planner's own guard, the same words
+    ("offload", "mesh.seq"): UNSUPPORTED_AXES["seq"],
     ("offload", "task=glide"): "the draft's model (one layer beside its frozen target) does not fetch "
                                "host-resident layers",
     ("mesh.pipe", "task=glide"): "a pipelined step computes the next-token loss itself; the draft's loss is not "
