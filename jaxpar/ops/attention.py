@@ -85,11 +85,20 @@ def dot_product_attention(
         out = kernel_ops.decode_attention(q, k, v, start + T, tree_mask)
     if out is not None:
         return out
+    if segment_ids is not None and T != S:
+        raise ValueError(f"segment_ids need equal query and key lengths, got T={T}, S={S}")
+    return _xla_attention(q, k, v, start, causal=causal, segment_ids=segment_ids, tree_mask=tree_mask,
+                          mask=mask)
+
+
+def _xla_attention(q, k, v, start, *, causal, segment_ids, tree_mask, mask):
+    """This module's XLA attention: ``dot_product_attention``'s masks over float32 scores,
+    the queries at slots ``start [B] + t`` among the keys."""
+    B, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
     q = q.reshape(B, T, K, N // K, H)
     scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32)
     scores = scores * (H ** -0.5)
-    if segment_ids is not None and T != S:
-        raise ValueError(f"segment_ids need equal query and key lengths, got T={T}, S={S}")
     q_pos = start[:, None] + jnp.arange(T)[None, :]  # [B, T]: the queries' slots among the keys
     visible = masks.visible(q_pos, jnp.arange(S), segment_ids, segment_ids,
                             causal=causal and tree_mask is None)
