@@ -177,9 +177,15 @@ def _param(rngs: nnx.Rngs, cfg: DLRMConfig, shape, names, init) -> nnx.Param:
 def _table_init(table_rows: tuple[int, ...]):
     """DLRM's init: table t's rows uniform in +-sqrt(1 / rows_t) (dlrm_s_pytorch.py)."""
 
+    ends = np.cumsum(table_rows)
+
     def init(key, shape, dtype):
-        scale = jnp.repeat(jnp.asarray([math.sqrt(1.0 / n) for n in table_rows], jnp.float32),
-                           np.asarray(table_rows), total_repeat_length=shape[0])
+        # Row r's table by comparing r with the tables' ends, r behind an optimization
+        # barrier: as a constant expression (jnp.repeat's), XLA folds it at compile time,
+        # seconds for a few hundred thousand rows.
+        rows = jax.lax.optimization_barrier(jnp.arange(shape[0], dtype=jnp.int32))
+        table = (rows[:, None] >= jnp.asarray(ends, jnp.int32)[None, :]).sum(-1)
+        scale = jnp.asarray([math.sqrt(1.0 / n) for n in table_rows], jnp.float32)[table]
         return (jax.random.uniform(key, shape, jnp.float32, -1.0, 1.0) * scale[:, None]).astype(dtype)
 
     return init
