@@ -25,7 +25,10 @@ import sys
 import jax
 
 DEVICES = int(sys.argv[sys.argv.index("--devices") + 1]) if "--devices" in sys.argv else 16
-jax.config.update("jax_num_cpu_devices", max(16, DEVICES))
+try:
+    jax.config.update("jax_num_cpu_devices", max(16, DEVICES))
+except RuntimeError:  # run inside a process whose JAX has started (a test's): its devices, as many as it has
+    pass
 
 import dataclasses  # noqa: E402
 

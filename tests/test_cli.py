@@ -34,12 +34,18 @@ def command(name: str) -> str:
     return SCRIPTS[name].split(":")[0]
 
 
-def run(name: str, *args) -> subprocess.CompletedProcess:
-    """Console script ``name`` (its ``module:function``, as the installed script calls it)."""
+def run(monkeypatch, capfd, name: str, *args) -> subprocess.CompletedProcess:
+    """Console script ``name`` (its ``module:function``, as the installed script calls it,
+    ``sys.argv`` its arguments) in this process: its exit code, stdout and stderr (file
+    descriptors 1 and 2). A subprocess spent its time importing JAX; what these tests
+    read is the command's own lines and exit code, not the process's."""
     module, function = SCRIPTS[name].split(":")
-    call = f"from {module} import {function}; {function}()"
-    return subprocess.run([sys.executable, "-c", call, *map(str, args)], capture_output=True, text=True,
-                          timeout=300)
+    monkeypatch.setattr(sys, "argv", [name, *map(str, args)])
+    capfd.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        getattr(importlib.import_module(module), function)()
+    out, err = capfd.readouterr()
+    return subprocess.CompletedProcess(sys.argv, exit_.value.code, out, err)
 
 
 def generate(capsys, *args) -> tuple[int, str, str]:
@@ -93,8 +99,8 @@ def test_every_command_takes_flags_among_its_positionals(name, capsys):
 
 
 @pytest.mark.slow
-def test_train_reads_overrides_after_a_flag():
-    out = run("jaxpar-train", "tiny", "--no-progress", "steps=ten")
+def test_train_reads_overrides_after_a_flag(monkeypatch, capfd):
+    out = run(monkeypatch, capfd, "jaxpar-train", "tiny", "--no-progress", "steps=ten")
     assert out.returncode == 2
     assert out.stderr.splitlines() == ["jaxpar-train: error: steps='ten' must be an integer"]
 
@@ -103,8 +109,8 @@ def test_train_reads_overrides_after_a_flag():
 
 
 @pytest.mark.slow
-def test_generate_says_a_missing_run_dir_does_not_exist(tmp_path):
-    out = run("jaxpar-generate", tmp_path / "nope", "--prompt", "hi")
+def test_generate_says_a_missing_run_dir_does_not_exist(tmp_path, monkeypatch, capfd):
+    out = run(monkeypatch, capfd, "jaxpar-generate", tmp_path / "nope", "--prompt", "hi")
     assert out.returncode == 2
     assert out.stderr.splitlines() == [f"jaxpar-generate: error: {tmp_path / 'nope'} does not exist"]
 
@@ -251,8 +257,8 @@ def test_context_length(runs, tmp_path):
 
 
 @pytest.mark.slow
-def test_generate_refuses_a_prompt_longer_than_the_context(runs):
-    out = run("jaxpar-generate", runs[0], "--prompt", words(*range(30)), "--max-new-tokens", "4")
+def test_generate_refuses_a_prompt_longer_than_the_context(runs, monkeypatch, capfd):
+    out = run(monkeypatch, capfd, "jaxpar-generate", runs[0], "--prompt", words(*range(30)), "--max-new-tokens", "4")
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.splitlines() == [
         "jaxpar-generate: error: --prompt is 30 tokens, more than the model's context of 24 tokens; "

@@ -272,7 +272,8 @@ class Setup:
     model's abstract structure, the optimizer and its learning-rate schedule, the
     pipeline schedule (or None), the frozen state every step takes (a GliDe draft's
     target), the train step, and the offload plan with the step's compile-only
-    profile when one was made for it."""
+    profile when one was made for it; ``programs``: the store of the run's jitted
+    functions, shared with earlier runs of the same config (``_programs_of``)."""
 
     mesh: jax.sharding.Mesh
     rules: Any
@@ -286,6 +287,38 @@ class Setup:
     profile: dict | None = None
     layout: weighted.Layout | None = None
     noise_scale: bool = False  # the step returns the norms jaxpar.train.noise_scale reads
+    programs: dict = dataclasses.field(default_factory=dict)  # _programs_of's: the jitted functions
+
+
+# The jitted functions of the last few runs' configs (their optimizer and schedule, train
+# steps, initialisation and evaluation), for a later run of the same config in this
+# process: a resumed run, a notebook's cell run again, a sweep's repeated point. Built
+# afresh, each is a new function to JAX, traced, lowered and compiled (or loaded from the
+# persistent cache) again; kept, the second run calls the programs the first compiled.
+_PROGRAMS: dict[str, dict] = {}
+_PROGRAMS_KEPT = 4
+# What a run's programs do not depend on: where it writes, how often it saves or evaluates.
+_NOT_IN_PROGRAMS = ("run_dir", "cache_dir", "checkpoint", "dry_run")
+
+
+def _programs_of(cfg: Config, task, layout, base_batch: int) -> dict:
+    """The program store for runs of ``cfg`` at first batch ``base_batch``: shared with
+    earlier runs of the same config in this process (most recent ``_PROGRAMS_KEPT``);
+    a fresh one (nothing kept) for a task with frozen state (a GliDe draft's target)
+    or per-process batch shares (``data.batch_weights``), whose programs hold more than
+    the config says."""
+    if not isinstance(task, tasks.LanguageModel) or layout is not None:
+        return {}
+    fields = to_dict(cfg)
+    for name in _NOT_IN_PROGRAMS:
+        fields.pop(name)
+    fields["eval"].pop("every"), fields["eval"].pop("batches")
+    key = json.dumps([fields, base_batch, jax.process_count()], sort_keys=True, default=str)
+    programs = _PROGRAMS.pop(key, None) or {}
+    _PROGRAMS[key] = programs  # the most recent last
+    while len(_PROGRAMS) > _PROGRAMS_KEPT:
+        del _PROGRAMS[next(iter(_PROGRAMS))]
+    return programs
 
 
 def build(cfg: Config, task, base_batch: int | None = None) -> Setup:
@@ -300,23 +333,28 @@ def build(cfg: Config, task, base_batch: int | None = None) -> Setup:
     scale = batch_scale(cfg.optimizer.batch_scaling, cfg.batch_size, base_batch)
     adascale = ((base_batch, cfg.batch_size, noise_lib.replicas_of(mesh))
                 if cfg.optimizer.batch_scaling == "adascale" else None)
-    tx, lr = make_optimizer(cfg.optimizer, cfg.steps, scale, adascale=adascale)
     stages = pipeline_schedule(cfg, mesh, rules)
     frozen = task.frozen(mesh, rules)
     layout = weighted.layout_of(cfg, mesh)
     noise = noise_lib.enabled(cfg, mesh)
+    programs = _programs_of(cfg, task, layout, base_batch)
+    if "tx" not in programs:
+        programs["tx"], programs["lr"] = make_optimizer(cfg.optimizer, cfg.steps, scale, adascale=adascale)
+    tx, lr = programs["tx"], programs["lr"]
 
     def build_step(**offload):
-        return make_train_step(abstract_model, tx, mesh, rules, grad_accum=cfg.optimizer.grad_accum,
-                               sequence=cfg.execution.sequence, kernels=cfg.execution.kernels,
-                               pipeline=stages,
-                               stage_layers=None if stages is None else cfg.pipeline.stage_layers,
-                               weighted=None if layout is None else layout.unit,
-                               reduction=cfg.optimizer.gradient_reduction, noise_scale=noise,
-                               **task.step_options(frozen), **offload)
+        key = ("step", tuple(sorted(offload.items())))
+        if key not in programs:
+            programs[key] = make_train_step(
+                abstract_model, tx, mesh, rules, grad_accum=cfg.optimizer.grad_accum,
+                sequence=cfg.execution.sequence, kernels=cfg.execution.kernels, pipeline=stages,
+                stage_layers=None if stages is None else cfg.pipeline.stage_layers,
+                weighted=None if layout is None else layout.unit, reduction=cfg.optimizer.gradient_reduction,
+                noise_scale=noise, **task.step_options(frozen), **offload)
+        return programs[key]
 
     setup = Setup(mesh, rules, abstract_model, tx, lr, stages, frozen, build_step(), layout=layout,
-                  noise_scale=noise)
+                  noise_scale=noise, programs=programs)
     if not cfg.offload.requested:
         return setup
     profile = dry_run_profile(cfg, setup.step_fn, abstract_model, mesh, rules, stages)
@@ -365,10 +403,13 @@ def initial_state(task, setup: Setup, restored, loader: Loader, where: pathlib.P
     if restored is None:
         log.info("starting at step 0 on %s", describe_mesh(setup.mesh))
 
-        @nnx.jit
-        def create(frozen):  # the frozen state an argument, not constants of the program
-            return jaxpar.shard_model(task.initialise(task.model(), frozen), setup.mesh, setup.rules)
+        create = setup.programs.get("create")
+        if create is None:
+            @nnx.jit
+            def create(frozen):  # the frozen state an argument, not constants of the program
+                return jaxpar.shard_model(task.initialise(task.model(), frozen), setup.mesh, setup.rules)
 
+            setup.programs["create"] = create
         with jax.set_mesh(setup.mesh):  # where JAX traces Explicit axes' shardings (axis_types)
             return step_fn.init(create(setup.frozen))
     step, state, meta = restored
@@ -460,7 +501,7 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
         if peak and task.counts_flops:
             trainer.add_hook(utilisation(flops_per_token(cfg), peak * setup.mesh.devices.size))
         if data.validation:
-            trainer.add_hook(evaluation(setup.step_fn, data, setup.frozen), every=cfg.eval.every)
+            trainer.add_hook(evaluation(setup.step_fn, data, setup.frozen, setup.programs), every=cfg.eval.every)
         if setup.noise_scale:
             trainer.add_hook(noise_lib.hook(cfg.batch_size, setup.mesh))
         if setup.layout is not None:  # data.batch_weights: each process's share, maybe re-measured

@@ -99,12 +99,18 @@ class Trainer:
         return record, postfix
 
 
-def evaluation(step_fn, batches: Batches, frozen: tuple) -> Hook:
+def evaluation(step_fn, batches: Batches, frozen: tuple, programs: dict | None = None) -> Hook:
     """Adds ``val_loss``: the mean loss over the fixed validation batches (skipped after
-    a non-finite training loss, which stops the run anyway)."""
+    a non-finite training loss, which stops the run anyway). ``programs``: where the
+    jitted loss is kept for ``step_fn`` (``jaxpar.train.loop``'s store, which holds the
+    step: a later run of the same config evaluates without tracing the loss again)."""
     import jax
 
-    loss = jax.jit(lambda params, batch, *frozen: step_fn.loss(step_fn.model(params), batch, *frozen))
+    programs = {} if programs is None else programs
+    key = ("evaluation", id(step_fn))  # the store keeps step_fn alive: its id stays its own
+    if key not in programs:
+        programs[key] = jax.jit(lambda params, batch, *frozen: step_fn.loss(step_fn.model(params), batch, *frozen))
+    loss = programs[key]
 
     def hook(info: StepInfo) -> None:
         if not math.isfinite(info.record["loss"]):
