@@ -545,52 +545,44 @@ def test_device_live_bytes_counts_device_memory_on_the_most_loaded_device():
 
 
 @pytest.mark.slow
-def test_dry_run_reports_the_plan_and_refuses_a_budget_nothing_fits(tmp_path, capsys):
-    """tiny (4 layers) on fsdp=8: a budget the all-on-device step fits, then one below
-    every plan (a ConfigError, which jaxpar-train exits 2 on, before anything is written).
-    The model and shapes of the next test: the all-on-device step compiles once for both."""
-    from jaxpar.train.loop import train
+def test_dry_run_reports_the_plan_offloads_under_a_budget_and_refuses_one_nothing_fits(tmp_path, capsys):
+    """tiny (4 layers) on fsdp=8, one all-on-device compile for three budgets (one test:
+    the first dry run's profile is the all-on-device figures the second is set against):
 
-    base = ["dry_run=true", "mesh.fsdp=8", "batch_size=8", "seq_len=64", f"run_dir={tmp_path / 'run'}"]
-    train(load_config("tiny", base + ["offload.params=auto", "offload.optimizer=auto", "offload.device_budget=1GiB"]),
-          progress=False)
-    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    p = out["offload_plan"]
-    assert (p["params"], p["optimizer"], p["resident_layers"], p["budget_bytes"]) == ("device", "device", 4, 2**30)
-    assert out["device_state_bytes"] == out["alias_bytes"] and out["host_state_bytes"] == 0
-    assert out["transfer_bytes"] == {"host_to_device": 0, "device_to_host": 0}
-    assert p["device_bytes"] == out["peak_bytes"] == sum(p["device"].values())
-    # the smallest plan streams all four layers, the embedding and head with them
-    with pytest.raises(ConfigError, match=r"^offload.device_budget=1MiB is below what any plan needs: the smallest "
-                                          r"\(params=host resident_layers=0/4 prefetch=1 optimizer=host\) needs .* "
-                                          r"most of it the step's "
-                                          r"compiled temporaries"):
-        train(load_config("tiny", base + ["dry_run=false", "offload.params=auto", "offload.optimizer=auto",
-                                          "offload.device_budget=1MiB"]), progress=False)
-    assert not (tmp_path / "run").exists()
-
-
-# Under a budget the all-on-device step exceeds only optimizer=host plans fit (with the
-# optimizer on the device the update holds every parameter and gradient there).
-
-
-@pytest.mark.slow
-def test_dry_run_with_a_budget_the_all_on_device_step_exceeds(tmp_path, capsys):
-    """tiny (4 layers) on fsdp=8 under one byte less than the all-on-device peak: the
-    plan offloads, keeps its promise, and the step is built with its OffloadOptions (on
-    CPU the compile still counts host state as device memory: profiler docstring)."""
+    * a budget the all-on-device step fits: the plan is all on the device, its promise
+      the profile's peak;
+    * one byte less than the all-on-device peak (under a budget the all-on-device step
+      exceeds only optimizer=host plans fit: with the optimizer on the device the update
+      holds every parameter and gradient there): the plan offloads, keeps its promise,
+      and the step is built with its OffloadOptions (on CPU the compile still counts
+      host state as device memory: profiler docstring);
+    * one below every plan: a ConfigError, which jaxpar-train exits 2 on, before
+      anything is written."""
     from jaxpar.train.loop import train
 
     base = ["dry_run=true", "mesh.fsdp=8", "batch_size=8", "seq_len=64", f"run_dir={tmp_path / 'run'}",
             "offload.params=auto", "offload.optimizer=auto"]
-    train(load_config("tiny", base), progress=False)
+    train(load_config("tiny", base + ["offload.device_budget=1GiB"]), progress=False)
     everything = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    p = everything["offload_plan"]
+    assert (p["params"], p["optimizer"], p["resident_layers"], p["budget_bytes"]) == ("device", "device", 4, 2**30)
+    assert everything["device_state_bytes"] == everything["alias_bytes"] and everything["host_state_bytes"] == 0
+    assert everything["transfer_bytes"] == {"host_to_device": 0, "device_to_host": 0}
+    assert p["device_bytes"] == everything["peak_bytes"] == sum(p["device"].values())
+
     train(load_config("tiny", base + [f"offload.device_budget={everything['peak_bytes'] - 1}"]), progress=False)
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     p = out["offload_plan"]
     assert p["device_bytes"] <= everything["peak_bytes"] - 1 and (p["params"], p["optimizer"]) != ("device", "device")
     assert out["host_state_bytes"] > 0 and out["device_state_bytes"] + out["host_state_bytes"] == everything["alias_bytes"]
     assert out["transfer_bytes"]["host_to_device"] > 0 and out["transfer_bytes"]["device_to_host"] > 0
+
+    # the smallest plan streams all four layers, the embedding and head with them
+    with pytest.raises(ConfigError, match=r"^offload.device_budget=1MiB is below what any plan needs: the smallest "
+                                          r"\(params=host resident_layers=0/4 prefetch=1 optimizer=host\) needs .* "
+                                          r"most of it the step's "
+                                          r"compiled temporaries"):
+        train(load_config("tiny", base + ["dry_run=false", "offload.device_budget=1MiB"]), progress=False)
     assert not (tmp_path / "run").exists()
 
 

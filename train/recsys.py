@@ -127,16 +127,24 @@ def make_step(graphdef, stub, tx, lookup, update):
     return step
 
 
+@functools.lru_cache(maxsize=4)
+def _model_maker(m: DLRMConfig, seed: int):
+    """One program makes the model (made op by op, it compiled one per operation and
+    shape, some 40), traced and compiled once per process for each shape and seed: the
+    same jitted function each time, so every later ``train`` or ``load_run`` of the same
+    model (a resumed run, a sweep, a notebook) reuses it."""
+    return nnx.jit(lambda: DLRM(m, rngs=nnx.Rngs(seed)))
+
+
 def initial_state(cfg: Config, sharding):
     """``(graphdef, stub, state, tx, schedule)`` of a fresh run: ``state`` holds
     the dense ``params`` and ``opt_state`` (on ``sharding``), the whole ``table`` and,
     with row-wise Adagrad, its ``table_state`` (numpy: the checkpoint's layout); ``stub``
     stands for the table in the model (the step's rows come from the cache)."""
     m = cfg.model
-    # the table is made in host memory, never on a GPU; one program makes the model (made
-    # op by op, it compiled one per operation and shape, some 40)
+    # the table is made in host memory, never on a GPU
     with jax.default_device(jax.devices("cpu")[0]):
-        model = nnx.jit(lambda: DLRM(m, rngs=nnx.Rngs(cfg.seed)))()
+        model = _model_maker(m, cfg.seed)()
     graphdef, table_state, params = nnx.split(model, nnx.PathContains("table"), ...)
     stub = jax.tree.map(lambda t: np.zeros((0, m.embed_dim), t.dtype), table_state)
     tx, schedule = make_optimizer(cfg.optimizer, cfg.steps)

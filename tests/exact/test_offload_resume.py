@@ -12,6 +12,7 @@ conversion to and from the checkpoint's model order can go wrong; and two checkp
 names' saved residuals in host memory (one offloaded program for every offloaded run
 here, compiled once)."""
 
+import functools
 import gc
 import shutil
 import signal
@@ -68,9 +69,17 @@ def losses(run) -> list[float]:
     return [r["loss"] for r in metrics(run)]
 
 
+@functools.lru_cache
+def _finished(run):
+    """``load_run(run)``, once per run dir: the runs here are finished (16 steps) when
+    their parameters are read, and the reference runs' are read by several tests."""
+    return load_run(run)
+
+
 def final_params(run):
-    """The parameters of ``run``'s newest checkpoint (step 16), on one device."""
-    return nnx.state(load_run(run))
+    """The parameters of ``run``'s newest checkpoint (step 16), on one device (a new
+    ``State`` each call: callers may delete from it)."""
+    return nnx.state(_finished(run))
 
 
 def assert_same_final_params(run, reference) -> None:
@@ -150,7 +159,8 @@ def test_a_checkpoint_saved_with_offload_continues_without_it(tmp_path, offloade
     assert_same_final_params(run, on_device)
     # the continuation kept its state on the device: parameters and Adam's two moments,
     # float32, on every device (data=2)
-    assert all(r["device_live_bytes"] >= 3 * param_bytes(run) for r in resumed)
+    nbytes = param_bytes(run)
+    assert all(r["device_live_bytes"] >= 3 * nbytes for r in resumed)
 
 
 def test_a_checkpoint_saved_without_offload_continues_with_it(tmp_path, on_device):
@@ -167,7 +177,8 @@ def test_a_checkpoint_saved_without_offload_continues_with_it(tmp_path, on_devic
     assert_same_final_params(run, on_device)
     # one of the two layers' parameters (less than all of them) is what stays on the
     # device; the all-on-device run holds 3x all of them
-    assert all(r["device_live_bytes"] - before < param_bytes(run) for r in resumed)
+    nbytes = param_bytes(run)
+    assert all(r["device_live_bytes"] - before < nbytes for r in resumed)
 
 
 def planned_step(cfg):
