@@ -5,10 +5,7 @@ brute-force count."""
 
 import importlib.util
 import json
-import os
 import pathlib
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -24,13 +21,12 @@ def bench_module():
     return module
 
 
-@pytest.mark.slow  # a subprocess: about 6 s on 2 cores
-def test_hits_smoke(tmp_path):
-    """Two Zipf streams and the Criteo-format sample (2 x 10^5 rows, 40 + 60 steps)."""
-    out = subprocess.run([sys.executable, str(SCRIPT), "hits", "--smoke", "--json", str(tmp_path / "hits.json"),
-                          "--png", str(tmp_path / "hits.png")], cwd=ROOT, capture_output=True, text=True,
-                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
-    assert out.returncode == 0, out.stderr[-3000:]
+@pytest.mark.slow
+def test_hits_smoke(tmp_path, capsys):
+    """Two Zipf streams and the Criteo-format sample (2 x 10^5 rows, 40 + 60 steps), the
+    script's main in this process (as test_memory_smoke: no interpreter and JAX start)."""
+    bench_module().main(["hits", "--smoke", "--json", str(tmp_path / "hits.json"), "--png", str(tmp_path / "hits.png")])
+    out = capsys.readouterr()
     result = json.loads((tmp_path / "hits.json").read_text())
     assert {"command", "date", "machine", "jax", "git", "steps", "warmup_steps", "row_bytes"} <= set(result["meta"])
     streams = result["streams"]
@@ -54,8 +50,8 @@ def test_hits_smoke(tmp_path):
             assert warm["warmup_rows_loaded"] == warm["cache_rows"] and cold["warmup_rows_loaded"] == 0
             assert cold["per_step_hit_rate"][0] == 0 and runs[ratio, "lru"]["per_step_hit_rate"][0] == 0
             assert runs[ratio, "oracle"]["evictions_per_step"] == 0
-    assert any(line.startswith("| 1.05 | 200,000 | 0.5% | LFU + warm-up |") for line in out.stdout.splitlines())
-    target = [line for line in out.stdout.splitlines()
+    assert any(line.startswith("| 1.05 | 200,000 | 0.5% | LFU + warm-up |") for line in out.out.splitlines())
+    target = [line for line in out.out.splitlines()
               if line.startswith("| 1.2 | 200,000 | 5.0% | ") and ("| no |" in line or "| yes |" in line)]
     assert len(target) == 1  # the summary against the oracle, one line per point
     assert (tmp_path / "hits.png").read_bytes().startswith(b"\x89PNG")
@@ -79,14 +75,13 @@ def test_oracle_counts_brute_force():
     assert counts["hits"].sum() == sum(presence[i] for i in top)  # a static set's hits: its ids' batch counts
 
 
-@pytest.mark.slow  # a subprocess: about 5 s on 2 cores
-def test_throughput_smoke(tmp_path):
+@pytest.mark.slow
+def test_throughput_smoke(tmp_path, capsys):
     """The cache at 1% against the device table, interleaved, on the dlrm preset: both
-    sides timed, their split reported, the same losses (same weights, same batches)."""
-    out = subprocess.run([sys.executable, str(SCRIPT), "throughput", "--smoke", "--json", str(tmp_path / "t.json"),
-                          "--png", str(tmp_path / "t.png")], cwd=ROOT, capture_output=True, text=True,
-                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
-    assert out.returncode == 0, out.stderr[-3000:]
+    sides timed, their split reported, the same losses (same weights, same batches). In
+    this process."""
+    bench_module().main(["throughput", "--smoke", "--json", str(tmp_path / "t.json"), "--png", str(tmp_path / "t.png")])
+    out = capsys.readouterr()
     result = json.loads((tmp_path / "t.json").read_text())
     assert {"command", "date", "machine", "git", "model", "batch", "cache_ratio", "windows"} <= set(result["meta"])
     (run,) = result["runs"]
@@ -98,18 +93,17 @@ def test_throughput_smoke(tmp_path):
     assert 0 <= run["cache"]["hit_rate"] <= 1 and run["cache"]["misses_per_step"] > 0
     assert run["ratio"] == pytest.approx(run["cache"]["samples_per_s"] / run["device"]["samples_per_s"])
     assert run["max_loss_difference"] < 1e-5  # the cache trains the same model as the device table
-    assert any(line.startswith("| 1.05 | cache 1% (2,000 rows) |") for line in out.stdout.splitlines())
+    assert any(line.startswith("| 1.05 | cache 1% (2,000 rows) |") for line in out.out.splitlines())
     assert (tmp_path / "t.png").read_bytes().startswith(b"\x89PNG")
 
 
-@pytest.mark.slow  # a subprocess and a peer process: about 6 s on 2 cores
-def test_torchrec_smoke(tmp_path):
-    """jaxpar against the plain-PyTorch peer (a subprocess stepped window by window);
-    TorchRec is not tried at the smoke scale, and the JSON says so."""
+@pytest.mark.slow  # a peer process
+def test_torchrec_smoke(tmp_path, capsys):
+    """jaxpar (in this process) against the plain-PyTorch peer (a subprocess stepped
+    window by window); TorchRec is not tried at the smoke scale, and the JSON says so."""
     pytest.importorskip("torch")
-    out = subprocess.run([sys.executable, str(SCRIPT), "torchrec", "--smoke", "--json", str(tmp_path / "p.json")],
-                         cwd=ROOT, capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
-    assert out.returncode == 0, out.stderr[-3000:]
+    bench_module().main(["torchrec", "--smoke", "--json", str(tmp_path / "p.json")])
+    out = capsys.readouterr()
     result = json.loads((tmp_path / "p.json").read_text())
     assert result["meta"]["peers"] == ["torch"] and not result["meta"]["torchrec_install"]["ok"]
     (run,) = result["runs"]
@@ -118,7 +112,7 @@ def test_torchrec_smoke(tmp_path):
         assert run[side]["samples_per_s"] > 0 and run[side]["steps_timed"] == 4
         assert all(0 < loss < 2 for loss in run[side]["losses"])  # BCE of a fresh model: near log 2
     assert run["jaxpar_over_torch"] == pytest.approx(run["jaxpar"]["samples_per_s"] / run["torch"]["samples_per_s"])
-    assert any(line.startswith("| 1.05 | PyTorch nn.EmbeddingBag |") for line in out.stdout.splitlines())
+    assert any(line.startswith("| 1.05 | PyTorch nn.EmbeddingBag |") for line in out.out.splitlines())
 
 
 @pytest.mark.slow

@@ -22,12 +22,27 @@ def run(script: str, *args: str) -> subprocess.CompletedProcess:
     return out
 
 
+def run_here(capsys, script: str, *args: str) -> str:
+    """``script``'s ``main(args)`` in this process (no interpreter and JAX start), bench/
+    first on ``sys.path`` as for the script: its standard output."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        spec = importlib.util.spec_from_file_location(f"bench_{pathlib.Path(script).stem}", ROOT / "bench" / script)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        capsys.readouterr()
+        module.main(list(args))
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    return capsys.readouterr().out
+
+
 def finite(*values) -> bool:
     return all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values)
 
 
 @pytest.mark.slow  # three candidates compiled in a subprocess: about 25 s on 2 cores
-def test_plan_memory_smoke(tmp_path):
+def test_plan_memory_smoke(tmp_path, capsys):
     """Three sampled candidates of tiny (2 layers) on 8 simulated devices are compiled and
     compared with the analytic estimate; the parameters, optimizer state and batch (the
     compiled arguments) are exact."""
@@ -58,17 +73,18 @@ def test_plan_memory_smoke(tmp_path):
     assert not importlib.util.find_spec("matplotlib") or png.read_bytes().startswith(b"\x89PNG")
 
     # --from: the same compiled figures re-estimated (nothing compiled): the same errors.
-    run("plan_memory.py", "--from", str(tmp_path / "plan_memory.json"), "--json", str(tmp_path / "again.json"))
+    run_here(capsys, "plan_memory.py", "--from", str(tmp_path / "plan_memory.json"), "--json",
+             str(tmp_path / "again.json"))
     again = json.loads((tmp_path / "again.json").read_text())
     assert [r["relative_error"] for r in again["rows"]] == [r["relative_error"] for r in rows]
     assert again["meta"]["compiled_in"].startswith("python ")
 
 
 @pytest.mark.slow
-def test_plan_published_no_rank(tmp_path):
+def test_plan_published_no_rank(tmp_path, capsys):
     """Every usable published run is predicted (finite step time, MFU and split); the FP8
     rows and the 175B estimate without a layout are skipped with a reason."""
-    out = run("plan_published.py", "--no-rank", "--json", str(tmp_path / "plan_published.json"))
+    out = run_here(capsys, "plan_published.py", "--no-rank", "--json", str(tmp_path / "plan_published.json"))
     result = json.loads((tmp_path / "plan_published.json").read_text())
     assert {"command", "date", "machine", "jax", "mfu_convention"} <= set(result["meta"])
     names = {r["name"] for r in result["runs"]}
@@ -90,16 +106,16 @@ def test_plan_published_no_rank(tmp_path):
     llama = next(r for r in result["runs"] if r["name"] == "llama3-405b-8k-8192gpu")
     assert llama["layout"]["overrides"]["mesh.fsdp"] == 64 and llama["assumptions"]
     assert math.isclose(llama["reported"]["mfu_jaxpar"], 430 / 989, rel_tol=1e-3)  # PaLM's count is jaxpar's
-    assert [line for line in out.stdout.splitlines() if line.startswith("| megatron-gpt-1t-table1-3072gpu |")]
+    assert [line for line in out.splitlines() if line.startswith("| megatron-gpt-1t-table1-3072gpu |")]
 
 
 @pytest.mark.slow
-def test_plan_published_rank(tmp_path):
+def test_plan_published_rank(tmp_path, capsys):
     """The planner's search places the published layout (found among its candidates, or
     inserted where the bounds leave it out) and names its top choice (two analytic
     searches, on 32 and 64 devices: about 5 s)."""
-    run("plan_published.py", "--runs", "megatron-gpt-1.7b-table1-32gpu", "llama3-70b-automodel-fsdp2-bf16-64gpu",
-        "--json", str(tmp_path / "p.json"))
+    run_here(capsys, "plan_published.py", "--runs", "megatron-gpt-1.7b-table1-32gpu",
+             "llama3-70b-automodel-fsdp2-bf16-64gpu", "--json", str(tmp_path / "p.json"))
     result = json.loads((tmp_path / "p.json").read_text())
     assert len(result["runs"]) == 2
     for r in result["runs"]:

@@ -6,10 +6,11 @@ it was stopped at: 1e-5), no ``jaxpar-train`` process is left, nor after a SIGTE
 mid-run, and the errors (a Ray address that does not answer, a bad
 JOBS.yaml, a scheduler that does not exist) are one line and a non-zero exit, quickly."""
 
+import itertools
 import json
 import os
 import pathlib
-import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -23,6 +24,7 @@ from jaxpar.train.cluster_jobs import JobsError, load_jobs  # noqa: E402
 from jaxpar.train.cluster_run import RunError, metrics, run_jobs, train_command  # noqa: E402
 from jaxpar.train.config import load_config  # noqa: E402
 from jaxpar.train.loop import train  # noqa: E402
+from jaxpar.train.stopping import Stopped, StopRequest  # noqa: E402
 
 pytestmark = pytest.mark.slow  # Ray and jaxpar-train processes
 
@@ -140,7 +142,7 @@ def train_alone(argv, env, *overrides) -> None:
     train(load_config(config, [*rest[:at], f"mesh.data={devices}", *overrides]), progress=False)
 
 
-def test_three_jobs_one_resized_finish_exactly_and_leave_nothing(tmp_path):
+def test_three_jobs_one_resized_finish_exactly_and_leave_nothing(tmp_path, monkeypatch):
     """On nodes of one device: b (2 devices) runs as 2 processes (JAX's distributed
     runtime over gloo), a and c as one each, b resumes as 1 process, and still has the
     losses of one process on the same devices and batches. (a once took 2 devices of 4,
@@ -162,15 +164,18 @@ def test_three_jobs_one_resized_finish_exactly_and_leave_nothing(tmp_path):
         assert rows[job["id"]]["final_loss"] == metrics(work / job["id"])[-1]["loss"]
     assert training_processes(tmp_path) == []
 
-    # b alone on the same devices and batches: 2 at batch 8 to the end, then again on 1 at
-    # batch 16 from the checkpoint of the step it was stopped at (the later checkpoints
-    # removed), as its resize did. Alone it saves every stopped_at steps, that one included.
+    # b alone on the same devices and batches, stopped as its resize stopped it: 2 at batch
+    # 8, a SIGTERM seen at the step it was stopped at (that step saved, Stopped raised),
+    # then again on 1 at batch 16 from that checkpoint.
     spec = {s.id: s for s in load_jobs(tmp_path / "jobs.yaml")}["b"]
     alone = tmp_path / "alone"
-    for command in (train_command(spec, alone, 2), train_command(spec, alone, 1, 16, steps["b"])):
-        train_alone(*command, f"checkpoint.every={stopped_at}")
-        for later in [p for p in (alone / "checkpoints").iterdir() if p.name.isdigit() and int(p.name) > stopped_at]:
-            shutil.rmtree(later)
+    with monkeypatch.context() as patch:
+        asked = itertools.count(1)  # the loop asks after each step but the last
+        patch.setattr(StopRequest, "agreed", lambda self: signal.SIGTERM if next(asked) == stopped_at else None)
+        with pytest.raises(Stopped) as stopped:
+            train_alone(*train_command(spec, alone, 2))
+    assert (stopped.value.step, stopped.value.saved) == (stopped_at, stopped_at)
+    train_alone(*train_command(spec, alone, 1, 16, steps["b"]))
     expected, got = [r["loss"] for r in metrics(alone)], [r["loss"] for r in metrics(work / "b")]
     assert len(got) == len(expected) == steps["b"]
     assert max(abs(g - e) / abs(e) for g, e in zip(got, expected)) < 1e-5
@@ -179,8 +184,6 @@ def test_three_jobs_one_resized_finish_exactly_and_leave_nothing(tmp_path):
 def test_sigterm_stops_every_job_and_leaves_nothing(tmp_path):
     """SIGTERM (as Ctrl-C) to jaxpar-cluster while a job trains: one line, exit 143, its
     training process gone."""
-    import signal
-
     work = tmp_path / "work"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen([sys.executable, "-c", CLI, "run", str(write_jobs(tmp_path / "jobs.yaml", JOBS[:1])),
