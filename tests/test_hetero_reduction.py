@@ -57,9 +57,12 @@ def steps(model):
 
 
 def batch_of(seed):
+    """Every key the loader gives (``BATCH_KEYS``, one document a row): the steps' programs
+    are then the ones ``TrainStep.compile`` lowers, which the profiler test finds compiled."""
     rng = np.random.default_rng(seed)
     batch = {k: jnp.asarray(rng.integers(0, CFG.vocab_size, (B, T)), jnp.int32) for k in ("inputs", "targets")}
-    return {**batch, "mask": jnp.ones((B, T), jnp.int32)}
+    return {**batch, "mask": jnp.ones((B, T), jnp.int32), "segment_ids": jnp.ones((B, T), jnp.int32),
+            "positions": jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))}
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -24,16 +24,28 @@ TENSOR_2D_MESHES = [dict(data=2, tensor=(2, 2)), dict(fsdp=2, tensor=(2, 2))]
 
 
 def batches(rng, n, B=8, T=16):
+    """Every key the loader gives (``BATCH_KEYS``; positions counting from 0 in each row,
+    every token counted): the training steps' programs are then the ones
+    ``TrainStep.compile`` lowers for the same mesh, which the compile-only tests below find
+    compiled."""
     out = []
     for _ in range(n):
         tokens = rng.integers(0, CFG.vocab_size, (B, T + 1))
         seg = np.sort(rng.integers(0, 2, (B, T)), axis=1)
         out.append({
-            "inputs": jnp.asarray(tokens[:, :-1]),
-            "targets": jnp.asarray(tokens[:, 1:]),
-            "segment_ids": jnp.asarray(seg),
+            "inputs": jnp.asarray(tokens[:, :-1], jnp.int32),
+            "targets": jnp.asarray(tokens[:, 1:], jnp.int32),
+            "segment_ids": jnp.asarray(seg, jnp.int32),
+            "positions": jnp.asarray(np.broadcast_to(np.arange(T), (B, T)), jnp.int32),
+            "mask": jnp.ones((B, T), jnp.int32),
         })
     return out
+
+
+# The optimizer of conftest.train_steps (the training tests'): the compile-only tests
+# build their steps with it too, so a step a training test compiled is found compiled.
+def adamw():
+    return optax.adamw(1e-3, weight_decay=0.1)
 
 
 def train(mesh, data, steps=3, sequence_parallel=False):
@@ -103,7 +115,7 @@ def test_zero3_memory_is_exactly_the_shards():
     sizes = {}
     for fsdp in (1, 8):
         mesh = jaxpar.make_mesh(data=8 // fsdp, fsdp=fsdp)
-        step = make_train_step(model, optax.adamw(1e-3), mesh)
+        step = make_train_step(model, adamw(), mesh, sharding_rules(CFG, mesh))
         compiled = step.compile(model, batch_size=8, seq_len=16)
         params = jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
@@ -212,7 +224,7 @@ def test_vocab_parallel_cross_entropy_never_gathers_the_logits():
     """With the vocabulary over tensor=4, no collective returns [B, T, V] logits."""
     model = nnx.eval_shape(lambda: Transformer(CFG, rngs=nnx.Rngs(0)))
     mesh = jaxpar.make_mesh(data=2, tensor=4)
-    step = make_train_step(model, optax.adamw(1e-3), mesh, sharding_rules(CFG, mesh))
+    step = make_train_step(model, adamw(), mesh, sharding_rules(CFG, mesh))
     compiled = step.compile(model, batch_size=8, seq_len=16)
     hlo = compiled.as_text()
     gathers = [line for line in hlo.splitlines() if "all-gather(" in line or "all-gather-start(" in line]

@@ -55,8 +55,14 @@ def pipelined_loss_and_grads(graphdef, state, kind, P, M, V, stage_layers, other
     schedule = build(kind, P, M, V)
     order = pipelined.storage_order(schedule, CFG.layers, stage_layers)
     padding = np.asarray(order) < 0
-    stored = pipelined.to_storage(state, order)
-    stored["layers"] = jax.tree.map(lambda w: w.at[padding].set(1.0), stored["layers"])
+
+    @jax.jit  # one program, where eagerly each leaf's gather and scatter compile apart
+    def stored_with_padding(state):
+        stored = pipelined.to_storage(state, order)
+        stored["layers"] = jax.tree.map(lambda w: w.at[padding].set(1.0), stored["layers"])
+        return stored
+
+    stored = stored_with_padding(state)
     assert padding.any() and pipelined.needs_lockstep(mesh) == ("seq" in others)
     with jaxpar.use_mesh(mesh, sharding_rules(CFG, mesh)):
         loss, grads = jax.jit(lambda s, b: pipelined.loss_and_grads(graphdef, s, b, schedule, mesh, stage_layers))(
@@ -72,7 +78,7 @@ def test_uneven_stages_match_one_device(model_and_reference, case):
     graphdef, state, want_loss, want_grads = model_and_reference
     loss, grads, order = pipelined_loss_and_grads(graphdef, state, *CASES[case])
     assert rel_err(loss, want_loss) < 1e-5
-    assert tree_rel_err(pipelined.to_model(grads, order), want_grads) < 1e-5
+    assert tree_rel_err(jax.jit(lambda g: pipelined.to_model(g, order))(grads), want_grads) < 1e-5
     padding = np.asarray(order) < 0
     for leaf in jax.tree.leaves(grads["layers"]):
         assert np.all(np.asarray(leaf)[padding] == 0)
@@ -103,11 +109,15 @@ def test_masked_layers_run_the_first_count(lockstep):
     def masked(w, x):
         return pipelined.masked_layers(CFG, layers_def, w, x, positions, None, jnp.int32(2), lockstep=lockstep)
 
+    @jax.jit  # the output and its VJP in one program (eagerly, every op compiles apart)
+    def output_and_grads(w, x):
+        out, vjp = jax.vjp(masked, w, x)
+        return out, vjp(jnp.ones_like(out))[0]
+
     first_two = jax.tree.map(lambda w: w[:2], layer_state)
-    want = run_layers(CFG, layers_def, first_two, x, positions, None)
-    got, vjp = jax.vjp(masked, layer_state, x)
+    want = jax.jit(lambda w, x: run_layers(CFG, layers_def, w, x, positions, None))(first_two, x)
+    got, g_w = output_and_grads(layer_state, x)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
-    g_w, _ = vjp(jnp.ones_like(got))
     for leaf in jax.tree.leaves(g_w):
         assert np.all(np.asarray(leaf)[2] == 0) and np.any(np.asarray(leaf)[:2] != 0)
 

@@ -50,7 +50,7 @@ def test_product_and_gradients_match_jnp(mesh, rng, form):
 
     w = rng.standard_normal((M, N)).astype(np.float32)
     grads = jax.jit(jax.grad(_loss(summa, w), argnums=(0, 1)))(a, b)
-    expected = jax.grad(_loss(ref, w), argnums=(0, 1))(a, b)
+    expected = jax.jit(jax.grad(_loss(ref, w), argnums=(0, 1)))(a, b)  # one program, not one per op
     for got, want in zip(grads, expected, strict=True):
         assert got.shape == want.shape
         assert rel_err(got, want) < 1e-5
@@ -63,10 +63,11 @@ def test_batch_dims_of_a_are_folded_into_m(mesh, rng, form):
     tb = FORMS[form][1]
     ref = lambda a, b: reference_matmul(a, b, transpose_b=tb)
     summa = lambda a, b: summa_matmul(a, b, mesh=mesh, transpose_b=tb)
-    assert rel_err(summa(a, b), ref(a, b)) < 1e-5
+    # jitted: eagerly, every op of the products and their gradients compiles apart
+    assert rel_err(jax.jit(summa)(a, b), jax.jit(ref)(a, b)) < 1e-5
     w = rng.standard_normal((3, M, N)).astype(np.float32)
-    grads = jax.grad(_loss(summa, w), argnums=(0, 1))(a, b)
-    for got, want in zip(grads, jax.grad(_loss(ref, w), argnums=(0, 1))(a, b), strict=True):
+    grads = jax.jit(jax.grad(_loss(summa, w), argnums=(0, 1)))(a, b)
+    for got, want in zip(grads, jax.jit(jax.grad(_loss(ref, w), argnums=(0, 1)))(a, b), strict=True):
         assert rel_err(got, want) < 1e-5
 
 
@@ -161,7 +162,7 @@ def test_q4_and_q3_grids_in_subprocess():
         assert rel(summa(a, b), a @ b) < 1e-5
         loss = lambda f: lambda a, b: jnp.sum(jnp.sin(f(a, b)) * w)
         got = jax.jit(jax.grad(loss(summa), argnums=(0, 1)))(a, b)
-        want = jax.grad(loss(jnp.matmul), argnums=(0, 1))(a, b)
+        want = jax.jit(jax.grad(loss(jnp.matmul), argnums=(0, 1)))(a, b)
         assert max(rel(g, r) for g, r in zip(got, want)) < 1e-5
 
         hlo = summa.lower(a, b).compile().as_text()
@@ -178,7 +179,7 @@ def test_q4_and_q3_grids_in_subprocess():
         for ta, tb in ((False, False), (False, True), (True, False)):
             a = rng.standard_normal((9, 6) if ta else (6, 9)).astype(np.float32)
             b = rng.standard_normal((12, 9) if tb else (9, 12)).astype(np.float32)
-            c = summa_matmul(a, b, mesh=mesh, transpose_a=ta, transpose_b=tb)
+            c = jax.jit(lambda a, b: summa_matmul(a, b, mesh=mesh, transpose_a=ta, transpose_b=tb))(a, b)
             assert rel(c, reference_matmul(a, b, transpose_a=ta, transpose_b=tb)) < 1e-5
         print("ok")
     """, devices=16)
@@ -267,7 +268,7 @@ def test_batch_axes_split_rows_with_data_parallelism(rng):
         assert rel_err(jax.jit(fn)(a, bb), ref(a, bb)) < 1e-5
         loss = lambda f: lambda a, b: jnp.sum(jnp.sin(f(a, b)))  # noqa: E731
         got = jax.jit(jax.grad(loss(fn), argnums=(0, 1)))(a, bb)
-        want = jax.grad(loss(ref), argnums=(0, 1))(a, bb)
+        want = jax.jit(jax.grad(loss(ref), argnums=(0, 1)))(a, bb)
         assert all(rel_err(g, w) < 1e-5 for g, w in zip(got, want))
     with pytest.raises(ValueError, match="batch_axes=\\('data',\\) need a 2D a"):
         summa_matmul(a, b, mesh=mesh, transpose_a=True, batch_axes=("data",))
