@@ -32,16 +32,20 @@ def test_greedy_with_cache_equals_greedy_recomputed(rng, cfg):
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
 def test_cached_logits_equal_full_forward(rng, impl):
     """Prefill then steps over the cache; with execution.attention=pallas the steps run the
-    Pallas decode kernel (interpret mode) and the full forward the flash kernel."""
+    Pallas decode kernel (interpret mode) and the full forward the flash kernel. Jitted
+    (new jits per case, traced under its execution): three programs, where eagerly each
+    operation compiles its own."""
     model = Transformer(CFG, rngs=nnx.Rngs(0))
     tokens = jnp.asarray(rng.integers(0, CFG.vocab_size, (2, 10)))
+    forward = nnx.jit(lambda m, t: m(t))
+    decode = nnx.jit(lambda m, t, c: m.decode(t, c)[:2])
     with use_execution(kernels=KernelOptions(attention=impl)):
-        full = model(tokens)
+        full = forward(model, tokens)
         cache = init_cache(CFG, 2, 16)
-        first, cache, _ = model.decode(tokens[:, :6], cache)
+        first, cache = decode(model, tokens[:, :6], cache)
         stepped = [first]
         for i in range(6, 10):
-            logits, cache, _ = model.decode(tokens[:, i : i + 1], cache)
+            logits, cache = decode(model, tokens[:, i : i + 1], cache)
             stepped.append(logits)
     np.testing.assert_array_equal(cache.lengths, [10, 10])
     assert rel_err(jnp.concatenate(stepped, axis=1), full) < 1e-5

@@ -237,15 +237,16 @@ def test_prompts_of_nearby_lengths_share_one_program(models, rng):
     from test_serving import compiles_during
 
     target, draft = models["target"], models["glide"]
-    options = dict(draft=draft, method="glide", gamma=3, max_new_tokens=8)
-    speculative_generate(target, [rng.integers(0, CFG.vocab_size, 5)], **options)  # warm-up
-    prompt = rng.integers(0, CFG.vocab_size, (1, PROMPT_BUCKET - 2))
+    # batch 4, GAMMA and TOKENS: test_greedy_methods_return_greedy_decoding's glide loop, compiled once
+    options = dict(draft=draft, method="glide", gamma=GAMMA, max_new_tokens=TOKENS)
+    speculative_generate(target, rng.integers(0, CFG.vocab_size, (4, 5)), **options)  # warm-up
+    prompt = rng.integers(0, CFG.vocab_size, (4, PROMPT_BUCKET - 2))
     outs = []
     assert compiles_during(lambda: outs.append(speculative_generate(target, prompt, **options))) == 0
-    tokens = outs[0].tokens[0]
-    assert len(tokens) == 8
-    sequence = np.concatenate([prompt[0], tokens])[None]
-    logits = np.asarray(target(jnp.asarray(sequence)))[0, prompt.shape[1] - 1:-1]
+    tokens = np.stack(outs[0].tokens)
+    assert tokens.shape == (4, TOKENS)
+    sequence = np.concatenate([prompt, tokens], axis=1)
+    logits = np.asarray(target(jnp.asarray(sequence)))[:, prompt.shape[1] - 1:-1]
     np.testing.assert_array_equal(tokens, logits.argmax(-1))
 
 
