@@ -364,27 +364,7 @@ def main(argv=None) -> int:
         args.overrides, args.config = [args.config, *args.overrides], None
         if not alone:
             parser.error("give a CONFIG to plan before its key=value settings")
-    overrides = _split_aliases(args.overrides)
-    for item in overrides:
-        key, _, value = item.partition("=")
-        if key in ("plan.devices", "plan.devices_per_node"):
-            try:
-                number = yaml.safe_load(value)
-            except yaml.YAMLError:
-                number = value
-            if isinstance(number, bool) or not isinstance(number, int) or number < 1:
-                parser.error(f"{key.removeprefix('plan.')}={value!r} must be a positive integer")
-    try:
-        cfg = load_config(args.config or "tiny", overrides)
-    except ConfigError as e:
-        parser.error(str(e))
-    if args.cache_dir is not None:
-        cfg = dataclasses.replace(cfg, cache_dir=str(args.cache_dir))
-    cache_dir = cache_dir_of(cfg.cache_dir)
-    if file := file_in_the_way(cache_dir):
-        parser.error(f"cache_dir {cache_dir}: {file} is a file, not a directory")
-    if args.out is not None and (args.out.is_dir() or file_in_the_way(args.out.parent)):
-        parser.error(f"--out {args.out}: not a file path (a directory is in the way)")
+    cfg, cache_dir = _config(parser, args)
     if args.profile_devices:
         if cfg.plan.devices:
             simulate_cpu_devices(cfg.plan.devices)
@@ -441,6 +421,32 @@ def main(argv=None) -> int:
         say(f"wrote {args.out}: jaxpar-train {args.config} {args.out}")
     return 0
 
+
+def _config(parser, args) -> tuple:
+    """The command's config and cache directory, every bad setting refused (exit 2)
+    before anything is compiled or written."""
+    overrides = _split_aliases(args.overrides)
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if key in ("plan.devices", "plan.devices_per_node"):
+            try:
+                number = yaml.safe_load(value)
+            except yaml.YAMLError:
+                number = value
+            if isinstance(number, bool) or not isinstance(number, int) or number < 1:
+                parser.error(f"{key.removeprefix('plan.')}={value!r} must be a positive integer")
+    try:
+        cfg = load_config(args.config or "tiny", overrides)
+    except ConfigError as e:
+        parser.error(str(e))
+    if args.cache_dir is not None:
+        cfg = dataclasses.replace(cfg, cache_dir=str(args.cache_dir))
+    cache_dir = cache_dir_of(cfg.cache_dir)
+    if file := file_in_the_way(cache_dir):
+        parser.error(f"cache_dir {cache_dir}: {file} is a file, not a directory")
+    if args.out is not None and (args.out.is_dir() or file_in_the_way(args.out.parent)):
+        parser.error(f"--out {args.out}: not a file path (a directory is in the way)")
+    return cfg, cache_dir
 
 def main_entry() -> None:
     # jaxpar-plan compiles dozens of candidates, and XLA's partitioner warns about each

@@ -257,20 +257,11 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
             slots, batch = placed(next(loader), upcoming)
             params, opt_state, tables.arrays, out = step_fn(params, opt_state, tables.arrays, slots, batch,
                                                             cfg.embedding.lr)
-            loss = float(out["loss"])
-            elapsed = time.perf_counter() - began
-            stats = tables.last_step
-            record = {"step": step, "loss": loss, "lr": float(schedule(step - 1)),
-                      "grad_norm": float(out["grad_norm"]), "samples_per_s": cfg.batch_size / elapsed,
-                      "step_time_s": elapsed, "hit_rate": stats.hit_rate, "h2d_bytes": stats.h2d_bytes,
-                      "d2h_bytes": stats.d2h_bytes, "evictions": stats.evictions}
+            loss = float(out["loss"])  # waits for the step
+            record = _record(step, loss, out, time.perf_counter() - began, tables.last_step, cfg, schedule)
             if val_batches and (step % cfg.eval.every == 0 or step == cfg.steps):
                 record.update(evaluate(forward, params, tables, val_batches, rows_of))
-            postfix = {"loss": f"{loss:.4f}", "samples/s": f"{record['samples_per_s']:.0f}",
-                       "hits": f"{stats.hit_rate:.1%}"}
-            if "val_auc" in record:
-                postfix["auc"] = f"{record['val_auc']:.4f}"
-            return record, postfix
+            return record, _postfix(record)
 
         def save(step):
             save_checkpoint(checkpoints, step, params, opt_state, tables, loader, cfg)
@@ -282,6 +273,23 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
                              recorder=recorder, where=str(checkpoints.directory))
         finally:
             tables.close()
+
+
+def _record(step: int, loss: float, out: dict, elapsed: float, stats, cfg: Config, schedule) -> dict:
+    """A step's metrics: its loss, learning rate, gradient norm and speed, and the
+    embedding cache's hits, transfers and evictions (``stats``)."""
+    return {"step": step, "loss": loss, "lr": float(schedule(step - 1)), "grad_norm": float(out["grad_norm"]),
+            "samples_per_s": cfg.batch_size / elapsed, "step_time_s": elapsed, "hit_rate": stats.hit_rate,
+            "h2d_bytes": stats.h2d_bytes, "d2h_bytes": stats.d2h_bytes, "evictions": stats.evictions}
+
+
+def _postfix(record: dict) -> dict:
+    """The progress bar's figures of a step's ``record``."""
+    postfix = {"loss": f"{record['loss']:.4f}", "samples/s": f"{record['samples_per_s']:.0f}",
+               "hits": f"{record['hit_rate']:.1%}"}
+    if "val_auc" in record:
+        postfix["auc"] = f"{record['val_auc']:.4f}"
+    return postfix
 
 
 def restore(cfg: Config, checkpoints: Checkpoints, state: dict, tables, loader, mesh):

@@ -437,7 +437,11 @@ def plan(
       abstract_state: ``{"params", "opt_state"}`` with the step's shardings.
       mesh: the step's mesh (None: one device); a ``pipe`` or ``seq`` axis of size > 1
         is refused.
-      profile: ``jaxpar.profiler.profile`` of the all-on-device step.
+      profile: ``jaxpar.profiler.profile`` of the all-on-device step; None only where
+        the plan is ``decided`` without it (one candidate, no budget), so a run need not
+        compile the all-on-device step to learn its options: the profile's figures (the
+        working temporaries, the batch and outputs, the compute time) then count 0 in
+        ``Plan.device`` and the predicted times.
       budget: device bytes per device (an int or ``"6GiB"``); None: no limit.
       params, optimizer: ``device``, ``host`` or ``auto`` (searched).
       activations: ``checkpoint_name``s whose residuals go to the host (given, not searched).
@@ -457,8 +461,70 @@ def plan(
 
     Raises:
       PlanError: nothing fits (one line: the smallest budget that works, what dominates it).
-      ValueError: a bad argument, or a mesh / state the plan cannot describe.
+      ValueError: a bad argument, a mesh / state the plan cannot describe, or no profile
+        where the plan weighs candidates or checks a budget.
     """
+    limit, rates = _checked(params, optimizer, mesh, prefetch, grad_accum, budget, host_bandwidth,
+                            host_update_bandwidth, peak_flops)
+    activations = tuple(activations)
+    sizes = dict(activation_bytes or {})
+    if missing := [n for n in activations if n not in sizes]:
+        raise ValueError(f"plan: activation_bytes gives no size for offloaded activations {missing}")
+    state = state_bytes(abstract_state, layers_key=layers_key)
+    L = state.layers
+    if resident_layers is not None and not 0 <= resident_layers <= L:
+        raise ValueError(f"offload.resident_layers={resident_layers} must be between 0 and the "
+                         f"model's {L} stacked layers")
+    if L == 0 and params != "device":
+        params = "device"  # nothing stacked to fetch layer by layer
+
+    opt_places = ("device", "host") if optimizer == "auto" else (optimizer,)
+    if profile is None:  # only where it decides nothing (``decided``)
+        if limit is not None or len(_placements(params, resident_layers, L, limit)) * len(opt_places) != 1:
+            raise ValueError("plan: the all-on-device step's profile is needed to weigh several "
+                             "placements or to check a budget (plan.decided)")
+        profile = {}
+    candidates = [_cost(state, profile, limit, place, r, opt, activations, prefetch, grad_accum, sizes,
+                        set(saved_names), rates)
+                  for place, r in _placements(params, resident_layers, L, limit) for opt in opt_places]
+    fitting = [c for c in candidates if c.fits]
+    if not fitting:
+        smallest = min(candidates, key=lambda c: (c.device_bytes, c.step_s))
+        part, nbytes = smallest.dominant()
+        what = budget_source or f"a device budget of {format_bytes(limit)}"
+        raise PlanError(
+            f"{what} is below what any plan needs: the smallest ({smallest.summary()}) needs "
+            f"{format_bytes(smallest.device_bytes)} per device ({smallest.device_bytes} bytes), most "
+            f"of it {DEVICE_PARTS[part]} ({format_bytes(nbytes)})", smallest)
+    return min(fitting, key=lambda c: (c.step_s, c.host_to_device + c.device_to_host, -c.resident_layers))
+
+
+def decided(
+    abstract_state: Mapping,
+    budget: int | str | None,
+    *,
+    params: str = "auto",
+    optimizer: str = "auto",
+    resident_layers: int | None = None,
+    layers_key: str = "layers",
+) -> bool:
+    """Whether ``plan`` with these arguments has nothing to weigh: one candidate (the
+    parameters' and the optimizer's placements fixed, not ``auto``; the resident layer
+    count given, or implied: every layer with ``params=device``, none with ``params=host``
+    and no budget) and no budget to check. Its options then do not depend on the profile,
+    and ``plan`` takes ``profile=None``. False for arguments ``plan`` refuses (it says why)."""
+    if budget is not None or optimizer not in ("device", "host") or params not in PLACES:
+        return False
+    L = state_bytes(abstract_state, layers_key=layers_key).layers
+    if resident_layers is not None and not 0 <= resident_layers <= L:
+        return False
+    return len(_placements(params if L else "device", resident_layers, L, None)) == 1
+
+
+def _checked(params, optimizer, mesh, prefetch, grad_accum, budget, host_bandwidth, host_update_bandwidth,
+             peak_flops) -> tuple[int | None, dict[str, float]]:
+    """``plan``'s argument checks (a ValueError naming the value): the budget in bytes
+    (None: no limit) and the rates ``_cost`` takes."""
     for name, value in (("params", params), ("optimizer", optimizer)):
         if value not in PLACES:
             raise ValueError(f"offload.{name}={value!r} must be one of {list(PLACES)}")
@@ -479,19 +545,12 @@ def plan(
                        ("peak_flops", peak_flops)):
         if not rate > 0:
             raise ValueError(f"{name}={rate!r} must be positive")
-    activations = tuple(activations)
-    sizes = dict(activation_bytes or {})
-    missing = [n for n in activations if n not in sizes]
-    if missing:
-        raise ValueError(f"plan: activation_bytes gives no size for offloaded activations {missing}")
-    state = state_bytes(abstract_state, layers_key=layers_key)
-    L = state.layers
-    if resident_layers is not None and not 0 <= resident_layers <= L:
-        raise ValueError(f"offload.resident_layers={resident_layers} must be between 0 and the "
-                         f"model's {L} stacked layers")
-    if L == 0 and params != "device":
-        params = "device"  # nothing stacked to fetch layer by layer
+    return limit, {"host_bandwidth": bandwidth, "peak_flops": float(peak_flops),
+                   "host_update_bandwidth": update_bandwidth}
 
+
+def _placements(params: str, resident_layers: int | None, L: int, limit: int | None) -> list[tuple[str, int]]:
+    """The parameters' placements ``plan`` weighs: ``(place, resident layer count)``."""
     placements = []  # (params place, resident count)
     if params in ("device", "auto") and (resident_layers is None or resident_layers == L):
         placements.append(("device", L))
@@ -500,24 +559,7 @@ def plan(
         placements += [("host", r) for r in counts if params == "host" or r < L]
     if params == "host" and resident_layers is None and limit is None:
         placements = [("host", 0)]  # OffloadOptions' meaning of params=host alone: no layer resident
-    opt_places = ("device", "host") if optimizer == "auto" else (optimizer,)
-    rates = {"host_bandwidth": bandwidth, "peak_flops": float(peak_flops),
-             "host_update_bandwidth": update_bandwidth}
-    candidates = [
-        _cost(state, profile, limit, place, r, opt, activations, prefetch, grad_accum, sizes, set(saved_names),
-              rates)
-        for place, r in placements for opt in opt_places
-    ]
-    fitting = [c for c in candidates if c.fits]
-    if not fitting:
-        smallest = min(candidates, key=lambda c: (c.device_bytes, c.step_s))
-        part, nbytes = smallest.dominant()
-        what = budget_source or f"a device budget of {format_bytes(limit)}"
-        raise PlanError(
-            f"{what} is below what any plan needs: the smallest ({smallest.summary()}) needs "
-            f"{format_bytes(smallest.device_bytes)} per device ({smallest.device_bytes} bytes), most "
-            f"of it {DEVICE_PARTS[part]} ({format_bytes(nbytes)})", smallest)
-    return min(fitting, key=lambda c: (c.step_s, c.host_to_device + c.device_to_host, -c.resident_layers))
+    return placements
 
 
 def _cost(state: StateBytes, profile: Mapping, budget: int | None, place: str, resident: int,

@@ -261,7 +261,17 @@ def lockstep_tick(local: Local, state: dict, op: dict) -> tuple[dict, jax.Array,
     backward) only in the parts where some device runs the last stage
     (``op["head_forward"]``, ``op["head_backward"]``): every device then, since the head
     may communicate too (SUMMA), and only the last stage's keeps it. Same arguments,
-    results and state as ``branching_tick``."""
+    results and state as ``branching_tick``.
+
+    Why: with ``branching_tick`` stage 0 may run a forward while stage 1 runs a
+    backward, so a collective inside those branches is executed by only some devices.
+    All-reduces and all-to-alls grouped within a stage are fine, but a
+    collective-permute is one instruction over every device (XLA:CPU's runtime
+    rendezvous on all its pairs), and devices in other branches never join it: wrong
+    values or a hang, measured on CPU. Here the predicates are the same on every device,
+    so all take the same branch. Same results and memory; a tick where some devices run
+    forwards and others backwards costs a forward plus a backward instead of the longer
+    of the two."""
     zeros_a = local.zeros_a()
     no_loss = lambda: jnp.zeros((), jnp.float32)  # noqa: E731
 
@@ -372,19 +382,10 @@ def value_and_grad(
         reads its own (a traced value, not a Python one: one program serves every
         device).
 
-    Lockstep. By default each device branches on its own operation (``branching_tick``), so
-    at one tick stage 0 may run a forward while stage 1 runs a backward. A collective
-    inside those branches is then executed by only some devices; all-reduces and
-    all-to-alls grouped within a stage are fine, but a collective-permute is one
-    instruction over every device (XLA:CPU's runtime rendezvous on all its pairs), and
-    devices in other branches never join it: wrong values or a hang, measured on CPU.
-    With ``lockstep`` (``lockstep_tick``) a tick is a forward part, run if any device
-    has a forward at this tick, then a backward part, run if any has a backward (the
-    predicates are the same on every device, so all take the same branch); devices
-    with nothing to do in a part
-    compute on stale buffers and keep nothing of it (``where``); the head runs on every
-    device at the ticks where some device runs the last stage. Same results and memory; a tick where some devices run forwards and
-    others backwards costs a forward plus a backward instead of the longer of the two.
+    With ``lockstep`` every device runs ``lockstep_tick`` instead of branching on its
+    own operation (``branching_tick``): a collective-permute inside a branch that only
+    some devices take gives wrong values or hangs (``lockstep_tick`` says why, and what
+    it costs).
 
     Returns:
       ``(loss, (stage_grads [P, V, ...], outer_grads))``.
@@ -396,11 +397,26 @@ def value_and_grad(
     tables = {k: jnp.asarray(t) for k, t in p_plan.rows().items()}
     x, embed_vjp = jax.vjp(lambda h: jax.vmap(embed_fn, (None, 0, 0))(h, inputs, side), outer_params)
     tick = lockstep_tick if lockstep else branching_tick
+    device = _on_device(stage_fn, head_fn, stage_consts is not None, p_plan, tick, axis, P)
+
+    spec, whole = PartitionSpec(axis), PartitionSpec()
+    loss, grads, outer_grads, dx = jax.shard_map(
+        device, mesh=mesh, in_specs=(spec, spec, whole, whole, whole, whole), axis_names={axis},
+        out_specs=(whole, spec, whole, whole), check_vma=False,
+    )(stage_params, () if stage_consts is None else stage_consts, outer_params, x, side, tables)
+    outer_grads = jax.tree.map(jnp.add, outer_grads, embed_vjp(dx)[0])
+    return loss, (grads, outer_grads)
+
+
+def _on_device(stage_fn, head_fn, has_consts: bool, p_plan, tick, axis: str, P: int):
+    """``value_and_grad``'s ``shard_map`` body: the schedule's ticks on one device of
+    ``axis``; returns its loss, stage gradients, outer gradients and the first stage's
+    input gradients, summed over ``axis`` where every device holds them."""
 
     def device(params, consts, outer, x, side, tables):
         first = functools.partial(jax.tree.map, lambda a: a[0])  # this device's block of [P, ...]
         local = Local(stage_fn, head_fn, first(params), outer, x, side,
-                      None if stage_consts is None else first(consts))
+                      first(consts) if has_consts else None)
         me = jax.lax.axis_index(axis)
         # [ticks] each: this device's column of the per-device tables, the per-tick ones whole.
         rows = {k: t[:, me] if k in PER_DEVICE else t for k, t in tables.items()}
@@ -418,10 +434,4 @@ def value_and_grad(
         grads = jax.tree.map(lambda g: g[None], state["grads"])
         return loss, grads, outer_grads, dx
 
-    spec, whole = PartitionSpec(axis), PartitionSpec()
-    loss, grads, outer_grads, dx = jax.shard_map(
-        device, mesh=mesh, in_specs=(spec, spec, whole, whole, whole, whole), axis_names={axis},
-        out_specs=(whole, spec, whole, whole), check_vma=False,
-    )(stage_params, () if stage_consts is None else stage_consts, outer_params, x, side, tables)
-    outer_grads = jax.tree.map(jnp.add, outer_grads, embed_vjp(dx)[0])
-    return loss, (grads, outer_grads)
+    return device

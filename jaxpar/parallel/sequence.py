@@ -484,28 +484,10 @@ def ring_attention(q, k, v, *, mesh, causal: bool = True, segment_ids=None, axis
     Returns:
       ``[B, T, N, H]`` in ``q``'s dtype and ``layout``, sharded like ``q``.
     """
-    if impl not in IMPLS:
-        raise ValueError(f"ring_attention: impl={impl!r} is not one of {IMPLS}")
-    if layout not in LAYOUTS:
-        raise ValueError(f"ring_attention: layout={layout!r} is not one of {LAYOUTS}")
-    if axis not in mesh.axis_names:
-        raise ValueError(f"ring_attention: the mesh has no axis {axis!r}; its axes are "
-                         f"{tuple(mesh.axis_names)} (make one with jaxpar.make_mesh(seq=N))")
+    _check_ring_arguments(q, k, v, segment_ids, mesh, axis, impl, layout)
     B, T, N, H = q.shape
     K = k.shape[2]
-    if k.shape != (B, T, K, H) or v.shape != k.shape:
-        raise ValueError(f"ring_attention: k and v must be [B, T, K, H] = [{B}, {T}, K, {H}] "
-                         f"like q {q.shape}, got k {k.shape}, v {v.shape}")
-    if N % K:
-        raise ValueError(f"ring_attention: query heads N={N} must be a multiple of kv heads K={K}")
-    if segment_ids is not None and segment_ids.shape != (B, T):
-        raise ValueError(f"ring_attention: segment_ids must be [B, T] = [{B}, {T}], got {segment_ids.shape}")
     n = mesh.shape[axis]
-    if T % n:
-        raise ValueError(f"ring_attention: length T={T} is not divisible by {axis}={n}")
-    if layout == "zigzag" and T % (2 * n):
-        raise ValueError(f"ring_attention: the zigzag layout needs the length divisible by "
-                         f"2 x {axis} = {2 * n}, got T={T}")
     # Under a causal mask the ring balances its work by reordering natural shards to
     # zigzag on the way in and back on the way out (two ppermutes of half a shard each).
     reorder = impl == "ring" and layout == "natural" and causal and n > 1 and T % (2 * n) == 0
@@ -546,3 +528,29 @@ def ring_attention(q, k, v, *, mesh, causal: bool = True, segment_ids=None, axis
         out = jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, seg_spec),
                             out_specs=q_spec, check_vma=False)(q, k, v, segment_ids)
     return out
+
+
+def _check_ring_arguments(q, k, v, segment_ids, mesh, axis, impl, layout) -> None:
+    """``ring_attention``'s argument checks: one ValueError naming the offending value."""
+    if impl not in IMPLS:
+        raise ValueError(f"ring_attention: impl={impl!r} is not one of {IMPLS}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"ring_attention: layout={layout!r} is not one of {LAYOUTS}")
+    if axis not in mesh.axis_names:
+        raise ValueError(f"ring_attention: the mesh has no axis {axis!r}; its axes are "
+                         f"{tuple(mesh.axis_names)} (make one with jaxpar.make_mesh(seq=N))")
+    B, T, N, H = q.shape
+    K = k.shape[2]
+    if k.shape != (B, T, K, H) or v.shape != k.shape:
+        raise ValueError(f"ring_attention: k and v must be [B, T, K, H] = [{B}, {T}, K, {H}] "
+                         f"like q {q.shape}, got k {k.shape}, v {v.shape}")
+    if N % K:
+        raise ValueError(f"ring_attention: query heads N={N} must be a multiple of kv heads K={K}")
+    if segment_ids is not None and segment_ids.shape != (B, T):
+        raise ValueError(f"ring_attention: segment_ids must be [B, T] = [{B}, {T}], got {segment_ids.shape}")
+    n = mesh.shape[axis]
+    if T % n:
+        raise ValueError(f"ring_attention: length T={T} is not divisible by {axis}={n}")
+    if layout == "zigzag" and T % (2 * n):
+        raise ValueError(f"ring_attention: the zigzag layout needs the length divisible by "
+                         f"2 x {axis} = {2 * n}, got T={T}")
