@@ -110,15 +110,13 @@ def attention(q, k_pages, v_pages, layer, seq, last, tables, *, tree=None, block
     S_p, K = k_pages.shape[2], k_pages.shape[3]
     G = N // K
     chunk = math.gcd(T, chunk or min(max(T // 16, 4), 16))
-    per_block = max(1, (block_slots or max(BLOCK_ELEMENTS // chunk, S_p)) // S_p)  # pages a block reads
     W = tables.shape[1]
-    per_block = min(per_block, W)
+    per_block = min(max(1, (block_slots or max(BLOCK_ELEMENTS // chunk, S_p)) // S_p), W)  # pages a block reads
     tables = jnp.pad(tables, ((0, 0), (0, -W % per_block)))  # whole blocks (the null page past W)
     last = jnp.where(seq >= 0, last, -1)
     qf = q.reshape(T, K, G, H).astype(jnp.float32) * H ** -0.5
     span = per_block * S_p
-    visible = None if tree is None else tree[1]
-    start = None if tree is None else tree[0]
+    start, visible = (None, None) if tree is None else tree
 
     def tokens(i, out):
         at = lambda x: jax.lax.dynamic_slice_in_dim(x, i * chunk, chunk)  # noqa: E731
