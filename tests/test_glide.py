@@ -1,5 +1,6 @@
 """The GliDe draft model (jaxpar.models.glide) and its training (jaxpar-train glide)."""
 
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -579,6 +580,22 @@ def test_speculative_benchmark(target_run, glide_run, vanilla_run, capsys, monke
 
 # The teacher cache ----------------------------------------------------------------------
 
+@contextlib.contextmanager
+def lowerings():
+    """The seconds of each program JAX lowers (traces to MLIR) in the block."""
+    lowered = []
+
+    def listen(event, duration, **_):
+        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
+            lowered.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield lowered
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+
+
 def random_rows(rng, docs=14, seq_len=10):
     """Packed rows of random documents over CFG's vocabulary (EOS 0)."""
     return data.pack([rng.integers(1, CFG.vocab_size, rng.integers(3, 20)) for _ in range(docs)], seq_len, 0)
@@ -659,9 +676,17 @@ def test_an_interrupted_teacher_cache_is_completed_not_used(rng, tmp_path, monke
 
 
 def test_the_teacher_cache_refuses_another_target_or_corpus(rng, tmp_path):
+    """(And the teacher of another target of the same config is the program the first
+    compiled: its weights are an argument, so running it lowers nothing.)"""
     teaching = Teaching(rng)
     rows = {"train": random_rows(rng)}
     teaching.open(tmp_path, rows)
+    again = Teaching(rng)  # other random weights
+    assert again.live is teaching.live
+    batch = data.batch_of_rows(rows["train"], np.arange(4))
+    with lowerings() as lowered:
+        out = again.teach(batch)
+    assert lowered == [] and not np.array_equal(out["target_k"], teaching.teach(batch)["target_k"])  # its weights'
     other = random_init(lambda: Transformer(CFG, rngs=nnx.Rngs(0)), rng)
     wider = nnx.eval_shape(lambda: Transformer(dataclasses.replace(CFG, mlp_dim=64), rngs=nnx.Rngs(0)))
     shuffled = data.PackedRows(*(a[::-1].copy() for a in dataclasses.astuple(rows["train"])))

@@ -181,21 +181,34 @@ def teacher(target: Transformer, cfg: Config, sharding=None, *, outputs: str | N
     [B, T, k]``, and their ids, int32 ``target_topk_ids [B, T, k]``; with
     ``glide.features``, its features ``target_features [B, T, D]`` (final-normed last
     hidden states). ``sharding``: the step's batch sharding, for the outputs (None
-    without a mesh)."""
-    graphdef = nnx.graphdef(target)
-    start = target.cfg.layers - cfg.glide.layers
+    without a mesh).
+
+    One jitted function per target graph (its structure and model config, not its
+    weights), layers read, outputs and sharding in a process (``_teacher_program``):
+    a second run of the same draft, or a teacher for another target of the same shape,
+    calls the program the first compiled instead of tracing the target again."""
     outputs = distill_outputs(dataclasses.replace(cfg, model=target.cfg)) if outputs is None else outputs
-    k = min(cfg.glide.teacher_topk, target.cfg.vocab_size)
+    return _teacher_program(nnx.graphdef(target), target.cfg.layers - cfg.glide.layers, outputs,
+                            min(cfg.glide.teacher_topk, target.cfg.vocab_size), cfg.glide.features, sharding)
+
+
+@functools.lru_cache(maxsize=8)
+def _teacher_program(graphdef, start: int, outputs: str | None, k: int, features: bool, sharding):
+    """``teacher``'s jit for a target of graph ``graphdef`` (hashable, compared by
+    structure and static attributes), reading its layers from ``start`` on: everything
+    the program depends on besides its arguments' shapes, dtypes and shardings, which
+    the jit keys its compiled programs by."""
 
     def forward(state, batch: Batch) -> Batch:
         model = nnx.merge(graphdef, state)
         B, T = batch["inputs"].shape
-        logits, cache, features = model.decode(batch["inputs"], init_cache(model.cfg, B, T),
-                                               positions=batch["positions"], segment_ids=batch["segment_ids"])
+        logits, cache, target_features = model.decode(batch["inputs"], init_cache(model.cfg, B, T),
+                                                      positions=batch["positions"],
+                                                      segment_ids=batch["segment_ids"])
         layers = lambda x: jnp.moveaxis(x[start:], 0, 2)  # [L, B, T, K, H] -> [B, T, L_d, K, H]
         out = dict(batch, target_k=layers(cache.k), target_v=layers(cache.v))
-        if cfg.glide.features:
-            out["target_features"] = features
+        if features:
+            out["target_features"] = target_features
         if outputs is not None:
             logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
             if outputs == "full":
