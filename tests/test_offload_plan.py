@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 import jaxpar
 from jaxpar.offload import OffloadOptions, PlanError, parse_bytes, plan
 from jaxpar.offload.budget import format_bytes
-from jaxpar.offload.planner import state_bytes
+from jaxpar.offload.planner import decided, state_bytes
 from jaxpar.train.config import ConfigError, load_config
 
 
@@ -253,6 +253,32 @@ def test_params_host_alone_without_a_budget_keeps_no_layer_resident():
     state, mesh = _state()
     p = plan(state, mesh, _profile(), None, params="host", optimizer="device")
     assert p.options == OffloadOptions(params="host", resident_layers=0)
+
+
+@pytest.mark.parametrize("kwargs,budget,one", [
+    (dict(params="host", optimizer="host"), None, True),  # resident_layers implied: none
+    (dict(params="host", optimizer="device", resident_layers=2), None, True),
+    (dict(params="auto", optimizer="host", resident_layers=2), None, True),  # 2 < L: host only
+    (dict(params="auto", optimizer="device", resident_layers=L), None, True),  # every layer: device only
+    (dict(params="host", optimizer="host"), "1MiB", False),  # a budget to check
+    (dict(params="host", optimizer="auto"), None, False),
+    (dict(params="auto", optimizer="host"), None, False),
+    (dict(params="host", optimizer="host", resident_layers=L + 1), None, False),  # plan says why
+])
+def test_a_fixed_placement_without_a_budget_is_decided_without_a_profile(kwargs, budget, one):
+    """``decided``: one candidate and no budget. Then ``plan(profile=None)`` picks what it
+    picks with the profile (the profile's figures count 0); otherwise it refuses."""
+    state, mesh = _state()
+    assert decided(state, budget, **kwargs) is one
+    if one:
+        with_profile = plan(state, mesh, _profile(), budget, **kwargs)
+        without = plan(state, mesh, None, budget, **kwargs)
+        assert without.options == with_profile.options and without.resident_layers == with_profile.resident_layers
+        assert without.device_state_bytes == with_profile.device_state_bytes
+        assert without.device["temporaries"] == 0 < with_profile.device["temporaries"]
+    elif kwargs.get("resident_layers", 0) <= L:
+        with pytest.raises(ValueError, match=r"^plan: the all-on-device step's profile is needed"):
+            plan(state, mesh, None, budget, **kwargs)
 
 
 def test_bad_arguments():
@@ -542,6 +568,46 @@ def test_device_live_bytes_counts_device_memory_on_the_most_loaded_device():
         d: 8192 if d == jax.devices()[3] else 4096 for d in jax.devices()}
     assert device_live_bytes() == max(after.values())
     del one, split, on_host
+
+
+def test_a_fixed_placement_without_a_budget_compiles_no_all_on_device_step(tmp_path, monkeypatch):
+    """train()'s build for offload.params=host offload.optimizer=host
+    offload.resident_layers=1 without a budget (CPU: no device memory limit) lowers no
+    program: the plan has one candidate, so the all-on-device step is not compiled for a
+    profile; the step built is the offloaded one. (Its training equals the all-on-device
+    one's: tests/exact/test_offload_resume.py.) A dry run of the same config still
+    profiles the all-on-device step for the plan's figures (a stand-in profile here: the
+    real one's dry run is test_dry_run_reports_the_plan_...)."""
+    from jaxpar.train import loop, tasks
+
+    overrides = ["model.layers=2", "model.dim=32", "model.heads=2", "model.kv_heads=2", "model.head_dim=16",
+                 "model.mlp_dim=64", "model.vocab_size=512", "seq_len=32", "batch_size=8", f"run_dir={tmp_path}",
+                 "offload.params=host", "offload.optimizer=host", "offload.resident_layers=1"]
+    lowered = []
+
+    def listen(event, duration, **_):
+        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
+            lowered.append(duration)
+
+    cfg = load_config("tiny", overrides)
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        setup = loop.build(cfg, tasks.of(cfg))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert lowered == []
+    assert setup.profile is None
+    assert setup.offload_plan.options == OffloadOptions(params="host", resident_layers=1, optimizer="host")
+    assert setup.step_fn.offloading and setup.step_fn.split == (1, 2)
+
+    profiled = []
+    monkeypatch.setattr(loop, "dry_run_profile", lambda cfg, step_fn, *_: profiled.append(step_fn) or {
+        "temp_bytes": 2**30})
+    cfg = load_config("tiny", overrides + ["dry_run=true"])
+    dry = loop.build(cfg, tasks.of(cfg))
+    assert len(profiled) == 1 and not profiled[0].offloading  # the all-on-device step's profile
+    assert dry.offload_plan.options == setup.offload_plan.options
+    assert dry.offload_plan.device["temporaries"] > 0  # the profile's figures in the plan
 
 
 @pytest.mark.slow

@@ -304,7 +304,8 @@ _NOT_IN_PROGRAMS = ("run_dir", "cache_dir", "checkpoint", "dry_run")
 def _programs_of(cfg: Config, task, layout, base_batch: int) -> dict:
     """The program store for runs of ``cfg`` at first batch ``base_batch``: shared with
     earlier runs of the same config in this process (most recent ``_PROGRAMS_KEPT``);
-    a fresh one (nothing kept) for a task with frozen state (a GliDe draft's target)
+    a fresh one (nothing kept) for a task with frozen state (a GliDe draft's programs
+    hold its target, whose weights a kept store would keep in memory after the run)
     or per-process batch shares (``data.batch_weights``), whose programs hold more than
     the config says."""
     if not isinstance(task, tasks.LanguageModel) or layout is not None:
@@ -324,7 +325,9 @@ def _programs_of(cfg: Config, task, layout, base_batch: int) -> dict:
 def build(cfg: Config, task, base_batch: int | None = None) -> Setup:
     """The mesh, the train step and what it needs for ``cfg``, its learning rate scaled
     for ``cfg.batch_size`` against ``base_batch`` (the run's first; None: this one); with
-    ``offload`` requested, planned on the all-on-device step's compile-only profile."""
+    ``offload`` requested, planned on the all-on-device step's compile-only profile (not
+    compiled where the plan has one candidate and no budget to check, unless ``dry_run``
+    reports its figures)."""
     mesh = build_mesh(cfg.mesh)
     rules = sharding_rules(cfg.model, mesh, sequence_parallel=cfg.execution.sequence_parallel)
     _check_batch(cfg, mesh, rules)
@@ -357,8 +360,12 @@ def build(cfg: Config, task, base_batch: int | None = None) -> Setup:
                   noise_scale=noise, programs=programs)
     if not cfg.offload.requested:
         return setup
-    profile = dry_run_profile(cfg, setup.step_fn, abstract_model, mesh, rules, stages)
-    plan = offload_lib.resolve(cfg, profile, setup.step_fn.abstract_state(abstract_model), mesh, rules, peak_flops())
+    abstract_state = setup.step_fn.abstract_state(abstract_model)
+    # The all-on-device compile only informs the plan (and dry_run's figures): a fixed
+    # placement without a budget (offload_lib.needs_profile) is planned without it.
+    profile = (dry_run_profile(cfg, setup.step_fn, abstract_model, mesh, rules, stages)
+               if cfg.dry_run or offload_lib.needs_profile(cfg, abstract_state) else None)
+    plan = offload_lib.resolve(cfg, profile, abstract_state, mesh, rules, peak_flops())
     if plan.options.any:  # the step that runs is another program, its profile another
         return dataclasses.replace(setup, step_fn=build_step(offload=plan.options), offload_plan=plan)
     return dataclasses.replace(setup, offload_plan=plan, profile=profile)

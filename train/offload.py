@@ -12,7 +12,7 @@ import jax
 from jaxpar.models.config import CHECKPOINT_NAMES, ModelConfig
 from jaxpar.models.transformer import ACT_BTD, ACT_BTF, ACT_BTKH, ACT_BTNH
 from jaxpar.offload import budget as budget_lib
-from jaxpar.offload.planner import H100_PEAK_FLOPS, Plan, PlanError, plan
+from jaxpar.offload.planner import H100_PEAK_FLOPS, Plan, PlanError, decided, plan
 from jaxpar.placement import rules as rules_lib
 from jaxpar.train.config import Config, ConfigError
 
@@ -58,21 +58,39 @@ def saved_names(model: ModelConfig) -> tuple[str, ...]:
     return ()
 
 
-def resolve(cfg: Config, profile: dict, abstract_state: dict, mesh, rules,
+def _budget(cfg: Config) -> tuple[int | None, str | None]:
+    """The plan's budget: ``offload.device_budget``, else the device's own memory where
+    the backend says (None: no limit), and how a nothing-fits message names it."""
+    offload = cfg.offload
+    if offload.budget is not None:
+        return offload.budget, f"offload.device_budget={offload.device_budget}"
+    budget = budget_lib.device_memory(jax.devices()[0])
+    return budget, None if budget is None else f"the device's memory ({budget_lib.format_bytes(budget)})"
+
+
+def needs_profile(cfg: Config, abstract_state: dict) -> bool:
+    """Whether ``resolve`` needs the all-on-device step's profile: with a budget to check
+    (``_budget``) or more than one plan to weigh. A fixed placement without a budget
+    (``jaxpar.offload.planner.decided``) does not: a run skips that compile."""
+    o = cfg.offload
+    return not decided(abstract_state, _budget(cfg)[0], params=o.params, optimizer=o.optimizer,
+                       resident_layers=o.resident_layers)
+
+
+def resolve(cfg: Config, profile: dict | None, abstract_state: dict, mesh, rules,
             peak_flops: float | None) -> Plan:
     """The plan for ``cfg.offload`` from the all-on-device step's ``profile`` and
     ``abstract_state`` (``TrainStep.abstract_state``). The budget is
     ``offload.device_budget``, else the device's own memory where the backend says.
+    ``profile`` may be None where ``needs_profile`` is False: the plan's options are
+    the same, its figures leave the profile's out (``jaxpar.offload.planner.plan``).
 
     Raises:
       ConfigError: no plan fits (one line: the smallest budget that works and what
         dominates it), or the section asks what the plan cannot do.
     """
     offload = cfg.offload
-    budget, source = offload.budget, f"offload.device_budget={offload.device_budget}"
-    if budget is None:
-        budget = budget_lib.device_memory(jax.devices()[0])
-        source = None if budget is None else f"the device's memory ({budget_lib.format_bytes(budget)})"
+    budget, source = _budget(cfg)
     try:
         return plan(abstract_state, mesh, profile, budget, params=offload.params,
                     optimizer=offload.optimizer, activations=offload.activations,

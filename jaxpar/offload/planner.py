@@ -515,7 +515,10 @@ def decided(
     and ``plan`` takes ``profile=None``. False for arguments ``plan`` refuses (it says why)."""
     if budget is not None or optimizer not in ("device", "host") or params not in PLACES:
         return False
-    L = state_bytes(abstract_state, layers_key=layers_key).layers
+    try:
+        L = state_bytes(abstract_state, layers_key=layers_key).layers
+    except ValueError:  # a state plan cannot describe: it raises
+        return False
     if resident_layers is not None and not 0 <= resident_layers <= L:
         return False
     return len(_placements(params if L else "device", resident_layers, L, None)) == 1

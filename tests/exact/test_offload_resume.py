@@ -26,15 +26,14 @@ import pytest
 from flax import nnx
 
 from conftest import rel_err, tree_rel_err
-from jaxpar.models.transformer import sharding_rules
 from jaxpar.offload.fetch import Split
 from jaxpar.train import offload as offload_lib
+from jaxpar.train import tasks
 from jaxpar.train.checkpoints import Checkpoints
 from jaxpar.train.config import load_config
 from jaxpar.train.data import default_cache_dir
-from jaxpar.train.loop import build_mesh, build_model, dry_run_profile, make_optimizer, peak_flops, train
+from jaxpar.train.loop import build, train
 from jaxpar.train.runs import load_run
-from jaxpar.train.step import make_train_step
 from test_train import SMALL, metrics, wait_for_steps
 
 pytestmark = pytest.mark.slow  # end-to-end runs, as tests/test_train.py
@@ -182,21 +181,11 @@ def test_a_checkpoint_saved_without_offload_continues_with_it(tmp_path, on_devic
 
 
 def planned_step(cfg):
-    """The loop's offloaded step for ``cfg`` (``train``'s ``build_step`` and plan):
+    """The loop's offloaded step for ``cfg`` (``train``'s ``build``: its step and plan,
+    the all-on-device step not compiled for a fixed placement without a budget):
     ``(step, plan, abstract_model)``."""
-    mesh = build_mesh(cfg.mesh)
-    rules = sharding_rules(cfg.model, mesh, sequence_parallel=cfg.execution.sequence_parallel)
-    abstract_model = nnx.eval_shape(lambda: build_model(cfg))
-    tx, _ = make_optimizer(cfg.optimizer, cfg.steps)
-
-    def build(**offload):
-        return make_train_step(abstract_model, tx, mesh, rules, grad_accum=cfg.optimizer.grad_accum,
-                               sequence=cfg.execution.sequence, kernels=cfg.execution.kernels, **offload)
-
-    everything = build()
-    profile = dry_run_profile(cfg, everything, abstract_model, mesh, rules, None)
-    plan = offload_lib.resolve(cfg, profile, everything.abstract_state(abstract_model), mesh, rules, peak_flops())
-    return build(offload=plan.options), plan, abstract_model
+    setup = build(cfg, tasks.of(cfg))
+    return setup.step_fn, setup.offload_plan, setup.abstract_model
 
 
 def planned_kinds(state, plan):
@@ -227,8 +216,7 @@ def flat(tree) -> list[tuple[str, object]]:
 
 @pytest.fixture(scope="module")
 def planned(tmp_path_factory):
-    """``planned_step`` for the offloaded runs' config, built (and its all-on-device step
-    profiled) once for both sources."""
+    """``planned_step`` for the offloaded runs' config, built once for both sources."""
     return planned_step(load_config("tiny", args(tmp_path_factory.mktemp("planned") / "unused", *OFFLOAD)))
 
 
