@@ -65,7 +65,7 @@ import pytest  # noqa: E402
 from flax import nnx  # noqa: E402
 
 
-# Test files, slowest first (about 2.3 to 0.3 minutes each on 2 cores; measured from a
+# Test files, slowest first (about 2.6 to 0.3 minutes each on 2 cores; measured from a
 # full run's per-file sums, --junitxml). pytest-xdist (`--dist loadfile
 # --no-loadscope-reorder`, pyproject.toml) hands whole files to its two workers in
 # collection order, a worker its next file when two of its tests are left; starting the
@@ -77,12 +77,13 @@ from flax import nnx  # noqa: E402
 # not named keep their order after these; a new file that takes more than about 20 s
 # belongs here.
 SLOWEST_FIRST = (
-    "test_exact_programs.py", "test_train.py", "test_serving.py", "test_speculative.py", "test_glide.py",
-    "test_serve.py", "test_plan.py", "test_entry_points.py", "test_cluster_ray.py", "test_train_parallel.py",
-    "test_sequence_parallel.py", "test_pipeline.py", "test_pipeline_uneven.py", "test_recsys_train.py",
-    "test_notebook.py", "test_gguf.py", "test_serve_structured.py", "test_gpu_check.py", "test_parallel.py",
-    "test_bench_plan_ranking.py", "test_hetero_reduction.py", "test_kernels_flash_attention.py",
-    "test_hetero_batches.py",
+    "test_exact_programs.py", "test_glide.py", "test_speculative.py", "test_train.py", "test_serving.py",
+    "test_entry_points.py", "test_cluster_ray.py", "test_train_parallel.py", "test_serve.py",
+    "test_sequence_parallel.py", "test_plan.py", "test_pipeline.py", "test_hetero_reduction.py",
+    "test_pipeline_uneven.py", "test_hetero_batches.py", "test_parallel.py", "test_bench_plan_ranking.py",
+    "test_gpu_check.py", "test_offload_plan.py", "test_notebook.py", "test_recsys_train.py", "test_dlrm.py",
+    "test_elastic_resize.py", "test_bench_embedding_cache.py", "test_external_models.py",
+    "test_explicit_sharding.py",
 )
 
 
