@@ -1,6 +1,7 @@
 """Every test sees 8 simulated CPU devices; a test that needs another count runs a
 subprocess through ``run_python``."""
 
+import contextlib
 import gc
 import os
 import pathlib
@@ -130,6 +131,23 @@ def bounded_compiled_code():
         jax.clear_caches()
         gc.collect()
     yield
+
+
+@contextlib.contextmanager
+def lowerings():
+    """The seconds of each program JAX lowers (traces to MLIR) in the block: ``[]`` when
+    every program it ran was one already made."""
+    lowered = []
+
+    def listen(event, duration, **_):
+        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
+            lowered.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield lowered
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
 
 
 def rel_err(a, b) -> float:

@@ -1,6 +1,5 @@
 """The GliDe draft model (jaxpar.models.glide) and its training (jaxpar-train glide)."""
 
-import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -20,7 +19,7 @@ import yaml
 from flax import nnx
 
 import jaxpar
-from conftest import random_init, rel_err
+from conftest import lowerings, random_init, rel_err
 from jaxpar.models import GlideDraft, ModelConfig, Transformer
 from jaxpar.models.glide import CrossAttention, DraftVocab, cross_block_mask, feature_sources, inference_cross_mask
 from jaxpar.models.cache import DenseCross, init_cache
@@ -579,22 +578,6 @@ def test_speculative_benchmark(target_run, glide_run, vanilla_run, capsys, monke
 
 
 # The teacher cache ----------------------------------------------------------------------
-
-@contextlib.contextmanager
-def lowerings():
-    """The seconds of each program JAX lowers (traces to MLIR) in the block."""
-    lowered = []
-
-    def listen(event, duration, **_):
-        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
-            lowered.append(duration)
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
-        yield lowered
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
-
 
 def random_rows(rng, docs=14, seq_len=10):
     """Packed rows of random documents over CFG's vocabulary (EOS 0)."""

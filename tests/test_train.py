@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import rel_err
+from conftest import lowerings, rel_err
 from jaxpar.train.checkpoints import Checkpoints
 from jaxpar.train.config import load_config
 from jaxpar.train.data import default_cache_dir
@@ -142,14 +142,7 @@ def test_new_run_dirs_share_the_per_user_cache_and_cache_dir_overrides_it(tmp_pa
     assert sorted(name.split("-")[0] for name in made) == ["packed", "packed", "tokenizer"], made
     assert not (tmp_path / "a" / "cache").exists()
 
-    lowered = []
-
-    def listen(event, duration, **_):
-        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
-            lowered.append(duration)
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
+    with lowerings() as lowered:
         train(load_config("tiny", args + [f"run_dir={tmp_path / 'b'}"]), progress=False)
         assert entries(shared) == made
         assert (tmp_path / "b" / "tokenizer.json").read_text() == (tmp_path / "a" / "tokenizer.json").read_text()
@@ -157,8 +150,6 @@ def test_new_run_dirs_share_the_per_user_cache_and_cache_dir_overrides_it(tmp_pa
         mine = tmp_path / "mine"
         train(load_config("tiny", args + [f"run_dir={tmp_path / 'c'}", f"cache_dir={mine}"]), progress=False)
         assert sorted(entries(mine)) == sorted(made) and entries(shared) == made
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
     assert lowered == []
 
 

@@ -477,25 +477,17 @@ def plan(
                          f"model's {L} stacked layers")
     if L == 0 and params != "device":
         params = "device"  # nothing stacked to fetch layer by layer
-
     opt_places = ("device", "host") if optimizer == "auto" else (optimizer,)
+    choices = [(place, r, opt) for place, r in _placements(params, resident_layers, L, limit) for opt in opt_places]
     if profile is None:  # only where it decides nothing (``decided``)
-        if limit is not None or len(_placements(params, resident_layers, L, limit)) * len(opt_places) != 1:
-            raise ValueError("plan: the all-on-device step's profile is needed to weigh several "
-                             "placements or to check a budget (plan.decided)")
+        if limit is not None or len(choices) != 1:
+            raise ValueError("plan: without a profile, only one placement and no budget (decided)")
         profile = {}
     candidates = [_cost(state, profile, limit, place, r, opt, activations, prefetch, grad_accum, sizes,
-                        set(saved_names), rates)
-                  for place, r in _placements(params, resident_layers, L, limit) for opt in opt_places]
+                        set(saved_names), rates) for place, r, opt in choices]
     fitting = [c for c in candidates if c.fits]
     if not fitting:
-        smallest = min(candidates, key=lambda c: (c.device_bytes, c.step_s))
-        part, nbytes = smallest.dominant()
-        what = budget_source or f"a device budget of {format_bytes(limit)}"
-        raise PlanError(
-            f"{what} is below what any plan needs: the smallest ({smallest.summary()}) needs "
-            f"{format_bytes(smallest.device_bytes)} per device ({smallest.device_bytes} bytes), most "
-            f"of it {DEVICE_PARTS[part]} ({format_bytes(nbytes)})", smallest)
+        raise _nothing_fits(candidates, budget_source or f"a device budget of {format_bytes(limit)}")
     return min(fitting, key=lambda c: (c.step_s, c.host_to_device + c.device_to_host, -c.resident_layers))
 
 
@@ -523,6 +515,16 @@ def decided(
         return False
     return len(_placements(params if L else "device", resident_layers, L, None)) == 1
 
+
+def _nothing_fits(candidates: list[Plan], what: str) -> PlanError:
+    """The one-line error when no candidate fits ``what`` (the budget, as the user gave it):
+    the smallest plan, its bytes, and what dominates them."""
+    smallest = min(candidates, key=lambda c: (c.device_bytes, c.step_s))
+    part, nbytes = smallest.dominant()
+    return PlanError(
+        f"{what} is below what any plan needs: the smallest ({smallest.summary()}) needs "
+        f"{format_bytes(smallest.device_bytes)} per device ({smallest.device_bytes} bytes), most "
+        f"of it {DEVICE_PARTS[part]} ({format_bytes(nbytes)})", smallest)
 
 def _checked(params, optimizer, mesh, prefetch, grad_accum, budget, host_bandwidth, host_update_bandwidth,
              peak_flops) -> tuple[int | None, dict[str, float]]:
