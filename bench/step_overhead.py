@@ -15,16 +15,13 @@ import statistics
 import time
 
 import jax
+import numpy as np
+import optax
+from flax import nnx
 
-jax.config.update("jax_num_cpu_devices", 1)
-
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from flax import nnx  # noqa: E402
-
-import jaxpar  # noqa: E402
-from jaxpar.models import PRESETS, Transformer  # noqa: E402
-from jaxpar.train.step import loss_fn, make_train_step  # noqa: E402
+import jaxpar
+from jaxpar.models import PRESETS, Transformer
+from jaxpar.train.step import loss_fn, make_train_step
 
 
 def main():
@@ -40,7 +37,7 @@ def main():
     batches = [{"inputs": t[:, :-1], "targets": t[:, 1:]} for t in tokens]
     tx = optax.adamw(1e-3)
 
-    mesh = jaxpar.make_mesh()
+    mesh = jaxpar.make_mesh(devices=jax.devices()[:1])  # the device the plain step runs on
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     ours = make_train_step(model, tx, mesh)
     params, opt_state = ours.init(model)
@@ -81,4 +78,8 @@ def main():
 
 
 if __name__ == "__main__":
+    # Run as a script, one CPU device (not JAX_NUM_CPU_DEVICES simulated ones sharing the
+    # cores); it must be set before JAX starts its backends. Imported, main() takes the
+    # first of the process's devices.
+    jax.config.update("jax_num_cpu_devices", 1)
     main()

@@ -21,7 +21,7 @@ pytest.importorskip("ray", reason="Ray is not installed (pip install 'jaxpar[clu
 
 from jaxpar.elastic.scheduler import Allocation  # noqa: E402
 from jaxpar.train.cluster_jobs import JobsError, load_jobs  # noqa: E402
-from jaxpar.train.cluster_run import RunError, metrics, run_jobs, train_command  # noqa: E402
+from jaxpar.train.cluster_run import RunError, Running, metrics, run_jobs, train_command  # noqa: E402
 from jaxpar.train.config import load_config  # noqa: E402
 from jaxpar.train.loop import train  # noqa: E402
 from jaxpar.train.stopping import Stopped, StopRequest  # noqa: E402
@@ -116,6 +116,23 @@ def cluster(*args, timeout=300) -> subprocess.CompletedProcess:
                           timeout=timeout, env=env)
 
 
+def cluster_here(capsys, *args) -> subprocess.CompletedProcess:
+    """``jaxpar-cluster run ARGS`` as ``cluster`` runs it, its main in this process, for
+    the errors found before any Ray instance or job starts (bad input: ``parser.error``'s
+    exit 2; an address that does not answer: 1): their one line and exit status, without
+    a process start and import of Ray, JAX and jaxpar per case. ``returncode``, ``stdout``
+    and ``stderr`` as ``cluster``'s."""
+    from jaxpar.train.cluster import main
+
+    capsys.readouterr()
+    try:
+        code = main(["run", *args])
+    except SystemExit as e:  # parser.error
+        code = e.code
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(["jaxpar-cluster", "run", *args], code, out.out, out.err)
+
+
 def training_processes(under: pathlib.Path) -> list[int]:
     """Pids of the ``jaxpar.train`` processes with a run dir under ``under`` (from /proc)."""
     pids = []
@@ -200,22 +217,22 @@ def test_sigterm_stops_every_job_and_leaves_nothing(tmp_path):
     assert out == "" and training_processes(work) == []
 
 
-def test_a_ray_address_that_does_not_answer_is_one_line_quickly(tmp_path):
+def test_a_ray_address_that_does_not_answer_is_one_line_quickly(tmp_path, capsys):
     import socket
 
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     start = time.monotonic()
-    done = cluster(str(write_jobs(tmp_path / "jobs.yaml")), "--scheduler", "test_cluster_ray:Fifo",
-                   "--address", f"127.0.0.1:{port}", timeout=60)
+    done = cluster_here(capsys, str(write_jobs(tmp_path / "jobs.yaml")), "--scheduler", "test_cluster_ray:Fifo",
+                        "--address", f"127.0.0.1:{port}")
     assert done.returncode == 1, done.stderr
     assert done.stderr.startswith(f"jaxpar-cluster: error: no Ray cluster answers at 127.0.0.1:{port} within 10 s")
     assert done.stderr.count("\n") == 1, done.stderr
     assert time.monotonic() - start < 30
 
 
-def test_bad_jobs_and_schedulers_are_one_line(tmp_path):
+def test_bad_jobs_and_schedulers_are_one_line(tmp_path, capsys):
     jobs = tmp_path / "jobs.yaml"
     jobs.write_text("- id: a\n  config: tiny\n  steps: 3\n  devices: 1\n  batch_size: 8\n"
                     "- id: b\n  config: tiny\n  steps: x\n  devices: 1\n  batch_size: 8\n")
@@ -243,9 +260,38 @@ def test_bad_jobs_and_schedulers_are_one_line(tmp_path):
         run_jobs(specs, Idle(), devices=4, work_dir=tmp_path)
 
     jobs.write_text("- {id: a, config: tiny, steps: 3, devices: 1, overrides: [model.layerz=2]}\n")
-    done = cluster(str(jobs), "--scheduler", "fifo", timeout=60)
+    done = cluster_here(capsys, str(jobs), "--scheduler", "fifo")
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "layerz" in done.stderr, done.stderr
-    done = cluster(str(write_jobs(jobs)), "--scheduler", "no-such-scheduler", timeout=60)
+    done = cluster_here(capsys, str(write_jobs(jobs)), "--scheduler", "no-such-scheduler")
     assert done.returncode == 2, done.stderr
     assert done.stderr.startswith("jaxpar-cluster: error: no scheduler 'no-such-scheduler'; choose from fifo")
     assert done.stderr.count("\n") == 1, done.stderr
+
+
+def test_an_adascale_job_counts_progress_as_jaxpar_train_does(tmp_path):
+    """A job whose config says optimizer.batch_scaling=adascale: its batch is the base
+    jaxpar-train scales against, its steps stay the job's at any batch (the run ends where
+    the sum of AdaScale's gains reaches them), and its progress is that sum as logged,
+    times the job's batch (hand-written records), not the steps times their batches."""
+    jobs = tmp_path / "jobs.yaml"
+    jobs.write_text("- {id: a, config: tiny, steps: 10, devices: 2, batch_size: 16,\n"
+                    "   overrides: [optimizer.batch_scaling=adascale, eval.noise_scale=true]}\n"
+                    "- {id: b, config: tiny, steps: 10, devices: 2, batch_size: 16}\n")
+    ada, plain = load_jobs(jobs)
+    assert ada.adascale and not plain.adascale and ada.target == plain.target == 160
+    argv, _ = train_command(ada, tmp_path / "a", 2, 32, 10)
+    assert {"optimizer.base_batch_size=16", "steps=10", "batch_size=32"} <= set(argv)
+    cfg = load_config(ada.config, [a for a in argv if "=" in a])  # as jaxpar-train reads it
+    assert (cfg.optimizer.base_batch_size, cfg.batch_size, cfg.steps) == (16, 32, 10)
+    assert not any("base_batch_size" in a for a in train_command(plain, tmp_path / "b", 2, 32, 10)[0])
+
+    for spec in (ada, plain):
+        run = Running(spec, tmp_path / spec.id, segments=[(0, 2, 16), (2, 2, 32)])
+        run.run_dir.mkdir()
+        progress = [1.0, 2.0, 3.75, 5.5]  # gain 1 at the base batch, then 1.75 at 32
+        run.run_dir.joinpath("metrics.jsonl").write_text("".join(
+            json.dumps({"step": i + 1, "loss": 1.0, "adascale_progress": p}) + "\n" for i, p in enumerate(progress)))
+        if spec.adascale:
+            assert run.samples_done() == 5.5 * 16 and run.samples_done(2) == 2 * 16
+        else:
+            assert run.samples_done() == 2 * 16 + 2 * 32 and run.samples_done(2) == 2 * 16

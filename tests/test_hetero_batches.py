@@ -15,6 +15,7 @@ import time
 import numpy as np
 import pytest
 
+from conftest import adasum_reference
 from jaxpar.train import weighted
 from jaxpar.train.data import default_cache_dir
 from jaxpar.train.config import load_config
@@ -149,7 +150,6 @@ def test_unequal_device_rows_with_random_masks_equal_the_whole_batch():
     from flax import nnx
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from jaxpar.hetero import adasum
     from jaxpar.hetero import reduction as reduction_lib
     from jaxpar.hetero.reduction import Reduction
     from jaxpar.models import Transformer
@@ -176,20 +176,30 @@ def test_unequal_device_rows_with_random_masks_equal_the_whole_batch():
                                           PartitionSpec())
     with use_mesh(mesh):
         value, grads, _, _ = jax.jit(lambda p, b: per_replica(p, None, b))(replicated, batch)
-    ref_value, ref_grads = jax.jit(jax.value_and_grad(
-        lambda p: loss_fn(nnx.merge(graphdef, p), {k: jnp.asarray(v, jnp.int32) for k, v in whole.items()})))(params)
+    # The references on one device from one program: each row's loss and gradient (the
+    # mean over its counted tokens), combined in numpy weighted by the rows' counted
+    # tokens: the token-weighted mean over any set of rows (one program, not one per
+    # row count: 16, 6, 4 and 2 rows were four).
+    one = jax.jit(jax.value_and_grad(lambda p, b: loss_fn(nnx.merge(graphdef, p), b)))
+    rows = [one(params, {k: jnp.asarray(v[r:r + 1], jnp.int32) for k, v in whole.items()}) for r in range(16)]
+    counts = mask.sum(axis=1).astype(np.float64)
+    row_grads = jax.tree.map(lambda *g: np.stack([np.asarray(x, np.float64) for x in g]), *[g for _, g in rows])
+
+    def token_mean(a, b):  # rows a..b-1: their loss and gradients, token-weighted
+        w = counts[a:b] / counts[a:b].sum()
+        return (float(np.dot(w, [float(v) for v, _ in rows[a:b]])),
+                jax.tree.map(lambda g: np.tensordot(w, g[a:b], axes=1), row_grads))
+
+    ref_value, ref_grads = token_mean(0, 16)
     assert rel_err(value, ref_value) < 1e-5
     close(grads, ref_grads)
 
-    # Each device's own rows on one device, then the replicas combined by hand.
-    one = jax.jit(jax.value_and_grad(lambda p, b: loss_fn(nnx.merge(graphdef, p), b)))
-    own = [one(params, {k: jnp.asarray(v[a:b], jnp.int32) for k, v in whole.items()})
-           for a, b in zip(starts, starts[1:])]
-    losses = np.mean([float(v) for v, _ in own])
-    stacked = jax.tree.map(lambda *g: np.stack([np.asarray(x) for x in g]), *[g for _, g in own])
+    # Each device's own rows, then the replicas combined by hand.
+    own = [token_mean(a, b) for a, b in zip(starts, starts[1:])]
+    losses = np.mean([v for v, _ in own])
+    stacked = jax.tree.map(lambda *g: np.stack([np.asarray(x, np.float32) for x in g]), *[g for _, g in own])
     split = NamedSharding(mesh, PartitionSpec("data"))
-    # jitted: eagerly, every op of the reference compiles apart for each leaf shape
-    for reduction, want in ((Reduction("adasum"), jax.jit(adasum.reduce_stacked)(stacked)),
+    for reduction, want in ((Reduction("adasum"), adasum_reference(stacked)),
                             (Reduction("mean", "dct_topk", ratio=1.0), jax.tree.map(lambda g: g.mean(0), stacked))):
         state, state_spec = None, None
         if reduction.compressed:

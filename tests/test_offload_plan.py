@@ -576,7 +576,7 @@ def test_a_fixed_placement_without_a_budget_compiles_no_all_on_device_step(tmp_p
     offload.resident_layers=1 without a budget (CPU: no device memory limit) lowers no
     program: the plan has one candidate, so the all-on-device step is not compiled for a
     profile; the step built is the offloaded one. (Its training equals the all-on-device
-    one's: tests/exact/test_offload_resume.py.) A dry run of the same config still
+    one's: tests/test_offload_resume.py.) A dry run of the same config still
     profiles the all-on-device step for the plan's figures (a stand-in profile here: the
     real one's dry run is test_dry_run_reports_the_plan_...)."""
     from jaxpar.train import loop, tasks

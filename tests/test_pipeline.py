@@ -272,9 +272,11 @@ def gradients_as_state():
 
 @pytest.mark.slow
 def test_microbatches_weight_the_loss_by_tokens():
-    """Rows whose masks count from 1 to all 16 tokens: grad_accum 1, 2, 4 and a pipe=2
+    """Rows whose masks count from 1 to all 16 tokens: grad_accum 1 and 4 and a pipe=2
     pipeline give the same loss and gradients, the whole batch's token-weighted ones
-    (a mean of microbatch means would weight a token of a sparse microbatch more)."""
+    (a mean of microbatch means would weight a token of a sparse microbatch more).
+    (grad_accum=2 checked what grad_accum=4 checks, microbatches of unequal token
+    counts weighted by their share, with one more train step to compile.)"""
     from flax import nnx
 
     from jaxpar.models import Transformer
@@ -286,7 +288,7 @@ def test_microbatches_weight_the_loss_by_tokens():
     counts = rng.permutation([1, 2, 3, 4, 6, 9, 13, 16])  # tokens counted per row
     batch["mask"] = jnp.asarray(np.arange(16)[None, :] < counts[:, None], jnp.int32)
     mesh = jaxpar.make_mesh(pipe=2, devices=jax.devices()[:2])
-    runs = {f"grad_accum={k}": dict(grad_accum=k) for k in (1, 2, 4)}
+    runs = {f"grad_accum={k}": dict(grad_accum=k) for k in (1, 4)}
     runs["pipe=2"] = dict(mesh=mesh, rules=sharding_rules(CFG, mesh), pipeline=build("1f1b", 2, 4))
     results = {}
     for name, options in runs.items():

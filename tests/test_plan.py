@@ -81,9 +81,10 @@ def test_analytic_memory_against_compiled(tiny, figures):
     sample: every remat policy, and pure data parallelism, FSDP with 1D tensor
     parallelism, Megatron SP, a 2D grid, ``seq`` and a pipeline. Not every candidate is
     within 5% (BENCHMARKS.md, "Planning", reports the distribution and the worst cases:
-    ``seq`` layouts are the model's weakest)."""
+    ``seq`` layouts are the model's weakest). The pure data-parallel layout is one the
+    plan test compiles too (its first compiled candidate: ``figures`` compiles it once)."""
     work = work_of(tiny)
-    for layout in (Layout(data=8, remat="full"), Layout(fsdp=4, tensor=2, remat="dots_no_batch"),
+    for layout in (Layout(data=8, remat="none"), Layout(fsdp=4, tensor=2, remat="full"),
                    Layout(data=2, tensor=4, sequence_parallel=True, remat="dots_no_batch"),
                    Layout(data=2, seq=2, tensor=2, remat="dots"), Layout(fsdp=2, tensor=(2, 2), remat="dots"),
                    Layout(fsdp=2, pipe=2, data=2, microbatches=4)):

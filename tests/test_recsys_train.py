@@ -1,7 +1,7 @@
 """``jaxpar-train dlrm``: a run resumed from a checkpoint taken with the cache dirty
 continues exactly, the trained model learns the planted signal, and bad input is one
 line with nothing written. (The cache against the whole table on the device, bit for
-bit: tests/exact/test_embedding_cache_training.py.)"""
+bit: tests/test_embedding_cache_training.py.)"""
 
 import json
 import shutil

@@ -451,17 +451,21 @@ def test_cape_trees_over_pages_accept_as_the_dense_decoder_does(model):
     path's entries moved into place in the pages: a wrong move changes the next
     rounds); a seeded sampling request (verifying the chain) gets the same tokens alone
     and beside greedy ones; pages all back."""
-    draft = GlideDraft(CFG, 1, rngs=nnx.Rngs(7))
+    # the GliDe test's draft layout (2 layers) and a context of 240 tokens: its tables (33 pages of 8 for a
+    # context and a round's 25 verified tokens) and pool, so the prompt chunks run its step programs (a step
+    # depends on the draft's graph, not the method), compiled once
+    draft = GlideDraft(CFG, 2, rngs=nnx.Rngs(7))
     prompts, _ = requests(10, 3)
     greedy = SamplingParams(max_tokens=24)
-    served = engine(model, draft=draft, method="cape", gamma=3)
-    assert served.tokens_per_row == served.method.tree.size
+    cape = dict(draft=draft, method="cape", gamma=3, max_context=240)
+    served = engine(model, **cape)
+    assert served.tokens_per_row == served.method.tree.size and served.max_pages == 33
     outputs = rounds_as_the_dense_decoders(served, model, draft, "cape", prompts)
     assert served.accepted > 0
 
     sampled = SamplingParams(max_tokens=10, temperature=0.8, seed=3)
-    by_itself = engine(model, draft=draft, method="cape", gamma=3).generate([prompts[2]], sampled)[0].token_ids
-    together = engine(model, draft=draft, method="cape", gamma=3).generate(prompts, [greedy, greedy, sampled])
+    by_itself = engine(model, **cape).generate([prompts[2]], sampled)[0].token_ids
+    together = engine(model, **cape).generate(prompts, [greedy, greedy, sampled])
     assert together[2].token_ids == by_itself and len(set(by_itself)) > 1
     assert [o.token_ids for o in together[:2]] == [o.token_ids for o in outputs[:2]]
 

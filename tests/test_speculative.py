@@ -315,14 +315,16 @@ def test_a_features_draft_proposes_from_the_last_verified_tokens_feature(rng):
     for weight in (draft.layers.attn.o, draft.layers.cross.o, draft.layers.mlp.down):
         weight[...] = jnp.zeros_like(weight[...])
     draft.fuse[...] = jnp.stack([jnp.zeros((CFG.dim, CFG.dim)), jnp.eye(CFG.dim)])
-    method = speculative.Method("glide", gamma=3)
-    prefill, round_, _, _ = speculative.compiled(method, 16, ())
+    # the settings and shapes of test_the_state_carries_the_targets_features_of_the_last_two_tokens[glide]
+    # (gamma 2, bins of 2, 12 tokens, 3 prompts of 7): its prefill and round, compiled once
+    method = speculative.Method("glide", gamma=2, bins=(2,) * 11)
+    prefill, round_, _, _ = speculative.compiled(method, 12, ())
     graph, params = nnx.split((target, draft))
-    state = prefill(graph, params, rng.integers(0, CFG.vocab_size, (2, 6)).astype(np.int32),
-                    np.array([6, 3], np.int32), jax.random.key(0))
+    state = prefill(graph, params, rng.integers(0, CFG.vocab_size, (3, 7)).astype(np.int32),
+                    np.array([6, 3, 7], np.int32), jax.random.key(0))
     for _ in range(3):
         drafts, _, _ = propose(method, target, draft, state)
-        np.testing.assert_array_equal(drafts, np.repeat(np.asarray(state.last)[:, None], 3, axis=1))
+        np.testing.assert_array_equal(drafts, np.repeat(np.asarray(state.last)[:, None], 2, axis=1))
         state = round_(graph, params, state)
 
 
@@ -643,11 +645,16 @@ def test_the_drafts_first_step_rewrites_its_cache_from_the_verified_tokens(model
     ("glide", "glide_features", "select", 1)])
 def test_lookup_rounds_return_greedy_decoding(models, rng, method, draft, lookup, batch):
     """With lookup, tokens equal plain greedy decoding, on prompts that repeat (so the
-    copied chains are proposed) as on random ones; at batch 1 on a repeating prompt
-    ``select``'s rounds take the whole copy and skip the draft's steps."""
+    copied chains are proposed) as on random ones; with one sequence (``batch`` 1) on a
+    repeating prompt ``select``'s rounds take the whole copy and skip the draft's steps.
+    That sequence runs as 4 equal rows (every row takes the copy where it does, so the
+    rounds skip as at batch 1): the batch-4 loops of the select cases here and in
+    test_runner_up_rounds_return_greedy_decoding_and_accept_more, compiled once."""
     target = models["target"]
     motif = rng.integers(0, CFG.vocab_size, (2, 4))
-    prompt = np.concatenate([np.tile(motif, 3), rng.integers(0, CFG.vocab_size, (2, 12))])[:batch]  # [4, 12]
+    prompt = np.concatenate([np.tile(motif, 3), rng.integers(0, CFG.vocab_size, (2, 12))])  # [4, 12]
+    if batch == 1:
+        prompt = np.repeat(prompt[:1], 4, axis=0)
     reference = greedy(target, prompt, TOKENS)
     out = speculative_generate(target, prompt, draft=models[draft], method=method, gamma=GAMMA, max_new_tokens=TOKENS,
                                lookup=lookup)

@@ -143,7 +143,7 @@ def test_offloaded_run_killed_and_restarted_gives_the_same_losses(tmp_path, offl
     for got, want in zip(jax.tree.leaves(final_params(run)), jax.tree.leaves(final_params(offloaded)), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert not list((run / "checkpoints").glob("*tmp*"))  # the save the kill cut short
-    # and offloading is the all-on-device arithmetic (tests/exact/test_offload.py, per step)
+    # and offloading is the all-on-device arithmetic (tests/test_offload.py, per step)
     assert rel_err(losses(offloaded), losses(on_device)) < 1e-6
 
 

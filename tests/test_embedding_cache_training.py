@@ -1,8 +1,7 @@
 """``jaxpar-train dlrm`` through the embedding cache against the whole table on the
 device (issue 37: bit for bit with SGD, within 1e-6 with row-wise Adagrad), end to end
-through ``train()``. Here, under XLA:CPU's default emitters: the cached and uncached
-steps are two programs (a [C, D] cache, a [R, D] table), which the suite's elemental
-emitters would contract into different FMAs (tests/conftest.py, EXACT)."""
+through ``train()``: the cached and uncached steps are two programs (a [C, D] cache,
+a [R, D] table) that must round alike (tests/conftest.py on the emitters)."""
 
 import shutil
 
@@ -13,6 +12,8 @@ import pytest
 from jaxpar.train.config import load_config
 from jaxpar.train.loop import train
 from jaxpar.train.recsys import load_run
+
+pytestmark = pytest.mark.slow  # end-to-end runs, as tests/test_train.py
 
 
 # The dlrm preset's tables at a fifth of their rows (40,000 in all), and 8 samples a
