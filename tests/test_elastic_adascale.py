@@ -73,15 +73,44 @@ def test_adascale_without_the_noise_scale_is_one_line_exit_2(tmp_path, capfd):
     assert main(["tiny", f"run_dir={tmp_path / 'run'}", "optimizer.batch_scaling=adascale"]) == 2
     lines = capfd.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "optimizer.batch_scaling=adascale reads the gradient noise scale" in lines[0]
+    assert main(["tiny", f"run_dir={tmp_path / 'run'}", "optimizer.base_batch_size=8"]) == 2
+    lines = capfd.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "optimizer.base_batch_size=8 scales nothing with optimizer.batch_scaling=none" in lines[0]
     assert not (tmp_path / "run").exists()
+
+
+def test_a_run_ends_where_its_progress_reaches_steps(tmp_path):
+    """``run_steps`` against hand-written records: without AdaScale's progress a run of
+    3 steps ends at step 3; with it, at the first step whose progress reaches 3 (here the
+    3rd of gains 1.5, 1.2, 0.4: 3.1), saved there, whatever the step count."""
+    from jaxpar.train.stepping import Recorder, finished, run_steps
+
+    assert finished({"step": 3}, 3) and not finished({"step": 2}, 3)
+    assert finished({"step": 2, "adascale_progress": 3.0}, 3) and not finished({"step": 5, "adascale_progress": 2.9}, 3)
+    for gains, ends in [(None, 3), ([1.5, 1.2, 0.4, 2.0, 2.0], 3), ([0.5] * 7, 6)]:
+        progress, saved = [0.0], []
+
+        def one_step(step):
+            record = {"step": step, "loss": 1.0}
+            if gains is not None:
+                progress[0] += gains[step - 1]
+                record |= {"adascale_gain": gains[step - 1], "adascale_progress": progress[0]}
+            return record, {}
+
+        recorder = Recorder(tmp_path, 0, 3, lead=False, progress=False)
+        history = run_steps(0, 3, 2, one_step=one_step, save=saved.append, recorder=recorder, where="here")
+        assert [r["step"] for r in history] == list(range(1, ends + 1))
+        assert saved == [s for s in range(1, ends + 1) if s % 2 == 0 or s == ends]
 
 
 @pytest.mark.slow
 def test_a_resized_run_follows_the_gain_and_carries_its_averages(tmp_path):
-    """Batch 16 on data=8 for 2 steps, then 32 on data=4: at the base batch the gain is 1
-    and the rate the schedule's on the step clock; after the resize the gain is measured
-    (between 1 and 2), the progress resumes from the checkpoint and advances by it, and
-    the logged rate is the schedule at that progress times the gain's square root."""
+    """Batch 16 on data=8 for 2 steps, then 32 on data=4 to progress 4: at the base batch
+    the gain is 1 and the rate the schedule's on the step clock; after the resize the
+    gain is measured (between 1 and 2), the progress resumes from the checkpoint and
+    advances by it, the logged rate is the schedule at that progress times the gain's
+    square root, and the run ends at the first step whose progress reaches 4 (fewer
+    steps than 4 at the larger batch); run again, it has nothing to do."""
     base = ["model.layers=1", "model.vocab_size=512", "data.max_files=60", "data.val_fraction=0.1", "seq_len=32",
             "eval.every=0", "checkpoint.every=2", "optimizer.warmup_steps=2", "optimizer.batch_scaling=adascale",
             "eval.noise_scale=true", f"run_dir={tmp_path}", f"cache_dir={data_lib.default_cache_dir()}"]
@@ -90,7 +119,7 @@ def test_a_resized_run_follows_the_gain_and_carries_its_averages(tmp_path):
         cfg = load_config("tiny", base + [f"steps={steps}", f"batch_size={batch}", f"mesh.data={data}"])
         history += train(cfg, progress=False)
     schedule = make_optimizer(cfg.optimizer, 4)[1]
-    assert [r["step"] for r in history] == [1, 2, 3, 4]
+    assert [r["step"] for r in history] == list(range(1, len(history) + 1)) and 3 <= len(history) <= 4
     progress = 0.0
     for r in history:
         resized = r["step"] > 2
@@ -98,3 +127,5 @@ def test_a_resized_run_follows_the_gain_and_carries_its_averages(tmp_path):
         assert math.isclose(r["lr"], float(schedule(progress)) * r["adascale_gain"] ** 0.5, rel_tol=1e-5)
         progress += r["adascale_gain"]
         assert math.isclose(r["adascale_progress"], progress, rel_tol=1e-5)
+        assert (r["adascale_progress"] >= 4) == (r is history[-1])
+    assert train(cfg, progress=False) == []  # already at progress 4

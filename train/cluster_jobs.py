@@ -60,6 +60,7 @@ class JobSpec:
     restart_s: float = 10.0
     speed: tuple[float, float, float] = DEFAULT_SPEED
     noise: float | None = None
+    adascale: bool = False  # its config's optimizer.batch_scaling=adascale: steps count progress
 
     @property
     def model(self) -> JobModel:
@@ -67,7 +68,8 @@ class JobSpec:
 
     @property
     def target(self) -> float:
-        """Samples to train (at the job's batch)."""
+        """Samples to train (at the job's batch; with AdaScale, worth of them: its
+        progress, the sum of the gains, counts steps at the job's batch)."""
         return float(self.steps * self.batch_size)
 
 
@@ -129,7 +131,8 @@ def _job(entry, where: str, hardware: str | None = None) -> JobSpec:
     overrides = entry.get("overrides", [])
     if not isinstance(overrides, list) or any(not isinstance(o, str) or "=" not in o for o in overrides):
         raise JobsError(f"{where}: overrides must be a list of key=value strings, not {overrides!r}")
-    batch = positive("batch_size") or _config_batch(entry["config"], overrides, where)
+    cfg = _config(entry["config"], overrides, where)
+    batch = positive("batch_size") or cfg.batch_size
     steps = positive("steps") or math.ceil(positive("samples") / batch)
     speed = entry.get("speed", DEFAULT_SPEED)
     if speed == "plan":
@@ -146,7 +149,8 @@ def _job(entry, where: str, hardware: str | None = None) -> JobSpec:
         batch_size=batch, devices=positive("devices"), min_devices=positive("min_devices", default=1),
         max_devices=positive("max_devices"), arrival_s=float(arrival), min_batch=positive("min_batch"),
         max_batch=positive("max_batch"), restart_s=positive("restart_s", float, 10.0),
-        speed=tuple(float(s) for s in speed), noise=positive("noise", float))
+        speed=tuple(float(s) for s in speed), noise=positive("noise", float),
+        adascale=cfg.optimizer.batch_scaling == "adascale")
     if not job.min_devices <= job.devices <= (job.max_devices or job.devices):
         raise JobsError(f"{where}: devices={job.devices} must lie in [min_devices={job.min_devices}, "
                         f"max_devices={job.max_devices}]")
@@ -157,12 +161,13 @@ def _job(entry, where: str, hardware: str | None = None) -> JobSpec:
     return job
 
 
-def _config_batch(config: str, overrides: list[str], where: str) -> int:
-    """The batch size ``config`` with ``overrides`` trains at (loading it checks them)."""
+def _config(config: str, overrides: list[str], where: str):
+    """``config`` with ``overrides`` (loading it checks them): its batch size and
+    ``optimizer.batch_scaling`` are the job's defaults."""
     from jaxpar.train.config import ConfigError, load_config
 
     try:
-        return load_config(config, list(overrides)).batch_size
+        return load_config(config, list(overrides))
     except ConfigError as e:
         raise JobsError(f"{where}: {e}") from None
 

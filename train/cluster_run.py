@@ -29,8 +29,13 @@ config's ``mesh.data``, when unset, takes them), its ``run_dir`` under ``--work-
   (``jaxpar-train``'s elastic resume, ``batch_size=``), its ``steps`` becomes the steps
   done plus the remaining samples over the new batch, rounded up. The learning-rate
   schedule stays on ``jaxpar-train``'s step clock over the new ``steps``, and
-  ``optimizer.batch_scaling`` (the job's overrides) scales its peak. A job without a
-  batch range keeps its batch whatever the decision says.
+  ``optimizer.batch_scaling`` (the job's overrides) scales its peak. A job whose config
+  says ``optimizer.batch_scaling=adascale`` counts progress as ``jaxpar-train`` does, in
+  AdaScale's gains (``jaxpar.train.stepping.finished``): its base batch is the job's
+  (``optimizer.base_batch_size``), its ``steps`` stay the job's at any batch (the run
+  ends when the sum of its gains reaches them), and its progress is that sum logged in
+  ``metrics.jsonl`` times the base batch. A job without a batch range keeps its batch
+  whatever the decision says.
 
 On a Ray cluster of GPU nodes (``--address ray://head:10001 --resource GPU``) the same
 loop runs: the bundle is ``{"GPU": d}`` and the actor holds it as ``num_gpus=d``, so
@@ -161,9 +166,14 @@ class Running:
     def batch(self) -> int:
         return self.segments[-1][2] if self.segments else self.spec.batch_size
 
-    def samples_done(self, steps: int | None = None) -> int:
-        """Samples trained in the first ``steps`` steps (default: all logged), by segment."""
+    def samples_done(self, steps: int | None = None) -> float:
+        """Samples trained in the first ``steps`` steps (default: all logged), by segment;
+        for an AdaScale job, what they are worth: its logged progress (the sum of the
+        gains, ``jaxpar.train.stepping.finished``'s) in steps at the job's batch."""
         steps = self.steps_done() if steps is None else steps
+        if self.spec.adascale:
+            records = metrics(self.run_dir)[:steps]
+            return records[-1]["adascale_progress"] * self.spec.batch_size if records else 0.0
         bounds = [first for first, _, _ in self.segments[1:]] + [steps]
         return sum(max(min(end, steps) - first, 0) * batch
                    for (first, _, batch), end in zip(self.segments, bounds))
@@ -226,6 +236,7 @@ def train_command(spec: JobSpec, run_dir: pathlib.Path, devices: int, batch: int
     at ``batch`` for ``steps`` in all (default: the job's)."""
     argv = [sys.executable, "-m", "jaxpar.train", spec.config, *spec.overrides, f"run_dir={run_dir}",
             f"steps={steps or spec.steps}", f"batch_size={batch or spec.batch_size}",
+            *([f"optimizer.base_batch_size={spec.batch_size}"] if spec.adascale else []),
             "--simulate-devices", str(devices), "--no-progress"]
     return argv, {"JAX_NUM_CPU_DEVICES": str(devices)}
 
@@ -287,7 +298,9 @@ class Cluster:
         job.group, job.devices, job.since_s = group, devices, now_s
         self.live.append(job)
         done = job.steps_done()
-        steps = done + math.ceil((job.spec.target - job.samples_done(done)) / batch)
+        # an AdaScale run ends by its progress, whatever its batch: the job's steps as they are
+        steps = job.spec.steps if job.spec.adascale else done + math.ceil((job.spec.target - job.samples_done(done))
+                                                                          / batch)
         job.segments.append((done, devices, batch))
         argv, env = train_command(job.spec, job.run_dir, per, batch, steps)
         job.run_dir.mkdir(parents=True, exist_ok=True)

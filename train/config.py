@@ -104,14 +104,18 @@ class OptimizerConfig:
     ``batch_scaling``: how the schedule's peak (and end) learning rate follows the global
     batch when a resumed run changes ``batch_size`` (an elastic job): ``linear`` times
     ``batch_size / base`` (Goyal et al.), ``sqrt`` times its square root (Krizhevsky; Adam's
-    usual rule), ``none`` unchanged; ``base`` is the run's first batch size, kept in its
-    checkpoints. The default is ``none``: a run that never resizes is unaffected, and
+    usual rule), ``none`` unchanged; ``base`` is ``base_batch_size`` (the batch the
+    learning rate was tuned at) where given, else the run's first batch size, kept in
+    its checkpoints. The default is ``none``: a run that never resizes is unaffected, and
     which rule suits a model and optimizer is the user's to choose (linear scaling is
     SGD's rule and overshoots with Adam at large ratios). The schedule stays on the step
     clock (``warmup_steps`` and the cosine over ``steps`` count steps whatever the batch)
     and Adam's moments carry over as they are (they are per parameter, not per sample).
     ``adascale`` (needs ``eval.noise_scale=true``): AdaScale's gain, measured every step
-    from the noise scale, in place of a fixed rule (``jaxpar.elastic.adascale``)."""
+    from the noise scale, in place of a fixed rule (``jaxpar.elastic.adascale``); the
+    schedule then runs on its progress (the sum of the gains, in steps at the base
+    batch), and so does the run's length: it ends when the progress reaches ``steps``,
+    as AdaScale and AdaptDL define it (``jaxpar.train.stepping.finished``)."""
 
     lr: float = 3e-3
     warmup_steps: int = 20
@@ -126,9 +130,12 @@ class OptimizerConfig:
     compression_ratio: float = 0.01
     threshold_every: int = 10
     batch_scaling: Literal["none", "linear", "sqrt", "adascale"] = "none"
+    base_batch_size: int | None = None  # what batch_scaling scales against; None: the run's first
 
     def __post_init__(self):
         self.gradient_reduction  # Reduction's checks: the ratio in (0, 1], threshold_every >= 1
+        if self.base_batch_size is not None and self.base_batch_size < 1:
+            raise ValueError(f"optimizer.base_batch_size={self.base_batch_size!r} must be at least 1")
 
     @property
     def gradient_reduction(self) -> reduction_lib.Reduction:
@@ -458,6 +465,9 @@ class Config:
                              "byte-level BPE of that size (256 bytes + EOS)")
         if self.seq_len < 2:
             raise ValueError(f"seq_len={self.seq_len!r} must be at least 2")
+        if self.optimizer.base_batch_size is not None and self.optimizer.batch_scaling == "none":
+            raise ValueError(f"optimizer.base_batch_size={self.optimizer.base_batch_size} scales nothing with "
+                             "optimizer.batch_scaling=none: give linear, sqrt or adascale, or drop it")
         if self.optimizer.batch_scaling == "adascale" and not self.eval.noise_scale:
             raise ValueError("optimizer.batch_scaling=adascale reads the gradient noise scale: give "
                              "eval.noise_scale=true")

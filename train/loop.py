@@ -57,7 +57,7 @@ from jaxpar.train.command import file_in_the_way
 from jaxpar.train.config import Config, ConfigError, MeshConfig, OptimizerConfig, to_dict
 from jaxpar.train.loader import Loader
 from jaxpar.train.step import make_train_step
-from jaxpar.train.stepping import Recorder, TrainingError, run_steps
+from jaxpar.train.stepping import Recorder, TrainingError, finished, run_steps
 from jaxpar.train.trainer import Batches, Trainer, evaluation, utilisation
 
 log = logging.getLogger(__name__)
@@ -324,7 +324,7 @@ def _programs_of(cfg: Config, task, layout, base_batch: int) -> dict:
 
 def build(cfg: Config, task, base_batch: int | None = None) -> Setup:
     """The mesh, the train step and what it needs for ``cfg``, its learning rate scaled
-    for ``cfg.batch_size`` against ``base_batch`` (the run's first; None: this one); with
+    for ``cfg.batch_size`` against ``base_batch`` (``base_batch_of``'s; None: a new run's); with
     ``offload`` requested, planned on the all-on-device step's compile-only profile (not
     compiled where the plan has one candidate and no budget to check, unless ``dry_run``
     reports its figures)."""
@@ -332,7 +332,7 @@ def build(cfg: Config, task, base_batch: int | None = None) -> Setup:
     rules = sharding_rules(cfg.model, mesh, sequence_parallel=cfg.execution.sequence_parallel)
     _check_batch(cfg, mesh, rules)
     abstract_model = nnx.eval_shape(task.model)
-    base_batch = base_batch or cfg.batch_size
+    base_batch = base_batch or cfg.optimizer.base_batch_size or cfg.batch_size
     scale = batch_scale(cfg.optimizer.batch_scaling, cfg.batch_size, base_batch)
     adascale = ((base_batch, cfg.batch_size, noise_lib.replicas_of(mesh))
                 if cfg.optimizer.batch_scaling == "adascale" else None)
@@ -426,21 +426,35 @@ def initial_state(task, setup: Setup, restored, loader: Loader, where: pathlib.P
     return state["params"], state["opt_state"]
 
 
+def position_of(restored) -> tuple[int, float | None]:
+    """``(step, progress)`` of a restored checkpoint: ``progress`` AdaScale's (the sum
+    of its gains) where the optimizer counts it, else None."""
+    step, state, _ = restored
+    adascale = adascale_lib.state_of(state["opt_state"])
+    return step, None if adascale is None else float(adascale.progress)
+
+
 def base_batch_of(cfg: Config, restored) -> int:
-    """The run's first global batch (what ``optimizer.batch_scaling`` scales against):
-    the checkpoint's, or for a new run (or a checkpoint from before it was kept) this one."""
+    """The global batch ``optimizer.batch_scaling`` scales against:
+    ``optimizer.base_batch_size`` where given, else the run's first (the checkpoint's,
+    or for a new run, or a checkpoint from before it was kept, this one)."""
+    if cfg.optimizer.base_batch_size is not None:
+        return cfg.optimizer.base_batch_size
     return cfg.batch_size if restored is None else int(restored[2].get("base_batch", cfg.batch_size))
 
 
 def rescaled(cfg: Config, task, setup: Setup, base_batch: int) -> Setup:
-    """``setup``, rebuilt with its learning rate scaled where a resumed run's batch is
-    not its first and ``optimizer.batch_scaling`` scales it (the same state shapes, so
-    the restored state fits the new step)."""
-    if base_batch == cfg.batch_size or cfg.optimizer.batch_scaling == "none":
+    """``setup`` for ``base_batch`` (``base_batch_of``'s), rebuilt where it is not the
+    base ``build`` took (a resumed run's first batch) and ``optimizer.batch_scaling``
+    scales by it (the same state shapes, so the restored state fits the new step)."""
+    if cfg.optimizer.batch_scaling == "none":
         return setup
-    log.info("global batch %d, the run's first %d: learning rate x%.3g (optimizer.batch_scaling=%s)",
-             cfg.batch_size, base_batch, batch_scale(cfg.optimizer.batch_scaling, cfg.batch_size, base_batch),
-             cfg.optimizer.batch_scaling)
+    if base_batch != cfg.batch_size:
+        log.info("global batch %d, the base %d: learning rate x%.3g (optimizer.batch_scaling=%s)",
+                 cfg.batch_size, base_batch, batch_scale(cfg.optimizer.batch_scaling, cfg.batch_size, base_batch),
+                 cfg.optimizer.batch_scaling)
+    if base_batch == (cfg.optimizer.base_batch_size or cfg.batch_size):
+        return setup
     return build(cfg, task, base_batch)
 
 
@@ -492,10 +506,11 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
                      replica_parallel=False if host_state else None) as checkpoints:
         _check_same_model(checkpoints, cfg)
         restored = checkpoints.restore_latest(setup.step_fn.abstract_state(setup.abstract_model))
-        start = 0 if restored is None else restored[0]
-        if start >= cfg.steps:
-            log.warning("%s is already at step %d (steps=%d): nothing to do; raise steps= to continue "
-                        "or choose another run_dir", cfg.run_dir, start, cfg.steps)
+        start, done = (0, None) if restored is None else position_of(restored)
+        if finished({"step": start} if done is None else {"step": start, "adascale_progress": done}, cfg.steps):
+            log.warning("%s is already at step %d%s (steps=%d): nothing to do; raise steps= to continue "
+                        "or choose another run_dir", cfg.run_dir, start,
+                        "" if done is None else f", progress {done:.1f}", cfg.steps)
             return []
         base_batch = base_batch_of(cfg, restored)
         setup = rescaled(cfg, task, setup, base_batch)
@@ -517,7 +532,7 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
                 trainer.add_hook(weighted.rebalancing(cfg, setup.step_fn, setup.layout, data),
                                  every=cfg.data.rebalance_every)
         recorder = Recorder(pathlib.Path(cfg.run_dir), start, cfg.steps, lead=jax.process_index() == 0,
-                            progress=progress)
+                            progress=progress, done=done)
         log.info("compiling the train step (the first step waits for it)")
         with setup.step_fn.context():
             return run_steps(start, cfg.steps, cfg.checkpoint.every, one_step=trainer.step,

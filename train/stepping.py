@@ -1,7 +1,8 @@
 """The loop every task's training shares: step, record, checkpoint, stop.
 
-``run_steps`` runs steps ``start + 1 .. cfg.steps`` of any task (a language model, a
-GliDe draft, a DLRM): each ``one_step(step)`` returns the step's metrics record and the
+``run_steps`` runs steps ``start + 1 ..`` of any task (a language model, a GliDe
+draft, a DLRM) until ``finished`` (step ``cfg.steps``; with AdaScale, the progress
+``cfg.steps``): each ``one_step(step)`` returns the step's metrics record and the
 progress bar's figures; ``Recorder`` appends the record to ``metrics.jsonl`` and
 TensorBoard (process 0) and moves the bar; a checkpoint is saved every
 ``checkpoint.every`` steps and at the last; SIGINT / SIGTERM stop the run at the next
@@ -12,6 +13,7 @@ it with the last good checkpoint named.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import math
 import pathlib
@@ -32,6 +34,14 @@ class TrainingError(RuntimeError):
     """A run that cannot start or go on; the CLI prints it on one line and exits 1."""
 
 
+def finished(record: dict, steps: int) -> bool:
+    """Whether a run of ``steps`` ends at ``record``'s step: at step ``steps``, or, where
+    the record counts AdaScale's progress (``optimizer.batch_scaling=adascale``: the sum
+    of its gains, in steps at the base batch, as AdaScale and AdaptDL define a run's
+    length), when that progress reaches ``steps``."""
+    return record.get("adascale_progress", record["step"]) >= steps
+
+
 def rewrite_metrics(path: pathlib.Path, upto: int) -> None:
     """Drops metrics of steps after ``upto`` (a resumed run logs them again)."""
     if path.exists():
@@ -44,7 +54,10 @@ class Recorder:
     process only; a resumed run first drops what it logged after ``start``), and the
     progress bar."""
 
-    def __init__(self, run_dir: pathlib.Path, start: int, steps: int, *, lead: bool, progress: bool):
+    def __init__(self, run_dir: pathlib.Path, start: int, steps: int, *, lead: bool, progress: bool,
+                 done: float | None = None):
+        """``done``: where the bar starts (default ``start``; AdaScale's progress for a
+        run that counts it, which then moves the bar by each step's gain)."""
         self.lead = lead
         metrics = run_dir / "metrics.jsonl"
         if lead:
@@ -52,8 +65,8 @@ class Recorder:
             tensorboard.truncate(run_dir / "tensorboard", start)
         self.board = tensorboard.writer(run_dir / "tensorboard") if lead else None
         self.file = metrics.open("a") if lead else None
-        self.bar = tqdm(total=steps, initial=start, disable=not progress or not lead, dynamic_ncols=True,
-                        desc="train")
+        self.bar = tqdm(total=steps, initial=start if done is None else done, disable=not progress or not lead,
+                        dynamic_ncols=True, desc="train")
 
     def write(self, record: dict, postfix: dict) -> None:
         if self.lead:
@@ -63,7 +76,7 @@ class Recorder:
                 if name != "step" and self.board is not None and isinstance(value, (int, float)):  # not lists
                     self.board.add_scalar(name, value, record["step"])
         self.bar.set_postfix(postfix, refresh=False)
-        self.bar.update(1)
+        self.bar.update(record.get("adascale_gain", 1))
 
     def close(self) -> None:
         self.bar.close()
@@ -75,25 +88,29 @@ class Recorder:
 
 def run_steps(start: int, steps: int, every: int, *, one_step: Callable[[int], tuple[dict, dict]],
               save: Callable[[int], None], recorder: Recorder, where: str) -> list[dict]:
-    """Steps ``start + 1 .. steps``; returns their records. ``one_step(step)`` runs one
-    and returns ``(record, postfix)`` (``record["loss"]`` the step's loss); ``save(step)``
+    """Steps ``start + 1 ..`` until one is ``finished`` (step ``steps``, or AdaScale's
+    progress ``steps``); returns their records. ``one_step(step)`` runs one and returns
+    ``(record, postfix)`` (``record["loss"]`` the step's loss); ``save(step)``
     checkpoints (every ``every`` steps, 0 never, and at the last); ``where``: the
     checkpoints' directory, for messages."""
     history, last_saved = [], start
     try:
         with stop_on_signals() as stop:
-            for step in range(start + 1, steps + 1):
+            for step in itertools.count(start + 1):
                 record, postfix = one_step(step)
+                last = finished(record, steps)
                 loss = record["loss"]
                 if not math.isfinite(loss):
                     raise TrainingError(f"loss is {loss} at step {step}; stopped. The last good checkpoint "
                                         f"(step {last_saved}) in {where} is intact")
                 history.append(record)
                 recorder.write(record, postfix)
-                if (every and step % every == 0) or step == steps:
+                if (every and step % every == 0) or last:
                     save(step)
                     last_saved = step
-                signum = stop.agreed() if step < steps else None
+                if last:
+                    break
+                signum = stop.agreed()
                 if signum is not None:  # every process stops here, this step saved
                     if last_saved != step:
                         save(step)

@@ -24,6 +24,7 @@ import numpy as np
 
 from jaxpar.train import offload as offload_lib
 from jaxpar.train.loader import Loader
+from jaxpar.train.stepping import finished
 
 
 @dataclasses.dataclass
@@ -92,7 +93,7 @@ class Trainer:
                   "device_live_bytes": offload_lib.device_live_bytes()}
         record.update({k: float(v) for k, v in out.items() if k not in ("loss", "grad_norm")})  # a step option's
         postfix = {"loss": f"{loss:.3f}", "tok/s": f"{record['tokens_per_s']:.0f}", "step": f"{elapsed * 1e3:.0f}ms"}
-        info = StepInfo(step, self.params, self.opt_state, record, postfix, last=step == self.steps)
+        info = StepInfo(step, self.params, self.opt_state, record, postfix, last=finished(record, self.steps))
         for hook, every in self.hooks:
             if step % every == 0 or info.last:
                 hook(info)
