@@ -2,6 +2,7 @@
 the optax transformation against a hand computation, and a resized run's records."""
 
 import math
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -129,3 +130,12 @@ def test_a_resized_run_follows_the_gain_and_carries_its_averages(tmp_path):
         assert math.isclose(r["adascale_progress"], progress, rel_tol=1e-5)
         assert (r["adascale_progress"] >= 4) == (r is history[-1])
     assert train(cfg, progress=False) == []  # already at progress 4
+
+    # bench/adascale.py's figure and table, as a smoke: the first segment's run again
+    import runpy
+
+    bench = runpy.run_path(str(pathlib.Path(__file__).parents[1] / "bench" / "adascale.py"), run_name="bench_adascale")
+    done = bench["main"](["--steps", "2", "--scales", "1", "--eval-every", "0", "--json", str(tmp_path / "a.json"),
+                          "--png", str(tmp_path / "a.png"), "--overrides", *base[:5], *base[7:8], base[-1],
+                          "mesh.data=8"])
+    assert [r["steps_run"] for r in done["runs"]] == [2] and (tmp_path / "a.png").stat().st_size > 0
