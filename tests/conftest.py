@@ -67,9 +67,9 @@ from flax import nnx  # noqa: E402
 
 # Test files, slowest first (about 2.6 to 0.3 minutes each on 2 cores; measured from a
 # full run's per-file sums, --junitxml). pytest-xdist (`--dist loadfile
-# --no-loadscope-reorder`, pyproject.toml) hands whole files to its two workers in
+# --no-loadscope-reorder`, pyproject.toml) hands whole files to its workers in
 # collection order, a worker its next file when two of its tests are left; starting the
-# long ones first lets the short ones fill in and both workers finish together. (xdist's
+# long ones first lets the short ones fill in and the workers finish together. (xdist's
 # default order, most tests first, started the files with a few long tests last; a list
 # without test_serving.py, test_plan.py, test_serve.py and test_cluster_ray.py started
 # those among the short files, and one worker finished about a minute after the other.)
