@@ -64,7 +64,7 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from jaxpar.offload import OffloadOptions, format_bytes, parse_bytes  # noqa: E402
-from jaxpar.offload.planner import state_bytes  # noqa: E402
+from jaxpar.offload.accounting import state_bytes  # noqa: E402
 from jaxpar.train import offload as offload_lib  # noqa: E402
 from jaxpar.train.config import Config, ConfigError, load_config  # noqa: E402
 from jaxpar.train.loop import (build_mesh, build_model, dry_run_profile, make_optimizer,  # noqa: E402

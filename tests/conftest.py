@@ -133,13 +133,15 @@ def bounded_compiled_code():
 
 
 @contextlib.contextmanager
-def lowerings():
+def lowerings(event: str = "/jax/core/compile/jaxpr_to_mlir_module_duration"):
     """The seconds of each program JAX lowers (traces to MLIR) in the block: ``[]`` when
-    every program it ran was one already made."""
+    every program it ran was one already made. ``event``: another of JAX's compile
+    durations to list instead (``/jax/core/compile/backend_compile_duration``: each XLA
+    compile, a persistent-cache hit not among them)."""
     lowered = []
 
-    def listen(event, duration, **_):
-        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
+    def listen(name, duration, **_):
+        if name == event:
             lowered.append(duration)
 
     jax.monitoring.register_event_duration_secs_listener(listen)

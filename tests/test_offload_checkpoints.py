@@ -12,6 +12,7 @@ import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
+from conftest import lowerings
 from jaxpar.train.checkpoints import Checkpoints
 
 HOST, DEVICE = "pinned_host", "device"
@@ -110,18 +111,9 @@ def test_one_process_saves_replicated_state_without_compiling(tmp_path, rng):
     state = {name: jnp.asarray(rng.standard_normal((16, 256)), jnp.float32) for name in ("w", "mu")}
     replicated = NamedSharding(mesh, PartitionSpec())
     placed = jax.device_put(state, replicated)
-    compiles = []
-
-    def listen(event, duration, **_):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(duration)
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
+    with lowerings("/jax/core/compile/backend_compile_duration") as compiles:
         with Checkpoints(tmp_path, keep=1) as checkpoints:
             checkpoints.save(1, placed, {})
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
     assert compiles == []
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), state)
     with Checkpoints(tmp_path, keep=1) as checkpoints:

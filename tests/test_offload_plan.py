@@ -17,7 +17,8 @@ from jax.sharding import PartitionSpec as P
 import jaxpar
 from jaxpar.offload import OffloadOptions, PlanError, parse_bytes, plan
 from jaxpar.offload.budget import format_bytes
-from jaxpar.offload.planner import decided, state_bytes
+from jaxpar.offload.accounting import state_bytes
+from jaxpar.offload.planner import decided
 from jaxpar.train.config import ConfigError, load_config
 from conftest import lowerings
 
@@ -64,7 +65,7 @@ def _state():
 
 
 # No lm_head: the embedding is tied, one fetch for the lookup and two for the head
-# (forward, backward), a gradient sent for each use (planner.NON_LAYER_USES).
+# (forward, backward), a gradient sent for each use (accounting.NON_LAYER_USES).
 STATE_BYTES = dict(layers=L, layer_params=1024, layer_optimizer=2048, other_params=1024, other_optimizer=2052,
                    chunk_in=1024, chunk_out=1024, other_fetched=3 * 1024, other_sent=2 * 1024)
 STATE = L * (1024 + 2048) + 1024 + 2052  # 15364 bytes per device

@@ -426,12 +426,15 @@ def initial_state(task, setup: Setup, restored, loader: Loader, where: pathlib.P
     return state["params"], state["opt_state"]
 
 
-def position_of(restored) -> tuple[int, float | None]:
-    """``(step, progress)`` of a restored checkpoint: ``progress`` AdaScale's (the sum
-    of its gains) where the optimizer counts it, else None."""
+def position_of(restored) -> dict:
+    """Where a run stands, as a step's record says it (``stepping.finished`` reads it):
+    ``step`` (0 without a checkpoint) and, where the optimizer counts it, AdaScale's
+    ``adascale_progress`` (the sum of its gains)."""
+    if restored is None:
+        return {"step": 0}
     step, state, _ = restored
     adascale = adascale_lib.state_of(state["opt_state"])
-    return step, None if adascale is None else float(adascale.progress)
+    return {"step": step} if adascale is None else {"step": step, "adascale_progress": float(adascale.progress)}
 
 
 def base_batch_of(cfg: Config, restored) -> int:
@@ -506,8 +509,9 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
                      replica_parallel=False if host_state else None) as checkpoints:
         _check_same_model(checkpoints, cfg)
         restored = checkpoints.restore_latest(setup.step_fn.abstract_state(setup.abstract_model))
-        start, done = (0, None) if restored is None else position_of(restored)
-        if finished({"step": start} if done is None else {"step": start, "adascale_progress": done}, cfg.steps):
+        position = position_of(restored)
+        start, done = position["step"], position.get("adascale_progress")
+        if finished(position, cfg.steps):
             log.warning("%s is already at step %d%s (steps=%d): nothing to do; raise steps= to continue "
                         "or choose another run_dir", cfg.run_dir, start,
                         "" if done is None else f", progress {done:.1f}", cfg.steps)

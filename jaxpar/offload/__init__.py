@@ -8,7 +8,8 @@ steps and where the optimizer update runs (``state``), and how saved activations
 the host (``activations``) live in the modules beside this one;
 ``jaxpar.train.step.make_train_step(..., offload=OffloadOptions(...))`` builds a step
 under a plan. ``plan(...)`` (``planner``) chooses one under a device budget from the
-compile-only profile and says what it costs; ``parse_bytes`` reads budgets such as
+compile-only profile and says what it costs, from a state's bytes per device
+(``accounting``); ``parse_bytes`` reads budgets such as
 ``"6GiB"`` (``budget``).
 """
 
