@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 
 PACKAGE = pathlib.Path(__file__).resolve().parent  # bench/gpu_check, run as `python bench/gpu_check`
 ROOT = PACKAGE.parents[1]
@@ -60,18 +61,41 @@ def exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
+def group_alive(pgid: int) -> bool:
+    """Whether any process of group ``pgid`` still runs (a zombie waiting for its parent's
+    ``wait`` does not: it holds no memory)."""
+    proc = pathlib.Path("/proc")
+    if not proc.is_dir():  # no procfs: ask the kernel, zombies included
+        try:
+            os.killpg(pgid, 0)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone while we looked
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
 def kill_group(process: subprocess.Popen) -> None:
-    """SIGTERM to the process's group (a part and everything it started), SIGKILL 5 s on."""
-    for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, 10)):
+    """SIGTERM to the process's group (a part and everything it started), SIGKILL 5 s on;
+    returns once no process of the group runs (the leader's exit is not enough: what it
+    started in the background may still be dying), or 10 s after the SIGKILL."""
+    for sig, grace in ((signal.SIGTERM, 5), (signal.SIGKILL, 10)):
         try:
             os.killpg(process.pid, sig)
         except (ProcessLookupError, PermissionError):
-            return
-        try:
-            process.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+            break
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            if process.poll() is not None and not group_alive(process.pid):
+                return
+            time.sleep(0.05)
+    process.poll()
 
 
 def stop(process: subprocess.Popen, group: bool) -> None:
