@@ -97,27 +97,16 @@ def run(step, model, batches):
     return recorded, metrics, opt_state
 
 
-@pytest.mark.parametrize("n", [2, 4])
 @pytest.mark.slow
-def test_adasum_is_the_tree_of_the_replicas_gradients(steps, model, n):
+def test_adasum_is_the_tree_of_the_replicas_gradients(steps, model, n=4):
+    """Four replicas: two levels of the recursive doubling (two replicas, one level, in
+    every Adasum cell of tests/test_combinations_train.py)."""
     batch = batch_of(n)
     (got,), metrics, _ = run(steps(Reduction("adasum"), data=n), model, [batch])
     losses, grads = replica_grads(model, batch, n)
     assert tree_rel_err(got, adasum_reference(grads)) < 1e-5
     assert tree_rel_err(got, jax.tree.map(lambda g: g.mean(0), grads)) > 0.1  # not the mean
     np.testing.assert_allclose(metrics["loss"], losses.mean(), rtol=1e-5)
-
-
-@pytest.mark.slow
-def test_dct_ratio_one_is_the_mean(steps, model):
-    batch = batch_of(10)
-    (mean,), _, _ = run(steps(None, data=4), model, [batch])
-    (got,), _, state = run(steps(Reduction("mean", "dct_topk", ratio=1.0), data=4), model, [batch])
-    assert tree_rel_err(got, mean) < 1e-5
-    assert not any(np.asarray(r).any() for r in jax.tree.leaves(state[0].residual))
-    (ada,), _, _ = run(steps(Reduction("adasum"), data=4), model, [batch])  # and with Adasum
-    (got,), _, _ = run(steps(Reduction("adasum", "dct_topk", ratio=1.0), data=4), model, [batch])
-    assert tree_rel_err(got, ada) < 1e-5
 
 
 DCT = Reduction("mean", "dct_topk", ratio=0.1, threshold_every=2)
@@ -144,24 +133,15 @@ def test_dct_sends_few_and_carries_the_rest(steps, model):
     assert spec[0] == "data"
 
 
-@pytest.mark.parametrize("axis_types", ["auto", "explicit"])
 @pytest.mark.slow
-def test_adasum_composes_with_fsdp_and_grad_accum(steps, model, axis_types):
-    """data=2 x fsdp=2, two microbatches per replica: each replica accumulates its rows'
+def test_adasum_composes_with_fsdp_and_grad_accum_on_an_explicit_mesh(steps, model, axis_types="explicit"):
+    """data=2 x fsdp=2 on Explicit axes (Auto: tests/test_combinations_train.py), two
+    microbatches per replica: each replica accumulates its rows'
     gradient, then the two reduce once; FSDP's devices within a replica take the mean."""
     batch = batch_of(30)
     (got,), _, _ = run(steps(Reduction("adasum"), grad_accum=2, axis_types=axis_types, data=2, fsdp=2),
                        model, [batch])
     assert tree_rel_err(got, adasum_reference(replica_grads(model, batch, 2)[1])) < 1e-5
-
-
-@pytest.mark.slow
-def test_dct_composes_with_fsdp_and_grad_accum(steps, model):
-    batches = [batch_of(40 + i) for i in range(2)]
-    want, _, want_state = run(steps(DCT, data=2), model, batches)
-    got, _, state = run(steps(DCT, grad_accum=2, data=2, fsdp=2), model, batches)
-    assert tree_rel_err(got, want) < 1e-5
-    assert tree_rel_err(state[0].residual, want_state[0].residual) < 1e-5
 
 
 @pytest.mark.slow
@@ -211,41 +191,10 @@ def test_config_fields():
 
 
 @pytest.mark.slow
-def test_adasum_dct_and_the_noise_scale_run_through_a_pipeline(model):
-    """data=2 x pipe=2 (1F1B, 2 microbatches): each replica's gradient goes through the
-    pipeline schedule inside the per-replica shard_map; Adasum gives the Adasum of the
-    replicas' gradients, DCT at ratio 1 their mean, and the noise scale the replicas'
-    mean squared norm and the batch's (against one device, 1e-5)."""
-    from jaxpar.parallel.pipeline_schedule import build
-
-    mesh = jaxpar.make_mesh(data=2, pipe=2, devices=jax.devices()[:4])
-    batch = batch_of(30)
-    losses, grads = replica_grads(model, batch, 2)
-
-    def step(**options):
-        return make_train_step(model, recorder(), mesh, donate=False, pipeline=build("1f1b", 2, 2), **options)
-
-    (got,), metrics, _ = run(step(reduction=Reduction("adasum")), model, [batch])
-    assert tree_rel_err(got, adasum_reference(grads)) < 1e-5
-    np.testing.assert_allclose(metrics["loss"], losses.mean(), rtol=1e-5)
-    (got,), _, _ = run(step(reduction=Reduction("mean", "dct_topk", ratio=1.0)), model, [batch])
-    assert tree_rel_err(got, jax.tree.map(lambda g: g.mean(0), grads)) < 1e-5
-    (got,), metrics, _ = run(step(noise_scale=True), model, [batch])
-    # every token counts and each replica has half the rows: the whole batch's gradient is
-    # the mean of the halves' (one device; no program for the 8 rows)
-    whole = jax.tree.map(lambda g: g.mean(0), grads)
-    assert tree_rel_err(got, whole) < 1e-5
-    small = np.mean([sum(float(np.sum(np.square(g[r]))) for g in jax.tree.leaves(grads)) for r in range(2)])
-    np.testing.assert_allclose(metrics["grad_sq_small"], small, rtol=1e-5)
-    np.testing.assert_allclose(metrics["grad_sq_big"], sum(float(np.sum(np.square(g))) for g in jax.tree.leaves(whole)),
-                               rtol=1e-5)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("offload", [OffloadOptions(optimizer="host"), OffloadOptions(params="host"),
-                                     OffloadOptions(params="host", optimizer="host")], ids=str)
+@pytest.mark.parametrize("offload", [OffloadOptions(optimizer="host"), OffloadOptions(params="host")], ids=str)
 def test_adasum_composes_with_offload(model, offload):
-    """Adasum on data=2 with parameters, optimizer state or both in host memory: one SGD
+    """Adasum on data=2 with parameters or optimizer state in host memory (both:
+    tests/test_combinations_train.py): one SGD
     step (rate 1) moves the parameters by minus the Adasum of the replicas' gradients
     (against one device, 1e-5), wherever they are stored."""
     mesh = jaxpar.make_mesh(data=2, devices=jax.devices()[:2])

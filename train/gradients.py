@@ -117,7 +117,8 @@ def own_rows(grad_fn: GradFn, unit: int) -> Callable:
     rows of one replica's slot ``batch`` (real rows first, then rows whose ``mask`` is all
     zero) in microbatches of ``unit`` rows, as many as its real rows need (a
     ``fori_loop`` whose trip count is this replica's own), each weighted by its counted
-    tokens: the token-weighted mean over the real rows, and their counted tokens."""
+    tokens: the token-weighted mean over the real rows, and their counted tokens. Each
+    sum is made where its gradient lives (as ``accumulated`` makes it)."""
     def run(params, batch, *frozen):
         counted = batch["mask"].sum(axis=1) > 0
         last = jnp.max(jnp.where(counted, jnp.arange(counted.shape[0]) + 1, 0))
@@ -127,12 +128,12 @@ def own_rows(grad_fn: GradFn, unit: int) -> Callable:
             rows = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, i * unit, unit), batch)
             count = rows["mask"].sum().astype(jnp.float32)
             value, g = grad_fn(params, rows, *frozen)
-            return total + count * value, tokens + count, jax.tree.map(lambda a, b: a + count * b, grads, g)
+            return total + count * value, tokens + count, offload_state.accumulate(grads, g, count)
 
-        zeros = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+        zeros = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), offload_state.zeros_like(params))
         total, tokens, grads = jax.lax.fori_loop(0, (last + unit - 1) // unit, microbatch, zeros)
         scale = 1.0 / jnp.maximum(tokens, 1.0)
-        return total * scale, jax.tree.map(lambda g: g * scale, grads), tokens
+        return total * scale, offload_state.scaled(grads, scale), tokens
 
     return run
 

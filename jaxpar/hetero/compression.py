@@ -30,8 +30,13 @@ class SparsifyState(NamedTuple):
 
 
 def threshold_of(x: jax.Array, ratio: float) -> jax.Array:
-    """The magnitude of ``x``'s ``ceil(ratio * size)``-th largest entry (float32)."""
+    """The magnitude of ``x``'s ``ceil(ratio * size)``-th largest entry (float32); 0 when
+    that is every entry (``ratio`` 1): the ``k`` slots hold them all, so every entry is
+    sent at every step, not only those above the smallest magnitude of the last
+    re-estimation."""
     k = max(1, math.ceil(ratio * x.size))
+    if k >= x.size:
+        return jnp.zeros((), jnp.float32)
     return jax.lax.top_k(jnp.abs(x.astype(jnp.float32)).ravel(), k)[0][-1]
 
 

@@ -137,6 +137,12 @@ def accumulate(total, part, share):
     return jax.tree.map(add, total, part)
 
 
+def scaled(tree, factor):
+    """``factor * tree``, leaf by leaf, each product made where its leaf lives (a host
+    leaf's on the host, as ``accumulate`` adds)."""
+    return accumulate(zeros_like(tree), tree, factor)
+
+
 def zeros_like(tree):
     """Zeros shaped as ``tree``'s leaves (arrays or tracers), each in its leaf's memory:
     a host leaf's made on the host, never passing through the device."""

@@ -1,0 +1,180 @@
+"""Every "works" cell of the table of combinations (``jaxpar.train.combinations``, the
+README's table) trains: two steps of ``make_train_step`` with both features on, each
+step's reduced gradient, loss and noise-scale norms equal to one device's (1e-5) on
+fresh random tokens. ``tests/test_combinations.py`` holds the other half: every
+refused cell exits 2 at config time.
+
+Each feature is what it adds to the step (``ON``): options of ``make_train_step``,
+mesh axes beside ``data=2`` (two replicas, so Adasum, the top-k exchange and the noise
+scale have something to combine; every cell fits 8 devices), a task. The optimizer
+records the gradient it is given in its state, then takes an SGD step, so the second
+step's gradient is taken at moved parameters (and the top-k exchange's carried state is
+used once). The references run on one device at the step's own parameters: each
+replica's rows through one jitted ``value_and_grad`` (one program for the whole walk,
+two more for the unequal rows of ``data.batch_weights``, one for GliDe's loss),
+combined in numpy as the cell's reduction says (``conftest.adasum_reference`` for
+Adasum; DCT at ratio 1, which sends every entry, is the replicas' mean); the parameters
+then moved by the SGD step of that gradient.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxpar
+from conftest import adasum_reference, random_init, tree_rel_err
+from jaxpar.hetero.reduction import Reduction
+from jaxpar.models import GlideDraft, ModelConfig, Transformer
+from jaxpar.parallel.pipeline_schedule import build
+from jaxpar.placement.execution import OffloadOptions, SequenceOptions
+from jaxpar.train import combinations, glide
+from jaxpar.train.config import load_config
+from jaxpar.train.step import loss_fn, make_train_step
+
+pytestmark = pytest.mark.slow
+
+CFG = ModelConfig(vocab_size=64, dim=32, layers=2, heads=4, kv_heads=2, head_dim=8, mlp_dim=48)
+B, T, LR = 8, 16, 0.5
+EQUAL_ROWS, WEIGHTED_ROWS = (4, 4), (5, 3)  # each replica's rows; batch weights 5:3 (slot 5)
+
+# What each feature adds to the step: make_train_step's options and mesh axes ("rows":
+# data.batch_weights' unequal rows per replica; "task": GliDe's draft and loss).
+ON = {
+    "offload": {"offload": OffloadOptions(params="host", optimizer="host")},
+    "data.batch_weights": {"weighted": 1, "rows": WEIGHTED_ROWS},
+    "optimizer.reduction=adasum": {"reduction": Reduction("adasum")},
+    "optimizer.compression=dct_topk": {"reduction": Reduction("mean", "dct_topk", ratio=1.0)},
+    "eval.noise_scale": {"noise_scale": True},
+    "task=glide": {"task": "glide"},
+    "optimizer.grad_accum": {"grad_accum": 2},
+    "mesh.fsdp": {"axes": {"fsdp": 2}},
+    "mesh.tensor": {"axes": {"tensor": 2}},
+    "mesh.pipe": {"axes": {"pipe": 2}, "pipeline": build("1f1b", 2, 2)},
+    "mesh.seq": {"axes": {"seq": 2}, "sequence": SequenceOptions("ring")},
+}
+WORKS = [pair for pair in itertools.combinations(combinations.KEYS, 2) if frozenset(pair) not in combinations.REFUSED]
+
+
+def options_of(a: str, b: str) -> dict:
+    """The two features' settings merged (two reductions make one: Adasum of the top-k
+    exchange's densified gradients)."""
+    out = {"axes": {"data": 2}, "rows": EQUAL_ROWS, "task": "lm"}
+    for key in (a, b):
+        for name, value in ON[key].items():
+            if name == "axes":
+                out["axes"] = {**out["axes"], **value}
+            elif name == "reduction" and "reduction" in out:
+                out["reduction"] = Reduction("adasum", "dct_topk", ratio=1.0)
+            else:
+                out[name] = value
+    return out
+
+
+def record_then_sgd() -> optax.GradientTransformation:
+    """Keeps the gradient it is given as its state, then an SGD step."""
+    record = optax.GradientTransformation(lambda p: jax.tree.map(jnp.zeros_like, p), lambda g, s, p=None: (g, g))
+    return optax.chain(record, optax.sgd(LR))
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """The model a cell trains, its loss ``(model, batch, *frozen)`` and frozen state."""
+
+    model: nnx.Module
+    loss: object
+    frozen: tuple
+    prepare: object  # (batch) -> the step's batch (GliDe's: the target's keys and values added)
+
+
+@pytest.fixture(scope="module")
+def tasks() -> dict[str, Task]:
+    rng = np.random.default_rng(0)
+    target = random_init(lambda: Transformer(CFG, rngs=nnx.Rngs(0)), rng)
+    lm = Task(target, loss_fn, (), lambda batch: batch)  # numpy: the references slice it without programs
+    cfg = dataclasses.replace(load_config("glide", ["target_run_dir=t", "glide.kl_weight=0.5"]), model=CFG)
+    draft = random_init(lambda: GlideDraft(CFG, 1, rngs=nnx.Rngs(0)), rng)
+    state = nnx.state(target)
+    teach = glide.teacher(target, cfg)
+    return {"lm": lm, "glide": Task(draft, glide.make_loss(cfg, target), (state,),
+                                    lambda batch: jax.tree.map(np.asarray, teach(state, batch)))}
+
+
+def random_batch(seed: int, rows: int) -> dict:
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, CFG.vocab_size, (rows, T + 1))
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": np.ones((rows, T)),
+             "positions": np.tile(np.arange(T), (rows, 1)), "segment_ids": np.ones((rows, T))}
+    return {k: v.astype(np.int32) for k, v in batch.items()}
+
+
+@functools.cache
+def _value_and_grad(loss, graphdef):
+    return jax.jit(jax.value_and_grad(lambda p, b, frozen: loss(nnx.merge(graphdef, p), b, *frozen)))
+
+
+def reference_step(task: Task, params, batch: dict, options: dict) -> tuple[float, dict, dict]:
+    """One device: ``(loss, reduced gradient, noise-scale norms)`` at ``params`` (numpy) of the cell's replicas, each ``options["rows"]`` consecutive rows of ``batch``."""
+    grad_of = _value_and_grad(task.loss, nnx.graphdef(task.model))
+    rows = options["rows"]
+    starts = np.cumsum((0, *rows))
+    out = [grad_of(params, {k: jnp.asarray(v[a:b]) for k, v in batch.items()}, task.frozen)
+           for a, b in zip(starts, starts[1:])]
+    losses = np.array([float(loss) for loss, _ in out])
+    stacked = jax.tree.map(lambda *g: np.stack([np.asarray(x, np.float64) for x in g]), *[g for _, g in out])
+    reduction = options.get("reduction")
+    if reduction is None:  # the whole batch's token-weighted mean: every token counts
+        weights = np.asarray(rows, np.float64) / sum(rows)
+        loss, grads = float(weights @ losses), jax.tree.map(lambda g: np.tensordot(weights, g, axes=1), stacked)
+    elif reduction.kind == "adasum":
+        loss, grads = losses.mean(), adasum_reference(stacked)
+    else:  # the top-k exchange at ratio 1: the replicas' mean
+        loss, grads = losses.mean(), jax.tree.map(lambda g: g.mean(0), stacked)
+    norms = {"grad_sq_small": np.mean([sum(np.sum(np.square(g[r])) for g in jax.tree.leaves(stacked))
+                                       for r in range(len(rows))]),
+             "grad_sq_big": sum(np.sum(np.square(g)) for g in jax.tree.leaves(grads))}
+    return loss, grads, norms
+
+
+def step_batch(batch: dict, rows: tuple[int, ...]) -> dict:
+    """``batch`` as the step takes it: with unequal rows each replica's slot of
+    ``max(rows)`` rows, its own first, then padding (mask 0)."""
+    slot = max(rows)
+    if rows == EQUAL_ROWS:
+        return batch
+    starts = np.cumsum((0, *rows))
+    return {k: np.concatenate([np.pad(v[a:b], [(0, slot - (b - a))] + [(0, 0)] * (v.ndim - 1))
+                               for a, b in zip(starts, starts[1:])]) for k, v in batch.items()}
+
+
+@pytest.mark.parametrize("a, b", WORKS, ids=[f"{a}+{b}" for a, b in WORKS])
+def test_a_cell_that_works_trains_as_one_device(tasks, a, b):
+    options = options_of(a, b)
+    task = tasks[options.pop("task")]
+    axes, rows = options.pop("axes"), options.pop("rows")
+    mesh = jaxpar.make_mesh(**axes, devices=jax.devices()[:int(np.prod(list(axes.values())))], axis_types="auto")
+    step = make_train_step(task.model, record_then_sgd(), mesh, donate=False,
+                           **({"loss": task.loss, "frozen": task.frozen[0]} if task.frozen else {}), **options)
+    params, opt_state = step.init(task.model)
+    for seed in range(2):
+        before = jax.tree.map(np.asarray, step.in_model_order(params))
+        batch = task.prepare(random_batch(seed, sum(rows)))
+        params, opt_state, metrics = step(params, opt_state, step_batch(batch, rows), *task.frozen)
+        loss, grads, norms = reference_step(task, before, batch, {**options, "rows": rows})
+        got = step.in_model_order(opt_state)
+        compressed = options.get("reduction") is not None and options["reduction"].compressed
+        assert tree_rel_err(got[1][0] if compressed else got[0], grads) < 1e-5, seed
+        np.testing.assert_allclose(metrics["loss"], loss, rtol=1e-5)
+        if options.get("noise_scale"):
+            for key, value in norms.items():
+                np.testing.assert_allclose(metrics[key], value, rtol=1e-5, err_msg=key)
+        moved = jax.tree.map(lambda a, b: np.asarray(a, np.float64) - b, step.in_model_order(params), before)
+        assert tree_rel_err(moved, jax.tree.map(lambda g: -LR * g, grads)) < 1e-4, seed  # float32 parameters
