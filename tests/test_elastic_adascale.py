@@ -139,3 +139,43 @@ def test_a_resized_run_follows_the_gain_and_carries_its_averages(tmp_path):
                           "--png", str(tmp_path / "a.png"), "--overrides", *base[:5], *base[7:8], base[-1],
                           "mesh.data=8"])
     assert [r["steps_run"] for r in done["runs"]] == [2] and (tmp_path / "a.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_adascale_with_offloaded_state_steps_as_on_the_device():
+    """AdaScale's noise-scale norms reach its transformation when the parameters and
+    the optimizer state live in host memory (the update then runs on the host): two
+    steps on data=2 give the parameters, gain, progress and rate of the same steps
+    with everything on the device (1e-5)."""
+    from flax import nnx
+
+    import jaxpar
+    from conftest import random_init, tree_rel_err
+    from jaxpar.models import ModelConfig, Transformer
+    from jaxpar.placement.execution import OffloadOptions
+    from jaxpar.train.step import make_train_step
+
+    cfg = ModelConfig(vocab_size=64, dim=32, layers=2, heads=4, kv_heads=2, head_dim=8, mlp_dim=48)
+    model = random_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), np.random.default_rng(0))
+    mesh = jaxpar.make_mesh(data=2, devices=jax.devices()[:2], axis_types="auto")
+    tx, _ = make_optimizer(load_config("tiny", ["optimizer.warmup_steps=1"]).optimizer, 10, adascale=(4, 8, 2))
+    rng = np.random.default_rng(1)
+    batches = []
+    for _ in range(2):
+        tokens = rng.integers(0, 64, (8, 17)).astype(np.int32)
+        batches.append({"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": np.ones((8, 16), np.int32),
+                        "positions": np.tile(np.arange(16, dtype=np.int32), (8, 1)),
+                        "segment_ids": np.ones((8, 16), np.int32)})
+    runs = []
+    for offload in (None, OffloadOptions(params="host", optimizer="host")):
+        step = make_train_step(model, tx, mesh, donate=False, noise_scale=True, offload=offload)
+        params, opt_state = step.init(model)
+        records = []
+        for batch in batches:
+            params, opt_state, metrics = step(params, opt_state, batch)
+            records.append([float(metrics[k]) for k in ("loss", "lr", "adascale_gain", "adascale_progress")])
+        runs.append((jax.tree.map(np.asarray, step.in_model_order(params)), np.array(records)))
+    (want_params, want), (got_params, got) = runs
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert want[1, 2] > 1  # a gain above one: the norms were read
+    assert tree_rel_err(got_params, want_params) < 1e-5

@@ -170,9 +170,9 @@ def test_what_it_refuses(model):
                         reduction=Reduction("adasum"))
     with pytest.raises(ValueError, match="give the step a mesh"):
         make_train_step(model, optax.sgd(1.0), reduction=DCT)
-    with pytest.raises(ValueError, match="with compression=dct_topk is not supported yet: the per-replica"):
+    with pytest.raises(ValueError, match="reduction=adasum with noise_scale is not supported yet: the noise scale"):
         make_train_step(model, optax.sgd(1.0), jaxpar.make_mesh(data=2, devices=jax.devices()[:2]),
-                        offload=OffloadOptions(optimizer="host"), reduction=DCT)
+                        reduction=Reduction("adasum"), noise_scale=True)
 
 
 def test_config_fields():

@@ -67,7 +67,6 @@ MESH_KEYS = ("mesh.fsdp", "mesh.tensor", "mesh.pipe", "mesh.seq")
 
 _ROWS_LOOP = ("each data device runs its own count of microbatches (a loop of its own length), which "
               "cannot hold the collectives this axis puts in every layer")
-_REDUCTION_NOT_BUILT = "the per-replica gradient (jaxpar.train.gradients.over_replicas) does not run {} yet"
 _NOISE_MEAN = "the noise scale's large batch is the plain mean's gradient, which {} replaces"
 REFUSED: dict[frozenset, str] = {frozenset(pair): why for pair, why in {
     ("data.batch_weights", "mesh.fsdp"): _ROWS_LOOP,
@@ -77,8 +76,6 @@ REFUSED: dict[frozenset, str] = {frozenset(pair): why for pair, why in {
     ("data.batch_weights", "optimizer.grad_accum"): "the loop over each device's rows is the accumulation",
     ("data.batch_weights", "eval.noise_scale"): "the noise scale's small batch assumes equal rows per replica",
     ("data.batch_weights", "task=glide"): "unequal rows are built for a language model's batch (task=lm)",
-    ("optimizer.compression=dct_topk", "offload"): _REDUCTION_NOT_BUILT.format("on host-resident state"),
-    ("eval.noise_scale", "offload"): _REDUCTION_NOT_BUILT.format("on host-resident state"),
     ("eval.noise_scale", "optimizer.reduction=adasum"): _NOISE_MEAN.format("Adasum"),
     ("eval.noise_scale", "optimizer.compression=dct_topk"): _NOISE_MEAN.format("the top-k exchange"),
     ("offload", "mesh.pipe"): UNSUPPORTED_AXES["pipe"],  # the offload planner's own guard, the same words

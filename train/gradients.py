@@ -30,12 +30,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 from jax.sharding import PartitionSpec
 
 from jaxpar.hetero import reduction as reduction_lib
 from jaxpar.offload import state as offload_state
+from jaxpar.offload.fetch import to_device
 from jaxpar.placement.execution import current, use_execution
 from jaxpar.placement.sharding import auto_axes
 
@@ -162,7 +162,7 @@ def _per_replica(grad_fn: GradFn, replicas: Replicas, mesh, params, state, batch
             else:
                 value, grads = grad_fn(params, batch, *frozen)
                 tokens = batch["mask"].astype(jnp.float32).sum() if "mask" in batch else jnp.ones((), jnp.float32)
-        measured = {"grad_sq_small": jax.lax.pmean(optax.tree.norm(grads, squared=True), AXIS)} if replicas.measure else {}
+        measured = {"grad_sq_small": jax.lax.pmean(offload_state.squared_norm(grads), AXIS)} if replicas.measure else {}
         if reduction is None:
             share = tokens / jnp.maximum(jax.lax.psum(tokens, AXIS), 1.0)
             value, grads = jax.lax.psum((share * value, jax.tree.map(lambda g: (share * g).astype(g.dtype), grads)),
@@ -170,7 +170,8 @@ def _per_replica(grad_fn: GradFn, replicas: Replicas, mesh, params, state, batch
         else:
             value = jax.lax.pmean(value, AXIS)
             if reduction.compressed:
-                grads, state = reduction_lib.exchange(grads, state, reduction, n)
+                # on the device: a host-resident parameter's gradient meets its residual there
+                grads, state = reduction_lib.exchange(jax.tree.map(to_device, grads), state, reduction, n)
             else:
                 grads = reduction_lib.adasum_over(grads, AXIS, n)
         return value, grads, state, measured

@@ -368,8 +368,13 @@ def _step(source: gradients.GradFn, replicas: gradients.Replicas, tx, mesh, offl
     gradients from ``source`` (per replica where ``replicas`` asks for it), then the update."""
     per_replica = replicas != gradients.Replicas()
     compressed = replicas.reduction is not None and replicas.reduction.compressed
+    # DCT's carried state in host memory (offload.optimizer=host) is exchanged on the
+    # device: each replica's residuals are fetched with its gradients and stored back
+    carried_on_host = compressed and offload.optimizer == "host"
     if per_replica:
         state_sharding = shardings.opt[0] if compressed else None
+        if carried_on_host:
+            state_sharding = jax.tree.map(lambda s: s.with_memory_kind("device"), state_sharding)
         combined = gradients.over_replicas(source, replicas, mesh, shardings.params, state_sharding)
 
     @use_execution(execution)  # bound at trace time, whatever the caller's context
@@ -377,24 +382,26 @@ def _step(source: gradients.GradFn, replicas: gradients.Replicas, tx, mesh, offl
         measured = {}
         if per_replica:
             state = opt_state[0] if compressed else None
+            if carried_on_host:
+                state = jax.tree.map(to_device, state)
             value, grads, state, measured = combined(params, state, batch, *frozen)
             if compressed:
-                opt_state = (state, *opt_state[1:])
+                opt_state = (jax.tree.map(to_host, state) if carried_on_host else state, *opt_state[1:])
         else:
             value, grads = source(params, batch, *frozen)
         if replicas.measure:
-            measured["grad_sq_big"] = optax.tree.norm(grads, squared=True)
-        if offload.state_on_host:
-            params, opt_state, norm = offload_state.update(tx, offload, grads, opt_state, params)
-            return params, opt_state, {"loss": value, "grad_norm": norm}
+            measured["grad_sq_big"] = offload_state.squared_norm(grads)
         # the noise scale's norms reach a transformation that reads them (AdaScale's)
-        updates, opt_state = optax.with_extra_args_support(tx).update(grads, opt_state, params, **measured)
-        params = optax.apply_updates(params, updates)
+        if offload.state_on_host:
+            params, opt_state, norm = offload_state.update(tx, offload, grads, opt_state, params, measured)
+        else:
+            updates, opt_state = optax.with_extra_args_support(tx).update(grads, opt_state, params, **measured)
+            params, norm = optax.apply_updates(params, updates), optax.tree.norm(grads)
         adascale = adascale_lib.state_of(opt_state)
-        if adascale is not None:
-            measured |= {"lr": adascale.rate, "adascale_gain": adascale.gain,
-                         "adascale_progress": adascale.progress}
-        return params, opt_state, {"loss": value, "grad_norm": optax.tree.norm(grads), **measured}
+        if adascale is not None:  # scalars, on the host with offload.optimizer=host
+            measured |= {"lr": to_device(adascale.rate), "adascale_gain": to_device(adascale.gain),
+                         "adascale_progress": to_device(adascale.progress)}
+        return params, opt_state, {"loss": value, "grad_norm": norm, **measured}
 
     return step
 

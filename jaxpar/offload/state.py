@@ -154,26 +154,42 @@ def zeros_like(tree):
     return jax.tree.map(zeros, tree)
 
 
-def update(tx: optax.GradientTransformation, options: OffloadOptions, grads, opt_state, params):
+def squared_norm(tree) -> jax.Array:
+    """The squared L2 norm of ``tree`` on the device: each host leaf's sum of squares
+    made on the host (4 bytes cross), each device leaf's on the device."""
+    def leaf(x):
+        if on_host(x):
+            return to_device(run_on_host(lambda x: jnp.sum(jnp.square(x)))(x))
+        return jnp.sum(jnp.square(x))
+
+    return sum((leaf(x) for x in jax.tree.leaves(tree)), jnp.zeros((), jnp.float32))
+
+
+def update(tx: optax.GradientTransformation, options: OffloadOptions, grads, opt_state, params, extra=None):
     """One optimizer update of the stored state: ``(new_params, new_opt_state, grad_norm)``,
     each leaf in the memory its input was in. ``grads`` mirror ``params``; those of
-    host-resident parameters are in host memory."""
+    host-resident parameters are in host memory. ``extra``: scalars a transformation
+    reads as extra arguments (``optax.with_extra_args_support``: the noise scale's norms,
+    which AdaScale reads)."""
     kinds = jax.tree.map(on_host, params)
+    extra = extra or {}
+    tx = optax.with_extra_args_support(tx)
     if options.optimizer == "host":
-        _refuse_branches(tx, grads, opt_state, params)
+        _refuse_branches(tx, grads, opt_state, params, extra)
         grads, params = jax.tree.map(to_host, grads), jax.tree.map(to_host, params)
 
-        def host_update(grads, opt_state, params):
-            updates, opt_state = creating_on_host(tx.update)(grads, opt_state, params)
+        def host_update(grads, opt_state, params, extra):
+            updates, opt_state = creating_on_host(lambda *a: tx.update(*a[:3], **a[3]))(grads, opt_state, params,
+                                                                                          extra)
             # optax.tree.norm adds a zero imaginary part made in device memory: not here
             norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
             return optax.apply_updates(params, updates), opt_state, norm
 
-        params, opt_state, norm = run_on_host(host_update)(grads, opt_state, params)
+        params, opt_state, norm = run_on_host(host_update)(grads, opt_state, params, extra)
         norm = to_device(norm)
     else:
         grads, params = jax.tree.map(to_device, grads), jax.tree.map(to_device, params)
-        updates, opt_state = tx.update(grads, opt_state, params)
+        updates, opt_state = tx.update(grads, opt_state, params, **extra)
         params = optax.apply_updates(params, updates)
         norm = optax.tree.norm(grads)
     params = jax.tree.map(lambda x, host: to_host(x) if host else to_device(x), params, kinds)
@@ -212,11 +228,11 @@ def _eval_creating_on_host(jaxpr, consts, *args) -> list:
     return [read(v) for v in jaxpr.outvars]
 
 
-def _refuse_branches(tx, grads, opt_state, params) -> None:
+def _refuse_branches(tx, grads, opt_state, params, extra) -> None:
     """One line when ``tx.update`` branches (``lax.cond``): XLA cannot compile a branch
     inside host computation (jax#23887)."""
-    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (grads, opt_state, params))
-    if _has_cond(jax.make_jaxpr(tx.update)(*shapes).jaxpr):
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (grads, opt_state, params, extra))
+    if _has_cond(jax.make_jaxpr(lambda g, s, p, e: tx.update(g, s, p, **e))(*shapes).jaxpr):
         raise ValueError("offload.optimizer=host runs the optimizer update on the host, where a lax.cond "
                          "does not compile (jax#23887), and this optax transformation branches (as "
                          "optax.MultiSteps and optax.apply_if_finite do): use offload.optimizer=device")
