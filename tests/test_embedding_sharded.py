@@ -158,6 +158,26 @@ def test_the_placement_owns_every_row_once(table_rows, n):
         assert max(plan.device_rows) - min(plan.device_rows) <= max(table_rows)
 
 
+@pytest.mark.parametrize("kind", ["row", "table"])
+@pytest.mark.parametrize("table_rows, n", [((7, 3, 9), 4), ((5,) * 9, 3), ((1, 2, 3, 100), 2), ((13,), 8)])
+def test_rows_read_from_the_shards_are_the_tables(table_rows, n, kind):
+    """``rows_from_shards`` (the blocks a checkpoint reads of a split host table, never
+    joining the shards): ``from_shards``'s rows for every block, across tables and
+    shards, of every size up to the whole; out of range, one line."""
+    plan = ShardingPlan(table_rows, n, kind)
+    R, S = plan.num_rows, plan.shard_rows
+    x = np.random.default_rng(0).normal(size=(R, 3)).astype(np.float32)
+    joined = plan.to_shards(x)
+    shards = [joined[k * S:(k + 1) * S] for k in range(n)]
+    for size in sorted({0, 1, 2, S - 1, S, S + 1, R} & set(range(R + 1))):
+        for lo in range(R - size + 1):
+            np.testing.assert_array_equal(plan.rows_from_shards(shards, lo, lo + size), x[lo:lo + size])
+    with pytest.raises(ValueError, match=rf"rows 2\.\.{R + 1}: expected 0 <= lo <= hi <= {R}"):
+        plan.rows_from_shards(shards, 2, R + 1)
+    with pytest.raises(ValueError, match=rf"expected {n} of {S} rows"):
+        plan.rows_from_shards(shards[1:], 0, 1)
+
+
 def test_table_wise_places_largest_first_on_the_emptiest_device():
     plan = ShardingPlan(TABLE_ROWS, N, "table")
     # 1000 -> 0, 650 -> 1, 500 -> 2, 300 -> 3, 130 -> 3 (430), 70 -> 3 (500), 20 -> 2 (500, lower index)

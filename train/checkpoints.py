@@ -13,6 +13,10 @@ so host-resident state never passes through device memory, provided the save is 
 replica-parallel (``Checkpoints(replica_parallel=False)``, what a run whose state lives
 on the host opens).
 
+A ``jaxpar.train.row_blocks.RowBlocks`` leaf (a host embedding table) is written a
+block of rows at a time from the live array, never copied whole, and its save returns
+once written.
+
 A checkpoint that cannot be read (half-written, corrupt) is skipped with one log line
 naming its step and why, and the previous one is used; training (``restore_latest``)
 moves it aside to ``checkpoints/corrupt/<step>`` (never deletes it), so the retrained
@@ -31,6 +35,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
+
+from jaxpar.train.row_blocks import RowBlocks, RowBlocksHandler
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +68,9 @@ def _state_handler(replica_parallel: bool) -> ocp.PyTreeCheckpointHandler:
     its first replica, straight from where it lives."""
     array = ocp.type_handlers.ArrayHandler(use_replica_parallel=replica_parallel)
     scalar = ocp.type_handlers.ScalarHandler()
+    # RowBlocks before np.ndarray: their typestr is the same, and the last names the restorer
     registry = ocp.type_handlers.create_type_handler_registry(
-        (int, scalar), (float, scalar), (np.number, scalar),
+        (int, scalar), (float, scalar), (np.number, scalar), (RowBlocks, RowBlocksHandler()),
         (np.ndarray, ocp.type_handlers.NumpyHandler()), (jax.Array, array))
     return ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
 
@@ -103,7 +110,9 @@ class Checkpoints:
         return sorted(self.manager.all_steps())
 
     def save(self, step: int, state: dict, meta: dict) -> None:
-        """Starts an async save of ``state`` (a pytree of arrays) and ``meta`` (JSON).
+        """Starts an async save of ``state`` (a pytree of arrays) and ``meta`` (JSON);
+        where ``state`` has ``RowBlocks`` leaves (read while they are written), returns
+        once it is written.
 
         Raises ``CheckpointError`` if orbax declines it (it skips a step at or before
         its latest, readable or not)."""
@@ -115,6 +124,8 @@ class Checkpoints:
                 f"checkpoint at step {step} was not saved to {self.directory} "
                 f"(its latest step is {self.manager.latest_step()})"
             )
+        if any(isinstance(leaf, RowBlocks) for leaf in jax.tree.leaves(state)):
+            self.manager.wait_until_finished()
 
     def read_meta(self, step: int) -> dict:
         return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]

@@ -22,7 +22,8 @@ found on the device), ``h2d_bytes`` / ``d2h_bytes`` and ``evictions`` per step, 
 ``val_loss`` and ``val_auc`` at eval steps (the held-out batches' rows read exactly,
 without disturbing the cache). A checkpoint holds the dense state and the exact table
 and its optimizer state (the cache is flushed first), so a resumed run, on a cache of
-any size or none, continues exactly.
+any size or none, continues exactly; the table is written from the live host table a
+block at a time, never copied whole, while the run waits (``save_checkpoint``).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from jaxpar.train.checkpoints import CheckpointError, Checkpoints
 from jaxpar.train.config import Config, load_config, to_dict
 from jaxpar.train.loop import build_mesh, describe_mesh, make_optimizer
 from jaxpar.train.recsys_data import recsys_loader
+from jaxpar.train.row_blocks import RowBlocks
 from jaxpar.train.stepping import Recorder, TrainingError, run_steps
 
 log = logging.getLogger(__name__)
@@ -312,12 +314,37 @@ def restore(cfg: Config, checkpoints: Checkpoints, state: dict, tables, loader, 
     return start, state["params"], state["opt_state"]
 
 
-def save_checkpoint(checkpoints: Checkpoints, step: int, params, opt_state, tables, loader, cfg: Config) -> None:
-    """The dense state, the exact table and its optimizer state (copies: orbax writes them
-    while later steps change the host table), the data position and the config."""
-    state = {"params": params, "opt_state": opt_state, "table": np.array(tables.table())}
+def table_leaves(tables) -> dict:
+    """A checkpoint's ``table`` and (row-wise Adagrad) ``table_state``: ``RowBlocks``
+    read from the live host table, flushed first (a cache's table: views of it; a split
+    one's: each block's rows gathered from the shards), never a whole copy. A table on
+    the devices is read to the host once (there is no host table to copy)."""
+    if isinstance(tables, ShardedCache):
+        rows, states = tables.shard_views()
+        of = lambda shards: RowBlocks((tables.num_rows, *shards[0].shape[1:]), shards[0].dtype,  # noqa: E731
+                                      functools.partial(tables.plan.rows_from_shards, shards))
+        leaves = {"table": of(rows)}
+        if states is not None:
+            leaves["table_state"] = of(states)
+        return leaves
+    leaves = {"table": RowBlocks.of(tables.table())}
     if tables.optimizer.has_state:
-        state["table_state"] = np.array(tables.optimizer_state())
+        leaves["table_state"] = RowBlocks.of(tables.optimizer_state())
+    return leaves
+
+
+def save_checkpoint(checkpoints: Checkpoints, step: int, params, opt_state, tables, loader, cfg: Config) -> None:
+    """The dense state, the exact table and its optimizer state, the data position and
+    the config; returns once written.
+
+    The table is not copied: a host table can be most of the host's memory, and copies
+    (ours of the live table, then orbax's of that numpy leaf) held three. It is written
+    from the live table a block of rows at a time (``table_leaves``: two blocks at once,
+    each at most 64 MiB and a sixteenth of it; ``jaxpar.train.row_blocks``), and since
+    later steps change it in place, the step waits until the save is written (the dense
+    state with it: its write overlaps the table's; on the dlrm preset's 12 MiB table a
+    save holds the run 0.12 s, 0.08 s more than the copies did)."""
+    state = {"params": params, "opt_state": opt_state, **table_leaves(tables)}
     try:
         checkpoints.save(step, state, {"step": step, "loader": loader.state(), "config": to_dict(cfg)})
     except CheckpointError as e:

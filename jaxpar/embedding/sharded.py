@@ -178,6 +178,26 @@ class ShardingPlan:
             raise ValueError(f"x.shape={x.shape}: expected {self.padded_rows} rows (the plan's sharded layout)")
         return x[self.positions(np.arange(self.num_rows, dtype=np.int64))]
 
+    def rows_from_shards(self, shards, lo: int, hi: int) -> np.ndarray:
+        """Rows ``lo..hi`` of ``from_shards`` of the shards laid end to end, ``shards[k]``
+        device k's ``[S, ...]``, without joining them: a copy of those rows alone, copied
+        run by run (a checkpoint reads a split host table a block at a time)."""
+        if len(shards) != self.num_shards or any(s.shape[:1] != (self.shard_rows,) for s in shards):
+            raise ValueError(f"shards of shapes {[s.shape for s in shards]}: expected {self.num_shards} of "
+                             f"{self.shard_rows} rows")
+        if not 0 <= lo <= hi <= self.num_rows:
+            raise ValueError(f"rows {lo}..{hi}: expected 0 <= lo <= hi <= {self.num_rows}")
+        starts, shifts = self._segments
+        out = np.empty((hi - lo, *shards[0].shape[1:]), shards[0].dtype)
+        row = lo
+        while row < hi:  # runs of rows contiguous in one shard: within a feature and a shard
+            f = int(np.searchsorted(starts, row, side="right")) - 1
+            k, local = divmod(row + int(shifts[f]), self.shard_rows)
+            end = min(hi, starts[f + 1] if f + 1 < len(starts) else hi, row + self.shard_rows - local)
+            out[row - lo:end - lo] = shards[k][local:local + end - row]
+            row = end
+        return out
+
     def check_ids(self, ids) -> None:
         """ValueError naming the first id outside ``[0, R)`` (concrete ids only)."""
         ids = np.asarray(ids)

@@ -15,7 +15,8 @@ Eviction, write-back, warm-up and prefetch stay per device, as in ``EmbeddingCac
 but a step's swaps of rows in and out of the caches are one program over the axis
 (``transfer.swap_sharded``), not one for each device;
 a batch must fit each owner's cache (a hot table under table-wise sharding sizes its
-device's cache). Checkpoints flush every cache and join the shards into the exact table.
+device's cache). Checkpoints flush every cache and read the exact table from the shards
+(``shard_views``), a block of rows at a time.
 """
 
 from __future__ import annotations
@@ -164,6 +165,14 @@ class ShardedCache:
         if not self.optimizer.has_state:
             return None
         return self.plan.from_shards(np.concatenate([c.optimizer_state() for c in self.caches]))
+
+    def shard_views(self) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
+        """Each device's shard of the table ``[S, D]`` and of its optimizer state
+        (None for SGD): read-only views of the host shards, flushed first, which later
+        steps change (``plan.rows_from_shards`` reads the table's rows from them without
+        joining them, as ``table()`` does)."""
+        rows = [c.table() for c in self.caches]
+        return rows, [c.optimizer_state() for c in self.caches] if self.optimizer.has_state else None
 
     def load(self, table: np.ndarray, state: np.ndarray | None = None) -> None:
         S = self.plan.shard_rows
