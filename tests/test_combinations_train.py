@@ -44,13 +44,13 @@ pytestmark = pytest.mark.slow
 
 CFG = ModelConfig(vocab_size=64, dim=32, layers=2, heads=4, kv_heads=2, head_dim=8, mlp_dim=48)
 B, T, LR = 8, 16, 0.5
-EQUAL_ROWS, WEIGHTED_ROWS = (4, 4), (5, 3)  # each replica's rows; batch weights 5:3 (slot 5)
+EQUAL_ROWS, WEIGHTED_ROWS = (4, 4), (6, 2)  # each replica's rows; batch weights 3:1 (slot 6)
 
 # What each feature adds to the step: make_train_step's options and mesh axes ("rows":
 # data.batch_weights' unequal rows per replica; "task": GliDe's draft and loss).
 ON = {
     "offload": {"offload": OffloadOptions(params="host", optimizer="host")},
-    "data.batch_weights": {"weighted": 1, "rows": WEIGHTED_ROWS},
+    "data.batch_weights": {"weighted": 2, "rows": WEIGHTED_ROWS},
     "optimizer.reduction=adasum": {"reduction": Reduction("adasum")},
     "optimizer.compression=dct_topk": {"reduction": Reduction("mean", "dct_topk", ratio=1.0)},
     "eval.noise_scale": {"noise_scale": True},

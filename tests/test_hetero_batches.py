@@ -40,19 +40,26 @@ def rel_err(a, b) -> float:
     return float(np.max(np.abs(a - b) / np.abs(b)))
 
 
-@pytest.mark.parametrize("weights, processes, devices, rows", [
-    ((3, 1), 2, 1, (12, 4)),      # the equality test's split
-    ((1, 1), 2, 4, (8, 8)),
-    ((2.0, 1.0, 1.0), 3, 1, None),  # 24 rows: 12, 6, 6
-    ((100, 1), 2, 2, (14, 2)),    # the slow process keeps one quantum per device
+@pytest.mark.parametrize("weights, processes, devices, within, batch, rows", [
+    ((3, 1), 2, 1, 1, 16, (12, 4)),
+    ((1, 1), 2, 4, 1, 16, (8, 8)),
+    ((2.0, 1.0, 1.0), 3, 1, 1, 24, (12, 6, 6)),
+    ((100, 1), 2, 2, 1, 16, (14, 2)),  # the slow process keeps one quantum per device
+    ((3, 1), 2, 1, 2, 8, (6, 2)),      # the equality test's split: quanta of 2 rows, one per FSDP device
+    ((1, 1, 2), 3, 1, 1, 27, (7, 7, 13)),  # 9 rows each: quanta of 1 (a divisor of 9; 9 // 4 = 2 lost a row)
+    ((1, 1, 2), 3, 2, 2, 48, (12, 12, 24)),  # 8 rows a replica, quanta of 2
 ])
-def test_row_counts_follow_the_weights_in_quanta(weights, processes, devices, rows):
-    batch = 24 if processes == 3 else 16
-    layout = weighted.row_counts(batch, weights, processes, devices)
+def test_row_counts_follow_the_weights_in_quanta(weights, processes, devices, within, batch, rows):
+    layout = weighted.row_counts(batch, weights, processes, devices, within)
     assert sum(layout.rows) == batch
-    assert all(r % (devices * layout.unit) == 0 and r > 0 for r in layout.rows)
-    assert layout.rows == (rows or (12, 6, 6))
+    assert all(r % (devices * layout.unit) == 0 and r > 0 for r in layout.rows) and layout.unit % within == 0
+    assert layout.rows == rows
     assert layout.slot == max(layout.rows) // devices
+
+
+def test_a_replicas_rows_that_its_fsdp_devices_cannot_split_are_one_line():
+    with pytest.raises(weighted.WeightsError, match="gives each of the 2 data replicas 3 rows, which its 2 FSDP"):
+        weighted.row_counts(6, (1, 1), 2, 1, within=2)
 
 
 def test_padded_puts_each_devices_rows_first():
@@ -76,7 +83,7 @@ def test_bad_weights_are_one_line(weights, message):
     ("data.batch_weights=[1,2]", "has 2 entries for 1 processes"),
     ("data.batch_weights=[0]", "every weight must be positive"),
     ("data.rebalance_every=5", "re-measures data.batch_weights=auto"),
-    ("data.batch_weights=[1] mesh.fsdp=2", "data.batch_weights=[1.0] with mesh.fsdp=2 is not supported yet"),
+    ("data.batch_weights=[1] mesh.pipe=2", "data.batch_weights=[1.0] with mesh.pipe=2 is not supported yet"),
 ])
 def test_bad_batch_weights_exit_2_and_write_nothing(tmp_path, capfd, arg, message):
     from jaxpar.train.cli import main
@@ -99,18 +106,21 @@ def _two_processes(run, args, weights) -> list[subprocess.Popen]:
     return [subprocess.Popen(
         [sys.executable, "-m", "jaxpar.train", "tiny", *args, f"run_dir={run}", f"data.batch_weights={weights}",
          "--no-progress"],
-        env=dict(os.environ, JAX_NUM_CPU_DEVICES="1", JAXPAR_COORDINATOR=f"127.0.0.1:{port}",
+        env=dict(os.environ, JAX_NUM_CPU_DEVICES="2", JAXPAR_COORDINATOR=f"127.0.0.1:{port}",
                  JAXPAR_NUM_PROCESSES="2", JAXPAR_PROCESS_ID=str(i)),
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for i in range(2)]
 
 
 @pytest.mark.slow  # two processes on jax.distributed
 def test_twelve_and_four_rows_equal_sixteen_and_resume_after_sigkill(tmp_path, cache):
-    """Process 0 reads 12 rows of each batch and process 1 reads 4; the losses equal one
-    process reading all 16 (1e-5). Both are killed (SIGKILL) once a checkpoint exists;
-    started again, they resume from it and finish with the same losses."""
+    """Two processes of two devices each, one data replica each split over its two FSDP
+    devices (mesh.fsdp=2): process 0 reads 6 rows of each batch and process 1 reads 2
+    (in microbatches of 2 rows, one per FSDP device); the losses equal one process
+    reading all 8 (1e-5). Both are killed (SIGKILL) once a checkpoint exists; started
+    again, they resume from it and finish with the same losses."""
     args = SMALL + ["steps=6", f"cache_dir={cache}"]
     single = train(load_config("tiny", args + [f"run_dir={tmp_path / 'single'}"]), progress=False)
+    args = args + ["mesh.fsdp=2"]
 
     run = tmp_path / "two"
     procs = _two_processes(run, args, "[3,1]")

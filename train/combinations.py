@@ -65,12 +65,11 @@ FEATURES = (
 KEYS = tuple(f.key for f in FEATURES)
 MESH_KEYS = ("mesh.fsdp", "mesh.tensor", "mesh.pipe", "mesh.seq")
 
-_ROWS_LOOP = ("each data device runs its own count of microbatches (a loop of its own length), which "
-              "cannot hold the collectives this axis puts in every layer")
+_ROWS_LOOP = ("each data replica runs its own count of microbatches (a loop of its own length), and this "
+              "axis's collective-permutes meet every device at once (FSDP's and tensor's collectives stay "
+              "within a replica)")
 _NOISE_MEAN = "the noise scale's large batch is the plain mean's gradient, which {} replaces"
 REFUSED: dict[frozenset, str] = {frozenset(pair): why for pair, why in {
-    ("data.batch_weights", "mesh.fsdp"): _ROWS_LOOP,
-    ("data.batch_weights", "mesh.tensor"): _ROWS_LOOP,
     ("data.batch_weights", "mesh.pipe"): _ROWS_LOOP,
     ("data.batch_weights", "mesh.seq"): _ROWS_LOOP,
     ("data.batch_weights", "optimizer.grad_accum"): "the loop over each device's rows is the accumulation",

@@ -28,9 +28,13 @@ process's first device give its tokens/s; the processes share them
 ``data.rebalance_every=N`` the trainer re-measures every ``N`` steps (a ``Trainer``
 hook); a new slot size compiles the step anew, once per distinct layout.
 
-Limits, stated: a data-parallel mesh only (``mesh.data``; the per-device loop must hold
-no collective, which FSDP, tensor, sequence and pipeline axes would put in it), no
-``optimizer.grad_accum`` (the microbatch loop is the accumulation), the same number of
+With ``mesh.fsdp`` or ``mesh.tensor`` a "device" above is a data replica: its slot's
+rows split over its FSDP devices (a quantum is a multiple of ``mesh.fsdp``), and every
+device of the replica runs the replica's loop as many times, so the FSDP and tensor
+collectives inside it stay within the replica (per-group all-gathers and reductions;
+replicas with fewer rows leave the loop earlier). Limits, stated: no ``mesh.pipe`` or
+``mesh.seq`` (their collective-permutes meet every device at once, so a loop of a
+replica's own length deadlocks: seen on CPU), no ``optimizer.grad_accum`` (the microbatch loop is the accumulation), the same number of
 devices in every process, and a language model (``task: lm``); refused when the config
 is read (``jaxpar.train.combinations``). With ``optimizer.reduction=adasum`` or
 ``optimizer.compression=dct_topk`` each device's token-weighted mean over its own real
@@ -65,11 +69,13 @@ class Layout:
     """How a global batch splits over processes: ``rows[p]`` of process ``p``,
     ``devices`` data-parallel devices per process, each device's ``slot`` rows in the
     step's global batch (real rows first), run in microbatches of ``unit`` rows (a
-    multiple of every device's rows)."""
+    divisor of every device's rows); ``within``: the devices a replica's rows split over
+    (``mesh.fsdp``), which divides ``unit``."""
 
     rows: tuple[int, ...]
     devices: int
     unit: int
+    within: int = 1
 
     @property
     def device_rows(self) -> tuple[int, ...]:
@@ -92,10 +98,12 @@ class Layout:
         return {k: pad(v) for k, v in local.items()}
 
 
-def row_counts(global_batch: int, weights, processes: int, devices: int) -> Layout:
+def row_counts(global_batch: int, weights, processes: int, devices: int, within: int = 1) -> Layout:
     """The ``Layout`` that splits ``global_batch`` rows over ``processes`` processes of
-    ``devices`` data-parallel devices each, in proportion to ``weights`` (largest
-    remainders, in quanta of a quarter of a device's even share)."""
+    ``devices`` data-parallel devices (replicas) each, in proportion to ``weights``
+    (largest remainders, in quanta: the largest divisor of a replica's even share up to a
+    quarter of it, a multiple of ``within``, the devices a replica's rows split over:
+    ``mesh.fsdp``)."""
     weights = tuple(float(w) for w in weights)
     if len(weights) != processes:
         raise WeightsError(f"data.batch_weights={list(weights)} has {len(weights)} entries for "
@@ -106,7 +114,10 @@ def row_counts(global_batch: int, weights, processes: int, devices: int) -> Layo
     if even < 1 or global_batch % (processes * devices):
         raise WeightsError(f"batch_size={global_batch} is not divisible by the {processes * devices} "
                            "data-parallel devices")
-    quantum = max(1, even // 4)
+    if even % within:
+        raise WeightsError(f"batch_size={global_batch} gives each of the {processes * devices} data replicas "
+                           f"{even} rows, which its {within} FSDP devices cannot split evenly")
+    quantum = max(q for q in range(within, even + 1, within) if even % q == 0 and q <= max(within, even // 4))
     units = global_batch // (devices * quantum)
     exact = np.array(weights) / sum(weights) * units
     counts = np.maximum(np.floor(exact).astype(int), 1)
@@ -115,7 +126,7 @@ def row_counts(global_batch: int, weights, processes: int, devices: int) -> Layo
     order = np.argsort(-(exact - counts), kind="stable")
     for i in range(units - counts.sum()):
         counts[order[i % processes]] += 1
-    return Layout(tuple(int(c) * devices * quantum for c in counts), devices, quantum)
+    return Layout(tuple(int(c) * devices * quantum for c in counts), devices, quantum, within)
 
 
 def measure(step_fn, params, rows: dict, *, repeats: int = 3) -> float:
@@ -158,7 +169,7 @@ def layout_of(cfg: Config, mesh) -> Layout | None:
     processes = jax.process_count()
     try:
         return row_counts(cfg.batch_size, (1.0,) * processes if weights == "auto" else weights,
-                          processes, mesh.shape["data"] // processes)
+                          processes, mesh.shape["data"] // processes, mesh.shape.get("fsdp", 1))
     except WeightsError as e:
         raise ConfigError(str(e)) from None
 
@@ -171,7 +182,7 @@ def rebalancing(cfg: Config, step_fn, layout: Layout, data):
     def rebalance(info: StepInfo) -> None:
         rows = data.loader.local_rows(data.loader.step)[:layout.unit]
         speeds = shared_speeds(measure(step_fn, info.params, data_lib.batch_of_rows(data.loader.rows, rows)))
-        data.share(row_counts(cfg.batch_size, speeds, len(speeds), layout.devices))
+        data.share(row_counts(cfg.batch_size, speeds, len(speeds), layout.devices, layout.within))
         if info.record is not None:
             info.record["batch_shares"] = list(data.layout.rows)
         log.info("batch shares %s from tokens/s %s", list(data.layout.rows), [round(s) for s in speeds])
