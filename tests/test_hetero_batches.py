@@ -57,8 +57,8 @@ def test_row_counts_follow_the_weights_in_quanta(weights, processes, devices, wi
     assert layout.slot == max(layout.rows) // devices
 
 
-def test_a_replicas_rows_that_its_fsdp_devices_cannot_split_are_one_line():
-    with pytest.raises(weighted.WeightsError, match="gives each of the 2 data replicas 3 rows, which its 2 FSDP"):
+def test_a_replicas_rows_that_its_microbatches_cannot_split_are_one_line():
+    with pytest.raises(weighted.WeightsError, match="gives each of the 2 data replicas 3 rows, which microbatches of a multiple of 2 rows"):
         weighted.row_counts(6, (1, 1), 2, 1, within=2)
 
 

@@ -72,7 +72,6 @@ _NOISE_MEAN = "the noise scale's large batch is the plain mean's gradient, which
 REFUSED: dict[frozenset, str] = {frozenset(pair): why for pair, why in {
     ("data.batch_weights", "mesh.pipe"): _ROWS_LOOP,
     ("data.batch_weights", "mesh.seq"): _ROWS_LOOP,
-    ("data.batch_weights", "optimizer.grad_accum"): "the loop over each device's rows is the accumulation",
     ("data.batch_weights", "eval.noise_scale"): "the noise scale's small batch assumes equal rows per replica",
     ("data.batch_weights", "task=glide"): "unequal rows are built for a language model's batch (task=lm)",
     ("eval.noise_scale", "optimizer.reduction=adasum"): _NOISE_MEAN.format("Adasum"),

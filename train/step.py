@@ -256,7 +256,9 @@ def make_train_step(
     ``offload``: which state lives in host memory between steps (``jaxpar.offload``);
     ``TrainStep.init`` places it so, on one device too.
     ``weighted``: HetSeq's unequal rows per data device (``jaxpar.train.weighted``), run
-    in microbatches of ``weighted`` rows. ``reduction``: how the ``data`` replicas'
+    in microbatches of ``weighted`` rows (``weighted / grad_accum`` with ``grad_accum``:
+    the replica's loop is the accumulation, its microbatches made ``grad_accum`` times
+    smaller). ``reduction``: how the ``data`` replicas'
     gradients combine (``jaxpar.hetero.reduction.Reduction``; the uncompressed mean is
     XLA's all-reduce); ``dct_topk``'s residuals are carried in the optimizer state
     (``TrainStep.tx`` is then ``optax.chain(carried, tx)``). ``noise_scale``: the step also
@@ -281,7 +283,9 @@ def make_train_step(
         source = pipelined.source(graphdef, pipeline, mesh, stage_layers, shardings.params)
     else:
         source = gradients.plain(loss, graphdef)
-    if grad_accum > 1:
+    if weighted is not None:
+        weighted //= grad_accum  # _refuse: a divisor
+    elif grad_accum > 1:
         source = gradients.accumulated(source, grad_accum)
     replicas = gradients.Replicas(reduction, weighted, noise_scale)
     step = _step(source, replicas, tx, mesh, offload, shardings, execution)
@@ -320,6 +324,9 @@ def _refuse(mesh, pipeline, offload: OffloadOptions, reduction, weighted, noise_
     line = combinations.refusal({key: shown for key, shown in present.items() if shown})
     if line is not None:
         raise ValueError(line)
+    if weighted is not None and weighted % grad_accum:
+        raise ValueError(f"data.batch_weights' microbatches of {weighted} rows cannot make "
+                         f"optimizer.grad_accum={grad_accum} smaller ones")
     if noise_scale and mesh is None:
         raise ValueError("eval.noise_scale needs a mesh: it compares the data replicas' gradients")
     if stage_layers is not None and pipeline is None:

@@ -32,10 +32,11 @@ With ``mesh.fsdp`` or ``mesh.tensor`` a "device" above is a data replica: its sl
 rows split over its FSDP devices (a quantum is a multiple of ``mesh.fsdp``), and every
 device of the replica runs the replica's loop as many times, so the FSDP and tensor
 collectives inside it stay within the replica (per-group all-gathers and reductions;
-replicas with fewer rows leave the loop earlier). Limits, stated: no ``mesh.pipe`` or
-``mesh.seq`` (their collective-permutes meet every device at once, so a loop of a
-replica's own length deadlocks: seen on CPU), no ``optimizer.grad_accum`` (the microbatch loop is the accumulation), the same number of
-devices in every process, and a language model (``task: lm``); refused when the config
+replicas with fewer rows leave the loop earlier). With ``optimizer.grad_accum=k`` the
+loop is the accumulation: its microbatches are ``unit / k`` rows. Limits, stated: no
+``mesh.pipe`` or ``mesh.seq`` (their collective-permutes meet every device at once, so a
+loop of a replica's own length deadlocks: seen on CPU), the same number of devices in
+every process, and a language model (``task: lm``); refused when the config
 is read (``jaxpar.train.combinations``). With ``optimizer.reduction=adasum`` or
 ``optimizer.compression=dct_topk`` each device's token-weighted mean over its own real
 rows is what the replicas combine (Adasum's, or the top-k exchange's mean), in place of
@@ -69,8 +70,8 @@ class Layout:
     """How a global batch splits over processes: ``rows[p]`` of process ``p``,
     ``devices`` data-parallel devices per process, each device's ``slot`` rows in the
     step's global batch (real rows first), run in microbatches of ``unit`` rows (a
-    divisor of every device's rows); ``within``: the devices a replica's rows split over
-    (``mesh.fsdp``), which divides ``unit``."""
+    divisor of every device's rows); ``within``: ``mesh.fsdp`` times
+    ``optimizer.grad_accum``, which divides ``unit``."""
 
     rows: tuple[int, ...]
     devices: int
@@ -102,8 +103,8 @@ def row_counts(global_batch: int, weights, processes: int, devices: int, within:
     """The ``Layout`` that splits ``global_batch`` rows over ``processes`` processes of
     ``devices`` data-parallel devices (replicas) each, in proportion to ``weights``
     (largest remainders, in quanta: the largest divisor of a replica's even share up to a
-    quarter of it, a multiple of ``within``, the devices a replica's rows split over:
-    ``mesh.fsdp``)."""
+    quarter of it, a multiple of ``within``: ``mesh.fsdp`` (the devices a replica's rows
+    split over) times ``optimizer.grad_accum`` (the microbatches a quantum is run in))."""
     weights = tuple(float(w) for w in weights)
     if len(weights) != processes:
         raise WeightsError(f"data.batch_weights={list(weights)} has {len(weights)} entries for "
@@ -116,7 +117,8 @@ def row_counts(global_batch: int, weights, processes: int, devices: int, within:
                            "data-parallel devices")
     if even % within:
         raise WeightsError(f"batch_size={global_batch} gives each of the {processes * devices} data replicas "
-                           f"{even} rows, which its {within} FSDP devices cannot split evenly")
+                           f"{even} rows, which microbatches of a multiple of {within} rows (mesh.fsdp x "
+                           "optimizer.grad_accum) cannot split")
     quantum = max(q for q in range(within, even + 1, within) if even % q == 0 and q <= max(within, even // 4))
     units = global_batch // (devices * quantum)
     exact = np.array(weights) / sum(weights) * units
@@ -169,7 +171,8 @@ def layout_of(cfg: Config, mesh) -> Layout | None:
     processes = jax.process_count()
     try:
         return row_counts(cfg.batch_size, (1.0,) * processes if weights == "auto" else weights,
-                          processes, mesh.shape["data"] // processes, mesh.shape.get("fsdp", 1))
+                          processes, mesh.shape["data"] // processes,
+                          mesh.shape.get("fsdp", 1) * cfg.optimizer.grad_accum)
     except WeightsError as e:
         raise ConfigError(str(e)) from None
 
