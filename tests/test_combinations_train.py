@@ -49,7 +49,7 @@ EQUAL_ROWS, WEIGHTED_ROWS = (4, 4), (6, 2)  # each replica's rows; batch weights
 # What each feature adds to the step: make_train_step's options and mesh axes ("rows":
 # data.batch_weights' unequal rows per replica; "task": GliDe's draft and loss).
 ON = {
-    "offload": {"offload": OffloadOptions(params="host", optimizer="host")},
+    "offload": {"offload": OffloadOptions(params="host", optimizer="host", activations=("query",))},
     "data.batch_weights": {"weighted": 2, "rows": WEIGHTED_ROWS},
     "optimizer.reduction=adasum": {"reduction": Reduction("adasum")},
     "optimizer.compression=dct_topk": {"reduction": Reduction("mean", "dct_topk", ratio=1.0)},

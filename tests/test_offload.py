@@ -6,6 +6,7 @@ On CPU a memory-kind change inside jit lowers to nothing, so these check the ari
 and the placement between steps (``.sharding.memory_kind`` is real on CPU); the CUDA
 lowering checks that the transfers exist."""
 
+import dataclasses
 import re
 
 import jax
@@ -147,15 +148,16 @@ def test_offload_composes_with_tensor_parallelism_accumulation_and_activation_of
 HOST_COMPUTE = '_xla_compute_type = "host"'
 
 
-def lowered_for_cuda(grad_accum=1):
-    """params=host (1 of 3 layers resident), optimizer=host on data=2 x fsdp=4, lowered
-    for CUDA: ``(text, stored state, loops)``, ``loops`` what each scan's loop body does
-    (up to its first return), the functions it calls included."""
-    model = nnx.eval_shape(lambda: Transformer(CFG, rngs=nnx.Rngs(0)))
-    mesh = jaxpar.make_mesh(data=2, fsdp=4)
-    options = OffloadOptions(params="host", optimizer="host", resident_layers=1)
-    step = make_train_step(model, optax.adamw(1e-2), mesh, sharding_rules(CFG, mesh), offload=options,
-                           grad_accum=grad_accum)
+def lowered_for_cuda(grad_accum=1, cfg=CFG, axes=(("data", 2), ("fsdp", 4)), resident_layers=1, **options):
+    """params=host (1 of 3 layers resident), optimizer=host on data=2 x fsdp=4 (or
+    ``axes``; ``options`` more of ``make_train_step``'s), lowered for CUDA: ``(text,
+    stored state, loops)``, ``loops`` what each scan's loop body does (up to its first
+    return), the functions it calls included."""
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    mesh = jaxpar.make_mesh(**dict(axes), devices=jax.devices()[:int(np.prod([n for _, n in axes]))])
+    offload = OffloadOptions(params="host", optimizer="host", resident_layers=resident_layers)
+    step = make_train_step(model, optax.adamw(1e-2), mesh, sharding_rules(cfg, mesh), offload=offload,
+                           grad_accum=grad_accum, **options)
     state = step.abstract_state(model, stored=True)
     token = jax.ShapeDtypeStruct((8, 16), jnp.int32, sharding=step.batch_sharding)
     with step.context():
@@ -187,6 +189,25 @@ def test_step_lowers_for_cuda_with_host_arguments_and_transfers():
     assert sum(to_host in body for body in fetching) == 1  # the backward sends each gradient home
     assert not any(HOST_COMPUTE in body for body in loops)
     assert HOST_COMPUTE in text  # the optimizer update runs on the host
+
+
+def test_a_pipeline_stage_fetches_its_host_layers_inside_the_schedule_for_cuda():
+    """pipe=2 (1F1B) with every layer in host memory: each stage's layers stay
+    ``pinned_host`` arguments and are fetched to the device inside the schedule's loops
+    (the layer scans within its ticks), not once before it; the backward sends their
+    gradients home there too. (Trained against one device: tests/test_combinations_train.py.)"""
+    from jaxpar.parallel.pipeline_schedule import build
+
+    text, state, loops = lowered_for_cuda(cfg=dataclasses.replace(CFG, layers=4), axes=(("data", 2), ("pipe", 2)),
+                                          resident_layers=None, pipeline=build("1f1b", 2, 2))
+    main = next(line for line in text.splitlines() if "func.func public @main" in line)
+    stored = jax.tree.leaves((state["params"], state["opt_state"]))
+    args = re.findall(r"%arg\d+: tensor<[^>]*> \{([^}]*)\}", main)
+    assert sum('mhlo.memory_kind = "pinned_host"' in a for a in args) == sum(
+        x.sharding.memory_kind == "pinned_host" for x in stored) > 0
+    to_device, to_host = '_xla_buffer_placement = "device"', '_xla_buffer_placement = "pinned_host"'
+    fetching = [body for body in loops if to_device in body]
+    assert fetching and any(to_host in body for body in fetching)
 
 
 def test_accumulating_step_sums_host_gradients_on_the_host_for_cuda():

@@ -293,8 +293,9 @@ def test_bad_arguments():
         plan(state, mesh, _profile(), None, prefetch=0)
     with pytest.raises(ValueError, match="offload.device_budget='lots' is not a byte count"):
         plan(state, mesh, _profile(), "lots")
-    with pytest.raises(ValueError, match="offload with mesh.pipe=2 is not supported yet: pipeline stages"):
-        plan(state, jaxpar.make_mesh(pipe=2, fsdp=4), _profile(), None)
+    with pytest.raises(ValueError, match="offload.resident_layers=1 with mesh.pipe=2 is not supported yet: a "
+                                         "pipeline's stages hold their layers whole"):
+        plan(state, jaxpar.make_mesh(pipe=2, fsdp=4), _profile(), None, params="host", resident_layers=1)
 
 
 def test_plan_data_is_json_and_describe_is_readable():
@@ -518,12 +519,13 @@ def test_offload_section_parses():
     (["offload.activations=[query,qkv]"],
      r"^offload.activations=\['query', 'qkv'\] names no checkpoint of the model \(qkv\); it defines "
      r"layer_input, query, key, value, attention, mlp_hidden$"),
-    (["offload.optimizer=host", "mesh.pipe=2"],
-     r"^offload.optimizer='host' with mesh.pipe=2 is not supported yet: pipeline stages hold their own layers"),
+    (["offload.optimizer=host", "mesh.pipe=2", "pipeline.schedule=interleaved", "pipeline.virtual_stages=2"],
+     r"^offload.optimizer='host' with pipeline.schedule=interleaved \(stage_layers=None\) is not supported yet: an "
+     r"interleaved pipeline's"),
+    (["offload.params=host", "offload.resident_layers=1", "mesh.pipe=2"],
+     r"^offload.resident_layers=1 with mesh.pipe=2 is not supported yet: a pipeline's stages hold their layers"),
     (["task=glide", "target_run_dir=runs/tiny", "offload.optimizer=host"],
      r"^offload.optimizer='host' with task=glide is not supported yet: the draft's model"),
-    (["offload.activations=[query]", "mesh.seq=2"],
-     r"^offload.activations=\['query'\] with mesh.seq=2 is not supported yet: the sequence-parallel attention"),
 ])
 def test_bad_offload_input_is_one_config_error_line(overrides, message):
     with pytest.raises(ConfigError, match=message) as error:

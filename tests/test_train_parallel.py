@@ -71,6 +71,16 @@ def test_pallas_kernels_train_like_xla(tmp_path, cache, one_device):
     same_losses(history, one_device)
 
 
+def test_an_offloaded_pipeline_trains_like_one_device(tmp_path, cache, one_device):
+    """Parameters and optimizer state in host memory under pipe=2 (1F1B, data=4): each
+    stage fetches its own layers inside the schedule; the losses and validation loss are
+    one device's (the step itself, against one device's gradients, cell by cell:
+    tests/test_combinations_train.py)."""
+    history = train(config(tmp_path / "run", cache, *THREE_STEPS, "mesh.pipe=2", "pipeline.microbatches=2",
+                           "offload.params=host", "offload.optimizer=host"), progress=False)
+    same_losses(history, one_device)
+
+
 # pipe=2 over 4 layers, two steps, a checkpoint at each, evaluated at step 2: the runs below
 # resume the 1f1b run's step-1 checkpoint under other stored layouts.
 PIPELINED = ("steps=2", "checkpoint.every=1", "eval.every=2", "mesh.pipe=2", "model.layers=4", "batch_size=16")

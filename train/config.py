@@ -22,7 +22,7 @@ from jaxpar.kernels.dispatch import IMPLS as KERNEL_IMPLS
 from jaxpar.models.config import CHECKPOINT_NAMES, PRESETS, ModelConfig
 from jaxpar.models.dlrm import DLRM_PRESETS, DLRMConfig
 from jaxpar.offload.budget import parse_bytes
-from jaxpar.offload.planner import PCIE5_X16_BANDWIDTH, PLACES as OFFLOAD_PLACES
+from jaxpar.offload.planner import PCIE5_X16_BANDWIDTH, PLACES as OFFLOAD_PLACES, REORDERED_STAGES, WHOLE_STAGES
 from jaxpar.parallel.pipeline_schedule import KINDS as PIPELINE_SCHEDULES
 from jaxpar.placement.mesh import AXIS_TYPES
 from jaxpar.placement.execution import SEQUENCE_IMPLS, SEQUENCE_LAYOUTS, SequenceOptions
@@ -478,6 +478,15 @@ class Config:
         combinations.check(self)  # the mesh's features too, once it is known
         if self.auto_mesh:
             return  # the rest checks the mesh: the plan's, once chosen
+        state_offload = [f"offload.{k}={v!r}" for k, v in (("params", offload.params), ("optimizer", offload.optimizer))
+                         if v != "device"]
+        if self.mesh.pipe > 1 and state_offload and (self.pipeline.schedule == "interleaved"
+                                                     or self.pipeline.stage_layers is not None):
+            raise ValueError(f"{state_offload[0]} with pipeline.schedule={self.pipeline.schedule} (stage_layers="
+                             f"{self.pipeline.stage_layers}) is not supported yet: {REORDERED_STAGES}")
+        if self.mesh.pipe > 1 and offload.resident_layers:
+            raise ValueError(f"offload.resident_layers={offload.resident_layers} with mesh.pipe={self.mesh.pipe} is "
+                             f"not supported yet: {WHOLE_STAGES}")
         seq = self.mesh.seq
         ways = 2 * seq if self.execution.seq_layout == "zigzag" else seq
         if seq > 1 and self.seq_len % ways:

@@ -91,11 +91,14 @@ def resolve(cfg: Config, profile: dict | None, abstract_state: dict, mesh, rules
     """
     offload = cfg.offload
     budget, source = _budget(cfg)
+    microbatches = cfg.optimizer.grad_accum
+    if mesh is not None and mesh.shape.get("pipe", 1) > 1:  # a stage fetches its layers for each microbatch
+        microbatches = cfg.pipeline.microbatches or 2 * mesh.shape["pipe"]
     try:
         return plan(abstract_state, mesh, profile, budget, params=offload.params,
                     optimizer=offload.optimizer, activations=offload.activations,
                     resident_layers=offload.resident_layers, prefetch=offload.prefetch,
-                    grad_accum=cfg.optimizer.grad_accum,
+                    grad_accum=microbatches,
                     host_bandwidth=offload.bandwidth, peak_flops=peak_flops or H100_PEAK_FLOPS,
                     activation_bytes=activation_bytes(cfg, mesh, rules),
                     saved_names=saved_names(cfg.model), budget_source=source)

@@ -53,6 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxpar.offload.fetch import to_device
 from jaxpar.parallel import pipeline
 from jaxpar.placement import rules as rules_lib
 from jaxpar.models.transformer import ACT_BTD, run_layers
@@ -222,6 +223,11 @@ def loss_and_grads(graphdef, params, batch: dict, schedule: Schedule, mesh, stag
     def head(rest, x, side):
         return side["share"] * head_loss(shell(rest), x, side["targets"], side["mask"])
 
+    # Host-resident parameters (jaxpar.offload): the stages fetch their layers inside the
+    # schedule as the model's layer loop does; the parts around the layers (embedding,
+    # final norm, head: a few MB) are fetched once per step, so their gradients, which
+    # the last stage's branch and the others' must agree on, are the device's.
+    rest = jax.tree.map(to_device, rest)
     # Stored device-major: [P V Lmax, ...] -> [P, V, Lmax, ...] moves nothing between devices.
     stages = jax.tree.map(lambda w: w.reshape(*layout.shape, *w.shape[1:]), layer_state)
     even = bool((counts == layout.shape[-1]).all())

@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.elastic import adascale as adascale_lib
 from jaxpar.hetero import reduction as reduction_lib
+from jaxpar.offload import planner as offload_planner
 from jaxpar.offload import state as offload_state
 from jaxpar.offload.fetch import is_split, to_device, to_host
 from jaxpar.placement import rules as rules_lib
@@ -277,6 +278,9 @@ def make_train_step(
     layer_order = None
     if pipeline is not None:
         layer_order = pipelined.storage_order(pipeline, model.cfg.layers, stage_layers)
+        if layer_order is not None and offload.state_on_host:
+            raise ValueError(f"offload with pipeline {pipeline.kind!r} (stage_layers={stage_layers}) is not "
+                             f"supported yet: {offload_planner.REORDERED_STAGES}")
         stage_layers = None if stage_layers is None else tuple(int(n) for n in stage_layers)
     shardings = _shardings(params, tx, mesh, rules, resolved, offload, reduction, frozen)
     if pipeline is not None:
@@ -329,6 +333,9 @@ def _refuse(mesh, pipeline, offload: OffloadOptions, reduction, weighted, noise_
                          f"optimizer.grad_accum={grad_accum} smaller ones")
     if noise_scale and mesh is None:
         raise ValueError("eval.noise_scale needs a mesh: it compares the data replicas' gradients")
+    if pipeline is not None and offload.resident_layers not in (None, 0):
+        raise ValueError(f"offload.resident_layers={offload.resident_layers} with mesh.pipe is not supported yet: "
+                         f"{offload_planner.WHOLE_STAGES}")
     if stage_layers is not None and pipeline is None:
         raise ValueError(f"stage_layers={list(stage_layers)} needs a pipeline")
     if pipeline is not None and (loss is not loss_fn or frozen is not None):

@@ -92,9 +92,11 @@ def state_bytes(abstract_state: Mapping, *, layers_key: str = "layers") -> State
     """Per-device bytes of ``abstract_state`` (``{"params", "opt_state"}``), stacked
     layers apart.
 
+    ``layers`` is the stacked layers each device holds: its pipeline stage's where the
+    ``layers`` axis is split over a ``pipe`` axis (each stage fetches its own).
+
     Raises:
-      ValueError: stacked arrays disagree on ``L``, or their ``layers`` axis is split
-        over the mesh (a pipeline's stages), which per-layer chunks cannot describe.
+      ValueError: stacked arrays disagree on ``L``.
     """
     layers = None
     sums = {"layer_params": 0, "layer_optimizer": 0, "other_params": 0, "other_optimizer": 0}
@@ -108,15 +110,13 @@ def state_bytes(abstract_state: Mapping, *, layers_key: str = "layers") -> State
                 if kind == "params":
                     others.append((names[0] if names else None, nbytes))
                 continue
-            where = jax.tree_util.keystr(path)
-            if layers is None:
-                layers = leaf.shape[0]
-            elif leaf.shape[0] != layers:
-                raise ValueError(f"plan: {part}{where} stacks {leaf.shape[0]} layers, others {layers}")
             sharding = getattr(leaf, "sharding", None)
-            if sharding is not None and sharding.shard_shape(leaf.shape)[0] != layers:
-                raise ValueError(f"plan: the layers axis of {part}{where} is split over the mesh "
-                                 f"({sharding.spec}); offload chunks whole layers (no pipeline axis)")
+            local = leaf.shape[0] if sharding is None else sharding.shard_shape(leaf.shape)[0]
+            if layers is None:
+                layers = local
+            elif local != layers:
+                raise ValueError(f"plan: {part}{jax.tree_util.keystr(path)} stacks {local} layers a device, "
+                                 f"others {layers}")
             sums[f"layer_{kind}"] += nbytes
     layers = layers or 0
     if layers:

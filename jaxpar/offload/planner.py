@@ -152,11 +152,14 @@ HOST_UPDATE_BANDWIDTH = 10e9
 
 PLACES = ("device", "host", "auto")
 
-# Mesh axes offload refuses for now, and why (jaxpar-train's config names them too).
-UNSUPPORTED_AXES = {
-    "pipe": "pipeline stages hold their own layers, which their schedule would have to fetch",
-    "seq": "the sequence-parallel attention's shard_map and the layer fetch do not compose yet",
-}
+# Why an interleaved pipeline or uneven stages do not offload yet (jaxpar.train.step and
+# the config refuse them; the layout planner prunes them).
+REORDERED_STAGES = ("an interleaved pipeline's (or uneven stages') layers are stored reordered, which "
+                    "host-resident state is not yet")
+
+# Why a pipeline's layers are placed whole (jaxpar.train.step refuses the same split).
+WHOLE_STAGES = ("a pipeline's stages hold their layers whole, all on the device or all in host memory "
+                "(the resident ones would be the first stage's)")
 
 # Plan.device's parts, as the nothing-fits message names them.
 DEVICE_PARTS = {
@@ -310,8 +313,9 @@ def plan(
 
     Args:
       abstract_state: ``{"params", "opt_state"}`` with the step's shardings.
-      mesh: the step's mesh (None: one device); a ``pipe`` or ``seq`` axis of size > 1
-        is refused.
+      mesh: the step's mesh (None: one device); with a ``pipe`` axis of size > 1 the
+        layers are placed whole (all resident or none: each stage holds its own, which
+        its schedule fetches), a ``resident_layers`` between refused.
       profile: ``jaxpar.profiler.profile`` of the all-on-device step; None only where
         the plan is ``decided`` without it (one candidate, no budget), so a run need not
         compile the all-on-device step to learn its options: the profile's figures (the
@@ -339,7 +343,7 @@ def plan(
       ValueError: a bad argument, a mesh / state the plan cannot describe, or no profile
         where the plan weighs candidates or checks a budget.
     """
-    limit, rates = _checked(params, optimizer, mesh, prefetch, grad_accum, budget, host_bandwidth,
+    limit, rates = _checked(params, optimizer, prefetch, grad_accum, budget, host_bandwidth,
                             host_update_bandwidth, peak_flops)
     activations = tuple(activations)
     sizes = dict(activation_bytes or {})
@@ -350,10 +354,15 @@ def plan(
     if resident_layers is not None and not 0 <= resident_layers <= L:
         raise ValueError(f"offload.resident_layers={resident_layers} must be between 0 and the "
                          f"model's {L} stacked layers")
+    whole = mesh is not None and mesh.shape.get("pipe", 1) > 1
+    if whole and resident_layers not in (None, 0):
+        raise ValueError(f"offload.resident_layers={resident_layers} with mesh.pipe={mesh.shape['pipe']} is not "
+                         f"supported yet: {WHOLE_STAGES}")
     if L == 0 and params != "device":
         params = "device"  # nothing stacked to fetch layer by layer
     opt_places = ("device", "host") if optimizer == "auto" else (optimizer,)
-    choices = [(place, r, opt) for place, r in _placements(params, resident_layers, L, limit) for opt in opt_places]
+    choices = [(place, r, opt) for place, r in _placements(params, resident_layers, L, limit)
+               for opt in opt_places if not (whole and place == "host" and r > 0)]
     if profile is None:  # only where it decides nothing (``decided``)
         if limit is not None or len(choices) != 1:
             raise ValueError("plan: without a profile, only one placement and no budget (decided)")
@@ -401,17 +410,14 @@ def _nothing_fits(candidates: list[Plan], what: str) -> PlanError:
         f"{format_bytes(smallest.device_bytes)} per device ({smallest.device_bytes} bytes), most "
         f"of it {DEVICE_PARTS[part]} ({format_bytes(nbytes)})", smallest)
 
-def _checked(params, optimizer, mesh, prefetch, grad_accum, budget, host_bandwidth, host_update_bandwidth,
+
+def _checked(params, optimizer, prefetch, grad_accum, budget, host_bandwidth, host_update_bandwidth,
              peak_flops) -> tuple[int | None, dict[str, float]]:
     """``plan``'s argument checks (a ValueError naming the value): the budget in bytes
     (None: no limit) and the rates ``_cost`` takes."""
     for name, value in (("params", params), ("optimizer", optimizer)):
         if value not in PLACES:
             raise ValueError(f"offload.{name}={value!r} must be one of {list(PLACES)}")
-    if mesh is not None:
-        for axis, why in UNSUPPORTED_AXES.items():
-            if mesh.shape.get(axis, 1) > 1:
-                raise ValueError(f"offload with mesh.{axis}={mesh.shape[axis]} is not supported yet: {why}")
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
         raise ValueError(f"offload.prefetch={prefetch!r} must be an int >= 1")
     if isinstance(grad_accum, bool) or not isinstance(grad_accum, int) or grad_accum < 1:

@@ -47,8 +47,8 @@ RULES = {
     "batch": "batch_size / grad_accum (or / microbatches) not divisible by the data-parallel degree",
     "seq_len": "seq_len not divisible by 2 x seq (zigzag ring layout)",
     "microbatches": "1F1B and interleaved need microbatches >= pipe (interleaved: a multiple of pipe)",
-    "offload": "offload with pipe or seq > 1 (not supported yet)",
     "sequence_parallel": "Megatron sequence parallelism needs 1D tensor > 1",
+    "offload": "offload with the interleaved schedule (its layers are stored reordered; not yet)",
 }
 
 
@@ -269,6 +269,7 @@ def _rule(layout: Layout, model: ModelConfig, batch_size: int) -> str | None:
             return "microbatches"
     if layout.seq > 1 and layout.seq_impl == "ulysses" and model.heads % (layout.seq * layout.tensor_ways):
         return "heads"
-    if (layout.offload_params == "host" or layout.offload_optimizer == "host") and (layout.pipe > 1 or layout.seq > 1):
+    if (layout.offload_params == "host" or layout.offload_optimizer == "host") and layout.pipe > 1 \
+            and layout.schedule == "interleaved":
         return "offload"
     return None
