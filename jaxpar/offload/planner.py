@@ -351,13 +351,7 @@ def plan(
         raise ValueError(f"plan: activation_bytes gives no size for offloaded activations {missing}")
     state = state_bytes(abstract_state, layers_key=layers_key)
     L = state.layers
-    if resident_layers is not None and not 0 <= resident_layers <= L:
-        raise ValueError(f"offload.resident_layers={resident_layers} must be between 0 and the "
-                         f"model's {L} stacked layers")
-    whole = mesh is not None and mesh.shape.get("pipe", 1) > 1
-    if whole and resident_layers not in (None, 0):
-        raise ValueError(f"offload.resident_layers={resident_layers} with mesh.pipe={mesh.shape['pipe']} is not "
-                         f"supported yet: {WHOLE_STAGES}")
+    whole = _check_resident(resident_layers, L, mesh)
     if L == 0 and params != "device":
         params = "device"  # nothing stacked to fetch layer by layer
     opt_places = ("device", "host") if optimizer == "auto" else (optimizer,)
@@ -409,6 +403,19 @@ def _nothing_fits(candidates: list[Plan], what: str) -> PlanError:
         f"{what} is below what any plan needs: the smallest ({smallest.summary()}) needs "
         f"{format_bytes(smallest.device_bytes)} per device ({smallest.device_bytes} bytes), most "
         f"of it {DEVICE_PARTS[part]} ({format_bytes(nbytes)})", smallest)
+
+
+def _check_resident(resident_layers: int | None, L: int, mesh) -> bool:
+    """Whether ``mesh`` places the layers whole (a pipeline); a ValueError line where
+    ``resident_layers`` cannot be."""
+    if resident_layers is not None and not 0 <= resident_layers <= L:
+        raise ValueError(f"offload.resident_layers={resident_layers} must be between 0 and the "
+                         f"model's {L} stacked layers")
+    whole = mesh is not None and mesh.shape.get("pipe", 1) > 1
+    if whole and resident_layers not in (None, 0):
+        raise ValueError(f"offload.resident_layers={resident_layers} with mesh.pipe={mesh.shape['pipe']} is not "
+                         f"supported yet: {WHOLE_STAGES}")
+    return whole
 
 
 def _checked(params, optimizer, prefetch, grad_accum, budget, host_bandwidth, host_update_bandwidth,
