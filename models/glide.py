@@ -52,6 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxpar.offload import fetch
 from jaxpar.ops.linear import dense
 from jaxpar.models.cache import DenseCross, DenseCrossLayer, KVCache, init_cache
 from jaxpar.models.config import ModelConfig
@@ -366,6 +367,7 @@ class GlideDraft(nnx.Module):
 
         def layer(x, xs):
             state, i = xs
+            state = jax.tree.map(fetch.to_device, state)  # a host-resident layer (jaxpar.offload), fetched
             return nnx.merge(graphdef, state)(x, positions, segment_ids, cross.layer(i)), None
 
         x = jax.lax.scan(_remat(layer, self.cfg), x, (layer_state, jnp.arange(self.num_layers)))[0]

@@ -524,8 +524,6 @@ def test_offload_section_parses():
      r"interleaved pipeline's"),
     (["offload.params=host", "offload.resident_layers=1", "mesh.pipe=2"],
      r"^offload.resident_layers=1 with mesh.pipe=2 is not supported yet: a pipeline's stages hold their layers"),
-    (["task=glide", "target_run_dir=runs/tiny", "offload.optimizer=host"],
-     r"^offload.optimizer='host' with task=glide is not supported yet: the draft's model"),
 ])
 def test_bad_offload_input_is_one_config_error_line(overrides, message):
     with pytest.raises(ConfigError, match=message) as error:

@@ -75,8 +75,6 @@ REFUSED: dict[frozenset, str] = {frozenset(pair): why for pair, why in {
     ("data.batch_weights", "task=glide"): "unequal rows are built for a language model's batch (task=lm)",
     ("eval.noise_scale", "optimizer.reduction=adasum"): _NOISE_MEAN.format("Adasum"),
     ("eval.noise_scale", "optimizer.compression=dct_topk"): _NOISE_MEAN.format("the top-k exchange"),
-    ("offload", "task=glide"): "the draft's model (one layer beside its frozen target) does not fetch "
-                               "host-resident layers",
     ("mesh.pipe", "task=glide"): "a pipelined step computes the next-token loss itself; the draft's loss is not "
                                  "staged",
 }.items()}
