@@ -70,7 +70,7 @@ def alone(job: dict, run_dir: pathlib.Path, spec_steps: int, spec_batch: int) ->
     starts = [s[0] for s in segments[1:]] + [None]
     for (first, devices, batch), stop in zip(segments, starts):
         steps = first + -(-(target - done) // batch)  # the runner's: the samples left at this batch
-        out = subprocess.run([sys.executable, "-m", "jaxpar.train", "tiny", *OVERRIDES, f"run_dir={run_dir}",
+        out = subprocess.run([sys.executable, "-m", "jaxpar.commands.train", "tiny", *OVERRIDES, f"run_dir={run_dir}",
                               f"batch_size={batch}", f"steps={steps}", "checkpoint.every=1", "checkpoint.keep=1000",
                               "--no-progress", f"--simulate-devices={devices}"],
                              capture_output=True, text=True, timeout=900,

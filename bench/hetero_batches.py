@@ -47,7 +47,7 @@ def run_pair(run_dir: pathlib.Path, weights: str, steps: int, hogs: int) -> list
     port, shares = _port(), []
     try:
         procs = [subprocess.Popen(
-            ["taskset", "-c", str(i), sys.executable, "-m", "jaxpar.train", *ARGS, f"steps={steps}",
+            ["taskset", "-c", str(i), sys.executable, "-m", "jaxpar.commands.train", *ARGS, f"steps={steps}",
              f"run_dir={run_dir}", f"data.batch_weights={weights}", "--no-progress"],
             env=dict(os.environ, JAX_NUM_CPU_DEVICES="1", JAXPAR_COORDINATOR=f"127.0.0.1:{port}",
                      JAXPAR_NUM_PROCESSES="2", JAXPAR_PROCESS_ID=str(i)),

@@ -791,7 +791,7 @@ def train_child(argv: list[str]) -> int:
             return None
 
     loop.Checkpoints = NoSave
-    from jaxpar.train.cli import main as cli_main
+    from jaxpar.commands.train import main as cli_main
 
     return cli_main(argv)
 

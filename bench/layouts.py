@@ -2,7 +2,7 @@
 memory and the collective bytes each device sends per step.
 
 For each layout (mesh axis sizes, and any other override it names), ``python -m
-jaxpar.train CONFIG dry_run=true mesh.K=V ... --simulate-devices N`` compiles the train
+jaxpar.commands.train CONFIG dry_run=true mesh.K=V ... --simulate-devices N`` compiles the train
 step on abstract inputs and prints its profile (``jaxpar.profiler.profile``; README,
 "Compile-only profiler"). Nothing runs: the figures are the compiled program's own,
 exact, and the same on any machine with the same JAX, XLA flags and config. Always
@@ -84,7 +84,7 @@ def describe(layout: str, profile: dict | None = None) -> str:
 
 def profile(config: str, layout: str, devices: int, extra: list[str]) -> dict:
     """The dry run's profile of ``config`` under ``layout`` (one subprocess)."""
-    command = [sys.executable, "-m", "jaxpar.train", config, "dry_run=true", *overrides(layout), *extra,
+    command = [sys.executable, "-m", "jaxpar.commands.train", config, "dry_run=true", *overrides(layout), *extra,
                "--simulate-devices", str(devices)]
     began = time.perf_counter()
     out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})

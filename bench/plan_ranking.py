@@ -71,7 +71,7 @@ DEFAULT = {"config": "tiny", "set": ("seq_len=512",), "top": 5, "sample": 15, "s
 SMOKE = {"config": "tiny", "set": ("model.layers=2", "seq_len=64", "batch_size=8", "plan.compile_top=1"), "top": 2,
          "sample": 1, "steps": 3}
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PLAN = "import sys; from jaxpar.train.plan import main; sys.exit(main(sys.argv[1:]))"  # jaxpar-plan
+PLAN = "import sys; from jaxpar.commands.plan import main; sys.exit(main(sys.argv[1:]))"  # jaxpar-plan
 
 
 def _env() -> dict:

@@ -112,7 +112,7 @@ def main(argv=None) -> None:
         stored = json.loads(args.source.read_text())
         result, meta = stored["plan"], stored["meta"]
     else:
-        command = [sys.executable, "-c", "import sys; from jaxpar.train.plan import main; sys.exit(main(sys.argv[1:]))",
+        command = [sys.executable, "-c", "import sys; from jaxpar.commands.plan import main; sys.exit(main(sys.argv[1:]))",
                    args.config, *args.set, "--json"]
         out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
                              env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")})

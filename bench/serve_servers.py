@@ -47,7 +47,7 @@ def server_command(args, variant: Variant, max_context: int, kv_memory: int | No
         return [*shlex.split(args.baseline_serve), *common, "--max-batch", str(args.baseline_max_batch),
                 *args.overrides]
     # every program compiled before it listens, as the peers do: the load measures serving, not warm-up
-    command = [sys.executable, "-m", "jaxpar.train.serve", *common, "--wait-for-programs", *args.overrides]
+    command = [sys.executable, "-m", "jaxpar.commands.serve", *common, "--wait-for-programs", *args.overrides]
     if args.max_batch:
         command += ["--max-batch", str(args.max_batch)]
     if args.max_num_batched_tokens:

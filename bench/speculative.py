@@ -138,7 +138,7 @@ def chat_renderer(target: pathlib.Path):
     Hugging Face directory's or GGUF file's; else ``User: ...\nAssistant:``), ready for
     the assistant's answer."""
     from jaxpar.serving.chat_template import ChatTemplate
-    from jaxpar.train.serve import chat_template
+    from jaxpar.commands.serve import chat_template
 
     template, special = chat_template(target)
     if not template:

@@ -14,7 +14,9 @@ holds it in CI; contracts in ``pyproject.toml``)::
       <- jaxpar.models                   the transformer, GliDe draft, HF import
       <- jaxpar.inference                decoding, speculative decoding
       <- jaxpar.serving                  paged KV cache, continuous batching, the HTTP app
-      <- jaxpar.train                    the trainer and the command lines
+      <- jaxpar.train                    training: the loop, the step, data, checkpoints, tasks
+      <- jaxpar.cluster                  training jobs on Ray, jaxpar.elastic scheduling them
+      <- jaxpar.commands                 the jaxpar-* command lines
 
 Nothing below ``jaxpar.models`` imports a model: the core sees arrays, rules and meshes.
 """

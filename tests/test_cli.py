@@ -20,7 +20,7 @@ from flax import nnx
 from test_runs import SMALL, write_run
 
 from jaxpar.models import Transformer, to_hf
-from jaxpar.train.command import CommandParser
+from jaxpar.commands.common import CommandParser
 from jaxpar.train.config import load_config, to_dict
 from jaxpar.train.data import EOS
 from jaxpar.train.runs import context_length, load_model, load_run
@@ -50,7 +50,7 @@ def run(monkeypatch, capfd, name: str, *args) -> subprocess.CompletedProcess:
 
 def generate(capsys, *args) -> tuple[int, str, str]:
     """``jaxpar-generate ARGS`` in this process: ``(exit code, stdout, stderr)``."""
-    from jaxpar.train.generate import main
+    from jaxpar.commands.generate import main
 
     try:
         code = main([*map(str, args)])
@@ -195,7 +195,7 @@ def _generate_counting_compiles(run_dir, *flags) -> tuple[int, int]:
         import jax.monitoring
         counts = {}
         jax.monitoring.register_event_listener(lambda event, **_: counts.__setitem__(event, counts.get(event, 0) + 1))
-        from jaxpar.train.generate import main
+        from jaxpar.commands.generate import main
         code = main(sys.argv[1:])
         print(counts.get("/jax/compilation_cache/cache_hits", 0), counts.get("/jax/compilation_cache/cache_misses", 0))
         sys.exit(code)

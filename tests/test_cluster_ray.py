@@ -20,8 +20,8 @@ import pytest
 pytest.importorskip("ray", reason="Ray is not installed (pip install 'jaxpar[cluster]' or '.[test]')")
 
 from jaxpar.elastic.scheduler import Allocation  # noqa: E402
-from jaxpar.train.cluster_jobs import JobsError, load_jobs  # noqa: E402
-from jaxpar.train.cluster_run import RunError, Running, metrics, run_jobs, train_command  # noqa: E402
+from jaxpar.cluster.jobs import JobsError, load_jobs  # noqa: E402
+from jaxpar.cluster.run import RunError, Running, metrics, run_jobs, train_command  # noqa: E402
 from jaxpar.train.config import load_config  # noqa: E402
 from jaxpar.train.loop import train  # noqa: E402
 from jaxpar.train.stopping import Stopped, StopRequest  # noqa: E402
@@ -91,21 +91,11 @@ def write_jobs(path, jobs=JOBS) -> pathlib.Path:
     return path
 
 
-# jaxpar-cluster itself once train/cluster.py has the run command; until then the same
-# flat parser, built here from cluster_run's parts.
+# jaxpar-cluster itself (its main, as the installed script runs it).
 CLI = """
 import sys
-from jaxpar.train import cluster, cluster_run
-from jaxpar.train.command import CommandParser
-if "run" in cluster.COMMANDS:
-    sys.exit(cluster.main())
-parser = CommandParser(prog="jaxpar-cluster")
-parser.add_argument("command", choices=["run"])
-parser.add_argument("source")
-parser.add_argument("--scheduler", required=True)
-parser.add_argument("--round-s", type=float, default=60.0)
-cluster_run.add_arguments(parser)
-sys.exit(cluster_run.run_command(parser.parse_args(), parser))
+from jaxpar.commands.cluster import main
+sys.exit(main())
 """
 
 
@@ -122,7 +112,7 @@ def cluster_here(capsys, *args) -> subprocess.CompletedProcess:
     exit 2; an address that does not answer: 1): their one line and exit status, without
     a process start and import of Ray, JAX and jaxpar per case. ``returncode``, ``stdout``
     and ``stderr`` as ``cluster``'s."""
-    from jaxpar.train.cluster import main
+    from jaxpar.commands.cluster import main
 
     capsys.readouterr()
     try:
@@ -134,14 +124,14 @@ def cluster_here(capsys, *args) -> subprocess.CompletedProcess:
 
 
 def training_processes(under: pathlib.Path) -> list[int]:
-    """Pids of the ``jaxpar.train`` processes with a run dir under ``under`` (from /proc)."""
+    """Pids of the ``jaxpar.commands.train`` processes with a run dir under ``under`` (from /proc)."""
     pids = []
     for proc in pathlib.Path("/proc").iterdir():
         try:
             argv = (proc / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"jaxpar.train" in argv and any(str(under).encode() in a for a in argv):
+        if b"jaxpar.commands.train" in argv and any(str(under).encode() in a for a in argv):
             pids.append(int(proc.name))
     return pids
 
@@ -151,7 +141,7 @@ def train_alone(argv, env, *overrides) -> None:
     (then ``overrides``), on the first ``--simulate-devices`` of this process's 8 devices
     (``mesh.data``; the job's mesh is data parallel over all of its devices), without a
     process start and JAX import per run."""
-    config, *rest = argv[argv.index("jaxpar.train") + 1:]
+    config, *rest = argv[argv.index("jaxpar.commands.train") + 1:]
     at = rest.index("--simulate-devices")
     devices = int(rest[at + 1])
     assert rest[at:] == ["--simulate-devices", str(devices), "--no-progress"], argv

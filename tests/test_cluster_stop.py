@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from jaxpar.train.cluster_run import JobProcess, combined_status, processes_for, resumable
+from jaxpar.cluster.run import JobProcess, combined_status, processes_for, resumable
 
 LOOP = ("import signal, sys, time\n"
         "{setup}\n"

@@ -59,7 +59,7 @@ def test_the_pairs_that_work_load():
 
 
 def test_the_cli_exits_2_and_writes_nothing(tmp_path, capfd):
-    from jaxpar.train.cli import main
+    from jaxpar.commands.train import main
 
     run = tmp_path / "run"
     code = main(["tiny", "offload.optimizer=host", "mesh.pipe=2", f"run_dir={run}", "--no-progress"])

@@ -68,7 +68,7 @@ def test_the_transformation_against_a_hand_computation(batch):
 
 
 def test_adascale_without_the_noise_scale_is_one_line_exit_2(tmp_path, capfd):
-    from jaxpar.train.cli import main
+    from jaxpar.commands.train import main
 
     capfd.readouterr()
     assert main(["tiny", f"run_dir={tmp_path / 'run'}", "optimizer.batch_scaling=adascale"]) == 2

@@ -11,8 +11,8 @@ from jaxpar.planning import cost
 from jaxpar.planning import hardware as hardware_lib
 from jaxpar.planning.layout import Layout
 from jaxpar.planning.workload import Workload
-from jaxpar.train.cluster_jobs import JobsError, load_jobs
-from jaxpar.train.cluster_run import Running
+from jaxpar.cluster.jobs import JobsError, load_jobs
+from jaxpar.cluster.run import Running
 from jaxpar.train.config import load_config
 
 TRUE = SpeedModel(0.05, 0.02, 0.3)

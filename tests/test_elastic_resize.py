@@ -100,7 +100,7 @@ def test_batch_scaling_rules():
 
 
 def test_unknown_batch_scaling_is_one_line_exit_2(tmp_path, capfd):
-    from jaxpar.train.cli import main
+    from jaxpar.commands.train import main
 
     capfd.readouterr()
     assert main(["tiny", f"run_dir={tmp_path / 'run'}", "optimizer.batch_scaling=cubic"]) == 2

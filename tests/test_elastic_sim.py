@@ -12,7 +12,7 @@ from jaxpar.elastic.jobs import JobModel, SpeedModel
 from jaxpar.elastic.scheduler import JobView
 from jaxpar.elastic.simulator import simulate
 from jaxpar.elastic.traces import Job, TraceError, load, read_pai, read_philly, synthetic
-from jaxpar.train import cluster
+from jaxpar.commands import cluster
 
 # One sample per second on any device count (alpha = 1 s per step of batch 1, no compute
 # or sync term): a job's target in samples is its work in seconds, whatever it runs on.

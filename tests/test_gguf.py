@@ -188,7 +188,7 @@ def test_tokenizer_and_metadata(bpe, tmp_path):
 def test_generate_reads_a_gguf_file(bpe, tmp_path, capsys):
     """jaxpar-generate FILE.gguf generates what it generates from the same model as a
     Hugging Face directory, and stops at the file's end tokens."""
-    from jaxpar.train.generate import main as generate
+    from jaxpar.commands.generate import main as generate
 
     vocab = bpe.get_vocab_size()
     held = write_gguf(tmp_path / "tiny.gguf", hf_weights(vocab, True), bpe)
@@ -274,7 +274,7 @@ def test_glide_target_may_be_a_gguf_file(bpe, tmp_path):
 
 
 def test_generate_names_a_file_that_is_not_gguf(tmp_path, capsys):
-    from jaxpar.train.generate import main as generate
+    from jaxpar.commands.generate import main as generate
 
     (tmp_path / "bad.gguf").write_bytes(b"not a gguf file at all")
     assert generate([str(tmp_path / "bad.gguf"), "--prompt", "hi"]) == 1

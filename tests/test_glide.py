@@ -25,7 +25,7 @@ from jaxpar.models.glide import CrossAttention, DraftVocab, cross_block_mask, fe
 from jaxpar.models.cache import DenseCross, init_cache
 from jaxpar.train import data, glide, teacher_cache
 from jaxpar.train.config import ConfigError, load_config
-from jaxpar.train.cli import main
+from jaxpar.commands.train import main
 from jaxpar.train.loop import train
 from jaxpar.train.step import make_train_step
 from test_train import SMALL
@@ -376,7 +376,7 @@ def test_distillation_defaults_follow_the_vocabulary():
 
 def generate_cli(capsys, *args):
     """``jaxpar-generate ARGS --json`` in this process: ``(exit code, JSON or None, stderr)``."""
-    from jaxpar.train.generate import main as generate
+    from jaxpar.commands.generate import main as generate
 
     code = generate([*map(str, args), "--json"])
     out, err = capsys.readouterr()

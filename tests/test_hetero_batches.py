@@ -86,7 +86,7 @@ def test_bad_weights_are_one_line(weights, message):
     ("data.batch_weights=[1] mesh.pipe=2", "data.batch_weights=[1.0] with mesh.pipe=2 is not supported yet"),
 ])
 def test_bad_batch_weights_exit_2_and_write_nothing(tmp_path, capfd, arg, message):
-    from jaxpar.train.cli import main
+    from jaxpar.commands.train import main
 
     run = tmp_path / "run"
     code = main(["tiny", *SMALL, *arg.split(), f"run_dir={run}", "steps=1", "--no-progress"])
@@ -104,7 +104,7 @@ def _free_port() -> int:
 def _two_processes(run, args, weights) -> list[subprocess.Popen]:
     port = _free_port()
     return [subprocess.Popen(
-        [sys.executable, "-m", "jaxpar.train", "tiny", *args, f"run_dir={run}", f"data.batch_weights={weights}",
+        [sys.executable, "-m", "jaxpar.commands.train", "tiny", *args, f"run_dir={run}", f"data.batch_weights={weights}",
          "--no-progress"],
         env=dict(os.environ, JAX_NUM_CPU_DEVICES="2", JAXPAR_COORDINATOR=f"127.0.0.1:{port}",
                  JAXPAR_NUM_PROCESSES="2", JAXPAR_PROCESS_ID=str(i)),

@@ -155,7 +155,7 @@ def test_memory_refusals_are_one_line(h100):
 
 
 def plan_cli(capsys, *args):
-    from jaxpar.train.plan import main
+    from jaxpar.commands.plan import main
 
     try:
         code = main([*map(str, args)])

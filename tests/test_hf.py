@@ -236,7 +236,7 @@ def test_generate_stops_where_transformers_stops(tmp_path, capsys):
     from conftest import random_init
 
     from jaxpar.models import ModelConfig
-    from jaxpar.train.generate import main as generate
+    from jaxpar.commands.generate import main as generate
     from jaxpar.train.runs import eos_ids
 
     cfg = ModelConfig(vocab_size=128, dim=64, layers=2, heads=4, kv_heads=2, head_dim=16, mlp_dim=96)

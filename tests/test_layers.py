@@ -1,6 +1,7 @@
 """The package's layers hold: import-linter's contracts in pyproject.toml (kernels <-
-placement/profiler <- parallel <- ops <- models <- inference <- serving <- train) checked over the
-source laid out as it installs; and no web stack below jaxpar-serve's app."""
+placement/profiler <- parallel <- ops <- models <- inference <- serving <- train <- cluster <-
+commands) checked over the source laid out as it installs; and no web stack below jaxpar-serve's
+app."""
 
 import pathlib
 import shutil

@@ -128,7 +128,7 @@ def test_offloaded_run_killed_and_restarted_gives_the_same_losses(tmp_path, offl
     once step 9 is logged: step 8's save waited for step 4's, which is on disk then,
     and 7 steps are left for the kill to land in.)"""
     run = tmp_path / "killed"
-    command = [sys.executable, "-m", "jaxpar.train", "tiny", *args(run, *OFFLOAD), "--no-progress"]
+    command = [sys.executable, "-m", "jaxpar.commands.train", "tiny", *args(run, *OFFLOAD), "--no-progress"]
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     wait_for_steps(proc, run, START + 1)
     proc.send_signal(signal.SIGKILL)

@@ -171,7 +171,7 @@ def test_a_state_resumes_under_another_split():
     (["pipeline.stage_layers=auto"], "pipeline.stage_layers='auto' needs pipeline.device_profile=FILE"),
 ])
 def test_bad_stage_layers_are_one_line_exit_2(tmp_path, capfd, overrides, message):
-    from jaxpar.train.cli import main
+    from jaxpar.commands.train import main
 
     run_dir = tmp_path / "run"
     code = main(["tiny", f"run_dir={run_dir}", "--no-progress", *overrides])

@@ -242,7 +242,7 @@ def test_mesh_auto_trains_on_a_layout_whose_compiled_memory_fits(tmp_path):
 
 
 def plan_cli(capsys, *args):
-    from jaxpar.train.plan import main
+    from jaxpar.commands.plan import main
 
     try:
         code = main([*map(str, args)])

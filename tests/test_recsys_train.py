@@ -101,7 +101,7 @@ def test_sigkill_and_restart_gives_the_same_losses(tmp_path, learned):
     restart, from what the killed process left on disk, runs in this process (a fresh
     interpreter's start and import would add nothing to the check)."""
     run = tmp_path / "killed"
-    command = [sys.executable, "-m", "jaxpar.train", "dlrm", *LEARNED, "eval.every=0", f"run_dir={run}",
+    command = [sys.executable, "-m", "jaxpar.commands.train", "dlrm", *LEARNED, "eval.every=0", f"run_dir={run}",
                "--no-progress"]
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.time() + 300

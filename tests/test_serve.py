@@ -39,7 +39,7 @@ from jaxpar.serving import code_maps
 from jaxpar.serving.async_engine import AsyncEngine
 from jaxpar.serving.replicas import Replicas
 from jaxpar.serving.server import create_app
-from jaxpar.train import serve
+from jaxpar.commands import serve
 from jaxpar.train.runs import eos_ids, load_model, load_tokenizer
 
 CFG = ModelConfig(vocab_size=128, dim=32, layers=2, heads=4, kv_heads=2, head_dim=8, mlp_dim=64,
@@ -847,11 +847,11 @@ def test_command_line_serves_speculatively_on_replicas(hf_dir):
 
 @pytest.mark.slow
 def test_sigterm_finishes_the_running_request_and_exits_0(hf_dir):
-    """``python -m jaxpar.train.serve PATH --port 0``: a line saying what it loads, one
+    """``python -m jaxpar.commands.serve PATH --port 0``: a line saying what it loads, one
     saying how many programs it compiles, then one with the URL; SIGTERM during a
     streamed request stops the listener, the stream still ends with all its tokens, and
     the process exits 0 with a line saying how many requests it finished."""
-    process = subprocess.Popen([sys.executable, "-m", "jaxpar.train.serve", str(hf_dir), "--port", "0",
+    process = subprocess.Popen([sys.executable, "-m", "jaxpar.commands.serve", str(hf_dir), "--port", "0",
                                 "--max-batch", "2", "--max-num-batched-tokens", "16", "--max-context", "256",
                                 "--model-name", NAME],
                                stderr=subprocess.PIPE, text=True)

@@ -66,7 +66,7 @@ def tensorboard_steps(run_dir) -> dict[str, list[int]]:
 
 def cli(*args, timeout=600, devices=None):
     env = None if devices is None else dict(os.environ, JAX_NUM_CPU_DEVICES=str(devices))
-    return subprocess.run([sys.executable, "-m", "jaxpar.train", *args],
+    return subprocess.run([sys.executable, "-m", "jaxpar.commands.train", *args],
                           capture_output=True, text=True, timeout=timeout, env=env)
 
 
@@ -113,7 +113,7 @@ def test_short_run_learns_and_writes_its_outputs(cache, reference, capsys):
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
 
     # jaxpar-generate's main in this process (a subprocess spent its time importing)
-    from jaxpar.train.generate import main as generate
+    from jaxpar.commands.generate import main as generate
 
     capsys.readouterr()
     assert generate([str(run), "--prompt", "def main(", "--max-new-tokens", "8", "--json"]) == 0
@@ -174,7 +174,7 @@ def test_sigint_sigterm_and_sigkill_stop_and_resume_to_the_same_losses(tmp_path,
     (SIGKILL once had a test of its own, from step 0; one run dir saves a process. The
     last start is jaxpar-train's main in this process: a fresh one spent its time importing.)"""
     run = tmp_path / "stopped"
-    command = [sys.executable, "-m", "jaxpar.train", "tiny", *resumable(cache), f"run_dir={run}", "--no-progress"]
+    command = [sys.executable, "-m", "jaxpar.commands.train", "tiny", *resumable(cache), f"run_dir={run}", "--no-progress"]
     starts = "jaxpar-train: starting at step 0 on mesh data=8 (8 cpu devices)"
 
     def resumes(step):
@@ -214,7 +214,7 @@ def test_sigint_sigterm_and_sigkill_stop_and_resume_to_the_same_losses(tmp_path,
     starts = resumes(saved())
 
     # The last start in this process (as test_bad_input_is_one_line_and_writes_nothing)
-    from jaxpar.train.cli import main
+    from jaxpar.commands.train import main
 
     capfd.readouterr()
     assert main(command[3:]) == 0
@@ -269,7 +269,7 @@ def test_a_second_ctrl_c_ends_jaxpar_train_at_once():
 
     result = run_python("""
         import os, signal, time
-        from jaxpar.train.cli import _ctrl_c_exits_at_once
+        from jaxpar.commands.train import _ctrl_c_exits_at_once
         from jaxpar.train.stopping import stop_on_signals
         with _ctrl_c_exits_at_once(), stop_on_signals() as stop:
             os.kill(os.getpid(), signal.SIGINT)
@@ -316,7 +316,7 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous(tmp_path, cache, r
     (jaxpar-train's main in this process, as test_bad_input_is_one_line_and_writes_nothing:
     capfd reads file descriptor 2, and caplog sees any orbax record that reached a
     handler; a fresh process's stderr is one line: test_empty_data_directory.)"""
-    from jaxpar.train.cli import main
+    from jaxpar.commands.train import main
 
     run = copy_run(reference, tmp_path / "run")  # checkpoints 8, 12 and 16
     corrupt(run / "checkpoints" / "16")
@@ -396,7 +396,7 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, cache, capfd, overri
     """jaxpar-train's main in this process (its 8 devices; capfd reads file descriptor 2,
     XLA's own lines included): a subprocess per case spent its time importing. A fresh
     process's stderr is one line too: test_empty_data_directory."""
-    from jaxpar.train.cli import main
+    from jaxpar.commands.train import main
 
     run = tmp_path / "run"
     capfd.readouterr()
@@ -409,7 +409,7 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, cache, capfd, overri
 
 def test_run_dir_of_another_model_is_refused_untouched(cache, reference, capfd):
     """(jaxpar-train's main in this process, as test_bad_input_is_one_line_and_writes_nothing.)"""
-    from jaxpar.train.cli import main
+    from jaxpar.commands.train import main
 
     run = reference[0]  # a checkpoint of model.layers=2
     before = {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()}
@@ -511,7 +511,7 @@ def test_two_processes_match_one_and_share_checkpoints(tmp_path, cache, referenc
     run, port = tmp_path / "two", _free_port()
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "jaxpar.train", "tiny", *args, f"run_dir={run}", "--no-progress"],
+            [sys.executable, "-m", "jaxpar.commands.train", "tiny", *args, f"run_dir={run}", "--no-progress"],
             env=dict(os.environ, JAX_NUM_CPU_DEVICES="4", JAXPAR_COORDINATOR=f"127.0.0.1:{port}",
                      JAXPAR_NUM_PROCESSES="2", JAXPAR_PROCESS_ID=str(i)),
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,

@@ -255,6 +255,16 @@ def cache_dir_of(cache_dir: str | os.PathLike | None) -> pathlib.Path:
     return pathlib.Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
 
 
+def file_in_the_way(path: str | os.PathLike) -> pathlib.Path | None:
+    """The file that keeps ``path`` from being (or becoming) a directory: ``path`` itself,
+    or the nearest of its parents that exists; None if there is none. (A run's
+    ``run_dir`` and ``cache_dir``, checked before anything is written; the commands'
+    ``--cache-dir`` and ``--out``.)"""
+    path = pathlib.Path(path).expanduser()
+    at = next((p for p in (path, *path.parents) if p.exists()), None)
+    return None if at is None or at.is_dir() else at
+
+
 def _fingerprint(*parts) -> str:
     """A short sha256 of strings, ints and Documents (each length-prefixed, so
     boundaries count): the identity behind every cache key."""

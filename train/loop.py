@@ -53,7 +53,7 @@ from jaxpar.train import noise_scale as noise_lib
 from jaxpar.train import offload as offload_lib
 from jaxpar.train import tasks, weighted
 from jaxpar.train.checkpoints import CheckpointError, Checkpoints
-from jaxpar.train.command import file_in_the_way
+from jaxpar.train.data import file_in_the_way
 from jaxpar.train.config import Config, ConfigError, MeshConfig, OptimizerConfig, to_dict
 from jaxpar.train.loader import Loader
 from jaxpar.train.step import make_train_step

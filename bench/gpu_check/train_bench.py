@@ -49,7 +49,7 @@ def train_child(argv) -> int:
                 return None
 
         loop.Checkpoints = NoSave
-    from jaxpar.train.cli import main as cli_main
+    from jaxpar.commands.train import main as cli_main
 
     return cli_main(argv)
 

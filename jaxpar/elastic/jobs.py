@@ -7,7 +7,7 @@ Two parts, as Pollux (Qiao et al., OSDI'21) splits them:
   synchronisation that grows with the device count,
   ``t(d, b) = alpha + beta * b / d + gamma * (d - 1) / d * [d > 1]``, and
   ``throughput = b / t``. Its three numbers come from the planner's cost model for a
-  config (``jaxpar.train.plan.job_speed``, JOBS.yaml's ``speed: plan``) or a
+  config (``jaxpar.cluster.jobs.job_speed``, JOBS.yaml's ``speed: plan``) or a
   least-squares fit to measured points (``SpeedModel.fit``); ``jaxpar-cluster run``
   refits each job's model to its measured step times as it runs (``SpeedModel.refit``).
 * ``efficiency(batch)``: samples at batch ``batch`` are worth

@@ -1,5 +1,6 @@
-"""``jaxpar-cluster run JOBS.yaml --scheduler NAME [--address ADDR]``: a scheduler's
-decisions carried out on Ray (issue 40, item 5).
+"""A scheduler's decisions carried out on Ray (issue 40, item 5): what ``jaxpar-cluster
+run JOBS.yaml --scheduler NAME [--address ADDR]`` runs (its command line:
+``jaxpar.commands.cluster``).
 
 Ray's core API only (no dashboard, no job API). Locally (no ``--address``) ``ray.init``
 starts a Ray instance on this machine whose ``--devices N`` devices are a declared
@@ -75,10 +76,10 @@ import time
 
 import numpy as np
 
+from jaxpar.cluster.jobs import JobsError, JobSpec, load_jobs
 from jaxpar.elastic.baselines import by_name
 from jaxpar.elastic.jobs import JobModel
 from jaxpar.elastic.scheduler import Allocation, JobView, Scheduler, check
-from jaxpar.train.cluster_jobs import JobsError, JobSpec, load_jobs
 
 CONNECT_TIMEOUT_S = 10.0
 STOP_GRACE_S = 60.0  # SIGTERM, then SIGKILL: a step and its save on a loaded machine
@@ -234,7 +235,7 @@ def train_command(spec: JobSpec, run_dir: pathlib.Path, devices: int, batch: int
                   steps: int | None = None) -> tuple[list[str], dict[str, str]]:
     """``jaxpar-train``'s arguments and environment for ``spec`` on ``devices`` devices,
     at ``batch`` for ``steps`` in all (default: the job's)."""
-    argv = [sys.executable, "-m", "jaxpar.train", spec.config, *spec.overrides, f"run_dir={run_dir}",
+    argv = [sys.executable, "-m", "jaxpar.commands.train", spec.config, *spec.overrides, f"run_dir={run_dir}",
             f"steps={steps or spec.steps}", f"batch_size={batch or spec.batch_size}",
             *([f"optimizer.base_batch_size={spec.batch_size}"] if spec.adascale else []),
             "--simulate-devices", str(devices), "--no-progress"]
@@ -501,7 +502,7 @@ def scheduler_by_name(name: str, seed: int = 0) -> Scheduler:
 
 # The command --------------------------------------------------------------------------------
 #
-# jaxpar-cluster's one flat parser (train/cluster.py: COMMAND TRACE --scheduler NAME ...)
+# jaxpar-cluster's one flat parser (jaxpar/commands/cluster.py: COMMAND TRACE --scheduler NAME ...)
 # takes ``run JOBS.yaml``: JOBS.yaml is its TRACE positional, ``--scheduler``,
 # ``--round-s`` and ``--seed`` are simulate's own, ``add_arguments`` adds the rest.
 

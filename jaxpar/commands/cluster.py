@@ -1,7 +1,7 @@
 """``jaxpar-cluster``: schedulers on a cluster (issue 40).
 
 ``jaxpar-cluster run JOBS.yaml --scheduler NAME [--address ADDR]`` runs jobs on Ray
-(``jaxpar.train.cluster_run``).
+(``jaxpar.cluster.run``; ``jaxpar.cluster.jobs`` reads JOBS.yaml).
 
 ``jaxpar-cluster simulate TRACE --scheduler NAME --gpus N [--seed S] [--json]`` runs a
 trace (a Philly ``.json``, a PAI ``.csv`` or ``synthetic:JOBS``) through the
@@ -19,10 +19,10 @@ from __future__ import annotations
 import json
 import sys
 
+from jaxpar.cluster import run as cluster_run
+from jaxpar.commands.common import CommandParser
 from jaxpar.elastic.baselines import SCHEDULERS, by_name
 from jaxpar.elastic.traces import TraceError, load
-from jaxpar.train import cluster_run
-from jaxpar.train.command import CommandParser
 
 
 def _parser() -> CommandParser:

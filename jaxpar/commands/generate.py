@@ -39,7 +39,7 @@ from jaxpar.inference.speculative import LOOKUPS
 from jaxpar.inference.drafting import as_draft
 from jaxpar.models.gguf import is_gguf
 from jaxpar.inference.speculative import Method
-from jaxpar.train.command import CommandParser, add_compile_cache_flags, compile_cache_from_args
+from jaxpar.commands.common import CommandParser, add_compile_cache_flags, compile_cache_from_args
 from jaxpar.train.runs import (check_run_dir, context_length, eos_ids, is_hf, load_glide_draft, load_model,
                                load_tokenizer, read_config)
 

@@ -17,7 +17,7 @@ choose within it), ``restart_s`` (what one resize costs, the scheduler's estimat
 default 10), ``speed`` and ``noise`` (the gradient noise scale in samples). ``speed`` is
 the scheduler's model of the job's step time before it has run: ``[alpha, beta, gamma]``
 (``jaxpar.elastic.SpeedModel``'s seconds), or ``plan``, the cost model's prediction for
-the job's config on ``--hardware`` (``jaxpar.train.plan.job_speed``: data-parallel on 1,
+the job's config on ``--hardware`` (``job_speed``: data-parallel on 1,
 2, 4, ... up to ``max_devices``, default 64, at its batches); default a guess of linear
 speed-up, ``DEFAULT_SPEED``. Whichever it is, ``jaxpar-cluster run`` refits it to the
 job's measured step times as the job runs (``SpeedModel.refit``). Errors name the file, the job's line and index and
@@ -164,7 +164,7 @@ def _job(entry, where: str, hardware: str | None = None) -> JobSpec:
 def _config(config: str, overrides: list[str], where: str):
     """``config`` with ``overrides`` (loading it checks them): its batch size and
     ``optimizer.batch_scaling`` are the job's defaults."""
-    from jaxpar.train.config import ConfigError, load_config
+    from jaxpar.train.config import ConfigError, load_config  # start-up: as _planned's
 
     try:
         return load_config(config, list(overrides))
@@ -173,7 +173,9 @@ def _config(config: str, overrides: list[str], where: str):
 
 
 def _planned(entry, overrides: list[str], batch: int, positive, where: str, hardware: str | None) -> tuple:
-    """``speed: plan``: ``jaxpar.train.plan.job_speed``'s three numbers for the job."""
+    """``speed: plan``: ``job_speed``'s three numbers for the job."""
+    # Here, not at the top: a config and the planner load flax, optax and orbax (0.8 s of
+    # jaxpar-cluster's start), which only a JOBS.yaml with speed: plan needs.
     from jaxpar.train import plan
     from jaxpar.train.config import ConfigError, load_config
     from jaxpar.train.data import cache_dir_of
@@ -183,7 +185,40 @@ def _planned(entry, overrides: list[str], batch: int, positive, where: str, hard
     try:
         cfg = load_config(entry["config"], [*overrides, f"batch_size={batch}"])
         hw = plan.hardware_for(hardware, cache_dir_of(cfg.cache_dir))
-        model = plan.job_speed(cfg, hw, positive("max_devices") or 64, batches)
+        model = job_speed(cfg, hw, positive("max_devices") or 64, batches)
     except ConfigError as e:
         raise JobsError(f"{where}: speed: plan: {e}") from None
     return (model.alpha, model.beta, model.gamma)
+
+
+def job_speed(cfg, hw, devices: int, batches) -> SpeedModel:
+    """A job's ``jaxpar.elastic.SpeedModel`` from the cost model: the predicted step time
+    of ``cfg``'s model (a ``jaxpar.train.config.Config``) on ``hw`` (a
+    ``jaxpar.planning.hardware.Hardware``), data-parallel on 1, 2, 4, ... up to
+    ``devices`` devices (one node each), at each of ``batches`` that the device count
+    divides, fitted by least squares (what JOBS.yaml's ``speed: plan`` gives
+    ``jaxpar-cluster``); ``ConfigError`` where no point can be predicted. (The
+    cluster's, not the trainer's: no run calls it.)"""
+    # Here, as _planned's imports: only ``speed: plan`` needs the planner and a config
+    # (0.5 s of jaxpar-cluster's start, which jaxpar-cluster simulate never uses).
+    from jaxpar.planning import cost
+    from jaxpar.planning.layout import Layout
+    from jaxpar.planning.workload import Workload
+    from jaxpar.train.config import ConfigError
+
+    points, d = [], 1
+    while d <= devices:
+        for batch in sorted(set(batches)):
+            if batch % d:
+                continue
+            layout = dataclasses.replace(Layout(data=d), remat=cfg.model.remat)
+            try:
+                t = cost.step_time(Workload(cfg.model, batch, cfg.seq_len), layout, hw, devices_per_node=d).total
+            except ValueError:  # a layout the shapes cannot take
+                continue
+            points.append((d, batch, t))
+        d *= 2
+    if not points:
+        raise ConfigError(f"no data-parallel layout of batches {sorted(set(batches))} on up to {devices} devices "
+                          "for the cost model to predict")
+    return SpeedModel.fit(points)

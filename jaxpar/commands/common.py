@@ -1,12 +1,16 @@
 """The argument parser of every jaxpar command (``jaxpar-train``, ``jaxpar-generate``, and
 any later one: tests/test_cli.py holds each script of pyproject.toml's
-``[project.scripts]`` to it)."""
+``[project.scripts]`` to it) and the compilation-cache flags they share.
+(``file_in_the_way``, which a run checks its directories with too, is
+``jaxpar.train.data``'s.)"""
 
 from __future__ import annotations
 
 import argparse
 import os
 import pathlib
+
+import jax
 
 
 class CommandParser(argparse.ArgumentParser):
@@ -21,14 +25,6 @@ class CommandParser(argparse.ArgumentParser):
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def file_in_the_way(path: str | os.PathLike) -> pathlib.Path | None:
-    """The file that keeps ``path`` from being (or becoming) a directory: ``path`` itself,
-    or the nearest of its parents that exists; None if there is none."""
-    path = pathlib.Path(path).expanduser()
-    at = next((p for p in (path, *path.parents) if p.exists()), None)
-    return None if at is None or at.is_dir() else at
 
 
 def add_compile_cache_flags(parser: argparse.ArgumentParser, *, cache_dir: bool) -> None:
@@ -47,6 +43,10 @@ def add_compile_cache_flags(parser: argparse.ArgumentParser, *, cache_dir: bool)
 def compile_cache_from_args(args, parser: CommandParser) -> None:
     """``use_compile_cache`` as ``--cache-dir`` and ``--no-compile-cache`` say; a
     ``--cache-dir`` that is (or lies under) a file is ``parser.error``."""
+    # Here, not at the top (nor cache_dir_of below): jaxpar.train.data loads tokenizers
+    # and the GGUF reader (0.2 s), which jaxpar-train's --help and jaxpar-cluster never need.
+    from jaxpar.train.data import file_in_the_way
+
     if args.cache_dir is not None and (file := file_in_the_way(args.cache_dir)):
         parser.error(f"--cache-dir {args.cache_dir}: {file} is a file, not a directory")
     use_compile_cache(args.cache_dir, not args.no_compile_cache)
@@ -65,8 +65,6 @@ def use_compile_cache(cache_dir: str | os.PathLike | None, enabled: bool = True)
     ``JAX_COMPILATION_CACHE_DIR`` (or ``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS``) in
     the environment wins over both. ``enabled=False`` (``--no-compile-cache``) turns
     the cache off. Must run before the first compile."""
-    import jax
-
     if not enabled:
         jax.config.update("jax_enable_compilation_cache", False)
         return

@@ -51,9 +51,12 @@ import socket
 import sys
 import time
 
+from tqdm.std import tqdm
+
+from jaxpar.commands.common import CommandParser, add_compile_cache_flags, compile_cache_from_args
+from jaxpar.commands.generate import check_same_tokenizer, load_draft
 from jaxpar.inference.token_tree import DEFAULT_BINS, check_bins
 from jaxpar.serving.config import add_flags, from_args
-from jaxpar.train.command import CommandParser, add_compile_cache_flags, compile_cache_from_args
 from jaxpar.models.gguf import gguf_metadata, is_gguf
 from jaxpar.train.runs import as_hf, check_run_dir, context_length, eos_ids, is_hf, load_model, load_tokenizer
 
@@ -188,8 +191,6 @@ def warm_up(engine, progress: bool, wait: bool) -> None:
     progress bar over the programs; unless ``wait``, in the background once the smallest
     are compiled, with a line when the last one is (and what start-up made frozen out of
     the collector's walks: ``build``)."""
-    from tqdm.std import tqdm
-
     count, started = len(engine.warm_up_programs()), time.perf_counter()
     say(f"compiling {count} programs: {engine.describe_programs()}; "
         + ("serving once all are compiled" if wait else "serving once the smallest are, the others compiling meanwhile")
@@ -212,6 +213,8 @@ def build(args):
     """``(async_engine, app, engine)`` for parsed ``args``: the model loaded, the engine
     warmed up (``warm_up``: its smallest programs compiled, or with
     ``--wait-for-programs`` all)."""
+    # Here: the engine and the FastAPI app (the web stack, 0.3 s) load only to serve, not
+    # for --help, a bad flag, or bench/speculative.py's chat_template.
     from jaxpar.serving import Engine
     from jaxpar.serving.async_engine import AsyncEngine
     from jaxpar.serving.replicas import Replicas
@@ -223,8 +226,6 @@ def build(args):
     model = load_model(source)
     draft = None
     if args.draft is not None:
-        from jaxpar.train.generate import check_same_tokenizer, load_draft
-
         check_run_dir(args.draft)
         draft_source = as_hf(args.draft, args.cache_dir)
         check_same_tokenizer(source, draft_source)
@@ -252,7 +253,7 @@ def build(args):
 
 
 def main(argv=None) -> int:
-    import uvicorn
+    import uvicorn  # here, as build's imports
 
     parser = _parser()
     args = parser.parse_args(argv)

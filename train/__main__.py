@@ -1,5 +1,0 @@
-import sys
-
-from jaxpar.train.cli import main
-
-sys.exit(main())
