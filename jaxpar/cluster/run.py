@@ -60,7 +60,6 @@ stopped, every placement group removed and Ray shut down.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import importlib
 import json
@@ -76,7 +75,7 @@ import time
 
 import numpy as np
 
-from jaxpar.cluster.jobs import JobsError, JobSpec, load_jobs
+from jaxpar.cluster.jobs import JobSpec
 from jaxpar.elastic.baselines import by_name
 from jaxpar.elastic.jobs import JobModel
 from jaxpar.elastic.scheduler import Allocation, JobView, Scheduler, check
@@ -498,69 +497,3 @@ def scheduler_by_name(name: str, seed: int = 0) -> Scheduler:
         return by_name(name, seed)
     except ValueError as e:  # its message names the scheduler and the choices
         raise RunError(str(e)) from None
-
-
-# The command --------------------------------------------------------------------------------
-#
-# jaxpar-cluster's one flat parser (jaxpar/commands/cluster.py: COMMAND TRACE --scheduler NAME ...)
-# takes ``run JOBS.yaml``: JOBS.yaml is its TRACE positional, ``--scheduler``,
-# ``--round-s`` and ``--seed`` are simulate's own, ``add_arguments`` adds the rest.
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """``run``'s own flags on jaxpar-cluster's parser."""
-    parser.add_argument("--address", default=None, help="run: a Ray cluster (ray://head:10001, auto); default: "
-                                                        "a local Ray instance with --devices declared devices")
-    parser.add_argument("--devices", type=int, default=None, metavar="N",
-                        help="run: devices to schedule (local: default 4; a cluster: default all of --resource)")
-    parser.add_argument("--devices-per-node", type=int, default=None, metavar="K",
-                        help="run: the devices one node holds; a job given more runs as several jaxpar-train "
-                             "processes (default: the largest node's; locally all, one node)")
-    parser.add_argument("--resource", default="device", help="run: the Ray resource one device is "
-                                                             "(GPU on a GPU cluster; default device)")
-    parser.add_argument("--hardware", default=None, metavar="NAME",
-                        help="run: the hardware profile JOBS.yaml's speed: plan predicts for (h100, a YAML file; "
-                             "default: the present device's, as jaxpar-plan)")
-    parser.add_argument("--work-dir", default="runs/cluster", help="run: where the jobs' run dirs and logs go "
-                                                                   "(default runs/cluster)")
-
-
-def _interrupt(signum, frame):
-    """SIGTERM as Ctrl-C: the loop's cleanup runs (``KeyboardInterrupt(signum)``)."""
-    raise KeyboardInterrupt(signum)
-
-
-def run_command(args, parser) -> int:
-    """``jaxpar-cluster run JOBS.yaml --scheduler NAME [--address ADDR]``: bad input is
-    one line and exit 2; a run that cannot go on (no cluster, a job that fails) one line
-    and exit 1; Ctrl-C or SIGTERM 130 or 143, every job stopped first. One JSON summary
-    line per job."""
-    try:
-        jobs = load_jobs(args.source, args.hardware)
-        scheduler = scheduler_by_name(args.scheduler, getattr(args, "seed", 0))
-    except (JobsError, RunError) as e:
-        parser.error(str(e))
-    try:
-        import ray
-    except ImportError:
-        parser.error("run needs Ray: pip install 'jaxpar[cluster]'")
-    try:
-        devices = connect(args.address, args.devices, args.resource)
-        signal.signal(signal.SIGTERM, _interrupt)  # after ray.init: Ray's own handler aborts the driver
-        per_node = args.devices_per_node or node_devices(args.resource)
-        summary = run_jobs(jobs, scheduler, devices=devices, work_dir=pathlib.Path(args.work_dir),
-                           round_s=args.round_s, resource=args.resource, per_node=per_node)
-    except (RunError, ValueError) as e:
-        print(f"{parser.prog}: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt as e:
-        signum = e.args[0] if e.args else signal.SIGINT
-        print(f"{parser.prog}: stopped by {signal.Signals(signum).name}; every job stopped", file=sys.stderr)
-        return 128 + signum
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        if ray.is_initialized():
-            ray.shutdown()
-    for row in summary:
-        print(json.dumps(row))
-    return 0

@@ -16,10 +16,14 @@ bigger than the cluster) is one line and exit 2.
 
 from __future__ import annotations
 
+import argparse
 import json
+import pathlib
+import signal
 import sys
 
-from jaxpar.cluster import run as cluster_run
+from jaxpar.cluster.jobs import JobsError, load_jobs
+from jaxpar.cluster.run import RunError, connect, node_devices, run_jobs, scheduler_by_name
 from jaxpar.commands.common import CommandParser
 from jaxpar.elastic.baselines import SCHEDULERS, by_name
 from jaxpar.elastic.traces import TraceError, load
@@ -37,7 +41,7 @@ def _parser() -> CommandParser:
     parser.add_argument("--seed", type=int, default=0, help="the trace's model draws and the scheduler's (default 0)")
     parser.add_argument("--round-s", type=float, default=60.0, help="seconds between scheduling rounds (default 60)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    cluster_run.add_arguments(parser)
+    add_arguments(parser)
     return parser
 
 
@@ -64,7 +68,73 @@ def simulate_command(args, parser: CommandParser) -> int:
     return 0
 
 
-COMMANDS = {"simulate": simulate_command, "run": cluster_run.run_command}
+# run ----------------------------------------------------------------------------------------
+#
+# The one flat parser takes ``run JOBS.yaml``: JOBS.yaml is its TRACE positional,
+# ``--scheduler``, ``--round-s`` and ``--seed`` are simulate's own, ``add_arguments`` adds
+# the rest.
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``run``'s own flags on jaxpar-cluster's parser."""
+    parser.add_argument("--address", default=None, help="run: a Ray cluster (ray://head:10001, auto); default: "
+                                                        "a local Ray instance with --devices declared devices")
+    parser.add_argument("--devices", type=int, default=None, metavar="N",
+                        help="run: devices to schedule (local: default 4; a cluster: default all of --resource)")
+    parser.add_argument("--devices-per-node", type=int, default=None, metavar="K",
+                        help="run: the devices one node holds; a job given more runs as several jaxpar-train "
+                             "processes (default: the largest node's; locally all, one node)")
+    parser.add_argument("--resource", default="device", help="run: the Ray resource one device is "
+                                                             "(GPU on a GPU cluster; default device)")
+    parser.add_argument("--hardware", default=None, metavar="NAME",
+                        help="run: the hardware profile JOBS.yaml's speed: plan predicts for (h100, a YAML file; "
+                             "default: the present device's, as jaxpar-plan)")
+    parser.add_argument("--work-dir", default="runs/cluster", help="run: where the jobs' run dirs and logs go "
+                                                                   "(default runs/cluster)")
+
+
+def _interrupt(signum, frame):
+    """SIGTERM as Ctrl-C: the loop's cleanup runs (``KeyboardInterrupt(signum)``)."""
+    raise KeyboardInterrupt(signum)
+
+
+def run_command(args, parser) -> int:
+    """``jaxpar-cluster run JOBS.yaml --scheduler NAME [--address ADDR]``: bad input is
+    one line and exit 2; a run that cannot go on (no cluster, a job that fails) one line
+    and exit 1; Ctrl-C or SIGTERM 130 or 143, every job stopped first. One JSON summary
+    line per job."""
+    try:
+        jobs = load_jobs(args.source, args.hardware)
+        scheduler = scheduler_by_name(args.scheduler, getattr(args, "seed", 0))
+    except (JobsError, RunError) as e:
+        parser.error(str(e))
+    try:
+        import ray  # here: Ray is the cluster extra's, which simulate does without
+    except ImportError:
+        parser.error("run needs Ray: pip install 'jaxpar[cluster]'")
+    try:
+        devices = connect(args.address, args.devices, args.resource)
+        signal.signal(signal.SIGTERM, _interrupt)  # after ray.init: Ray's own handler aborts the driver
+        per_node = args.devices_per_node or node_devices(args.resource)
+        summary = run_jobs(jobs, scheduler, devices=devices, work_dir=pathlib.Path(args.work_dir),
+                           round_s=args.round_s, resource=args.resource, per_node=per_node)
+    except (RunError, ValueError) as e:
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt as e:
+        signum = e.args[0] if e.args else signal.SIGINT
+        print(f"{parser.prog}: stopped by {signal.Signals(signum).name}; every job stopped", file=sys.stderr)
+        return 128 + signum
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if ray.is_initialized():
+            ray.shutdown()
+    for row in summary:
+        print(json.dumps(row))
+    return 0
+
+
+COMMANDS = {"simulate": simulate_command, "run": run_command}
 
 
 def main(argv=None) -> int:
