@@ -62,8 +62,8 @@ def test_the_cli_exits_2_and_writes_nothing(tmp_path, capfd):
     from jaxpar.commands.train import main
 
     run = tmp_path / "run"
-    code = main(["tiny", "offload.optimizer=host", "mesh.pipe=2", f"run_dir={run}", "--no-progress"])
+    code = main(["tiny", "data.batch_weights=[1]", "mesh.seq=2", f"run_dir={run}", "--no-progress"])
     lines = capfd.readouterr().err.strip().splitlines()
-    assert code == 2 and lines == ["jaxpar-train: error: offload.optimizer='host' with mesh.pipe=2 is not supported yet: "
-                                   + combinations.REFUSED[frozenset(("offload", "mesh.pipe"))]], lines
+    assert code == 2 and lines == ["jaxpar-train: error: data.batch_weights=[1.0] with mesh.seq=2 is not supported yet: "
+                                   + combinations.REFUSED[frozenset(("data.batch_weights", "mesh.seq"))]], lines
     assert not run.exists()
