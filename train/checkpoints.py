@@ -36,6 +36,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from jaxpar.train import row_blocks
 from jaxpar.train.row_blocks import RowBlocks, RowBlocksHandler
 
 log = logging.getLogger(__name__)
@@ -69,8 +70,9 @@ def _state_handler(replica_parallel: bool) -> ocp.PyTreeCheckpointHandler:
     array = ocp.type_handlers.ArrayHandler(use_replica_parallel=replica_parallel)
     scalar = ocp.type_handlers.ScalarHandler()
     # RowBlocks before np.ndarray: their typestr is the same, and the last names the restorer
+    blocks = ((RowBlocks, RowBlocksHandler()),) if row_blocks.WRITER else ()
     registry = ocp.type_handlers.create_type_handler_registry(
-        (int, scalar), (float, scalar), (np.number, scalar), (RowBlocks, RowBlocksHandler()),
+        (int, scalar), (float, scalar), (np.number, scalar), *blocks,
         (np.ndarray, ocp.type_handlers.NumpyHandler()), (jax.Array, array))
     return ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
 
@@ -118,13 +120,17 @@ class Checkpoints:
         its latest, readable or not)."""
         if jax.process_index() == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
+        blocks = any(isinstance(leaf, RowBlocks) for leaf in jax.tree.leaves(state))
+        if blocks and not row_blocks.WRITER:  # this orbax lacks what the block writer uses: copies
+            state = jax.tree.map(lambda x: x.whole() if isinstance(x, RowBlocks) else x, state)
+            blocks = False
         args = ocp.args.Composite(state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta))
         if not self.manager.save(step, args=args):
             raise CheckpointError(
                 f"checkpoint at step {step} was not saved to {self.directory} "
                 f"(its latest step is {self.manager.latest_step()})"
             )
-        if any(isinstance(leaf, RowBlocks) for leaf in jax.tree.leaves(state)):
+        if blocks:
             self.manager.wait_until_finished()
 
     def read_meta(self, step: int) -> dict:

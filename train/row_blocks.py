@@ -32,10 +32,15 @@ from typing import Callable
 
 import numpy as np
 import orbax.checkpoint as ocp
-from orbax.checkpoint._src.futures import future
-from orbax.checkpoint._src.multihost import multihost
-from orbax.checkpoint._src.serialization import ocdbt_utils, tensorstore_utils as ts_utils
-import tensorstore as ts
+
+try:  # orbax's internals the block writer needs (orbax-checkpoint 0.12.8 here)
+    import tensorstore as ts
+    from orbax.checkpoint._src.futures import future
+    from orbax.checkpoint._src.multihost import multihost
+    from orbax.checkpoint._src.serialization import ocdbt_utils, tensorstore_utils as ts_utils
+    WRITER = True
+except ImportError:  # another orbax: a save reads each RowBlocks leaf whole (a copy), as before
+    WRITER = False
 
 BLOCK_BYTES = 64 << 20  # the most a block holds: a few tenths of a second of a disk's writing
 MIN_BLOCKS = 16  # and at most this fraction of the array, so a small table is cut too
@@ -50,6 +55,10 @@ class RowBlocks:
     shape: tuple[int, ...]
     dtype: np.dtype
     read: Callable[[int, int], np.ndarray]
+
+    def whole(self) -> np.ndarray:
+        """All the rows, read at once (a copy): where this orbax has no block writer."""
+        return np.array(self.read(0, self.shape[0]), self.dtype)
 
     @classmethod
     def of(cls, array: np.ndarray) -> "RowBlocks":
