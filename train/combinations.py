@@ -71,7 +71,6 @@ _NOISE_MEAN = "the noise scale's large batch is the plain mean's gradient, which
 REFUSED: dict[frozenset, str] = {frozenset(pair): why for pair, why in {
     ("data.batch_weights", "mesh.pipe"): _ROWS_LOOP,
     ("data.batch_weights", "mesh.seq"): _ROWS_LOOP,
-    ("data.batch_weights", "eval.noise_scale"): "the noise scale's small batch assumes equal rows per replica",
     ("data.batch_weights", "task=glide"): "unequal rows are built for a language model's batch (task=lm)",
     ("eval.noise_scale", "optimizer.reduction=adasum"): _NOISE_MEAN.format("Adasum"),
     ("eval.noise_scale", "optimizer.compression=dct_topk"): _NOISE_MEAN.format("the top-k exchange"),

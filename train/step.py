@@ -275,7 +275,7 @@ def make_train_step(
     if reduction is not None:
         reduction_lib.check(reduction, mesh)
         tx = reduction_lib.with_state(tx, reduction, mesh)
-    layer_order, stage_layers = _storage_order(pipeline, model.cfg.layers, stage_layers, offload)
+    layer_order, stage_layers = _storage_order(pipeline, model, stage_layers, offload)
     shardings = _shardings(params, tx, mesh, rules, resolved, offload, reduction, frozen)
     if pipeline is not None:
         source = pipelined.source(graphdef, pipeline, mesh, stage_layers, shardings.params)
@@ -301,13 +301,13 @@ def make_train_step(
                      execution, loss, layer_order, shardings.split, stage_layers)
 
 
-def _storage_order(pipeline, layers: int, stage_layers, offload: OffloadOptions) -> tuple:
-    """``(layer_order, stage_layers)``: how ``pipeline`` stores the stacked layers
+def _storage_order(pipeline, model: nnx.Module, stage_layers, offload: OffloadOptions) -> tuple:
+    """``(layer_order, stage_layers)``: how ``pipeline`` stores ``model``'s stacked layers
     (``TrainStep.layer_order``; None: in the model's order) and its stages' layer counts
     as ints; reordered storage is refused with host-resident state."""
-    if pipeline is None:
+    if pipeline is None:  # any model: only jaxpar's own pipelines (model.cfg.layers)
         return None, stage_layers
-    layer_order = pipelined.storage_order(pipeline, layers, stage_layers)
+    layer_order = pipelined.storage_order(pipeline, model.cfg.layers, stage_layers)
     if layer_order is not None and offload.state_on_host:
         raise ValueError(f"offload with pipeline {pipeline.kind!r} (stage_layers={stage_layers}) is not "
                          f"supported yet: {offload_planner.REORDERED_STAGES}")

@@ -62,13 +62,15 @@ class AdaScaleState(NamedTuple):
     rate: jax.Array  # the last step's learning rate, schedule(progress) * gain ** power (logged)
 
 
-def scale_by_adascale(schedule: optax.Schedule, *, base: int, batch: int, replicas: int,
+def scale_by_adascale(schedule: optax.Schedule, *, base: int, batch: int, replicas: float,
                       decay: float = DECAY, power: float = POWER) -> optax.GradientTransformationExtraArgs:
     """Multiplies the updates by ``-schedule(progress) * gain ** power`` (in place of
     ``optax.scale_by_learning_rate``); ``update`` takes the step's ``grad_sq_small`` (the
     mean over the ``replicas`` data replicas of each one's squared gradient norm) and
     ``grad_sq_big`` (the batch gradient's) as extra arguments. With ``batch == base``
-    the gain is exactly 1 and this is ``scale_by_learning_rate(schedule)``."""
+    the gain is exactly 1 and this is ``scale_by_learning_rate(schedule)``. ``replicas``
+    may be fractional: ``batch`` over the small batch the replicas' norms measure
+    (unequal replicas': ``jaxpar.train.noise_scale.small_batch``)."""
     b_small = batch / replicas
 
     def init(params):
