@@ -43,5 +43,5 @@ def test_layouts_benchmark(tmp_path, capsys):
     assert rows[1].split("|")[2].strip() == f"{data['argument_bytes']:,}"
     assert not png or (tmp_path / "layouts.png").read_bytes().startswith(b"\x89PNG")
 
-    with pytest.raises(SystemExit, match=r"layout 'tensor=3': the dry run failed \(exit 1\):\n.*does not divide 8"):
+    with pytest.raises(SystemExit, match=r"layout 'tensor=3': the dry run failed \(exit 2\):\n.*does not divide 8"):
         bench["main"](["--config", "tiny", "--set", "model.layers=2", "--layouts", "tensor=3"])

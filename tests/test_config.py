@@ -131,3 +131,32 @@ def test_mesh_axis_types_reach_the_mesh():
     for value, axis_type in (("auto", jax.sharding.AxisType.Auto), ("explicit", jax.sharding.AxisType.Explicit)):
         mesh = build_mesh(load_config("tiny", ["mesh.fsdp=4", f"mesh.axis_types={value}"]).mesh)
         assert dict(mesh.shape)["fsdp"] == 4 and set(mesh.axis_types) == {axis_type}
+
+
+def test_every_reader_refuses_with_one_input_error_type(tmp_path):
+    """One YAML reader (``jaxpar.inputs.read_yaml``) for config files, JOBS.yaml and the
+    hardware and device profiles, and one error type every command line exits 2 on: each
+    reader's own error is an ``InputError``; invalid YAML is one line with its line."""
+    from jaxpar.cluster.jobs import JobsError, load_jobs
+    from jaxpar.elastic.traces import TraceError
+    from jaxpar.inputs import InputError, read_yaml
+    from jaxpar.offload.planner import PlanError as OffloadPlanError
+    from jaxpar.planning.devices import ProfileError
+    from jaxpar.planning.hardware import HardwareError
+    from jaxpar.planning.search import PlanError
+    from jaxpar.planning.workload import LayoutError
+    from jaxpar.train.weighted import WeightsError
+
+    for error in (ConfigError, JobsError, TraceError, OffloadPlanError, ProfileError, HardwareError, PlanError,
+                  LayoutError, WeightsError):
+        assert issubclass(error, InputError), error
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("a: 1\nb: [2,\n")
+    with pytest.raises(InputError, match=rf"^{bad}:3: not valid YAML: expected the node content"):
+        read_yaml(bad)
+    with pytest.raises(JobsError, match=rf"^{bad}:3: not valid YAML"):
+        load_jobs(bad)
+    with pytest.raises(ConfigError, match=rf"^{bad}:3: not valid YAML"):
+        load_config(str(bad))
+    with pytest.raises(InputError, match=r"^'nowhere.yaml' does not exist$"):
+        read_yaml("nowhere.yaml")

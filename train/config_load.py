@@ -17,10 +17,10 @@ import types
 import typing
 from typing import Any, Literal
 
-import yaml
+from jaxpar.inputs import InputError, read_yaml
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError):
     """A bad configuration key or value; the CLI prints it on one line and exits 2."""
 
 
@@ -152,12 +152,7 @@ def _set(tree: dict, dotted: str, value) -> None:
 
 
 def _read_yaml(path: pathlib.Path) -> dict:
-    if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist")
-    try:
-        values = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
+    values = read_yaml(path, named=f"config file {str(path)!r}", error=ConfigError) or {}
     if not isinstance(values, dict):
         raise ConfigError(f"{path}: a config file must be a mapping of keys to values")
     return values

@@ -77,7 +77,7 @@ def build_mesh(mesh_cfg: MeshConfig, devices=None) -> jax.sharding.Mesh:
         devices = devices[:data * others]
     if data is None:
         if others < 1 or len(devices) % others:
-            raise TrainingError(
+            raise ConfigError(
                 f"mesh fsdp={mesh_cfg.fsdp} pipe={mesh_cfg.pipe} seq={mesh_cfg.seq} "
                 f"tensor={mesh_cfg.tensor} ({others} devices) does not divide {len(devices)} devices"
             )
@@ -87,7 +87,7 @@ def build_mesh(mesh_cfg: MeshConfig, devices=None) -> jax.sharding.Mesh:
                                 seq=mesh_cfg.seq, tensor=mesh_cfg.tensor, devices=devices,
                                 axis_types=mesh_cfg.axis_types)
     except ValueError as e:
-        raise TrainingError(str(e)) from None
+        raise ConfigError(str(e)) from None
 
 
 def describe_mesh(mesh) -> str:
@@ -164,26 +164,26 @@ def pipeline_schedule(cfg: Config, mesh, rules) -> Schedule | None:
         return None
     M = pipe.microbatches or 2 * P
     if pipe.stage_layers is None and cfg.model.layers % (P * V):
-        raise TrainingError(f"model.layers={cfg.model.layers} is not divisible by mesh.pipe x "
+        raise ConfigError(f"model.layers={cfg.model.layers} is not divisible by mesh.pipe x "
                             f"pipeline.virtual_stages = {P} x {V} = {P * V}")
     if cfg.optimizer.grad_accum != 1:
-        raise TrainingError(f"optimizer.grad_accum={cfg.optimizer.grad_accum} with mesh.pipe={P}: "
+        raise ConfigError(f"optimizer.grad_accum={cfg.optimizer.grad_accum} with mesh.pipe={P}: "
                             "the pipeline's microbatches accumulate already (pipeline.microbatches)")
     axes, ways = _data_parallel(mesh, rules)
     if cfg.batch_size % (M * ways):
-        raise TrainingError(f"batch_size={cfg.batch_size} is not divisible by pipeline.microbatches "
+        raise ConfigError(f"batch_size={cfg.batch_size} is not divisible by pipeline.microbatches "
                             f"x the data-parallel degree = {M} x {ways} = {M * ways}")
     try:
         return pipeline_schedules.build(pipe.schedule, P, M, V)
     except ValueError as e:
-        raise TrainingError(str(e)) from None
+        raise ConfigError(str(e)) from None
 
 
 def _check_batch(cfg: Config, mesh, rules) -> None:
     axes, ways = _data_parallel(mesh, rules)
     micro = cfg.batch_size // cfg.optimizer.grad_accum
     if cfg.batch_size % cfg.optimizer.grad_accum or micro % ways:
-        raise TrainingError(
+        raise ConfigError(
             f"batch_size={cfg.batch_size} / optimizer.grad_accum={cfg.optimizer.grad_accum} "
             f"must be a multiple of the data-parallel degree {'*'.join(axes)}={ways}"
         )

@@ -53,6 +53,7 @@ import time
 import jax
 import numpy as np
 
+from jaxpar.inputs import InputError
 from jaxpar.placement.sharding import use_mesh
 from jaxpar.train import data as data_lib
 from jaxpar.train.config import Config, ConfigError
@@ -61,7 +62,7 @@ from jaxpar.train.trainer import StepInfo
 log = logging.getLogger(__name__)
 
 
-class WeightsError(ValueError):
+class WeightsError(InputError):
     """Weights that cannot split a batch; the CLI prints the line and exits 2."""
 
 

@@ -31,16 +31,15 @@ import difflib
 import math
 import pathlib
 
-import yaml
-
 from jaxpar.elastic.jobs import JobModel, SpeedModel
+from jaxpar.inputs import InputError, read_yaml
 
 # A guess for a job that states no speed: a step's compute divides over its devices,
 # with a small synchronisation cost, so a scheduler sees more devices as faster.
 DEFAULT_SPEED = (0.01, 0.01, 0.005)
 
 
-class JobsError(ValueError):
+class JobsError(InputError):
     """A bad JOBS.yaml; its message is one line."""
 
 
@@ -81,15 +80,7 @@ def load_jobs(path: str | pathlib.Path, hardware: str | None = None) -> list[Job
     """The jobs of ``path``; ``JobsError`` with one line for the first thing wrong.
     ``hardware``: the profile ``speed: plan`` predicts for (None: the present device's)."""
     path = pathlib.Path(path)
-    try:
-        text = path.read_text()
-        data, root = yaml.safe_load(text), yaml.compose(text)
-    except OSError as e:
-        raise JobsError(f"{path}: cannot read: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        raise JobsError(f"{path}:{mark.line + 1 if mark else '?'}: not YAML: "
-                        f"{getattr(e, 'problem', None) or e}") from None
+    data, root = read_yaml(path, error=JobsError, nodes=True)
     if not isinstance(data, list) or not data:
         raise JobsError(f"{path}: expected a non-empty list of jobs")
     jobs, seen = [], set()

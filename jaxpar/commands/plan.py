@@ -22,13 +22,14 @@ import jax
 import yaml
 
 from jaxpar.commands.common import CommandParser
+from jaxpar.inputs import InputError
 from jaxpar.placement.runtime import simulate_cpu_devices
 from jaxpar.planning import devices as devices_lib
 from jaxpar.planning import search
 from jaxpar.planning.calibrate import calibrate_and_save
 from jaxpar.planning.layout import Layout
 from jaxpar.planning.search import Plan
-from jaxpar.train.config import Config, ConfigError, load_config
+from jaxpar.train.config import Config, load_config
 from jaxpar.train.data import cache_dir_of, file_in_the_way
 from jaxpar.train.plan import calibrate_step, describe_stages, hardware_for, run_plan, stage_comparison
 
@@ -127,13 +128,13 @@ def main(argv=None) -> int:
     if not args.calibrate or args.config is not None:
         try:  # every bad input is refused before anything is compiled or written
             hw = hardware_for(hardware, cache_dir) if not (args.calibrate and hardware == "cpu") else None
-        except ConfigError as e:
+        except InputError as e:
             parser.error(str(e))
     stage_split = None
     if cfg.pipeline.stage_layers == "auto" and not args.calibrate:
         try:
             stage_split = stage_comparison(cfg, devices, hw, per_node)
-        except ConfigError as e:
+        except InputError as e:
             parser.error(str(e))
     compiles = args.calibrate or (cfg.plan.compile_top > 0 and devices <= cfg.plan.compile_devices)
     if compiles:  # compiled for XLA:CPU on simulated devices, whatever the machine has
@@ -153,7 +154,7 @@ def main(argv=None) -> int:
         plan = run_plan(cfg, devices, hw=hw, device_memory=cfg.plan.memory or hw.memory, devices_per_node=per_node,
                         compile_on=jax.devices() if compiles else None, backend="cpu",
                         progress=None if args.json else say)
-    except ConfigError as e:
+    except InputError as e:
         parser.error(str(e))
     if args.json:
         print(json.dumps(plan.to_json() | ({"pipeline_stages": stage_split} if stage_split else {})))
@@ -182,7 +183,7 @@ def _config(parser, args) -> tuple:
                 parser.error(f"{key.removeprefix('plan.')}={value!r} must be a positive integer")
     try:
         cfg = load_config(args.config or "tiny", overrides)
-    except ConfigError as e:
+    except InputError as e:
         parser.error(str(e))
     if args.cache_dir is not None:
         cfg = dataclasses.replace(cfg, cache_dir=str(args.cache_dir))

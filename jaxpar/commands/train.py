@@ -19,6 +19,7 @@ import sys
 import jax
 
 from jaxpar.commands.common import CommandParser, add_compile_cache_flags, use_compile_cache
+from jaxpar.inputs import InputError
 from jaxpar.placement.runtime import initialize_distributed, simulate_cpu_devices
 
 
@@ -92,21 +93,21 @@ def main(argv=None) -> int:
 
     # Here, once the arguments are read: the trainer loads flax, optax and orbax (0.7 s),
     # which --help and a bad flag answer without.
-    from jaxpar.train.config import ConfigError, load_config
+    from jaxpar.train.config import load_config
     from jaxpar.train.loop import TrainingError, check_output_dirs, train
     from jaxpar.train.stopping import Stopped
 
     try:
         cfg = load_config(args.config, args.overrides)
         check_output_dirs(cfg)  # before the compilation cache goes into cache_dir
-    except ConfigError as e:
+    except InputError as e:
         print(f"jaxpar-train: error: {e}", file=sys.stderr)
         return 2
     use_compile_cache(cfg.cache_dir, not args.no_compile_cache)
     try:
         with _log_lines(), _ctrl_c_exits_at_once():
             history = train(cfg, progress=not args.no_progress)
-    except ConfigError as e:  # found once the step compiled (an offload budget no plan fits)
+    except InputError as e:  # found once the mesh is built or the step compiled (an offload budget no plan fits)
         print(f"jaxpar-train: error: {e}", file=sys.stderr)
         return 2
     except (TrainingError, ValueError, FileNotFoundError) as e:

@@ -24,9 +24,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from jaxpar.elastic.jobs import JobModel, SpeedModel
+from jaxpar.inputs import InputError
 
 
-class TraceError(ValueError):
+class TraceError(InputError):
     """A trace that cannot be read, or a job the cluster cannot hold (one line)."""
 
 

@@ -137,6 +137,7 @@ from typing import Any
 
 import jax
 
+from jaxpar.inputs import InputError
 from jaxpar.offload.accounting import StateBytes, state_bytes
 from jaxpar.offload.budget import format_bytes, parse_bytes
 from jaxpar.placement.execution import OffloadOptions
@@ -173,7 +174,7 @@ DEVICE_PARTS = {
     "inputs_outputs": "the batch and the step's outputs",
 }
 
-class PlanError(ValueError):
+class PlanError(InputError):
     """No plan fits the budget; the message is one line naming the smallest budget that
     works and what dominates it. ``smallest``: that plan."""
 

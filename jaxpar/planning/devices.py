@@ -40,12 +40,13 @@ from typing import Any
 
 import yaml
 
+from jaxpar.inputs import InputError, read_yaml
 from jaxpar.offload.budget import format_bytes, parse_bytes
 
 FIELDS = ("speed", "memory", "device")
 
 
-class ProfileError(ValueError):
+class ProfileError(InputError):
     """A device profile that cannot be read, or a ``stage_layers=auto`` that it cannot
     resolve (one line, naming the offending value)."""
 
@@ -144,12 +145,7 @@ def from_dict(values: Any, source: str = "device profile") -> DeviceProfile:
 def load(path: str | pathlib.Path, pipe: int | None = None) -> DeviceProfile:
     """The profile in the YAML file ``path``, checked to list ``pipe`` ranks if given."""
     path = pathlib.Path(path).expanduser()
-    if not path.is_file():
-        raise ProfileError(f"pipeline.device_profile={str(path)!r} does not exist")
-    try:
-        values = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise ProfileError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
+    values = read_yaml(path, named=f"pipeline.device_profile={str(path)!r}", error=ProfileError)
     profile = from_dict(values, str(path))
     return profile if pipe is None else profile.check_ranks(pipe)
 

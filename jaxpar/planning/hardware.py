@@ -35,6 +35,7 @@ from typing import Any
 
 import yaml
 
+from jaxpar.inputs import InputError, read_yaml
 from jaxpar.offload.budget import parse_bytes
 
 PROFILE_DIR = pathlib.Path(__file__).parent / "hardware"
@@ -44,7 +45,7 @@ DEVICE_KINDS = {"H100": "h100", "H200": "h200", "A100": "a100"}
 OP_CLASSES = ("matmul", "attention")
 
 
-class HardwareError(ValueError):
+class HardwareError(InputError):
     """A hardware profile that cannot be read or lacks fields (one line)."""
 
 
@@ -150,12 +151,7 @@ def load(name_or_path: str, cache_dir: pathlib.Path | str | None = None) -> Hard
     elif not path.suffix:
         raise HardwareError(f"hardware={name_or_path!r} is not one of {', '.join(SHIPPED + ('cpu',))} "
                             "nor a path to a YAML profile")
-    if not path.is_file():
-        raise HardwareError(f"hardware profile {str(path)!r} does not exist")
-    try:
-        values = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise HardwareError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
+    values = read_yaml(path, named=f"hardware profile {str(path)!r}", error=HardwareError)
     return from_dict(values, path.stem, str(path))
 
 

@@ -29,6 +29,7 @@ import math
 import time
 from collections.abc import Callable
 
+from jaxpar.inputs import InputError
 from jaxpar.planning import cost, memory
 from jaxpar.planning.cache import FigureCache, key as cache_key
 from jaxpar.planning.hardware import Hardware
@@ -38,7 +39,7 @@ from jaxpar.planning.workload import LayoutError, Workload, shards
 GIB = 2 ** 30
 
 
-class PlanError(ValueError):
+class PlanError(InputError):
     """Nothing fits (one line: the smallest memory that would work)."""
 
 

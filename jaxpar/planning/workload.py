@@ -12,13 +12,14 @@ import math
 import jax
 from flax import nnx
 
+from jaxpar.inputs import InputError
 from jaxpar.models.config import ModelConfig
 from jaxpar.models.transformer import Transformer, sharding_rules
 from jaxpar.placement import rules as rules_lib
 from jaxpar.placement.sharding import logical_axes
 
 
-class LayoutError(ValueError):
+class LayoutError(InputError):
     """A layout the model's shapes cannot take (a dimension that does not divide)."""
 
 
