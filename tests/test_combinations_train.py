@@ -176,5 +176,6 @@ def test_a_cell_that_works_trains_as_one_device(tasks, a, b):
         if options.get("noise_scale"):
             for key, value in norms.items():
                 np.testing.assert_allclose(metrics[key], value, rtol=1e-5, err_msg=key)
+            np.testing.assert_allclose(metrics["batch_small"], len(rows) / sum(1 / r for r in rows), rtol=1e-6)
         moved = jax.tree.map(lambda a, b: np.asarray(a, np.float64) - b, step.in_model_order(params), before)
         assert tree_rel_err(moved, jax.tree.map(lambda g: -LR * g, grads)) < 1e-4, seed  # float32 parameters

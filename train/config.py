@@ -471,10 +471,6 @@ class Config:
         if self.optimizer.batch_scaling == "adascale" and not self.eval.noise_scale:
             raise ValueError("optimizer.batch_scaling=adascale reads the gradient noise scale: give "
                              "eval.noise_scale=true")
-        if self.optimizer.batch_scaling == "adascale" and self.data.batch_weights == "auto":
-            raise ValueError("optimizer.batch_scaling=adascale with data.batch_weights='auto' is not supported yet: "
-                             "AdaScale's small batch is fixed when its optimizer is built, and measured shares "
-                             "change it (give the weights as a list)")
         offload = self.offload
         if offload.resident_layers is not None and offload.resident_layers > self.model.layers:
             raise ValueError(f"offload.resident_layers={offload.resident_layers} is above "

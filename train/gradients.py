@@ -143,7 +143,11 @@ def over_replicas(grad_fn: GradFn, replicas: Replicas, mesh, params_sharding, st
     per ``data`` replica on its own rows (the module docstring), combined as ``replicas``
     says. ``state`` is DCT's carried state (``jaxpar.hetero.reduction.ResidualState``, its
     leaves split over ``data``; None otherwise), returned updated; ``measured`` holds
-    ``grad_sq_small`` with ``replicas.measure`` (else it is empty). The loss is the
+    ``grad_sq_small`` and ``batch_small`` with ``replicas.measure`` (else it is empty):
+    the mean over the replicas of each one's squared gradient norm, and the batch that
+    mean is one of, the harmonic mean of the replicas' real rows (each replica's squared
+    norm is ``|G|^2 + tr(Sigma) / b_r`` in expectation: ``batch / replicas`` with equal
+    rows, HetSeq's unequal rows too, whatever their shares at this step). The loss is the
     token-weighted mean over the replicas with the mean, else the mean of the replicas'
     losses. On an Explicit mesh it runs with the axes made Auto, as the model's loss does."""
     run = functools.partial(_per_replica, grad_fn, replicas, mesh)
@@ -162,7 +166,11 @@ def _per_replica(grad_fn: GradFn, replicas: Replicas, mesh, params, state, batch
             else:
                 value, grads = grad_fn(params, batch, *frozen)
                 tokens = batch["mask"].astype(jnp.float32).sum() if "mask" in batch else jnp.ones((), jnp.float32)
-        measured = {"grad_sq_small": jax.lax.pmean(offload_state.squared_norm(grads), AXIS)} if replicas.measure else {}
+        measured = {}
+        if replicas.measure:  # each replica's squared norm, and the small batch they measure
+            rows = jnp.maximum((batch["mask"].sum(axis=1) > 0).sum(), 1).astype(jnp.float32)
+            measured = {"grad_sq_small": jax.lax.pmean(offload_state.squared_norm(grads), AXIS),
+                        "batch_small": 1 / jax.lax.pmean(1 / rows, AXIS)}
         if reduction is None:
             share = tokens / jnp.maximum(jax.lax.psum(tokens, AXIS), 1.0)
             value, grads = jax.lax.psum((share * value, jax.tree.map(lambda g: (share * g).astype(g.dtype), grads)),

@@ -107,7 +107,7 @@ def batch_scale(rule: str, batch: int, base: int) -> float:
 
 
 def make_optimizer(opt: OptimizerConfig, steps: int, scale: float = 1.0, *,
-                   adascale: tuple[int, int, float] | None = None):
+                   adascale: tuple[int, int, int] | None = None):
     """``(tx, schedule)``: clipped AdamW with warmup and cosine decay, its peak ``opt.lr``
     times ``scale`` (``batch_scale``'s), on the step clock whatever the batch; the
     ``schedule`` returned (what the step records log) is compiled as one program
@@ -337,8 +337,7 @@ def build(cfg: Config, task, base_batch: int | None = None) -> Setup:
     stages = pipeline_schedule(cfg, mesh, rules)
     frozen = task.frozen(mesh, rules)
     layout = weighted.layout_of(cfg, mesh)
-    # AdaScale's small batch as replicas: batch / small batch (the batch weights' too)
-    adascale = ((base_batch, cfg.batch_size, cfg.batch_size / noise_lib.small_batch(cfg.batch_size, mesh, layout))
+    adascale = ((base_batch, cfg.batch_size, noise_lib.replicas_of(mesh))
                 if cfg.optimizer.batch_scaling == "adascale" else None)
     noise = noise_lib.enabled(cfg, mesh)
     programs = _programs_of(cfg, task, layout, base_batch)
@@ -530,8 +529,7 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
         if data.validation:
             trainer.add_hook(evaluation(setup.step_fn, data, setup.frozen, setup.programs), every=cfg.eval.every)
         if setup.noise_scale:
-            trainer.add_hook(noise_lib.hook(cfg.batch_size, setup.mesh,
-                                            None if setup.layout is None else lambda: data.layout))
+            trainer.add_hook(noise_lib.hook(cfg.batch_size))
         if setup.layout is not None:  # data.batch_weights: each process's share, maybe re-measured
             weighted.start_shares(cfg, setup.step_fn, setup.layout, data, trainer, resumed=restored is not None)
             if cfg.data.rebalance_every:

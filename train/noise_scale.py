@@ -68,27 +68,16 @@ def enabled(cfg: Config, mesh) -> bool:
     return True
 
 
-def small_batch(batch_size: int, mesh, layout=None) -> float:
-    """The small batch ``grad_sq_small`` is measured at: ``batch_size / replicas``; with
-    ``data.batch_weights`` (``layout``, a ``jaxpar.train.weighted.Layout``) the replicas'
-    rows differ, and since each replica's squared norm is ``|G|^2 + tr(Sigma) / b_r`` in
-    expectation, their mean is that of one batch of the harmonic mean of the ``b_r``."""
-    if layout is None:
-        return batch_size / replicas_of(mesh)
-    rows = [r for r in layout.device_rows for _ in range(layout.devices)]
-    return len(rows) / sum(1 / r for r in rows)
-
-
-def hook(batch_size: int, mesh, layout_of=None) -> Hook:
+def hook(batch_size: int) -> Hook:
     """A ``Trainer`` hook adding ``noise_scale`` (smoothed ``B_simple``, in sequences) to
-    each step's record, from the step's ``grad_sq_small`` and ``grad_sq_big``;
-    ``layout_of()``: the batch weights' layout in force at the step (None: equal rows)."""
+    each step's record, from the step's ``grad_sq_small``, ``grad_sq_big`` and the
+    small batch ``batch_small`` it measured them at."""
     smoothed = Smoothed()
 
     def add(info: StepInfo) -> None:
         record = info.record
-        b_small = small_batch(batch_size, mesh, None if layout_of is None else layout_of())
-        g2, trace = simple_estimates(record["grad_sq_small"], record["grad_sq_big"], b_small, batch_size)
+        g2, trace = simple_estimates(record["grad_sq_small"], record["grad_sq_big"], record["batch_small"],
+                                     batch_size)
         record["noise_scale"] = smoothed.update(g2, trace)
 
     return add

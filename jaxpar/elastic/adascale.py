@@ -37,8 +37,8 @@ POWER = 0.5  # Adam's (AdaptDL's AdamScale); 1 is AdaScale's for SGD
 def simple_estimates(small_sq, big_sq, b_small, b_big):
     """``(|G|^2, S)``: the unbiased estimates of the true gradient's squared norm and of
     ``tr(Sigma)`` (per sample) from the squared norms of gradients over ``b_small`` and
-    ``b_big`` samples (floats or arrays)."""
-    if not 0 < b_small < b_big:
+    ``b_big`` samples (floats or arrays; sizes checked where they are known, not traced)."""
+    if not isinstance(b_small, jax.core.Tracer) and not 0 < b_small < b_big:
         raise ValueError(f"the batch sizes must satisfy 0 < b_small < b_big; got {b_small}, {b_big}")
     g2 = (b_big * big_sq - b_small * small_sq) / (b_big - b_small)
     trace = (small_sq - big_sq) / (1 / b_small - 1 / b_big)
@@ -62,15 +62,15 @@ class AdaScaleState(NamedTuple):
     rate: jax.Array  # the last step's learning rate, schedule(progress) * gain ** power (logged)
 
 
-def scale_by_adascale(schedule: optax.Schedule, *, base: int, batch: int, replicas: float,
+def scale_by_adascale(schedule: optax.Schedule, *, base: int, batch: int, replicas: int,
                       decay: float = DECAY, power: float = POWER) -> optax.GradientTransformationExtraArgs:
     """Multiplies the updates by ``-schedule(progress) * gain ** power`` (in place of
     ``optax.scale_by_learning_rate``); ``update`` takes the step's ``grad_sq_small`` (the
     mean over the ``replicas`` data replicas of each one's squared gradient norm) and
     ``grad_sq_big`` (the batch gradient's) as extra arguments. With ``batch == base``
-    the gain is exactly 1 and this is ``scale_by_learning_rate(schedule)``. ``replicas``
-    may be fractional: ``batch`` over the small batch the replicas' norms measure
-    (unequal replicas': ``jaxpar.train.noise_scale.small_batch``)."""
+    the gain is exactly 1 and this is ``scale_by_learning_rate(schedule)``. A step that
+    knows the small batch its norms measure passes it too (``batch_small``: unequal
+    replicas' rows, ``jaxpar.train.gradients``); else it is ``batch / replicas``."""
     b_small = batch / replicas
 
     def init(params):
@@ -78,11 +78,12 @@ def scale_by_adascale(schedule: optax.Schedule, *, base: int, batch: int, replic
         zero = jnp.zeros((), jnp.float32)
         return AdaScaleState(zero, zero, zero, jnp.ones((), jnp.float32), zero)
 
-    def update(updates, state, params=None, *, grad_sq_small=None, grad_sq_big=None, **extra):
+    def update(updates, state, params=None, *, grad_sq_small=None, grad_sq_big=None, batch_small=None, **extra):
         del params, extra
         g2, trace = state.g2, state.trace
         if grad_sq_small is not None and replicas > 1:
-            step_g2, step_trace = simple_estimates(grad_sq_small, grad_sq_big, b_small, batch)
+            small = b_small if batch_small is None else batch_small
+            step_g2, step_trace = simple_estimates(grad_sq_small, grad_sq_big, small, batch)
             g2 = decay * g2 + (1 - decay) * step_g2
             trace = decay * trace + (1 - decay) * step_trace
         # before any estimate (both averages 0) the clamps give var 1e-6, sqr 0: the gain
