@@ -24,6 +24,29 @@ without disturbing the cache). A checkpoint holds the dense state and the exact 
 and its optimizer state (the cache is flushed first), so a resumed run, on a cache of
 any size or none, continues exactly; the table is written from the live host table a
 block at a time, never copied whole, while the run waits (``save_checkpoint``).
+
+Several processes (JAX's distributed runtime, ``JAXPAR_COORDINATOR`` ...: see
+``jaxpar.placement.runtime.initialize_distributed``; gloo on CPUs) train as one process
+with all their devices does, the same losses but for the order of the dense
+gradients' all-reduce (2 processes x 2 CPU devices against 1 x 4: within 2e-7):
+
+- every process makes the same dense parameters and optimizer state from the seed and
+  puts them on the global mesh from host values (``initial_state``);
+- each process reads its slice of every batch (the loaders'), and puts its own rows on
+  its devices; the batch's ids alone are gathered (``whole_batch``: ``B * F`` ints a
+  step), since the caches' maps need the global batch's (``placer``);
+- with ``embedding.sharding`` row_wise or table_wise each process holds the host rows,
+  caches and prefetch thread of its own devices' shards, and keeps the others' caches'
+  maps alone, which every process computes alike (``jaxpar.embedding.ShardedCache``);
+  replicated, each holds the whole table and cache, all alike; a split table without a
+  cache (``cache_ratio: null``) is gathered whole for evaluation and checkpoints;
+- evaluation gathers the held-out batches, every process computing the same
+  ``val_loss`` and ``val_auc``;
+- a checkpoint's dense state is written by orbax from every process, and a split host
+  table by each process for its own shards' rows (``table_leaves``;
+  ``jaxpar.train.row_blocks``), a replicated one by process 0; on restore each process
+  reads the table and keeps its shards' rows. Only process 0 writes ``config.yaml``,
+  ``metrics.jsonl`` and TensorBoard's events.
 """
 
 from __future__ import annotations
@@ -40,12 +63,15 @@ import numpy as np
 import optax
 import yaml
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar.embedding import DeviceTable, EmbeddingCache, ShardedCache, ShardingPlan, SparseOptimizer, cache_rows_for
+from jaxpar.embedding.transfer import place
 from jaxpar.models.dlrm import DLRM, DLRMConfig, bce_loss
 from jaxpar.offload.budget import parse_bytes
 from jaxpar.train import data as data_lib
+from jaxpar.train import row_blocks
 from jaxpar.train.auc import auc
 from jaxpar.train.checkpoints import CheckpointError, Checkpoints
 from jaxpar.train.config import Config, load_config, to_dict
@@ -144,15 +170,17 @@ def initial_state(cfg: Config, sharding):
     with row-wise Adagrad, its ``table_state`` (numpy: the checkpoint's layout); ``stub``
     stands for the table in the model (the step's rows come from the cache)."""
     m = cfg.model
-    # the table is made in host memory, never on a GPU
-    with jax.default_device(jax.devices("cpu")[0]):
+    # the table is made in host memory, never on a GPU (this process's CPU: every process
+    # makes the same values from the same seed)
+    with jax.default_device(jax.local_devices(backend="cpu")[0]):
         model = _model_maker(m, cfg.seed)()
     graphdef, table_state, params = nnx.split(model, nnx.PathContains("table"), ...)
     stub = jax.tree.map(lambda t: np.zeros((0, m.embed_dim), t.dtype), table_state)
     tx, schedule = make_optimizer(cfg.optimizer, cfg.steps)
     if isinstance(sharding, jax.Device):
         sharding = jax.sharding.SingleDeviceSharding(sharding)
-    params = jax.device_put(params, sharding)
+    # from host values: over several processes each puts its own devices' copies
+    params = jax.tree.map(lambda x: place(np.asarray(x), sharding), params)
     state = {"params": params, "opt_state": jax.jit(tx.init, out_shardings=sharding)(params),
              "table": np.asarray(table_state["table"][...])}
     optimizer = SparseOptimizer(cfg.embedding.optimizer)
@@ -209,10 +237,14 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
                                         path=cfg.data.path, zipf_alpha=cfg.data.zipf_alpha,
                                         cache_dir=data_lib.cache_dir_of(cfg.cache_dir),
                                         eval_steps=cfg.eval.batches, dense_features=m.dense_features)
-    val_batches = val_batches[: cfg.eval.batches] if cfg.eval.every else []
+    # every process's eval rows, the same on each (the loaders give each process its slice)
+    val_batches = [jax.tree.map(whole_batch, b) for b in val_batches[: cfg.eval.batches]] if cfg.eval.every else []
     graphdef, stub, state, tx, schedule = initial_state(cfg, replicated)
     table = state["table"]
     tables = build_tables(cfg, table, mesh)
+    if isinstance(tables, ShardedCache) and tables.owned_ranges() is not None and not row_blocks.WRITER:
+        raise ValueError("a host table split over processes needs the checkpoint block writer, which this "
+                         "orbax-checkpoint lacks (0.12's internals): use one process or embedding.sharding=replicated")
     # The table lives in `tables` now; a checkpoint's restore needs only its shape (np.empty
     # touches no memory until orbax fills it).
     state["table"] = np.empty_like(table)
@@ -220,12 +252,7 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
     step_fn = make_step(graphdef, stub, tx, tables.lookup, tables.update)
 
     rows_of = functools.partial(np.add, m.offsets)  # per-feature ids [B, F] -> rows of the concatenated table
-
-    def placed(batch, upcoming=()):
-        """The batch's rows made resident: its slots and dense features on the devices."""
-        put = lambda x: jax.device_put(x, by_batch)  # noqa: E731
-        slots = tables.prepare(rows_of(batch["sparse"]), upcoming)
-        return put(slots), {"dense": put(batch["dense"]), "labels": put(batch["labels"])}
+    placed = placer(tables, by_batch, rows_of)
 
     if cfg.dry_run:
         from jaxpar.profiler import profile
@@ -234,7 +261,7 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
         print(json.dumps(profile(step_fn.lower(state["params"], state["opt_state"], tables.arrays, slots, batch,
                                                cfg.embedding.lr).compile()), separators=(",", ":")))
         return []
-    tables.check_fits(rows_of(loader.batch(0)["sparse"]))  # one line before anything is written
+    tables.check_fits(rows_of(whole_batch(loader.batch(0)["sparse"])))  # one line before anything is written
 
     with Checkpoints(run_dir, keep=cfg.checkpoint.keep) as checkpoints:
         start, params, opt_state = restore(cfg, checkpoints, state, tables, loader, mesh)
@@ -242,7 +269,8 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
             return []
         cached = not isinstance(tables, DeviceTable)
         if cached and cfg.embedding.warmup_ratio:  # the ids of the next batches, Colossal-AI's sample
-            sample = np.stack([rows_of(loader.batch(loader.step + k)["sparse"]) for k in range(WARMUP_BATCHES)])
+            sample = whole_batch(np.stack([rows_of(loader.batch(loader.step + k)["sparse"])
+                                           for k in range(WARMUP_BATCHES)]), axis=1)
             tables.warmup(sample, ratio=cfg.embedding.warmup_ratio)
 
         lead = jax.process_index() == 0
@@ -254,7 +282,7 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
 
         def one_step(step):
             nonlocal params, opt_state
-            upcoming = [rows_of(loader.batch(loader.step + k)["sparse"]) for k in range(1, ahead + 1)]
+            upcoming = [loader.batch(loader.step + k)["sparse"] for k in range(1, ahead + 1)]
             began = time.perf_counter()
             slots, batch = placed(next(loader), upcoming)
             params, opt_state, tables.arrays, out = step_fn(params, opt_state, tables.arrays, slots, batch,
@@ -275,6 +303,40 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
                              recorder=recorder, where=str(checkpoints.directory))
         finally:
             tables.close()
+
+
+def whole_batch(local: np.ndarray, axis: int = 0) -> np.ndarray:
+    """The global batch of a process-local ``local`` (this process's rows along ``axis``,
+    as the loaders slice a batch: equal slices, process 0's first): every process's
+    slice gathered, the same on each (a collective: every process calls it); ``local``
+    itself in one process."""
+    if jax.process_count() == 1:
+        return local
+    return np.concatenate(list(multihost_utils.process_allgather(np.asarray(local))), axis=axis)
+
+
+def placer(tables, sharding, rows_of):
+    """``placed(batch, upcoming=()) -> (slots, batch)``: a process-local batch's rows
+    made resident in ``tables`` and its slots, dense features and labels on the devices
+    (split by ``sharding``); ``upcoming``: the next batches' local per-feature ids.
+
+    Over several processes the caches' maps need the global batch's ids (every process
+    plans every shard's cache: ``ShardedCache``), so the ids, not the dense features,
+    are gathered (one collective a step, ``B * F`` ints a batch); each process then puts
+    its own rows, which the global sharding gives to its devices."""
+    def put(local):
+        if sharding.is_fully_addressable:
+            return jax.device_put(local, sharding)
+        return jax.make_array_from_process_local_data(sharding, local)
+
+    def placed(batch, upcoming=()):
+        ids = rows_of(whole_batch(np.stack([batch["sparse"], *upcoming]), axis=1))  # [1 + ahead, B, F]
+        slots = tables.prepare(ids[0], list(ids[1:]))
+        b = len(batch["labels"])
+        here = slice(jax.process_index() * b, (jax.process_index() + 1) * b)  # this process's rows of the batch
+        return put(slots[here]), {"dense": put(batch["dense"]), "labels": put(batch["labels"])}
+
+    return placed
 
 
 def _record(step: int, loss: float, out: dict, elapsed: float, stats, cfg: Config, schedule) -> dict:
@@ -321,8 +383,12 @@ def table_leaves(tables) -> dict:
     the devices is read to the host once (there is no host table to copy)."""
     if isinstance(tables, ShardedCache):
         rows, states = tables.shard_views()
-        of = lambda shards: RowBlocks((tables.num_rows, *shards[0].shape[1:]), shards[0].dtype,  # noqa: E731
-                                      functools.partial(tables.plan.rows_from_shards, shards))
+        owned, align = tables.owned_ranges() or (None, 0)  # over several processes: this one's rows
+
+        def of(shards):
+            here = next(shard for shard in shards if shard is not None)  # None: another process's
+            return RowBlocks((tables.num_rows, *here.shape[1:]), here.dtype,
+                             functools.partial(tables.plan.rows_from_shards, shards), owned, align)
         leaves = {"table": of(rows)}
         if states is not None:
             leaves["table_state"] = of(states)

@@ -21,6 +21,14 @@ waiting 12 s (copies: 12 s to copy, 29 s until written); the dlrm preset's 12 Mi
 
 On disk it is orbax's numpy array (``typestr`` ``np.ndarray``; zarr, one zarr shard a
 block), restored by ``NumpyHandler`` into a numpy target like any other.
+
+Over several processes a leaf is either the same on every process (``owned`` None:
+process 0 writes it, as orbax writes a numpy leaf) or split: each process writes the
+rows ``owned`` says it holds (a split host table: each process's shards), into its own
+OCDBT store, which orbax merges once every process is done. Two processes must not
+write parts of one zarr chunk (each would write the whole chunk, the other's rows
+blank), so a split leaf's chunks divide ``align`` (the gcd of the rows where the
+writing process changes; ``chunk_rows``).
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import math
 from typing import Callable
 
 import numpy as np
@@ -55,9 +64,16 @@ class RowBlocks:
     shape: tuple[int, ...]
     dtype: np.dtype
     read: Callable[[int, int], np.ndarray]
+    # Over several processes: the rows (lo, hi) this process writes (None: every row, by
+    # process 0), and a number every writing process's boundary is a multiple of.
+    owned: tuple[tuple[int, int], ...] | None = None
+    align: int = 0
 
     def whole(self) -> np.ndarray:
         """All the rows, read at once (a copy): where this orbax has no block writer."""
+        if self.owned is not None:
+            raise ValueError("a table split over processes is saved by the block writer alone (orbax-checkpoint "
+                             "0.12's internals); this orbax has none")
         return np.array(self.read(0, self.shape[0]), self.dtype)
 
     @classmethod
@@ -74,6 +90,16 @@ def block_rows(shape: tuple[int, ...], dtype) -> int:
     """Rows a block holds: at most ``BLOCK_BYTES`` and ``1/MIN_BLOCKS`` of the rows."""
     row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * np.dtype(dtype).itemsize
     return max(1, min(-(-shape[0] // MIN_BLOCKS), BLOCK_BYTES // max(row_bytes, 1)))
+
+
+def chunk_rows(rows: int, align: int) -> int:
+    """The largest divisor of ``align`` that is at most ``rows`` (``rows`` itself when
+    ``align`` is 0: nothing to align to), so that chunks of it never straddle a multiple
+    of ``align``. (A prime ``align`` gives one-row chunks: correct, slower to write.)"""
+    if not align:
+        return rows
+    divisors = {d for i in range(1, math.isqrt(align) + 1) if align % i == 0 for d in (i, align // i)}
+    return max(d for d in divisors if d <= rows)
 
 
 class RowBlocksHandler(ocp.type_handlers.NumpyHandler):
@@ -93,19 +119,27 @@ class RowBlocksHandler(ocp.type_handlers.NumpyHandler):
 
     async def _write_one(self, value: RowBlocks, info, arg) -> None:
         await info.await_path_creation()
-        if multihost.process_index() != 0:
+        primary = multihost.process_index() == 0
+        if value.owned is None and not primary:
             return  # a numpy leaf is the same on every process: the first writes it
-        rows = block_rows(value.shape, value.dtype)
+        ranges = ((0, value.shape[0]),) if value.owned is None else value.owned
+        target = block_rows(value.shape, value.dtype)
+        chunk = chunk_rows(target, value.align)
+        rows = chunk * (target // chunk)  # a block: whole chunks
         spec = ts_utils.build_array_write_spec(
-            info=info, arg=arg, global_shape=value.shape, local_shape=(rows, *value.shape[1:]),
+            info=info, arg=arg, global_shape=value.shape, local_shape=(chunk, *value.shape[1:]),
             dtype=value.dtype, use_ocdbt=info.is_ocdbt_checkpoint,
             process_index=ocdbt_utils.get_process_index_for_subdir(
                 use_ocdbt=info.is_ocdbt_checkpoint, override_ocdbt_process_id=self._override_ocdbt_process_id),
             metadata_key=self._metadata_key)
-        store = await ts.open(ts.Spec(spec.json), create=True, open=True, context=info.ts_context)
+        # the metadata by the first process alone (orbax's way with a split jax.Array)
+        opened = dict(create=True, open=True) if primary else dict(open=True, assume_metadata=True)
+        store = await ts.open(ts.Spec(spec.json), context=info.ts_context, **opened)
         writing = collections.deque()
-        for lo in range(0, value.shape[0], rows):
-            hi = min(lo + rows, value.shape[0])
+        for lo, hi in ((lo, min(lo + rows, end)) for start, end in ranges for lo in range(start, end, rows)):
+            if lo % chunk:
+                raise ValueError(f"RowBlocks: rows from {lo} owned, not a multiple of the chunk's {chunk} rows "
+                                 f"(align={value.align})")
             block = np.asarray(value.read(lo, hi), value.dtype)
             if block.shape != (hi - lo, *value.shape[1:]):
                 raise ValueError(f"RowBlocks.read({lo}, {hi}) gave shape {block.shape}, expected "

@@ -28,14 +28,13 @@ import numbers
 import typing
 from collections.abc import Sequence
 
-import jax
 import numpy as np
 
 from jaxpar.embedding.policy import POLICIES, choose_victims, eviction_keys, smallest
 from jaxpar.embedding.prefetch import Prefetcher
 from jaxpar.embedding.stats import CacheStats
-from jaxpar.embedding.store import HostStore
-from jaxpar.embedding.transfer import swap
+from jaxpar.embedding.store import HostStore, RemoteStore
+from jaxpar.embedding.transfer import place, swap
 from jaxpar.embedding.update import CacheArrays, SparseOptimizer, lookup, sparse_update
 
 
@@ -52,33 +51,40 @@ class EmbeddingCache:
 
     def __init__(self, num_rows: int, dim: int, cache_rows: int, *, optimizer: SparseOptimizer = SparseOptimizer(),
                  eviction: str = "lfu", prefetch: int = 0, table: np.ndarray | None = None,
-                 state: np.ndarray | None = None, seed: int = 0, device=None):
+                 state: np.ndarray | None = None, seed: int = 0, device=None, remote: bool = False):
+        """``remote``: the maps alone, the rows held by another process (a
+        ``ShardedCache`` over several processes: every process plans every shard's cache
+        alike, so each knows every id's slot, and moves the rows of its own shards
+        alone); no host table, no device arrays, no prefetch thread."""
         if eviction not in POLICIES:
             raise ValueError(f"eviction={eviction!r}: expected one of {POLICIES}")
         if not 1 <= cache_rows <= num_rows:
             raise ValueError(f"cache_rows={cache_rows}: expected 1 to num_rows={num_rows}")
         if prefetch < 0:
             raise ValueError(f"prefetch={prefetch}: expected a number of batches >= 0")
-        if table is None:
+        if remote:
+            table = None
+        elif table is None:
             # DLRM's reference init, U(-sqrt(1/n), sqrt(1/n)); a model of several tables
             # passes its own table, initialised table by table.
             bound = math.sqrt(1 / num_rows)
             table = np.random.default_rng(seed).uniform(-bound, bound, (num_rows, dim)).astype(np.float32)
         elif np.shape(table) != (num_rows, dim):
             raise ValueError(f"table shape {np.shape(table)}, expected (num_rows, dim) = {(num_rows, dim)}")
-        self.store = HostStore(table, optimizer, state)
+        self.store = RemoteStore(num_rows, dim, optimizer) if remote else HostStore(table, optimizer, state)
+        self.remote = remote
         self.optimizer, self.eviction, self.prefetch = optimizer, eviction, prefetch
         self.num_rows, self.dim, self.cache_rows = num_rows, dim, cache_rows
         self._device = device
-        self.arrays = CacheArrays(
-            jax.device_put(np.zeros((cache_rows, dim), np.float32), device),
-            jax.device_put(np.zeros(cache_rows, np.float32), device) if optimizer.has_state else None)
+        self.arrays = None if remote else CacheArrays(
+            place(np.zeros((cache_rows, dim), np.float32), device),
+            place(np.zeros(cache_rows, np.float32), device) if optimizer.has_state else None)
         self._slot_to_id = np.full(cache_rows, -1, np.int64)
         self._id_to_slot = np.full(num_rows, -1, np.int32 if num_rows < 2**31 else np.int64)
         self._count = np.zeros(num_rows, np.int64)
         self._last_used = np.zeros(cache_rows, np.int64)
         self._step = 0
-        self._prefetcher = Prefetcher(self.store) if prefetch else None
+        self._prefetcher = Prefetcher(self.store) if prefetch and not remote else None
         # What a jitted step calls: the rows at a batch's slots, and their sparse update.
         self.lookup = lookup
         self.update = functools.partial(sparse_update, optimizer=optimizer)
@@ -200,7 +206,10 @@ class EmbeddingCache:
         return _Move(none, none, free[: len(hot)], rows, state, none)
 
     def flush(self) -> None:
-        """Write every cached row and its state back to the host; the cache stays valid."""
+        """Write every cached row and its state back to the host; the cache stays valid
+        (a remote cache's rows are its process's to write)."""
+        if self.remote:
+            return
         resident = np.flatnonzero(self._slot_to_id >= 0)
         rows = np.asarray(self.arrays.rows)[resident]
         state = np.asarray(self.arrays.state)[resident] if self.arrays.state is not None else None
@@ -210,6 +219,7 @@ class EmbeddingCache:
         """The exact current rows of ``ids`` (any shape, resident or not) ``[..., dim]``,
         read from the host table after a flush: an evaluation's lookups neither load rows
         nor count towards eviction."""
+        self._local("rows_of")
         self.flush()
         ids = np.asarray(ids)
         return self.store.table[self._checked(ids, "ids")].reshape(*ids.shape, self.dim)
@@ -217,16 +227,21 @@ class EmbeddingCache:
     def table(self) -> np.ndarray:
         """The exact full table ``[num_rows, dim]`` (flushes first); a read-only view of
         the host table, which later steps change: copy it to keep it."""
+        self._local("table")
         self.flush()
         return _readonly(self.store.table)
 
     def optimizer_state(self) -> np.ndarray | None:
         """The exact per-row optimizer state ``[num_rows]`` (``None`` for SGD)."""
+        self._local("optimizer_state")
         self.flush()
         return None if self.store.state is None else _readonly(self.store.state)
 
     def load(self, table: np.ndarray, state: np.ndarray | None = None) -> None:
-        """Restore the table (and optimizer state); the resident rows are reloaded."""
+        """Restore the table (and optimizer state); the resident rows are reloaded (a
+        remote cache: nothing to load)."""
+        if self.remote:
+            return
         if self._prefetcher is not None:
             self._prefetcher.drop()
         self.store.load(table, state)
@@ -245,6 +260,10 @@ class EmbeddingCache:
 
     def __exit__(self, *exc):
         self.close()
+
+    def _local(self, what: str) -> None:
+        if self.remote:
+            raise ValueError(f"{what}: this cache's rows are held by another process")
 
     def _checked(self, ids: np.ndarray, name: str) -> np.ndarray:
         if ids.size and not np.issubdtype(ids.dtype, np.integer):

@@ -8,18 +8,20 @@ updates by all-to-all). It answers the calls a trainer makes of an ``EmbeddingCa
 (``prepare``, ``arrays``, ``lookup``, ``update``, ``rows_of``, ``table``,
 ``optimizer_state``, ``load``, ``last_step``, ``close``), so one train step and one loop
 serve all of them, and the cache can be checked against it (the same rows, the same
-sparse update: ``jaxpar.embedding.update``).
+sparse update: ``jaxpar.embedding.update``). Over several processes a split table's
+reads (``rows_of``, ``table``) gather the whole table from every process: it fits on
+the devices, so it fits on a host.
 """
 
 from __future__ import annotations
 
 import functools
 
-import jax
 import numpy as np
 
 from jaxpar.embedding.sharded import ShardingPlan, shard_arrays, sharded_lookup, sharded_update, unshard_arrays
 from jaxpar.embedding.stats import CacheStats
+from jaxpar.embedding.transfer import host_value, place
 from jaxpar.embedding.update import CacheArrays, SparseOptimizer, lookup, sparse_update
 
 
@@ -63,7 +65,7 @@ class DeviceTable:
         """The current rows of ``ids`` (any shape) ``[..., dim]``."""
         if self.plan is None:
             return self.arrays.rows[np.asarray(ids)]
-        return np.asarray(self.arrays.rows)[self.plan.positions(np.asarray(ids))]
+        return host_value(self.arrays.rows)[self.plan.positions(np.asarray(ids))]
 
     def table(self) -> np.ndarray:
         return self._unplaced()[0]
@@ -90,5 +92,5 @@ class DeviceTable:
     def _placed(self, table, state) -> CacheArrays:
         if self.plan is not None:
             return shard_arrays(table, state, plan=self.plan, mesh=self._mesh, axis=self._axis)
-        return CacheArrays(jax.device_put(table, self._device),
-                           None if state is None else jax.device_put(np.asarray(state, np.float32), self._device))
+        return CacheArrays(place(table, self._device),
+                           None if state is None else place(np.asarray(state, np.float32), self._device))

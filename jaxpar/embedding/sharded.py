@@ -62,6 +62,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxpar.embedding.transfer import host_value, place
 from jaxpar.embedding.update import CacheArrays, SparseOptimizer, sparse_update
 
 KINDS = ("row", "table")
@@ -181,22 +182,38 @@ class ShardingPlan:
     def rows_from_shards(self, shards, lo: int, hi: int) -> np.ndarray:
         """Rows ``lo..hi`` of ``from_shards`` of the shards laid end to end, ``shards[k]``
         device k's ``[S, ...]``, without joining them: a copy of those rows alone, copied
-        run by run (a checkpoint reads a split host table a block at a time)."""
-        if len(shards) != self.num_shards or any(s.shape[:1] != (self.shard_rows,) for s in shards):
-            raise ValueError(f"shards of shapes {[s.shape for s in shards]}: expected {self.num_shards} of "
-                             f"{self.shard_rows} rows")
+        run by run (a checkpoint reads a split host table a block at a time). A shard
+        may be None (another process holds it) when none of the rows is in it."""
+        held = [s for s in shards if s is not None]
+        if len(shards) != self.num_shards or not held or any(s.shape[:1] != (self.shard_rows,) for s in held):
+            raise ValueError(f"shards of shapes {[None if s is None else s.shape for s in shards]}: expected "
+                             f"{self.num_shards} of {self.shard_rows} rows")
         if not 0 <= lo <= hi <= self.num_rows:
             raise ValueError(f"rows {lo}..{hi}: expected 0 <= lo <= hi <= {self.num_rows}")
         starts, shifts = self._segments
-        out = np.empty((hi - lo, *shards[0].shape[1:]), shards[0].dtype)
+        out = np.empty((hi - lo, *held[0].shape[1:]), held[0].dtype)
         row = lo
         while row < hi:  # runs of rows contiguous in one shard: within a feature and a shard
             f = int(np.searchsorted(starts, row, side="right")) - 1
             k, local = divmod(row + int(shifts[f]), self.shard_rows)
+            if shards[k] is None:
+                raise ValueError(f"row {row} is in shard {k}, which is not here")
             end = min(hi, starts[f + 1] if f + 1 < len(starts) else hi, row + self.shard_rows - local)
             out[row - lo:end - lo] = shards[k][local:local + end - row]
             row = end
         return out
+
+    def shard_ranges(self, k: int) -> tuple[tuple[int, int], ...]:
+        """The rows of the unsharded table ``[R, ...]`` that shard k holds, as ranges
+        ``(lo, hi)`` in order (row-wise one range; table-wise one a table; none for a
+        shard of padding alone): what the process holding shard k writes of a
+        checkpoint's table."""
+        if self.kind == "row":
+            S = self.shard_rows
+            lo, hi = k * S, min((k + 1) * S, self.num_rows)
+            return ((lo, hi),) if lo < hi else ()
+        starts = np.concatenate([[0], np.cumsum(self.table_rows)]).tolist()
+        return tuple((starts[f], starts[f + 1]) for f, d in enumerate(self.table_device) if d == k)
 
     def check_ids(self, ids) -> None:
         """ValueError naming the first id outside ``[0, R)`` (concrete ids only)."""
@@ -213,13 +230,15 @@ def shard_arrays(table, state=None, *, plan: ShardingPlan, mesh, axis: str = "da
     layout, split ``P(axis)`` on dim 0: device k holds its shard ``[S, D]``."""
     _check_axis(plan, mesh, axis)
     split = NamedSharding(mesh, P(axis))
-    put = lambda x: jax.device_put(plan.to_shards(np.asarray(x, np.float32)), split)  # noqa: E731
+    put = lambda x: place(plan.to_shards(np.asarray(x, np.float32)), split)  # noqa: E731: each process its shards
     return CacheArrays(put(table), None if state is None else put(state))
 
 
 def unshard_arrays(arrays: CacheArrays, *, plan: ShardingPlan) -> tuple[np.ndarray, np.ndarray | None]:
-    """``(table [R, D], state [R] | None)`` in numpy, the padding dropped (a checkpoint's layout)."""
-    return plan.from_shards(arrays.rows), None if arrays.state is None else plan.from_shards(arrays.state)
+    """``(table [R, D], state [R] | None)`` in numpy, the padding dropped (a checkpoint's layout);
+    over several processes gathered from every process (a collective)."""
+    state = None if arrays.state is None else plan.from_shards(host_value(arrays.state))
+    return plan.from_shards(host_value(arrays.rows)), state
 
 
 def sharded_lookup(arrays: CacheArrays, ids, *, plan: ShardingPlan, mesh, axis: str = "data") -> jax.Array:

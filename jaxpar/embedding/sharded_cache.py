@@ -17,15 +17,27 @@ but a step's swaps of rows in and out of the caches are one program over the axi
 a batch must fit each owner's cache (a hot table under table-wise sharding sizes its
 device's cache). Checkpoints flush every cache and read the exact table from the shards
 (``shard_views``), a block of rows at a time.
+
+Over several processes (JAX's multi-controller runtime) each process holds the host
+rows, cache and prefetch thread of its own devices' shards alone (``local``); the
+caches of other processes' shards are kept as maps alone (``EmbeddingCache(...,
+remote=True)``). The maps are deterministic functions of the ids (every process is
+given the global batch's ids), so every process computes every id's slot, as the
+step's ``[B, F]`` slots need, and the swap programs run on every process with each
+device's rows put by its own process. ``rows_of`` (evaluation) gathers the owners' rows across
+processes; a checkpoint's table is written by each process for its shards' rows
+(``owned_ranges``).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar.embedding.cache import EmbeddingCache
@@ -51,11 +63,15 @@ class ShardedCache:
         self.sharding = NamedSharding(mesh, P(axis))
         self._mesh, self._axis = mesh, axis
         owners = self._devices(mesh, axis)
+        # the process holding each shard; this process's shards: its host rows and caches
+        self._process = np.array([d.process_index for d in owners])
+        self.local = [k for k in range(n) if self._process[k] == jax.process_index()]
         rows = plan.to_shards(table)
         states = plan.to_shards(np.asarray(state, np.float32)) if state is not None else None
         self.caches = [EmbeddingCache(S, self.dim, cache_rows, optimizer=optimizer, eviction=eviction,
                                       prefetch=prefetch, table=rows[k * S:(k + 1) * S],
-                                      state=None if states is None else states[k * S:(k + 1) * S], device=owners[k])
+                                      state=None if states is None else states[k * S:(k + 1) * S], device=owners[k],
+                                      remote=k not in self.local)
                        for k in range(n)]
         joined = dict(plan=ShardingPlan((n * cache_rows,), n, "row"), mesh=mesh, axis=axis)
         self.lookup = functools.partial(sharded_lookup, **joined)
@@ -79,10 +95,11 @@ class ShardedCache:
         n = self.plan.num_shards
         join = lambda parts, shape: jax.make_array_from_single_device_arrays(  # noqa: E731
             shape, self.sharding, parts)
-        rows = join([c.arrays.rows for c in self.caches], (n * self.cache_rows, self.dim))
+        mine = [self.caches[k] for k in self.local]
+        rows = join([c.arrays.rows for c in mine], (n * self.cache_rows, self.dim))
         state = None
         if self.optimizer.has_state:
-            state = join([c.arrays.state for c in self.caches], (n * self.cache_rows,))
+            state = join([c.arrays.state for c in mine], (n * self.cache_rows,))
         return CacheArrays(rows, state)
 
     @arrays.setter
@@ -93,9 +110,9 @@ class ShardedCache:
 
         rows = parts(arrays.rows)
         state = parts(arrays.state) if arrays.state is not None else None
-        for k, cache in enumerate(self.caches):
+        for k in self.local:
             start = k * self.cache_rows
-            cache.arrays = CacheArrays(rows[start], None if state is None else state[start])
+            self.caches[k].arrays = CacheArrays(rows[start], None if state is None else state[start])
 
     def _split(self, ids) -> tuple[np.ndarray, np.ndarray]:
         """``(owner, local row)`` of global row ids (any shape)."""
@@ -150,29 +167,66 @@ class ShardedCache:
         return old_rows, old_state
 
     def rows_of(self, ids) -> np.ndarray:
-        """The exact rows of ``ids`` (any shape) ``[..., D]``, read from the host shards."""
+        """The exact rows of ``ids`` (any shape) ``[..., D]``, read from the host shards;
+        over several processes each reads its own shards' and they are gathered (every
+        process calls this with the same ids: a collective)."""
         owner, local = self._split(ids)
-        out = np.empty((*owner.shape, self.dim), np.float32)
-        for k, cache in enumerate(self.caches):
+        out = np.zeros((*owner.shape, self.dim), np.float32)
+        for k in self.local:
             mine = owner == k
-            out[mine] = cache.rows_of(local[mine])
-        return out
+            out[mine] = self.caches[k].rows_of(local[mine])
+        if len(self.local) == self.plan.num_shards:
+            return out
+        every = multihost_utils.process_allgather(out)  # [processes, ..., D]
+        return np.take_along_axis(every, self._process[owner][None, ..., None], axis=0)[0]
 
     def table(self) -> np.ndarray:
+        self._whole("table")
         return self.plan.from_shards(np.concatenate([c.table() for c in self.caches]))
 
     def optimizer_state(self) -> np.ndarray | None:
         if not self.optimizer.has_state:
             return None
+        self._whole("optimizer_state")
         return self.plan.from_shards(np.concatenate([c.optimizer_state() for c in self.caches]))
 
-    def shard_views(self) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
+    def _whole(self, what: str) -> None:
+        if len(self.local) != self.plan.num_shards:
+            raise ValueError(f"{what}: shards {sorted(set(range(self.plan.num_shards)) - set(self.local))} are held "
+                             "by other processes (shard_views and owned_ranges give this process's)")
+
+    def shard_views(self) -> tuple[list[np.ndarray | None], list[np.ndarray | None] | None]:
         """Each device's shard of the table ``[S, D]`` and of its optimizer state
         (None for SGD): read-only views of the host shards, flushed first, which later
         steps change (``plan.rows_from_shards`` reads the table's rows from them without
-        joining them, as ``table()`` does)."""
-        rows = [c.table() for c in self.caches]
-        return rows, [c.optimizer_state() for c in self.caches] if self.optimizer.has_state else None
+        joining them, as ``table()`` does); None for a shard another process holds."""
+        rows = [c.table() if k in self.local else None for k, c in enumerate(self.caches)]
+        if not self.optimizer.has_state:
+            return rows, None
+        return rows, [c.optimizer_state() if k in self.local else None for k, c in enumerate(self.caches)]
+
+    def owned_ranges(self) -> tuple[tuple[tuple[int, int], ...], int] | None:
+        """``(ranges, align)`` over several processes: the rows ``(lo, hi)`` of the
+        unsharded table this process's shards hold (what it writes of a checkpoint),
+        and the gcd of the rows where the holding process changes (a checkpoint's
+        blocks must not straddle two processes' rows); None in one process."""
+        if len(self.local) == self.plan.num_shards:
+            return None
+        holder = {}
+        for k in range(self.plan.num_shards):
+            for lo, hi in self.plan.shard_ranges(k):
+                holder[lo] = (hi, int(self._process[k]))
+        starts = sorted(holder)
+        changes = [lo for prev, lo in zip(starts, starts[1:]) if holder[prev][1] != holder[lo][1]]
+        ranges = []
+        for lo in starts:
+            hi, process = holder[lo]
+            if process != jax.process_index():
+                continue
+            if ranges and ranges[-1][1] == lo:  # one range across this process's adjacent shards
+                lo = ranges.pop()[0]
+            ranges.append((lo, hi))
+        return tuple(ranges), math.gcd(*changes)
 
     def load(self, table: np.ndarray, state: np.ndarray | None = None) -> None:
         S = self.plan.shard_rows

@@ -73,3 +73,30 @@ class HostStore:
         if state.shape != (self.num_rows,):
             raise ValueError(f"optimizer state shape {state.shape}, expected ({self.num_rows},)")
         return state
+
+
+class RemoteStore:
+    """A shard's host table that another process holds (a ``ShardedCache`` over several
+    processes): this process keeps the shard's cache maps, which every process computes
+    alike, but none of its rows. ``gather`` gives zero rows of the right shape (never
+    sent anywhere: the swap program takes each device's rows from its own process),
+    ``write`` and ``load`` do nothing."""
+
+    table = state = None
+
+    def __init__(self, num_rows: int, dim: int, optimizer: SparseOptimizer):
+        self.num_rows, self.dim, self.optimizer = num_rows, dim, optimizer
+
+    @property
+    def row_bytes(self) -> int:
+        return 4 * (self.dim + (1 if self.optimizer.has_state else 0))
+
+    def gather(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        rows = np.zeros((len(ids), self.dim), np.float32)
+        return rows, (np.zeros(len(ids), np.float32) if self.optimizer.has_state else None)
+
+    def write(self, ids: np.ndarray, rows, state) -> None:
+        pass
+
+    def load(self, table, state) -> None:
+        pass

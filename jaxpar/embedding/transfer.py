@@ -13,6 +13,9 @@ scatters drop them), so a few programs serve every step instead of one per miss 
 cache a device, laid end to end in one array split over a mesh axis): each device's
 slots are a row of an ``[n, P]`` index array, so one read and one write program serve
 every device, where a swap per device's cache compiled each program for each device.
+Over several processes each process moves the rows of its own devices' caches alone
+(``place`` puts each device's part from its own process; the evicted rows are read
+from the addressable shards).
 """
 
 from __future__ import annotations
@@ -83,17 +86,17 @@ def swap_sharded(arrays: CacheArrays, victims: list[np.ndarray], fill: list[np.n
         return arrays, [None] * n, [None] * n
     P = bucket(size)
     split = NamedSharding(mesh, PartitionSpec(axis))
-    put = lambda x: jax.device_put(x, split)  # noqa: E731
+    put = lambda x: place(x, split)  # noqa: E731
     old_rows, old_state = [None] * n, [None] * n
     if any(len(v) for v in victims):  # read out first, in a program of its own (see swap)
         got_rows, got_state = _read_split(arrays, put(np.stack([_padded(v, P, C) for v in victims])),
                                           mesh=mesh, axis=axis)
-        got_rows = np.asarray(got_rows)
-        got_state = np.asarray(got_state) if got_state is not None else None
+        got_rows = _local_rows(got_rows)  # this process's caches' (all of them in one process)
+        got_state = _local_rows(got_state) if got_state is not None else {}
         for k, v in enumerate(victims):
-            if len(v):
-                old_rows[k] = got_rows[k, : len(v)]
-                old_state[k] = got_state[k, : len(v)] if got_state is not None else None
+            if len(v) and k in got_rows:
+                old_rows[k] = got_rows[k][: len(v)]
+                old_state[k] = got_state[k][: len(v)] if k in got_state else None
     if any(len(f) for f in fill):
         fill_rows = np.zeros((n, P, D), np.float32)
         fill_state = None if arrays.state is None else np.zeros((n, P), np.float32)
@@ -127,6 +130,35 @@ def _write_split(arrays: CacheArrays, fill_slots, fill_rows, fill_state, *, mesh
     spec = PartitionSpec(axis)
     return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, spec), out_specs=spec)(
         arrays, fill_slots, fill_rows, fill_state)
+
+
+def place(x: np.ndarray, sharding) -> jax.Array:
+    """Host ``x`` on ``sharding`` (a Sharding, a Device or None: ``jax.device_put``'s);
+    over several processes each puts its own devices' parts of its own ``x``
+    (``jax.make_array_from_callback``): the parts of other processes' devices are never
+    read, so they may differ (a process has zeros where another's cache rows are), and
+    there is no cross-process check that they agree, which ``jax.device_put`` makes of a
+    host value on a global sharding (a collective per call)."""
+    if not isinstance(sharding, jax.sharding.Sharding) or sharding.is_fully_addressable:
+        return jax.device_put(x, sharding)
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
+def host_value(a) -> np.ndarray:
+    """The whole of ``a`` in numpy: over several processes, a split array's shards are
+    gathered from every process (a collective: every process calls it)."""
+    if isinstance(a, jax.Array) and not a.is_fully_addressable and not a.is_fully_replicated:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+    return np.asarray(a)
+
+
+def _local_rows(a: jax.Array) -> dict[int, np.ndarray]:
+    """``{k: a[k]}`` for the rows k of ``a [n, ...]`` (split over its first axis, a row a
+    device) that this process's devices hold."""
+    return {shard.index[0].start or 0: np.asarray(shard.data)[0] for shard in a.addressable_shards}
 
 
 def bucket(n: int) -> int:
