@@ -277,7 +277,9 @@ def test_generate_names_a_file_that_is_not_gguf(tmp_path, capsys):
     from jaxpar.commands.generate import main as generate
 
     (tmp_path / "bad.gguf").write_bytes(b"not a gguf file at all")
-    assert generate([str(tmp_path / "bad.gguf"), "--prompt", "hi"]) == 1
+    with pytest.raises(SystemExit) as e:  # bad input: parser.error's exit 2
+        generate([str(tmp_path / "bad.gguf"), "--prompt", "hi"])
+    assert e.value.code == 2
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith(f"jaxpar-generate: error: {tmp_path / 'bad.gguf'} is not "
                                                "a readable GGUF file: ")

@@ -378,7 +378,10 @@ def generate_cli(capsys, *args):
     """``jaxpar-generate ARGS --json`` in this process: ``(exit code, JSON or None, stderr)``."""
     from jaxpar.commands.generate import main as generate
 
-    code = generate([*map(str, args), "--json"])
+    try:
+        code = generate([*map(str, args), "--json"])
+    except SystemExit as e:  # bad input: parser.error's exit 2
+        code = e.code
     out, err = capsys.readouterr()
     return code, (json.loads(out) if code == 0 else None), err
 
@@ -464,7 +467,7 @@ def test_generate_with_trained_drafts_gives_the_targets_tokens(target_run, glide
     ]:
         code, _, err = generate_cli(capsys, *common, *args)
         lines = err.strip().splitlines()
-        assert code == 1 and len(lines) == 1 and message in lines[0], err
+        assert code == 2 and len(lines) == 1 and message in lines[0], err
 
 
 @pytest.mark.slow

@@ -385,7 +385,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, cache):
         ("mesh.fsdp=3", 2, "does not divide 8 devices"),
         ("mesh.pipe=2 pipeline.microbatches=3", 2, "batch_size=8 is not divisible by pipeline.microbatches x the data-parallel degree = 3 x 4 = 12"),
         ("mesh.pipe=2 pipeline.microbatches=1 batch_size=8", 2, "1f1b needs at least as many microbatches as pipeline stages: microbatches=1 < pipe=2"),
-        ("execution.attention=cudnn", 1, "execution.attention='cudnn' needs a GPU; JAX's backend here is 'cpu'"),
+        ("execution.attention=cudnn", 2, "execution.attention='cudnn' needs a GPU; JAX's backend here is 'cpu'"),
         ("mesh.seq=4 seq_len=60", 2, "seq_len=60 must be divisible by 2 x mesh.seq = 8 for execution.seq_layout=zigzag"),
         # found only once the step is compiled for its profile; still exit 2, nothing written
         ("offload.optimizer=auto offload.device_budget=1KiB", 2,

@@ -205,7 +205,12 @@ class ExecutionConfig:
 
     @property
     def kernels(self) -> KernelOptions:
-        return KernelOptions(self.attention, self.norm, self.loss)
+        """The kernels chosen; ``ConfigError`` (one line) for one this device cannot run
+        (``cudnn`` without a GPU, ``pallas`` or ``cudnn`` on a GPU older than 8.0)."""
+        try:
+            return KernelOptions(self.attention, self.norm, self.loss)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
     @property
     def sequence(self) -> SequenceOptions:

@@ -140,17 +140,9 @@ def fit_context(prompt: np.ndarray, context: int, new: int, truncate: bool,
     return prompt[:, -keep:]
 
 
-def main(argv=None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
-    if args.max_new_tokens < 1:
-        parser.error(f"--max-new-tokens {args.max_new_tokens} must be at least 1")
-    if args.temperature < 0:
-        parser.error(f"--temperature {args.temperature} must not be negative")
-    if not 0 < args.top_p <= 1:
-        parser.error(f"--top-p {args.top_p} must be in (0, 1]")
-    if args.method not in (None, "ar") and args.draft is None:
-        parser.error(f"--method {args.method} needs --draft DRAFT_RUN_DIR")
+def _loaded(args, parser: CommandParser):
+    """``(tokenizer, target, draft, method, prompt, eos)`` of the command line; bad input
+    (a model, draft or flag that cannot be used) is ``parser.error``: one line, exit 2."""
     try:
         for run_dir in filter(None, (args.run_dir, args.draft)):
             check_run_dir(run_dir)
@@ -164,16 +156,35 @@ def main(argv=None) -> int:
         if args.draft is not None:
             check_same_tokenizer(args.run_dir, args.draft)
             draft = load_draft(args.draft)
-        method = args.method or ("ar" if draft is None else
-                                 as_draft(draft).method)
-        speculative.check(Method(method, args.gamma, tuple(args.bins), args.temperature, args.top_p),
-                          target, draft)
+        method = args.method or ("ar" if draft is None else as_draft(draft).method)
+        speculative.check(Method(method, args.gamma, tuple(args.bins), args.temperature, args.top_p,
+                                 args.lookup or "", args.lookup_tokens, args.runner_up), target, draft)
         prompt = np.asarray([tokenizer.encode(args.prompt).ids], np.int32)
-        if prompt.shape[1] == 0:
-            parser.error("--prompt encodes to no tokens")
-        prompt = fit_context(prompt, context_length(args.run_dir, target), args.max_new_tokens,
-                             args.truncate_prompt, parser)
+        context = context_length(args.run_dir, target)
         eos = eos_ids(args.run_dir, tokenizer)
+    except (FileNotFoundError, ValueError) as e:
+        parser.error(str(e))
+    if prompt.shape[1] == 0:
+        parser.error("--prompt encodes to no tokens")
+    prompt = fit_context(prompt, context, args.max_new_tokens, args.truncate_prompt, parser)
+    return tokenizer, target, draft, method, prompt, eos
+
+
+def main(argv=None) -> int:
+    """Exit 2 for bad input (``parser.error``: flags, the model or draft, the prompt),
+    1 for a failure once generating has started."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.max_new_tokens < 1:
+        parser.error(f"--max-new-tokens {args.max_new_tokens} must be at least 1")
+    if args.temperature < 0:
+        parser.error(f"--temperature {args.temperature} must not be negative")
+    if not 0 < args.top_p <= 1:
+        parser.error(f"--top-p {args.top_p} must be in (0, 1]")
+    if args.method not in (None, "ar") and args.draft is None:
+        parser.error(f"--method {args.method} needs --draft DRAFT_RUN_DIR")
+    tokenizer, target, draft, method, prompt, eos = _loaded(args, parser)
+    try:
         if not args.json:
             sys.stdout.write(args.prompt)
         ids, rate, accepted, shown = _run(target, prompt, eos, args, method, draft,
