@@ -77,7 +77,7 @@ from flax import nnx  # noqa: E402
 # belongs here.
 SLOWEST_FIRST = (
     "test_glide.py", "test_speculative.py", "test_train.py", "test_serving.py",
-    "test_entry_points.py", "test_cluster_ray.py", "test_train_parallel.py", "test_serve.py",
+    "test_entry_points.py", "test_cluster_ray.py", "test_combinations_train.py", "test_train_parallel.py", "test_serve.py",
     "test_sequence_parallel.py", "test_plan.py", "test_pipeline.py", "test_hetero_reduction.py",
     "test_pipeline_uneven.py", "test_hetero_batches.py", "test_parallel.py", "test_bench_plan_ranking.py",
     "test_gpu_check.py", "test_offload_plan.py", "test_notebook.py", "test_recsys_train.py", "test_dlrm.py",

@@ -8,14 +8,23 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import safetensors.numpy
-import torch
-import transformers
 from flax import nnx
 
 import jaxpar
 from jaxpar.models import PRESETS, RopeScaling, Transformer
 from jaxpar.models.hf import from_hf, to_hf
 from jaxpar.models.transformer import rope_frequencies
+
+
+def hf_modules():
+    """``(torch, transformers)``, imported where a test first needs them: at the top of
+    this file they cost every pytest worker about 7 s of its collection, whether or not
+    it runs this file."""
+    import torch
+    import transformers
+
+    return torch, transformers
+
 
 TINY = dict(
     vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -28,8 +37,9 @@ LLAMA3_ROPE = {
 TOKENS = np.random.RandomState(0).randint(0, TINY["vocab_size"], size=(2, 12))
 
 
-def hf_model(**overrides) -> transformers.LlamaForCausalLM:
+def hf_model(**overrides):
     """A tiny random Llama; norm weights are noise around 1, so a swapped norm shows."""
+    torch, transformers = hf_modules()
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**TINY, **overrides}))
     with torch.no_grad():
@@ -40,6 +50,7 @@ def hf_model(**overrides) -> transformers.LlamaForCausalLM:
 
 
 def hf_logits(model) -> np.ndarray:
+    torch, _ = hf_modules()
     with torch.no_grad():
         return model(torch.tensor(TOKENS)).logits.numpy()
 
@@ -130,6 +141,7 @@ def test_bfloat16(checkpoint):
 
 
 def test_round_trip(tmp_path):
+    _, transformers = hf_modules()
     model = from_hf_of(hf_model(attention_bias=True, rope_parameters=LLAMA3_ROPE), tmp_path)
     out = tmp_path / "out"
     to_hf(model, out)
@@ -232,6 +244,7 @@ def test_generate_stops_where_transformers_stops(tmp_path, capsys):
     generation_config.json's eos_token_id (a list, as Llama 3 has) exactly where
     transformers' greedy generate stops; without that file, config.json's id, then
     tokenizer_config.json's eos_token name the end."""
+    torch, transformers = hf_modules()
     import tokenizers
     from conftest import random_init
 
