@@ -233,6 +233,19 @@ def test_cli_json(capsys):
     assert code == 0 and "average JCT" in out
 
 
+def test_the_readmes_ones_simulation_runs_on_fewer_jobs(capsys):
+    """README: ``jaxpar-cluster simulate synthetic:300 --scheduler ones --gpus 64 --json``
+    on 2 jobs of the synthetic trace (300 take ONES's search 5 minutes on 2 cores, 2
+    about 1 s): every job finishes, and the summary agrees with the jobs' JCTs."""
+    code, out, err = cli(capsys, "simulate", "synthetic:2", "--scheduler", "ones", "--gpus", 64, "--json")
+    assert code == 0, err
+    summary = json.loads(out)
+    jcts = [j["jct_s"] for j in summary["jobs"]]
+    assert [j["id"] for j in summary["jobs"]] == [f"job{i}" for i in range(2)] and min(jcts) > 0
+    assert abs(summary["avg_jct_s"] - sum(jcts) / 2) <= 1e-9 * summary["avg_jct_s"]
+    assert max(jcts) <= summary["makespan_s"]
+
+
 def test_cli_bad_input_is_one_line_exit_2(capsys, tmp_path):
     big = tmp_path / "big.json"
     big.write_text(json.dumps([philly_job("huge", "2017-10-03 01:00:00",

@@ -615,6 +615,8 @@ def test_dry_run_reports_the_plan_offloads_under_a_budget_and_refuses_one_nothin
       holds every parameter and gradient there): the plan offloads, keeps its promise,
       and the step is built with its OffloadOptions (on CPU the compile still counts
       host state as device memory: profiler docstring);
+    * no budget, offload.params=host offload.resident_layers=2 (the README's dry run,
+      there on 1b): that placement, 2 of the 4 layers' parameters on the host;
     * one below every plan: a ConfigError, which jaxpar-train exits 2 on, before
       anything is written."""
     from jaxpar.train.loop import train
@@ -635,6 +637,14 @@ def test_dry_run_reports_the_plan_offloads_under_a_budget_and_refuses_one_nothin
     assert p["device_bytes"] <= everything["peak_bytes"] - 1 and (p["params"], p["optimizer"]) != ("device", "device")
     assert out["host_state_bytes"] > 0 and out["device_state_bytes"] + out["host_state_bytes"] == everything["alias_bytes"]
     assert out["transfer_bytes"]["host_to_device"] > 0 and out["transfer_bytes"]["device_to_host"] > 0
+
+    # the README's fixed placement (there on 1b, 4 of its 16 layers resident): 2 of the 4 here, no search
+    fixed = [o for o in base if not o.startswith("offload.")] + ["offload.params=host", "offload.resident_layers=2"]
+    train(load_config("tiny", fixed), progress=False)
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    p = out["offload_plan"]
+    assert (p["params"], p["resident_layers"], p["layers"], p["optimizer"]) == ("host", 2, 4, "device")
+    assert out["host_state_bytes"] > 0 and out["device_state_bytes"] + out["host_state_bytes"] == everything["alias_bytes"]
 
     # the smallest plan streams all four layers, the embedding and head with them
     with pytest.raises(ConfigError, match=r"^offload.device_budget=1MiB is below what any plan needs: the smallest "

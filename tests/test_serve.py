@@ -846,6 +846,34 @@ def test_command_line_serves_speculatively_on_replicas(hf_dir):
 
 
 @pytest.mark.slow
+def test_the_readmes_run_dir_command_serves_the_run(tmp_path):
+    """README: ``jaxpar-serve runs/tiny --port 8000`` on a jaxpar run dir (a random small
+    model's, tests/test_runs.py's, with a 300-word tokenizer; flags that make one program
+    of 8 tokens), served on a free port: a greedy completion over HTTP, under the run
+    dir's name, is the run's tokens decoded alone."""
+    from test_runs import write_run
+
+    run = tmp_path / "try"
+    write_run(run, np.random.default_rng(3), opt_state=False)
+    words = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"t{i}": i for i in range(300)}, "t0"))
+    words.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    words.save(str(run / "tokenizer.json"))
+    _, app, _ = serve.build(serve._parser().parse_args([str(run), "--port", "0", "--max-batch", "1",
+                                                        "--max-num-batched-tokens", "8", "--max-context", "32",
+                                                        "--no-progress"]))
+    server, thread, url = start(app)
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        out = client.completions.create(model="try", prompt="t5 t9 t2", max_tokens=8, temperature=0)
+    finally:
+        server.should_exit = True
+        thread.join(60)
+    want = np.stack(list(generate(load_model(run), [[5, 9, 2]], max_new_tokens=8)), axis=1)[0].tolist()
+    assert len(set(want)) > 1 and out.choices[0].text == text_of(want)
+    assert out.usage.completion_tokens == 8 and out.model == "try"
+
+
+@pytest.mark.slow
 def test_sigterm_finishes_the_running_request_and_exits_0(hf_dir):
     """``python -m jaxpar.commands.serve PATH --port 0``: a line saying what it loads, one
     saying how many programs it compiles, then one with the URL; SIGTERM during a

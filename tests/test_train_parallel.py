@@ -60,6 +60,15 @@ def same_losses(history, reference) -> None:
         assert len(got) == len(want) > 0 and rel_err(got, want) < 1e-5, key
 
 
+def test_the_readmes_fsdp_command_trains_like_one_device(tmp_path, cache, one_device):
+    """README: ``jaxpar-train tiny mesh.fsdp=4 model.layers=2 steps=30 run_dir=runs/try``,
+    shortened to THREE_STEPS on SMALL's data (its model.layers=2 the README's): on the
+    8 devices, data=2 x fsdp=4, the losses and validation loss are one device's."""
+    history = train(load_config("tiny", [*SMALL, f"run_dir={tmp_path / 'try'}", f"cache_dir={cache}", *THREE_STEPS,
+                                         "mesh.fsdp=4", "model.layers=2"]), progress=False)
+    same_losses(history, one_device)
+
+
 def test_pallas_kernels_train_like_xla(tmp_path, cache, one_device):
     """execution.attention, execution.norm and execution.loss = pallas (interpret mode on CPU, each kernel
     per device under shard_map on a data=2 x fsdp=2 x tensor=2 mesh: heads and the loss's
