@@ -51,10 +51,16 @@ os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 # with both cores already busy (two xdist workers) the parts only add work: one part
 # took test_parallel.py + test_decoding.py from 76.5 to 69.5 CPU seconds (two
 # interleaved runs each, 2026-11-29). It changes how the code is compiled, not what.
+#
+# And a program's operations run on its device's thread, not on Eigen's pool of threads
+# as well: with three workers' devices already contending for two cores, the pool's
+# threads only wait on each other (test_parallel.py + test_pipeline.py +
+# test_sequence_parallel.py on three workers: 111 / 88 s against 131 / 96 s in two
+# interleaved pairs, the same CPU seconds, 2026-11-29).
 FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_cpu_parallel_codegen_split_count=1",
-                "--xla_cpu_use_fusion_emitters=false")
+                "--xla_cpu_use_fusion_emitters=false", "--xla_cpu_multi_thread_eigen=false")
 _OURS = ("--xla_backend_optimization_level", "--xla_cpu_parallel_codegen_split_count",
-         "--xla_cpu_use_fusion_emitters")  # a parent run's, replaced
+         "--xla_cpu_use_fusion_emitters", "--xla_cpu_multi_thread_eigen")  # a parent run's, replaced
 _inherited = [f for f in os.environ.get("XLA_FLAGS", "").split() if f.split("=")[0] not in _OURS]
 os.environ["XLA_FLAGS"] = " ".join((*_inherited, *FAST_COMPILE))
 
