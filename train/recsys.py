@@ -74,7 +74,7 @@ from jaxpar.train import data as data_lib
 from jaxpar.train import row_blocks
 from jaxpar.train.auc import auc
 from jaxpar.train.checkpoints import CheckpointError, Checkpoints
-from jaxpar.train.config import Config, load_config, to_dict
+from jaxpar.train.config import Config, ConfigError, load_config, to_dict
 from jaxpar.train.loop import build_mesh, describe_mesh, make_optimizer
 from jaxpar.train.recsys_data import recsys_loader
 from jaxpar.train.row_blocks import RowBlocks
@@ -243,7 +243,7 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
     table = state["table"]
     tables = build_tables(cfg, table, mesh)
     if isinstance(tables, ShardedCache) and tables.owned_ranges() is not None and not row_blocks.WRITER:
-        raise ValueError("a host table split over processes needs the checkpoint block writer, which this "
+        raise ConfigError("a host table split over processes needs the checkpoint block writer, which this "
                          "orbax-checkpoint lacks (0.12's internals): use one process or embedding.sharding=replicated")
     # The table lives in `tables` now; a checkpoint's restore needs only its shape (np.empty
     # touches no memory until orbax fills it).
