@@ -207,6 +207,51 @@ def random_init(build, rng, std: float = 0.3):
     return model
 
 
+def train_processes(config: str, args: list[str], logs: pathlib.Path, *, processes: int = 2,
+                    devices: int = 2) -> list[subprocess.Popen]:
+    """``jaxpar-train CONFIG ARGS --no-progress`` as ``processes`` processes of ``devices``
+    simulated CPU devices each on JAX's distributed runtime (gloo, a free port); process
+    i's stderr in ``logs``.i (a file: a full pipe would stall the run)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for i in range(processes):
+        with open(f"{logs}.{i}", "w") as log:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "jaxpar.commands.train", config, *args, "--no-progress"],
+                env=dict(os.environ, JAX_NUM_CPU_DEVICES=str(devices), JAXPAR_COORDINATOR=f"127.0.0.1:{port}",
+                         JAXPAR_NUM_PROCESSES=str(processes), JAXPAR_PROCESS_ID=str(i)),
+                stdout=subprocess.DEVNULL, stderr=log))
+    return procs
+
+
+def finish(procs: list[subprocess.Popen], logs: pathlib.Path, timeout: int = 600) -> None:
+    """Waits for ``train_processes``' processes; each must exit 0 (else its log's tail)."""
+    for i, proc in enumerate(procs):
+        assert proc.wait(timeout=timeout) == 0, pathlib.Path(f"{logs}.{i}").read_text()[-2000:]
+
+
+def kill_once_saved(procs: list[subprocess.Popen], run_dir: pathlib.Path, step: int, timeout: int = 600) -> list[int]:
+    """SIGKILLs every process once ``run_dir`` holds the checkpoint of ``step`` (or one
+    of them has ended); returns the steps saved by then."""
+    import signal
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not (run_dir / "checkpoints" / str(step)).is_dir() and time.monotonic() < deadline:
+        if any(p.poll() is not None for p in procs):
+            break
+        time.sleep(0.01)
+    for p in procs:
+        p.send_signal(signal.SIGKILL)
+    for p in procs:
+        p.wait(timeout=60)
+    return sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+
+
 def run_python(code: str, *, devices: int = 8, timeout: int = 300) -> subprocess.CompletedProcess:
     """Runs ``code`` in a fresh interpreter with ``devices`` simulated CPU devices."""
     env = dict(os.environ, JAX_NUM_CPU_DEVICES=str(devices), JAX_PLATFORMS="cpu")

@@ -4,18 +4,12 @@
 SIGKILL and a resume."""
 
 import json
-import os
 import pathlib
-import signal
-import socket
-import subprocess
-import sys
-import time
 
 import numpy as np
 import pytest
 
-from conftest import adasum_reference
+from conftest import adasum_reference, finish, kill_once_saved, train_processes
 from jaxpar.train import weighted
 from jaxpar.train.data import default_cache_dir
 from jaxpar.train.config import load_config
@@ -95,22 +89,6 @@ def test_bad_batch_weights_exit_2_and_write_nothing(tmp_path, capfd, arg, messag
     assert not run.exists()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _two_processes(run, args, weights) -> list[subprocess.Popen]:
-    port = _free_port()
-    return [subprocess.Popen(
-        [sys.executable, "-m", "jaxpar.commands.train", "tiny", *args, f"run_dir={run}", f"data.batch_weights={weights}",
-         "--no-progress"],
-        env=dict(os.environ, JAX_NUM_CPU_DEVICES="2", JAXPAR_COORDINATOR=f"127.0.0.1:{port}",
-                 JAXPAR_NUM_PROCESSES="2", JAXPAR_PROCESS_ID=str(i)),
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for i in range(2)]
-
-
 @pytest.mark.slow  # two processes on jax.distributed
 def test_twelve_and_four_rows_equal_sixteen_and_resume_after_sigkill(tmp_path, cache):
     """Two processes of two devices each, one data replica each split over its two FSDP
@@ -122,26 +100,14 @@ def test_twelve_and_four_rows_equal_sixteen_and_resume_after_sigkill(tmp_path, c
     single = train(load_config("tiny", args + [f"run_dir={tmp_path / 'single'}"]), progress=False)
     args = args + ["mesh.fsdp=2"]
 
-    run = tmp_path / "two"
-    procs = _two_processes(run, args, "[3,1]")
-    deadline = time.monotonic() + 600
-    while not (run / "checkpoints" / "2").is_dir() and time.monotonic() < deadline:
-        if any(p.poll() is not None for p in procs):
-            break
-        time.sleep(0.05)
-    for p in procs:
-        p.send_signal(signal.SIGKILL)
-    for p in procs:
-        p.communicate(timeout=60)
-    saved = sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
+    run, logs = tmp_path / "two", tmp_path / "two.log"
+    args = [*args, f"run_dir={run}", "data.batch_weights=[3,1]"]
+    saved = kill_once_saved(train_processes("tiny", args, logs), run, 2)
     assert saved and saved[-1] < 6, f"killed too late to test a resume: checkpoints {saved}"
     config = json.loads(json.dumps(__import__("yaml").safe_load((run / "config.yaml").read_text())))
     assert config["data"]["batch_weights"] == [3.0, 1.0]
 
-    procs = _two_processes(run, args, "[3,1]")
-    for p in procs:
-        _, err = p.communicate(timeout=600)
-        assert p.returncode == 0, err[-2000:]
+    finish(train_processes("tiny", args, logs), logs)
     two = metrics(run)
     assert [r["step"] for r in two] == list(range(1, 7))
     assert rel_err([r["loss"] for r in two], [r["loss"] for r in single]) < 1e-5

@@ -14,6 +14,7 @@ import time
 import numpy as np
 import pytest
 
+from conftest import finish, kill_once_saved, train_processes
 from jaxpar.train.config import ConfigError, load_config
 from jaxpar.train.loop import train
 
@@ -214,26 +215,6 @@ def test_a_save_holds_no_copy_of_the_table(tmp_path, monkeypatch, sharding, writ
     np.testing.assert_array_equal(restored["table_state"], state)
 
 
-def _dlrm_two_processes(run, args, logs) -> list[subprocess.Popen]:
-    """``jaxpar-train dlrm`` as two processes of two simulated CPU devices each (JAX's
-    distributed runtime over gloo, a free port), their logs in ``logs``.{0,1}."""
-    import os
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for i in range(2):
-        with open(f"{logs}.{i}", "w") as log:  # a file, not a pipe: a full pipe would stall the run
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "jaxpar.commands.train", "dlrm", *args, f"run_dir={run}", "--no-progress"],
-                env=dict(os.environ, JAX_NUM_CPU_DEVICES="2", JAXPAR_COORDINATOR=f"127.0.0.1:{port}",
-                         JAXPAR_NUM_PROCESSES="2", JAXPAR_PROCESS_ID=str(i)),
-                stdout=subprocess.DEVNULL, stderr=log))
-    return procs
-
-
 @pytest.mark.slow  # two processes on jax.distributed, twice
 def test_two_processes_of_two_devices_equal_four_devices_and_resume_after_sigkill(tmp_path):
     """Row-wise tables with a 1% cache on each device over its own shard, as 2
@@ -248,25 +229,15 @@ def test_two_processes_of_two_devices_equal_four_devices_and_resume_after_sigkil
     single = train(load_config("dlrm", [*args, "mesh.data=4", f"run_dir={tmp_path / 'single'}"]), progress=False)
 
     run, logs = tmp_path / "two", tmp_path / "two.log"
-    procs = _dlrm_two_processes(run, args, logs)
-    deadline = time.monotonic() + 300
-    while not (run / "checkpoints" / "4").is_dir() and time.monotonic() < deadline:
-        if any(p.poll() is not None for p in procs):
-            break
-        time.sleep(0.01)
-    for p in procs:
-        p.send_signal(signal.SIGKILL)
-    for p in procs:
-        p.wait(timeout=60)
-    saved = sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
+    args = [*args, f"run_dir={run}"]
+    saved = kill_once_saved(train_processes("dlrm", args, logs), run, 4, timeout=300)
     assert saved and saved[-1] < 16, f"killed too late to test a resume: checkpoints {saved}"
 
-    procs = _dlrm_two_processes(run, args, logs)
-    for i, p in enumerate(procs):
-        assert p.wait(timeout=300) == 0, pathlib.Path(f"{logs}.{i}").read_text()[-2000:]
+    finish(train_processes("dlrm", args, logs), logs, timeout=300)
     assert f"resuming from step {saved[-1]}" in pathlib.Path(f"{logs}.0").read_text()
     two = _metrics(run)
     assert [r["step"] for r in two] == list(range(1, 17))
     for key in ("loss", "val_loss", "val_auc"):
         ours, theirs = ([r[key] for r in h if key in r] for h in (two, single))
         assert len(ours) == len(theirs) > 0 and np.allclose(ours, theirs, rtol=1e-5, atol=0), (key, ours, theirs)
+

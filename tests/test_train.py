@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import lowerings, rel_err
+from conftest import finish, lowerings, rel_err, train_processes
 from jaxpar.train.checkpoints import Checkpoints
 from jaxpar.train.config import load_config
 from jaxpar.train.data import default_cache_dir
@@ -494,33 +494,14 @@ def test_dry_run_of_interleaved_stages_moves_no_layers(tmp_path, cache, capsys):
     assert profile["collective_counts"]["all-to-all"] == 0 and profile["collectives"]["all-to-all"] == 0
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_processes_match_one_and_share_checkpoints(tmp_path, cache, reference):
     """2 processes x 4 CPU devices on jax.distributed (gloo) == 1 process x 8 devices (the reference).
     They save at step 12 (the one this test resumes from) and 16 only: a save over two
     processes is a collective of its own, and the reference's cadence is not in the
     programs."""
     args = resumable(cache) + ["eval.every=6", "checkpoint.every=12"]
-    run, port = tmp_path / "two", _free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "jaxpar.commands.train", "tiny", *args, f"run_dir={run}", "--no-progress"],
-            env=dict(os.environ, JAX_NUM_CPU_DEVICES="4", JAXPAR_COORDINATOR=f"127.0.0.1:{port}",
-                     JAXPAR_NUM_PROCESSES="2", JAXPAR_PROCESS_ID=str(i)),
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        )
-        for i in range(2)
-    ]
-    for proc in procs:
-        _, err = proc.communicate(timeout=600)
-        assert proc.returncode == 0, err[-2000:]
+    run, logs = tmp_path / "two", tmp_path / "two.log"
+    finish(train_processes("tiny", [*args, f"run_dir={run}"], logs, devices=4), logs)
     two, single = metrics(run), reference[1]
     assert rel_err(losses(two), losses(single)) < 1e-5
     assert rel_err(losses(two, "val_loss"), losses(single, "val_loss")) < 1e-5
