@@ -241,3 +241,18 @@ def test_two_processes_of_two_devices_equal_four_devices_and_resume_after_sigkil
         ours, theirs = ([r[key] for r in h if key in r] for h in (two, single))
         assert len(ours) == len(theirs) > 0 and np.allclose(ours, theirs, rtol=1e-5, atol=0), (key, ours, theirs)
 
+
+def test_a_split_leaf_is_gathered_whole_where_orbax_has_no_block_writer():
+    """``RowBlocks.whole`` of a leaf this process writes in parts (``owned``, as a table
+    split over processes is): each block's rows gathered from whoever holds them (here
+    one process holding every part; the two-process path is the SIGKILL test's with the
+    block writer), the array exactly, across blocks (2 rows: a sixteenth) that cut the
+    parts."""
+    from jaxpar.train import row_blocks
+
+    assert row_blocks.block_rows((23, 3), np.float32) == 2
+    array = np.random.default_rng(0).standard_normal((23, 3)).astype(np.float32)
+    leaf = row_blocks.RowBlocks(array.shape, array.dtype, lambda lo, hi: array[lo:hi],
+                                owned=((0, 4), (4, 12), (12, 23)), align=4)
+    np.testing.assert_array_equal(leaf.whole(), array)
+

@@ -44,7 +44,9 @@ gradients' all-reduce (2 processes x 2 CPU devices against 1 x 4: within 2e-7):
   ``val_loss`` and ``val_auc``;
 - a checkpoint's dense state is written by orbax from every process, and a split host
   table by each process for its own shards' rows (``table_leaves``;
-  ``jaxpar.train.row_blocks``), a replicated one by process 0; on restore each process
+  ``jaxpar.train.row_blocks``), a replicated one by process 0 (with an orbax the block
+  writer cannot use, the split table is gathered a block at a time and process 0 writes
+  it whole: ``RowBlocks.whole``); on restore each process
   reads the table and keeps its shards' rows. Only process 0 writes ``config.yaml``,
   ``metrics.jsonl`` and TensorBoard's events.
 """
@@ -71,10 +73,9 @@ from jaxpar.embedding.transfer import place
 from jaxpar.models.dlrm import DLRM, DLRMConfig, bce_loss
 from jaxpar.offload.budget import parse_bytes
 from jaxpar.train import data as data_lib
-from jaxpar.train import row_blocks
 from jaxpar.train.auc import auc
 from jaxpar.train.checkpoints import CheckpointError, Checkpoints
-from jaxpar.train.config import Config, ConfigError, load_config, to_dict
+from jaxpar.train.config import Config, load_config, to_dict
 from jaxpar.train.loop import build_mesh, describe_mesh, make_optimizer
 from jaxpar.train.recsys_data import recsys_loader
 from jaxpar.train.row_blocks import RowBlocks
@@ -242,9 +243,6 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
     graphdef, stub, state, tx, schedule = initial_state(cfg, replicated)
     table = state["table"]
     tables = build_tables(cfg, table, mesh)
-    if isinstance(tables, ShardedCache) and tables.owned_ranges() is not None and not row_blocks.WRITER:
-        raise ConfigError("a host table split over processes needs the checkpoint block writer, which this "
-                         "orbax-checkpoint lacks (0.12's internals): use one process or embedding.sharding=replicated")
     # The table lives in `tables` now; a checkpoint's restore needs only its shape (np.empty
     # touches no memory until orbax fills it).
     state["table"] = np.empty_like(table)

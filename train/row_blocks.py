@@ -48,7 +48,7 @@ try:  # orbax's internals the block writer needs (orbax-checkpoint 0.12.8 here)
     from orbax.checkpoint._src.multihost import multihost
     from orbax.checkpoint._src.serialization import ocdbt_utils, tensorstore_utils as ts_utils
     WRITER = True
-except ImportError:  # another orbax: a save reads each RowBlocks leaf whole (a copy), as before
+except ImportError:  # another orbax: a save reads each RowBlocks leaf whole (a copy; ``whole``), as before
     WRITER = False
 
 BLOCK_BYTES = 64 << 20  # the most a block holds: a few tenths of a second of a disk's writing
@@ -70,11 +70,26 @@ class RowBlocks:
     align: int = 0
 
     def whole(self) -> np.ndarray:
-        """All the rows, read at once (a copy): where this orbax has no block writer."""
-        if self.owned is not None:
-            raise ValueError("a table split over processes is saved by the block writer alone (orbax-checkpoint "
-                             "0.12's internals); this orbax has none")
-        return np.array(self.read(0, self.shape[0]), self.dtype)
+        """All the rows (a copy): where this orbax has no block writer, so that orbax
+        saves it as any numpy leaf. Split over processes (``owned``), each block of rows
+        is gathered from the processes that hold it (a collective: every process calls
+        this; a block's copy per process in flight besides the whole)."""
+        if self.owned is None:
+            return np.array(self.read(0, self.shape[0]), self.dtype)
+        from jax.experimental import multihost_utils
+
+        out = np.empty(self.shape, self.dtype)
+        step = block_rows(self.shape, self.dtype)
+        for lo in range(0, self.shape[0], step):
+            hi = min(lo + step, self.shape[0])
+            part, held = np.zeros((hi - lo, *self.shape[1:]), self.dtype), np.zeros(hi - lo, bool)
+            for a, b in ((max(a, lo), min(b, hi)) for a, b in self.owned):
+                if a < b:
+                    part[a - lo:b - lo], held[a - lo:b - lo] = self.read(a, b), True
+            parts, helds = (np.asarray(x) for x in multihost_utils.process_allgather((part, held)))
+            owner = helds.argmax(0).reshape(1, -1, *[1] * (len(self.shape) - 1))  # the process holding each row
+            out[lo:hi] = np.take_along_axis(parts, owner, axis=0)[0]
+        return out
 
     @classmethod
     def of(cls, array: np.ndarray) -> "RowBlocks":
