@@ -285,6 +285,9 @@ def to_hf(model: Transformer, path, *, dtype=None, overwrite=False) -> None:
     style = {"norm": "rms", "mlp": "swiglu", "position": "rope"}
     if wrong := {k: getattr(cfg, k) for k, v in style.items() if getattr(cfg, k) != v}:
         raise ValueError(f"to_hf writes Llama models only ({style}); this model has {wrong}")
+    if cfg.moe is not None:
+        raise ValueError("to_hf writes dense Llama models only; this model has model.moe (Mixtral and Qwen3-MoE "
+                         "export is not built yet)")
     path = pathlib.Path(path)
     if path.exists() and not path.is_dir():
         raise FileExistsError(f"{path} exists and is not a directory")

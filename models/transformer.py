@@ -17,10 +17,18 @@ Parameter layout (stacked layers lead with L):
   *_norm.scale, bias    [L, D] / [D]  (layers, norm) / (norm,)     bias for LayerNorm only
   lm_head               [D, V]        (embed, vocab)               untied embeddings only
   layers.*_bias         biases of the projections, with attention_bias / mlp_bias
+  layers.moe.*          the routed experts of MoE layers (jaxpar.models.moe); layers.mlp
+                        is then their shared experts (absent without any)
+
+With ``model.moe.every = n > 1`` the stacked unit is a ``LayerGroup`` of ``n`` layers
+(``n - 1`` dense, then one MoE), stacked ``L / n`` times: ``layers.dense[i].*`` and
+``layers.sparse.*`` lead with ``L / n``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from typing import NamedTuple
 
@@ -36,6 +44,7 @@ from jaxpar.ops.attention import dot_product_attention
 from jaxpar.ops.linear import dense
 from jaxpar.models.cache import Cache
 from jaxpar.models.config import CHECKPOINT_NAMES, ModelConfig, RopeScaling
+from jaxpar.models.moe import MoE
 from jaxpar.placement import execution as execution_lib
 from jaxpar.placement.sharding import constrain
 
@@ -215,23 +224,63 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``; with ``moe``, the
+    MLP is the routed experts plus the shared ones (``jaxpar.models.moe``)."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, moe: bool = False):
         self.attn_norm = Norm(cfg, rngs=rngs)
         self.attn = Attention(cfg, rngs=rngs)
         self.mlp_norm = Norm(cfg, rngs=rngs)
-        self.mlp = MLP(cfg, rngs=rngs)
+        if moe:
+            self.moe = MoE(cfg, rngs=rngs)
+            shared = cfg.moe.shared_experts * cfg.moe.expert_width
+            self.mlp = MLP(dataclasses.replace(cfg, mlp_dim=shared), rngs=rngs) if shared else None
+        else:
+            self.mlp = MLP(cfg, rngs=rngs)
 
     def __call__(self, x, positions, segment_ids, cache=None):
+        x, new_cache, _ = self.forward(x, positions, segment_ids, cache)
+        return x if cache is None else (x, new_cache)
+
+    def forward(self, x, positions, segment_ids, cache=None):
+        """``(x, new_cache, aux)``: ``aux`` the MoE layer's float32 loss term (None when dense)."""
         with jax.named_scope("attention"):
             attn = self.attn(self.attn_norm(x), positions, segment_ids, cache)
             attn, new_cache = attn if cache is not None else (attn, None)
             x = x + attn
+        aux = None
         with jax.named_scope("mlp"):
-            x = x + self.mlp(self.mlp_norm(x))
+            h = self.mlp_norm(x)
+            moe = getattr(self, "moe", None)
+            if moe is None:
+                x = x + self.mlp(h)
+            else:
+                with jax.named_scope("moe"):
+                    y, aux = moe(h)
+                x = x + (y if self.mlp is None else y + self.mlp(h))
         x = constrain(x, ACT_BTD)
-        return x if cache is None else (x, new_cache)
+        return x, new_cache, aux
+
+
+class LayerGroup(nnx.Module):
+    """``model.moe.every = n`` layers as one stacked unit: ``n - 1`` dense layers
+    (``dense``), then a MoE one (``sparse``), so MoE layers are those ``l`` with ``(l +
+    1) % n == 0`` and the stack is still one scan (over ``L / n`` groups)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.dense = nnx.List([DecoderLayer(cfg, rngs=rngs) for _ in range(cfg.moe.every - 1)])
+        self.sparse = DecoderLayer(cfg, rngs=rngs, moe=True)
+
+    def __call__(self, x, positions, segment_ids, cache=None):
+        x, _, _ = self.forward(x, positions, segment_ids, cache)
+        return x
+
+    def forward(self, x, positions, segment_ids, cache=None):
+        if cache is not None:
+            raise ValueError(f"decoding a model with model.moe.every={len(self.dense) + 1} is not supported yet")
+        for layer in self.dense:
+            x = layer(x, positions, segment_ids)
+        return self.sparse.forward(x, positions, segment_ids)
 
 
 def _remat(fn, cfg: ModelConfig):
@@ -275,6 +324,8 @@ def _remat(fn, cfg: ModelConfig):
         policy = policies.save_only_these_names(*saved) if cfg.remat == "names" else otherwise
 
     def named(x, *xs):
+        if isinstance(x, tuple):  # (x, aux) of a MoE model: the residual stream is named
+            return fn((checkpoint_name(x[0], "layer_input"), *x[1:]), *xs)
         return fn(checkpoint_name(x, "layer_input"), *xs)
 
     return jax.checkpoint(named, policy=policy, prevent_cse=False)
@@ -338,10 +389,15 @@ class Transformer(nnx.Module):
         if cfg.position == "learned":
             self.positions = _param(rngs, cfg, (cfg.max_position, cfg.dim), ("positions", "embed"))
 
-        @nnx.split_rngs(splits=cfg.layers)
+        if cfg.moe is None:
+            unit = DecoderLayer
+        else:
+            unit = functools.partial(DecoderLayer, moe=True) if cfg.moe.every == 1 else LayerGroup
+
+        @nnx.split_rngs(splits=cfg.stacked_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
         def stacked(rngs):
-            return DecoderLayer(cfg, rngs=rngs)
+            return unit(cfg, rngs=rngs)
 
         self.layers = stacked(rngs)
         self.final_norm = Norm(cfg, rngs=rngs)
@@ -396,12 +452,21 @@ class Transformer(nnx.Module):
                  segment_ids: jax.Array | None = None) -> jax.Array:
         """The residual stream after the last layer (before the final norm), ``[B, T, D]``:
         what ``logits`` (or a fused loss, ``jaxpar.ops.kernel_ops.token_losses``) takes."""
+        return self.features_and_aux(tokens, positions=positions, segment_ids=segment_ids)[0]
+
+    def features_and_aux(self, tokens: jax.Array, *, positions: jax.Array | None = None,
+                         segment_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
+        """``(features(...), aux)``: ``aux`` the MoE layers' float32 loss terms summed
+        (``jaxpar.models.moe``: the balance loss, the router bias's gradient), which the
+        training loss adds; None for a dense model."""
         B, T = tokens.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         x = self.embed_tokens(tokens, positions)
         graphdef, layer_state = nnx.split(self.layers)
-        return run_layers(self.cfg, graphdef, layer_state, x, positions, segment_ids)
+        if self.cfg.moe is None:
+            return run_layers(self.cfg, graphdef, layer_state, x, positions, segment_ids), None
+        return run_layers_and_aux(self.cfg, graphdef, layer_state, x, positions, segment_ids)
 
     def embed_tokens(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
         """int ``[B, T]`` tokens (and positions) -> the residual stream ``[B, T, D]``.
@@ -453,4 +518,18 @@ def run_layers(cfg: ModelConfig, graphdef, layer_state, x, positions, segment_id
     def layer(x, state, positions, segment_ids):
         return nnx.merge(graphdef, state)(x, positions, segment_ids)
 
+    if cfg.moe is not None:
+        return run_layers_and_aux(cfg, graphdef, layer_state, x, positions, segment_ids)[0]
     return fetch.scan_layers(_remat(layer, cfg), x, layer_state, positions, segment_ids)
+
+
+def run_layers_and_aux(cfg: ModelConfig, graphdef, layer_state, x, positions, segment_ids):
+    """``run_layers`` of a MoE model carrying ``(x, aux)``: the residual stream and the sum
+    of the MoE layers' loss terms (float32)."""
+    def layer(carry, state, positions, segment_ids):
+        x, aux = carry
+        x, _, layer_aux = nnx.merge(graphdef, state).forward(x, positions, segment_ids)
+        return x, aux + layer_aux
+
+    carry = (x, jnp.zeros((), jnp.float32))
+    return fetch.scan_layers(_remat(layer, cfg), carry, layer_state, positions, segment_ids)

@@ -14,6 +14,7 @@ README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
 # Each feature turned on by overrides of `tiny` (8 simulated devices: every pair fits).
 TURN_ON = {
+    "model.moe": ["model=moe_tiny"],
     "offload": ["offload.optimizer=host"],
     "data.batch_weights": ["data.batch_weights=[1]"],
     "optimizer.reduction=adasum": ["optimizer.reduction=adasum"],

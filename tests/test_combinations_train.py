@@ -34,6 +34,7 @@ import jaxpar
 from conftest import adasum_reference, random_init, tree_rel_err
 from jaxpar.hetero.reduction import Reduction
 from jaxpar.models import GlideDraft, ModelConfig, Transformer
+from jaxpar.models.config import MoEConfig
 from jaxpar.parallel.pipeline_schedule import build
 from jaxpar.placement.execution import OffloadOptions, SequenceOptions
 from jaxpar.train import combinations, glide
@@ -49,6 +50,7 @@ EQUAL_ROWS, WEIGHTED_ROWS = (4, 4), (6, 2)  # each replica's rows; batch weights
 # What each feature adds to the step: make_train_step's options and mesh axes ("rows":
 # data.batch_weights' unequal rows per replica; "task": GliDe's draft and loss).
 ON = {
+    "model.moe": {"task": "moe"},
     "offload": {"offload": OffloadOptions(params="host", optimizer="host", activations=("query",))},
     "data.batch_weights": {"weighted": 2, "rows": WEIGHTED_ROWS},
     "optimizer.reduction=adasum": {"reduction": Reduction("adasum")},
@@ -104,7 +106,13 @@ def tasks() -> dict[str, Task]:
     draft = random_init(lambda: GlideDraft(CFG, 1, rngs=nnx.Rngs(0)), rng)
     state = nnx.state(target)
     teach = glide.teacher(target, cfg)
-    return {"lm": lm, "glide": Task(draft, glide.make_loss(cfg, target), (state,),
+    # The MoE cells: one MoE layer with a capacity and a shared expert; no balance loss
+    # (a function of the batch's statistics, not a mean over rows: test_moe.py checks it
+    # across devices)
+    moe = MoEConfig(experts=4, experts_per_token=2, expert_width=16, shared_experts=1, capacity_factor=1.0,
+                    balance_loss=0.0)
+    model = random_init(lambda: Transformer(dataclasses.replace(CFG, layers=1, moe=moe), rngs=nnx.Rngs(0)), rng)
+    return {"lm": lm, "moe": Task(model, loss_fn, (), lambda batch: batch), "glide": Task(draft, glide.make_loss(cfg, target), (state,),
                                     lambda batch: jax.tree.map(np.asarray, teach(state, batch)))}
 
 

@@ -58,7 +58,7 @@ def test_yaml_path_and_missing_config(tmp_path):
     path.write_text("steps: 7\nmodel:\n  layers: 1\n")
     cfg = load_config(str(path))
     assert cfg.steps == 7 and cfg.model.layers == 1 and cfg.model.dim == PRESETS["tiny"].dim
-    with pytest.raises(ConfigError, match="no config 'huge'; shipped configs: 1b, dlrm, glide, small, tiny"):
+    with pytest.raises(ConfigError, match="no config 'huge'; shipped configs: 1b, dlrm, glide, moe_tiny, small, tiny"):
         load_config("huge")
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(str(tmp_path / "nope.yaml"))
@@ -98,7 +98,9 @@ def test_presets_are_the_one_definition_of_each_model():
     assert load_config("dlrm", ["model=dlrm_criteo"]).model == DLRM_PRESETS["dlrm_criteo"]
     assert load_config("dlrm", ["model.embed_dim=8", "model.bottom=[32,8]"]).model == \
         dataclasses.replace(DLRM_PRESETS["dlrm"], embed_dim=8, bottom=(32, 8))
-    with pytest.raises(ConfigError, match=r"model.preset='huge' is not one of \['1b', 'dlrm', 'dlrm_criteo', 'dlrm_criteo_small', 'gpt2', 'small', 'tiny'\]"):
+    with pytest.raises(ConfigError, match=r"model.preset='huge' is not one of \['1b', 'deepseek_v3_like', 'dlrm', "
+                       r"'dlrm_criteo', 'dlrm_criteo_small', 'gpt2', 'mixtral_8x7b', 'moe_tiny', 'qwen3_30b_a3b', "
+                       r"'small', 'tiny'\]"):
         load_config("tiny", ["model.preset=huge"])
 
 

@@ -50,6 +50,7 @@ def _mesh(axis: str) -> Feature:
 # The features a run turns on by config, then the mesh's axes (so a line reads
 # "offload.optimizer='host' with mesh.pipe=2").
 FEATURES = (
+    Feature("model.moe", lambda c: getattr(c.model, "moe", None) is not None),
     Feature("offload", lambda c: bool(c.offload.requested), lambda c: c.offload.requested[0]),
     Feature("data.batch_weights", lambda c: c.data.batch_weights is not None,
             lambda c: f"data.batch_weights={_listed(c.data.batch_weights)}"),
@@ -68,7 +69,16 @@ _ROWS_LOOP = ("each data replica runs its own count of microbatches (a loop of i
               "axis's collective-permutes meet every device at once (FSDP's and tensor's collectives stay "
               "within a replica)")
 _NOISE_MEAN = "the noise scale's large batch is the plain mean's gradient, which {} replaces"
+_MOE_GRADIENT = ("a MoE model's router bias steps by the sign of its gradient, its load deviation over the batch "
+                 "(jaxpar.models.moe), which only the plain mean's gradient is")
 REFUSED: dict[frozenset, str] = {frozenset(pair): why for pair, why in {
+    ("model.moe", "mesh.pipe"): "a pipelined step computes the next-token loss itself, without the MoE layers' "
+                                "loss terms",
+    ("model.moe", "offload"): "experts in host memory are not built yet (issue 51, item 2)",
+    ("model.moe", "optimizer.reduction=adasum"): _MOE_GRADIENT,
+    ("model.moe", "optimizer.compression=dct_topk"): _MOE_GRADIENT,
+    ("model.moe", "eval.noise_scale"): _MOE_GRADIENT,
+    ("model.moe", "task=glide"): "a GliDe draft reads a dense target's layers",
     ("data.batch_weights", "mesh.pipe"): _ROWS_LOOP,
     ("data.batch_weights", "mesh.seq"): _ROWS_LOOP,
     ("data.batch_weights", "task=glide"): "unequal rows are built for a language model's batch (task=lm)",

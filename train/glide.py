@@ -90,6 +90,8 @@ def prepare(cfg: Config) -> tuple[Config, Transformer]:
         raise ValueError(f"data.tokenizer={cfg.data.tokenizer!r}: a GliDe draft uses its target's "
                          f"tokenizer ({tokenizer}); leave data.tokenizer unset")
     target = load_model(target_dir)
+    if target.cfg.moe is not None:
+        raise ValueError(f"task=glide with a mixture-of-experts target ({target_dir}) is not supported yet")
     if cfg.model not in (ModelConfig(), target.cfg):
         raise ValueError("model.* of a glide run is its target's (target_run_dir); leave the "
                          "model settings unset")

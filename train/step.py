@@ -27,6 +27,7 @@ from jaxpar.offload import state as offload_state
 from jaxpar.offload.fetch import is_split, to_device, to_host
 from jaxpar.placement import rules as rules_lib
 from jaxpar.kernels.dispatch import KernelOptions
+from jaxpar.models import moe as moe_lib
 from jaxpar.placement.execution import Execution, OffloadOptions, SequenceOptions, use_execution
 from jaxpar.placement.sharding import like_params, model_shardings, use_mesh
 from jaxpar.train import combinations, gradients, pipelined
@@ -269,7 +270,8 @@ def make_train_step(
     graphdef, params = nnx.split(model)
     reduction = None if reduction is None or reduction.is_mean else reduction
     offload = offload or OffloadOptions()
-    _refuse(mesh, pipeline, offload, reduction, weighted, noise_scale, grad_accum, stage_layers, loss, frozen)
+    _refuse(mesh, pipeline, offload, reduction, weighted, noise_scale, grad_accum, stage_layers, loss, frozen,
+            moe=getattr(getattr(model, "cfg", None), "moe", None) is not None)
     resolved = None if mesh is None else rules_lib.for_mesh(mesh, rules_lib.DEFAULT_RULES if rules is None else rules)
     execution = Execution(resolved, kernels or KernelOptions(), sequence, offload)
     if reduction is not None:
@@ -286,7 +288,7 @@ def make_train_step(
     elif grad_accum > 1:
         source = gradients.accumulated(source, grad_accum)
     replicas = gradients.Replicas(reduction, weighted, noise_scale)
-    step = _step(source, replicas, tx, mesh, offload, shardings, execution)
+    step = _step(source, replicas, tx, mesh, offload, shardings, execution, _bias_rate(model))
     donate_argnums = (0, 1) if donate else ()
     if mesh is None and not offload.state_on_host:
         return TrainStep(graphdef, tx, jax.jit(step, donate_argnums=donate_argnums),
@@ -315,13 +317,14 @@ def _storage_order(pipeline, model: nnx.Module, stage_layers, offload: OffloadOp
 
 
 def _refuse(mesh, pipeline, offload: OffloadOptions, reduction, weighted, noise_scale: bool, grad_accum: int,
-            stage_layers, loss, frozen) -> None:
+            stage_layers, loss, frozen, moe: bool = False) -> None:
     """One ``ValueError`` line for options that do not compose: the pairs of
     ``jaxpar.train.combinations`` (the table a config is checked against), then what the
     step's own arguments need."""
     shape = {} if mesh is None else dict(mesh.shape)
     tensor = [shape[a] for a in ("tensor", "tensor_row", "tensor_col") if shape.get(a, 1) > 1]
     present = {
+        "model.moe": moe and "model.moe",
         "offload": offload.state_on_host and f"offload.params={offload.params!r} optimizer={offload.optimizer!r}",
         "data.batch_weights": weighted is not None and "data.batch_weights",
         "optimizer.reduction=adasum": reduction is not None and reduction.kind == "adasum" and "reduction=adasum",
@@ -383,10 +386,18 @@ def _shardings(params, tx, mesh, rules, resolved, offload: OffloadOptions, reduc
     return _Shardings(params_sharding, opt_sharding, batch_sharding, replicated, frozen_sharding, split)
 
 
+def _bias_rate(model: nnx.Module) -> float | None:
+    """The router bias's rate of a MoE model with ``router="sigmoid_bias"``, else None."""
+    moe = getattr(getattr(model, "cfg", None), "moe", None)
+    return moe.bias_rate if moe is not None and moe.router == "sigmoid_bias" else None
+
+
 def _step(source: gradients.GradFn, replicas: gradients.Replicas, tx, mesh, offload: OffloadOptions,
-          shardings: _Shardings, execution: Execution) -> Callable:
+          shardings: _Shardings, execution: Execution, bias_rate: float | None = None) -> Callable:
     """``(params, opt_state, batch, *frozen) -> (params, opt_state, metrics)``: the loss and
-    gradients from ``source`` (per replica where ``replicas`` asks for it), then the update."""
+    gradients from ``source`` (per replica where ``replicas`` asks for it), then the update;
+    with ``bias_rate``, a MoE model's router biases take their own step
+    (``jaxpar.models.moe.update_router_biases``) rather than the optimizer's."""
     per_replica = replicas != gradients.Replicas()
     compressed = replicas.reduction is not None and replicas.reduction.compressed
     # DCT's carried state in host memory (offload.optimizer=host) is exchanged on the
@@ -410,6 +421,8 @@ def _step(source: gradients.GradFn, replicas: gradients.Replicas, tx, mesh, offl
                 opt_state = (jax.tree.map(to_host, state) if carried_on_host else state, *opt_state[1:])
         else:
             value, grads = source(params, batch, *frozen)
+        if bias_rate is not None:
+            grads, biases = moe_lib.update_router_biases(params, grads, bias_rate)
         if replicas.measure:
             measured["grad_sq_big"] = offload_state.squared_norm(grads)
         # the noise scale's norms reach a transformation that reads them (AdaScale's)
@@ -418,6 +431,8 @@ def _step(source: gradients.GradFn, replicas: gradients.Replicas, tx, mesh, offl
         else:
             updates, opt_state = optax.with_extra_args_support(tx).update(grads, opt_state, params, **measured)
             params, norm = optax.apply_updates(params, updates), optax.tree.norm(grads)
+        if bias_rate is not None:
+            params = moe_lib.with_router_biases(params, biases)
         adascale = adascale_lib.state_of(opt_state)
         if adascale is not None:  # scalars, on the host with offload.optimizer=host
             measured |= {"lr": to_device(adascale.rate), "adascale_gain": to_device(adascale.gain),

@@ -1,0 +1,255 @@
+"""The mixture-of-experts MLP (``model.moe``, ``jaxpar.models.config.MoEConfig``).
+
+A MoE layer's MLP is ``route -> permute -> expert_mlp -> combine``, each a small
+function, so that expert parallelism can wrap the grouped matmul (``expert_mlp``) in a
+``shard_map`` with an all-to-all either side without touching the rest:
+
+* ``route``: float32 router scores ``[N, E]`` -> each token's ``k`` experts, their gates,
+  and (with ``capacity_factor``) which assignments are kept (``capacity_mask``);
+* ``permute``: the ``N * k`` token copies sorted by expert (a stable sort: token order
+  within an expert) and each expert's count;
+* ``expert_mlp``: every expert's MLP over its rows at once, ``jax.lax.ragged_dot``
+  (dropless: no padding to a capacity, no token dropped unless a capacity is set);
+* ``combine``: the rows back in token order, summed over each token's ``k`` experts
+  weighted by their gates (0 for a dropped assignment: the residual carries the token).
+
+Dimension letters: N tokens (``B * T``), E experts, k experts per token, D the model
+width, F an expert's width.
+
+Parameters (a stacked layer's lead with L):
+  moe.router       [D, E]     (embed, None)                  applied in float32
+  moe.router_bias  [E]        (None,)                        router="sigmoid_bias" only
+  moe.gate, up     [E, D, F]  (exp, embed_moe, mlp_moe)      gate for swiglu only
+  moe.down         [E, F, D]  (exp, mlp_moe, embed_moe)
+Shared experts are the layer's dense ``mlp`` of width ``shared_experts * expert_width``.
+
+The router bias (DeepSeek-V3's auxiliary-loss-free balancing) is stored as a parameter
+(so checkpoints, shardings and restores carry it as any other) but is no gradient
+parameter: the layer's loss term ``b . sg(f - 1/E) - sg(...)`` is zero in value and
+makes the bias's gradient its layer's load deviation ``f_e - 1/E`` (the batch's,
+token-weighted over microbatches and replicas as every gradient is); the train step
+takes that out of the gradients before the optimizer (``update_router_biases``) and moves
+the bias by ``-bias_rate * sign(f_e - 1/E)``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec
+
+from jaxpar.models.config import ModelConfig, MoEConfig
+from jaxpar.placement.axes import local_axes
+
+BIAS = "router_bias"
+
+
+class Routing(NamedTuple):
+    """Where each of ``N`` tokens goes: ``experts`` int32 ``[N, k]``, ``gates`` float32
+    ``[N, k]`` (0 where dropped), ``kept`` bool ``[N, k]``, and ``probs`` float32
+    ``[N, E]``: the router probabilities the balance loss averages (the softmax, or the
+    sigmoid scores normalised per token)."""
+
+    experts: jax.Array
+    gates: jax.Array
+    kept: jax.Array
+    probs: jax.Array
+
+
+def route(logits: jax.Array, moe: MoEConfig, bias: jax.Array | None, rows: int) -> Routing:
+    """``logits`` float32 ``[N, E]`` (``rows`` sequences of ``N / rows`` tokens) -> ``Routing``.
+
+    Gates are computed (and normalised) before a capacity drops anything, as in Switch."""
+    k = moe.experts_per_token
+    if moe.router == "softmax":
+        scores = jax.nn.softmax(logits, axis=-1)
+        probs, choice = scores, scores
+    else:  # DeepSeek-V3: the bias steers the choice only, never the gates
+        scores = jax.nn.sigmoid(logits)
+        probs = scores / scores.sum(-1, keepdims=True)
+        choice = scores + jax.lax.stop_gradient(bias.astype(jnp.float32))
+    _, experts = jax.lax.top_k(choice, k)
+    gates = jnp.take_along_axis(scores, experts, axis=-1)
+    if moe.normalize:
+        gates = gates / gates.sum(-1, keepdims=True)
+    kept = jnp.ones(experts.shape, bool)
+    if moe.capacity_factor is not None:
+        kept = capacity_mask(experts, moe.experts, rows, moe.capacity_factor)
+    return Routing(experts, jnp.where(kept, gates, 0.0), kept, probs)
+
+
+def capacity(tokens: int, k: int, experts: int, factor: float) -> int:
+    """Assignments an expert keeps per sequence of ``tokens`` tokens: ``ceil(factor *
+    tokens * k / experts)``."""
+    return math.ceil(factor * tokens * k / experts)
+
+
+def capacity_mask(experts: jax.Array, num_experts: int, rows: int, factor: float) -> jax.Array:
+    """bool ``[N, k]``: which assignments ``experts [N, k]`` keeps under capacity ``factor``.
+
+    Per sequence (``rows`` of ``N / rows`` tokens, so a sequence's drops do not depend on
+    how the batch is split over devices or microbatches) and expert, the first
+    ``capacity(...)`` assignments in token order are kept (a token's ``k`` experts are
+    distinct, so token order is a total order within an expert)."""
+    N, k = experts.shape
+    T = N // rows
+    limit = capacity(T, k, num_experts, factor)
+    onehot = jax.nn.one_hot(experts.reshape(rows, T * k), num_experts, dtype=jnp.int32)  # [rows, T k, E]
+    earlier = jnp.cumsum(onehot, axis=1) - onehot  # assignments before this one, per expert
+    rank = (earlier * onehot).sum(-1)
+    return (rank < limit).reshape(N, k)
+
+
+def permute(x: jax.Array, experts: jax.Array, num_experts: int):
+    """``x [N, D]`` copied once per assignment and sorted by expert: ``(xs [N k, D],
+    order [N k], group_sizes int32 [E])``; row ``i`` of ``xs`` is assignment
+    ``order[i]`` (token ``order[i] // k``)."""
+    k = experts.shape[1]
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    return jnp.take(x, order // k, axis=0), order, group_sizes
+
+
+def expert_mlp(xs: jax.Array, group_sizes: jax.Array, gate: jax.Array | None, up: jax.Array,
+               down: jax.Array) -> jax.Array:
+    """The grouped matmul: rows ``xs [M, D]`` sorted by expert (``group_sizes [E]`` each)
+    through their expert's SwiGLU (``gate`` given) or GELU MLP, ``gate, up [E, D, F]``,
+    ``down [E, F, D]`` -> ``[M, D]``; rows past ``sum(group_sizes)`` give zeros."""
+    h = jax.lax.ragged_dot(xs, up, group_sizes)
+    if gate is not None:
+        h = jax.nn.silu(jax.lax.ragged_dot(xs, gate, group_sizes)) * h
+    else:
+        h = jax.nn.gelu(h, approximate=True)
+    return jax.lax.ragged_dot(h, down, group_sizes)
+
+
+def combine(ys: jax.Array, order: jax.Array, gates: jax.Array) -> jax.Array:
+    """``ys [N k, D]`` in ``permute``'s order -> ``[N, D]``: each token's rows weighted by
+    its ``gates [N, k]`` and summed."""
+    N, k = gates.shape
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    rows = jnp.take(ys, inverse, axis=0).reshape(N, k, -1)
+    return jnp.einsum("NKD,NK->ND", rows, gates.astype(ys.dtype))
+
+
+def load(experts: jax.Array, num_experts: int) -> jax.Array:
+    """float32 ``[E]``: each expert's fraction of the ``N k`` assignments (the router's
+    choice, before any capacity drop); sums to 1."""
+    return jnp.bincount(experts.reshape(-1), length=num_experts).astype(jnp.float32) / experts.size
+
+
+def balance_loss(routing: Routing, num_experts: int) -> jax.Array:
+    """Switch's load-balancing loss ``E * sum_e f_e P_e`` (``f = load``, ``P_e`` the mean
+    router probability of expert ``e``): 1 when balanced. Hugging Face's Mixtral loss
+    (``load_balancing_loss_func``) is ``k`` times this, over the layers' tokens pooled."""
+    return num_experts * jnp.sum(load(routing.experts, num_experts) * routing.probs.mean(0))
+
+
+def _param(rngs: nnx.Rngs, cfg: ModelConfig, shape, names, init=None) -> nnx.Param:
+    init = init or nnx.initializers.normal(cfg.init_std)
+    annotated = nnx.with_partitioning(init, names, eager_sharding=False)
+    return nnx.Param(annotated(rngs.params(), shape, cfg.weight_dtype))
+
+
+class MoE(nnx.Module):
+    """The routed experts of a MoE layer: ``x [B, T, D]`` -> ``(y [B, T, D], aux)``, with
+    ``aux`` the layer's float32 term of the training loss (``balance_loss`` times its
+    coefficient, and the router bias's zero-valued term, the module docstring)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        moe = cfg.moe
+        D, E, F = cfg.dim, moe.experts, moe.expert_width
+        self.cfg = cfg
+        self.router = _param(rngs, cfg, (D, E), ("embed", None))
+        if moe.router == "sigmoid_bias":
+            self.router_bias = _param(rngs, cfg, (E,), (None,), nnx.initializers.zeros_init())
+        self.gate = _param(rngs, cfg, (E, D, F), ("exp", "embed_moe", "mlp_moe")) if cfg.mlp == "swiglu" else None
+        self.up = _param(rngs, cfg, (E, D, F), ("exp", "embed_moe", "mlp_moe"))
+        self.down = _param(rngs, cfg, (E, F, D), ("exp", "mlp_moe", "embed_moe"))
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """With a mesh, each device routes and computes its own batch rows (``dispatch``
+        under ``shard_map`` over the axes the rules split ``activation_batch`` over; the
+        expert weights whole on every device, gathered as a dense MLP's are), and the
+        balance statistics are summed over the devices after."""
+        cfg, moe = self.cfg, self.cfg.moe
+        dtype, B = cfg.compute_dtype, x.shape[0]
+        weights = (self.router[...].astype(jnp.float32),
+                   self.router_bias[...].astype(jnp.float32) if moe.router == "sigmoid_bias" else None,
+                   None if self.gate is None else self.gate[...].astype(dtype),
+                   self.up[...].astype(dtype), self.down[...].astype(dtype))
+        local = functools.partial(dispatch, moe=moe)
+        mesh = jax.sharding.get_abstract_mesh()
+        rows = () if mesh.empty else local_axes(mesh, "activation_batch", B)
+        if rows:
+            split, whole = PartitionSpec(rows), PartitionSpec()
+            local = jax.shard_map(local, mesh=mesh, in_specs=(split, *(whole,) * len(weights)),
+                                  out_specs=(split, split), check_vma=False)
+        y, stats = local(x, *weights)
+        return y, self._aux(stats.sum(0), weights[1])
+
+    def _aux(self, stats: jax.Array, bias: jax.Array | None) -> jax.Array:
+        """The layer's loss term from ``stats`` ``[2, E]``: every device's assignment
+        counts and router probabilities summed (``dispatch``)."""
+        moe = self.cfg.moe
+        counts, prob_sums = stats[0], stats[1]
+        fraction = counts / counts.sum()  # load: f_e
+        aux = jnp.zeros((), jnp.float32)
+        if moe.balance_loss:  # Switch: E * sum_e f_e P_e, P_e the mean probability over tokens
+            tokens = counts.sum() / moe.experts_per_token
+            aux = moe.balance_loss * moe.experts * jnp.sum(jax.lax.stop_gradient(fraction) * prob_sums / tokens)
+        if bias is not None:  # zero in value; its gradient is the load deviation (module docstring)
+            term = jnp.sum(bias * jax.lax.stop_gradient(fraction - 1 / moe.experts))
+            aux = aux + (term - jax.lax.stop_gradient(term))
+        return aux
+
+
+def dispatch(x, router, bias, gate, up, down, *, moe: MoEConfig):
+    """The routed experts of ``x [B, T, D]`` (one device's rows): ``route -> permute ->
+    expert_mlp -> combine``. Returns ``(y [B, T, D], stats [1, 2, E])``: float32 each
+    expert's assignment count (the router's choice, before any capacity) and its router
+    probabilities summed over the tokens, which ``MoE`` sums over devices."""
+    B, T, D = x.shape
+    tokens = x.reshape(B * T, D)
+    with jax.named_scope("router"):
+        routing = route(tokens.astype(jnp.float32) @ router, moe, bias, rows=B)
+    with jax.named_scope("experts"):
+        xs, order, group_sizes = permute(tokens, routing.experts, moe.experts)
+        y = combine(expert_mlp(xs, group_sizes, gate, up, down), order, routing.gates)
+    counts = jnp.bincount(routing.experts.reshape(-1), length=moe.experts).astype(jnp.float32)
+    return y.reshape(B, T, D), jnp.stack([counts, routing.probs.sum(0)])[None]
+
+
+def _is_bias(path) -> bool:
+    return any(getattr(key, "key", getattr(key, "name", None)) == BIAS for key in path)
+
+
+def update_router_biases(params, grads, rate: float):
+    """The router biases' step (DeepSeek-V3, ``router="sigmoid_bias"``): ``(grads,
+    biases)``, the gradients with the biases' (their load deviations) zeroed, so that
+    the optimizer, its clipping and norms see none, and the biases moved by ``-rate *
+    sign(deviation)`` (leaves of ``params``' structure, None where not a bias) for
+    ``with_router_biases`` to put in after the optimizer's update."""
+    biases = jax.tree.map_with_path(
+        lambda path, p, g: (p - rate * jnp.sign(g)).astype(p.dtype) if _is_bias(path) else None, params, grads)
+    grads = jax.tree.map_with_path(lambda path, g: jnp.zeros_like(g) if _is_bias(path) else g, grads)
+    return grads, biases
+
+
+def with_router_biases(params, biases):
+    """``params`` with the router biases ``update_router_biases`` computed."""
+    return jax.tree.map(lambda p, b: p if b is None else b, params, biases, is_leaf=lambda x: x is None)
+
+
+def active_parameters(cfg: ModelConfig, total: int) -> int:
+    """Of a model's ``total`` parameters, those one token uses: less the ``E - k`` routed
+    experts it does not visit in each MoE layer."""
+    moe = cfg.moe
+    per_expert = (3 if cfg.mlp == "swiglu" else 2) * cfg.dim * moe.expert_width
+    return total - (moe.experts - moe.experts_per_token) * per_expert * (cfg.layers // moe.every)

@@ -1,0 +1,231 @@
+"""The mixture-of-experts layer (jaxpar.models.moe): routing, capacity, the balance loss
+and the router bias against plain references; the presets' parameter counts against the
+published ones; moe_tiny through jaxpar-train."""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from conftest import random_init, rel_err
+from jaxpar.models import moe as moe_lib
+from jaxpar.models.config import PRESETS, ModelConfig, MoEConfig
+from jaxpar.models.transformer import MLP, Transformer
+from jaxpar.train.config import ConfigError, load_config
+
+SMALL = ModelConfig(vocab_size=64, dim=16, layers=1, heads=2, kv_heads=1, head_dim=8, mlp_dim=32)
+
+
+def _reference(x, routed, shared, moe: MoEConfig):
+    """The routed experts plus the shared MLP of ``x [B, T, D]``, a token and an expert at
+    a time in float64: the router's choice, the gates, and (with a capacity) each
+    sequence's assignments counted per expert in token order, those past the capacity
+    skipped. Returns ``(y [B, T, D], dropped)``, the (token, expert) pairs skipped."""
+    B, T, D = x.shape
+    p = {k: np.asarray(v, np.float64) for k, v in routed.items()}
+    silu = lambda a: a / (1 + np.exp(-a))  # noqa: E731
+    cap = math.inf if moe.capacity_factor is None else math.ceil(
+        moe.capacity_factor * T * moe.experts_per_token / moe.experts)
+    y, dropped = np.zeros((B, T, D)), set()
+    for b in range(B):
+        count = [0] * moe.experts
+        for t in range(T):
+            h = np.asarray(x[b, t], np.float64)
+            logits = h @ p["router"]
+            if moe.router == "softmax":
+                scores = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
+                choice = scores
+            else:
+                scores = 1 / (1 + np.exp(-logits))
+                choice = scores + p["router_bias"]
+            top = np.argsort(-choice)[:moe.experts_per_token]
+            gates = scores[top] / (scores[top].sum() if moe.normalize else 1.0)
+            for e, g in zip(top, gates):
+                count[e] += 1
+                if count[e] > cap:
+                    dropped.add((b * T + t, int(e)))
+                    continue
+                y[b, t] += g * ((silu(h @ p["gate"][e]) * (h @ p["up"][e])) @ p["down"][e])
+            if shared is not None:
+                s = {k: np.asarray(v, np.float64) for k, v in shared.items()}
+                y[b, t] += (silu(h @ s["gate"]) * (h @ s["up"])) @ s["down"]
+    return y, dropped
+
+
+CASES = {
+    "softmax": MoEConfig(experts=4, experts_per_token=2, expert_width=8),
+    "softmax-unnormalised-shared-capacity": MoEConfig(experts=4, experts_per_token=2, expert_width=8,
+                                                      normalize=False, shared_experts=2, capacity_factor=0.75),
+    "sigmoid_bias": MoEConfig(experts=6, experts_per_token=3, expert_width=8, router="sigmoid_bias"),
+    "sigmoid_bias-unnormalised": MoEConfig(experts=4, experts_per_token=1, expert_width=8,
+                                           router="sigmoid_bias", normalize=False),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_moe_block_matches_a_token_by_token_reference(name, rng):
+    moe = CASES[name]
+    cfg = dataclasses.replace(SMALL, moe=moe)
+    routed = random_init(lambda: moe_lib.MoE(cfg, rngs=nnx.Rngs(0)), rng)
+    width = moe.shared_experts * moe.expert_width
+    shared = random_init(lambda: MLP(dataclasses.replace(cfg, mlp_dim=width), rngs=nnx.Rngs(0)), rng) if width else None
+    x = jnp.asarray(rng.standard_normal((2, 8, cfg.dim)), jnp.float32)
+
+    @nnx.jit
+    def block(routed, shared, x):
+        y, aux = routed(x)
+        return (y if shared is None else y + shared(x)), aux
+
+    y, aux = block(routed, shared, x)
+    weights = lambda m: {k: v[...] for k, v in nnx.state(m, nnx.Param).items()}  # noqa: E731
+    expected, dropped = _reference(np.asarray(x), weights(routed), None if shared is None else weights(shared), moe)
+    assert rel_err(y, expected) < 1e-5
+    bias = routed.router_bias[...] if moe.router == "sigmoid_bias" else None
+    routing = moe_lib.route(x.reshape(16, -1) @ routed.router[...], moe, bias, rows=2)
+    assert abs(float(aux) - moe.balance_loss * float(moe_lib.balance_loss(routing, moe.experts))) < 1e-6
+    if moe.capacity_factor is not None:  # the rule really drops some, and route drops exactly those
+        assert 0 < len(dropped) < 2 * 8 * moe.experts_per_token // 2
+        got = {(n, int(e)) for n, j in zip(*np.nonzero(~np.asarray(routing.kept)))
+               for e in [routing.experts[n, j]]}
+        assert got == dropped
+
+
+def test_capacity_keeps_the_first_assignments_of_each_sequence_in_token_order():
+    # one expert per token, 2 experts, 4 tokens: capacity ceil(1.0 * 4 * 1 / 2) = 2
+    experts = jnp.array([[0], [0], [0], [1]] * 2, jnp.int32)
+    kept = moe_lib.capacity_mask(experts, 2, rows=2, factor=1.0)
+    assert np.asarray(kept).ravel().tolist() == [True, True, False, True] * 2  # each sequence alike
+    # two per token, 3 tokens: ceil(0.5 * 3 * 2 / 2) = 2 each; the third token's both dropped
+    experts = jnp.array([[0, 1], [1, 0], [0, 1]], jnp.int32)
+    kept = moe_lib.capacity_mask(experts, 2, rows=1, factor=0.5)
+    assert np.asarray(kept).tolist() == [[True, True], [True, True], [False, False]]
+
+
+def test_balance_loss_is_switch_formula():
+    # f = (3/4, 1/4), P = mean of the rows = (0.65, 0.35): 2 * (0.75 * 0.65 + 0.25 * 0.35) = 1.15
+    probs = jnp.array([[0.9, 0.1], [0.8, 0.2], [0.6, 0.4], [0.3, 0.7]])
+    experts = jnp.array([[0], [0], [0], [1]], jnp.int32)
+    routing = moe_lib.Routing(experts, jnp.ones((4, 1)), jnp.ones((4, 1), bool), probs)
+    assert abs(float(moe_lib.balance_loss(routing, 2)) - 1.15) < 1e-6
+
+
+def test_router_bias_steps_by_the_sign_of_its_load_deviation(rng):
+    """A sigmoid_bias model whose router weights are zero: every token's scores are 0.5,
+    so the biases (0.3, 0.2, 0.1, 0) send every token to experts 0 and 1 (k=2): loads
+    (1/2, 1/2, 0, 0), deviations (1/4, 1/4, -1/4, -1/4), the bias's gradient. One
+    train step moves the bias by -rate * sign(deviation), untouched by AdamW's weight
+    decay."""
+    moe = MoEConfig(experts=4, experts_per_token=2, expert_width=8, router="sigmoid_bias", bias_rate=0.01,
+                    balance_loss=0.0)
+    cfg = dataclasses.replace(SMALL, moe=moe)
+    bias = np.array([0.3, 0.2, 0.1, 0.0], np.float32)
+    block = random_init(lambda: moe_lib.MoE(cfg, rngs=nnx.Rngs(0)), rng)
+    block.router[...], block.router_bias[...] = jnp.zeros_like(block.router[...]), jnp.asarray(bias)
+    x = jnp.asarray(rng.standard_normal((2, 8, cfg.dim)), jnp.float32)
+    grads = nnx.jit(nnx.grad(lambda block, x: block(x)[1]))(block, x)
+    assert np.allclose(grads["router_bias"][...], [0.25, 0.25, -0.25, -0.25], rtol=0, atol=1e-7)
+
+    from jaxpar.train.step import make_train_step
+
+    model = random_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), rng)
+    model.layers.moe.router[...] = jnp.zeros_like(model.layers.moe.router[...])
+    model.layers.moe.router_bias[...] = jnp.asarray(bias[None])
+    tokens = jnp.asarray(rng.integers(0, 64, (2, 8)), jnp.int32)
+    step = make_train_step(model, optax.adamw(1e-2, weight_decay=0.5))
+    params, opt_state = step.init(model)
+    params, _, metrics = step(params, opt_state, {"inputs": tokens, "targets": jnp.roll(tokens, -1, axis=1)})
+    assert np.allclose(params["layers"]["moe"]["router_bias"][...], bias - 0.01 * np.array([1, 1, -1, -1]),
+                       rtol=0, atol=1e-7)
+    assert np.isfinite(float(metrics["loss"])) and float(metrics["grad_norm"]) > 0
+
+
+def test_each_device_routes_its_rows_and_the_balance_statistics_are_the_batchs(rng):
+    """The MoE block on data=2 x fsdp=2 x tensor=2 (each device dispatches its own rows
+    under shard_map; the counts and probabilities summed over devices after) against one
+    device: the output, the balance loss (with the router bias's term) and the gradients
+    of every weight, the bias's load deviation included (1e-5). Training on meshes:
+    test_combinations_train.py's model.moe cells."""
+    import jaxpar
+    from conftest import tree_rel_err
+    from jaxpar.models.transformer import sharding_rules
+    from jaxpar.placement.sharding import use_mesh
+
+    moe = MoEConfig(experts=4, experts_per_token=2, expert_width=8, router="sigmoid_bias", capacity_factor=1.0)
+    cfg = dataclasses.replace(SMALL, moe=moe)
+    block = random_init(lambda: moe_lib.MoE(cfg, rngs=nnx.Rngs(0)), rng)
+    x = jnp.asarray(rng.standard_normal((8, 8, cfg.dim)), jnp.float32)
+    probe = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
+
+    @nnx.jit
+    def run(block, x):
+        def loss(block):
+            y, aux = block(x)
+            return jnp.sum(y * probe) + aux, (y, aux)
+        return nnx.grad(loss, has_aux=True)(block)
+
+    grads_one, (y_one, aux_one) = run(block, x)
+    mesh = jaxpar.make_mesh(data=2, fsdp=2, tensor=2)
+    with use_mesh(mesh, sharding_rules(cfg, mesh)):
+        grads, (y, aux) = run(block, x)
+    assert rel_err(y, y_one) < 1e-5 and abs(float(aux) - float(aux_one)) < 1e-6
+    assert tree_rel_err(grads, grads_one) < 1e-5 and np.abs(grads["router_bias"][...]).max() > 0
+
+
+def _counts(name):
+    cfg = PRESETS[name]
+    total = sum(x.size for x in jax.tree.leaves(nnx.state(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))))
+    return total, moe_lib.active_parameters(cfg, total)
+
+
+def test_presets_have_the_published_parameter_counts():
+    """From shapes alone (nnx.eval_shape). Mixtral 8x7B: 46,702,792,704 parameters, 12.9B
+    active; Qwen3-30B-A3B: 30,532,122,624 (its safetensors), 3.3B active, less its 48 x 2
+    q/k norms of 128 that jaxpar's attention lacks."""
+    total, active = _counts("mixtral_8x7b")
+    assert total == 46_702_792_704 and round(active / 1e8) == 129
+    total, active = _counts("qwen3_30b_a3b")
+    assert total == 30_532_122_624 - 48 * 2 * 128 and round(active / 1e9, 1) in (3.3, 3.4)
+    total, active = _counts("deepseek_v3_like")  # "like": see the preset's comment
+    assert round(total / 1e9) == 708 and round(active / 1e9) == 41
+
+
+def test_moe_config_bad_input_is_one_line():
+    for override, message in [
+        ("model.moe.experts_per_token=9", "model.moe.experts_per_token=9 is more than model.moe.experts=8"),
+        ("model.moe.capacity_factor=0", "model.moe.capacity_factor=0.0 must be positive"),
+        ("model.moe.every=3", "model.layers=4 must be a multiple of model.moe.every=3"),
+        ("model.moe.router=top1", "model.moe.router='top1' must be one of"),
+        ("mesh.pipe=2", "model.moe with mesh.pipe=2 is not supported yet"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            load_config("moe_tiny", [override])
+    # a key set over the preset keeps its other moe keys
+    assert load_config("moe_tiny", ["model.moe.experts=4"]).model.moe == dataclasses.replace(
+        PRESETS["moe_tiny"].moe, experts=4)
+
+
+def test_moe_tiny_trains_and_resumes_to_the_same_losses(tmp_path):
+    """jaxpar-train's loop on moe_tiny (2 layers, the second MoE: ``every=2``; narrower
+    experts, a small vocabulary; 4 data devices): the loss is finite and falls; stopped after its step-3 checkpoint and
+    resumed, steps 4-6 repeat the uninterrupted run's losses."""
+    import shutil
+
+    from jaxpar.train.loop import train
+
+    args = ["model.layers=2", "model.moe.every=2", "model.vocab_size=512", "model.moe.expert_width=64",
+            "data.max_files=120",
+            "data.val_fraction=0.1", "seq_len=32", "batch_size=8", "optimizer.warmup_steps=2", "steps=6",
+            "checkpoint.every=3", "eval.every=0", "mesh.data=4"]
+    run = tmp_path / "run"
+    history = train(load_config("moe_tiny", [*args, f"run_dir={run}"]), progress=False)
+    losses = [r["loss"] for r in history]
+    assert len(losses) == 6 and np.all(np.isfinite(losses)) and losses[-1] < losses[0] - 0.3
+    shutil.rmtree(run / "checkpoints" / "6")
+    resumed = train(load_config("moe_tiny", [*args, f"run_dir={run}"]), progress=False)
+    assert [r["step"] for r in resumed] == [4, 5, 6]
+    assert rel_err([r["loss"] for r in resumed], losses[3:]) < 1e-5
