@@ -624,7 +624,7 @@ def jaxpar_init(cfg) -> dict:
     from jaxpar.train import recsys
     from jaxpar.train.loop import build_mesh
 
-    graphdef, stub, state, tx, _ = recsys.initial_state(cfg, NamedSharding(build_mesh(cfg.mesh), PartitionSpec()))
+    graphdef, stub, state, tx, _ = recsys.initial_state(cfg, NamedSharding(build_mesh(cfg), PartitionSpec()))
     return {"graphdef": graphdef, "stub": stub, "tx": tx, "params": state["params"], "opt_state": state["opt_state"],
             "table": state["table"]}
 
@@ -650,7 +650,7 @@ class JaxparSide:
         self.cfg, self.batches, self.offsets = cfg, batches, cfg.model.offsets
         self.params = jax.tree.map(jnp.copy, init["params"])
         self.opt_state = jax.tree.map(jnp.copy, init["opt_state"])
-        mesh = build_mesh(cfg.mesh)
+        mesh = build_mesh(cfg)
         self.by_batch = NamedSharding(mesh, PartitionSpec("data"))  # as train() puts a batch
         self.tables = recsys.build_tables(cfg, np.array(init["table"]), mesh)
         self.step_fn = recsys.make_step(init["graphdef"], init["stub"], init["tx"], self.tables.lookup,

@@ -63,7 +63,7 @@ def main() -> None:
     cfg = load_config("glide", [f"target_run_dir={args.target}", f"glide.teacher_cache={args.cache}",
                                 "eval.every=0", *args.overrides])
     cfg, target = glide.prepare(cfg)
-    mesh = loop.build_mesh(cfg.mesh)
+    mesh = loop.build_mesh(cfg)
     rules = sharding_rules(cfg.model, mesh)
     tokenizer, train_rows, _ = loop.load_data(cfg)
     vocab = glide.draft_vocabulary(cfg, train_rows, args.cache / "no-run-dir")

@@ -117,12 +117,12 @@ class Profiles:
         if key in self.entries:
             return self.entries[key]
         cfg = load_config(config, overrides)
-        mesh = build_mesh(cfg.mesh, devices=jax.devices()[:devices])
-        rules = sharding_rules(cfg.model, mesh, sequence_parallel=cfg.execution.sequence_parallel)
+        mesh = build_mesh(cfg, devices=jax.devices()[:devices])
+        rules = sharding_rules(cfg.model, mesh, sequence_parallel=cfg.layout.sequence_parallel)
         abstract_model = nnx.eval_shape(lambda: build_model(cfg))
         tx, _ = make_optimizer(cfg.optimizer, cfg.steps)
-        step = make_train_step(abstract_model, tx, mesh, rules, grad_accum=cfg.optimizer.grad_accum,
-                               sequence=cfg.execution.sequence, kernels=cfg.execution.kernels)
+        step = make_train_step(abstract_model, tx, mesh, rules, grad_accum=cfg.layout.grad_accum,
+                               sequence=cfg.layout.sequence(cfg.execution.seq_layout), kernels=cfg.execution.kernels)
         if key not in self.memo:
             began = time.perf_counter()
             self.memo[key] = dry_run_profile(cfg, step, abstract_model, mesh, rules, None)
@@ -151,7 +151,10 @@ class Profiles:
 def with_offload(cfg: Config, budget: int, **offload) -> Config:
     """``cfg`` with an ``offload`` section under ``budget`` (default: both ``auto``)."""
     section = {"params": "auto", "optimizer": "auto", **offload}
-    return dataclasses.replace(cfg, offload=dataclasses.replace(cfg.offload, device_budget=budget, **section))
+    layout = dataclasses.replace(cfg.layout, offload_params=section.pop("params"),
+                                 offload_optimizer=section.pop("optimizer"))
+    return dataclasses.replace(cfg, layout=layout, offload=dataclasses.replace(cfg.offload, device_budget=budget,
+                                                                                **section))
 
 
 def planned(entry: dict, budget: int, **offload):
@@ -283,7 +286,7 @@ def capacity(args) -> dict:
                     found["with" if offload else "without"] = largest_model(
                         profiles, args.config, base, devices, budget, offload, args.max_layers)
                 row = {"config": args.config, "mesh": mesh, "remat": remat if remat != "shipped" else
-                       f"{cfg0.model.remat} (shipped)", "overrides": base, "budget": budget_text,
+                       f"{cfg0.layout.remat} (shipped)", "overrides": base, "budget": budget_text,
                        "budget_bytes": budget, "devices": devices, **found}
                 w, o = found["without"], found["with"]
                 row["ratio"] = (o["params"] / w["params"]) if w and o else None
@@ -339,7 +342,7 @@ def overhead(args) -> dict:
         rng = np.random.default_rng(0)
         tokens = rng.integers(0, cfg.vocab_size, (args.steps, batch, seq + 1)).astype(np.int32)
         batches = [{"inputs": t[:, :-1], "targets": t[:, 1:]} for t in tokens]
-        mesh = build_mesh(load_config("tiny").mesh, devices=jax.devices()[:1])
+        mesh = build_mesh(load_config("tiny"), devices=jax.devices()[:1])
         runs = {}
         for mode in args.modes:
             options = MODES[mode] or OffloadOptions(params="host", resident_layers=cfg.layers // 2)
@@ -421,7 +424,7 @@ def picture(args) -> dict:
     chosen = planned(entry, budget)
     sizes = state_bytes(entry["abstract_state"])
     panels = [("all on the device", on_device)] + ([("the planner's plan", chosen)] if chosen else [])
-    result = {"config": args.config, "mesh": args.mesh, "remat": entry["cfg"].model.remat,
+    result = {"config": args.config, "mesh": args.mesh, "remat": entry["cfg"].layout.remat,
               "overrides": overrides, "budget": args.budget,
               "budget_bytes": budget, "all_on_device_peak_bytes": entry["profile"]["peak_bytes"],
               "panels": [{"title": title, "plan": plan.to_dict(),

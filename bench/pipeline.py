@@ -54,18 +54,17 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import jaxpar  # noqa: E402
-from jaxpar.models import Transformer  # noqa: E402
 from jaxpar.models.transformer import sharding_rules  # noqa: E402
 from jaxpar.parallel.pipeline_schedule import BACKWARD, FORWARD, IDLE, build  # noqa: E402
 from jaxpar.train.config import load_config  # noqa: E402
-from jaxpar.train.loop import dry_run_profile, flops_per_token  # noqa: E402
+from jaxpar.train.loop import build_model, dry_run_profile, flops_per_token  # noqa: E402
 from jaxpar.train.step import make_train_step  # noqa: E402
 
 
 def measure(cfg, kind: str, P: int, M: int, V: int) -> dict:
     """The compile-only profile of the pipelined step, with the pipeline's fields (what
     ``jaxpar-train ... dry_run=true`` prints)."""
-    model = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: build_model(cfg))
     mesh = jaxpar.make_mesh(pipe=P, devices=jax.devices()[:P])
     rules = sharding_rules(cfg.model, mesh)
     schedule = build(kind, P, M, V)
@@ -117,7 +116,7 @@ def main():
     m, P, B, T = cfg.model, args.pipe, cfg.batch_size, cfg.seq_len
     start = time.time()
     print(f"`{args.config}` ({m.layers} layers, D={m.dim}, vocabulary {m.vocab_size}, {m.dtype} compute, "
-          f"remat {m.remat}), global batch {B} x {T} tokens, pipe={P}.\n")
+          f"remat {cfg.layout.remat}), global batch {B} x {T} tokens, pipe={P}.\n")
 
     runs = [(kind, M, args.virtual if kind == "interleaved" else 1)
             for M in args.microbatches for kind in args.schedules]

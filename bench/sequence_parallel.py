@@ -39,6 +39,7 @@ until one fits; the table marks such steps down.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 import time
@@ -161,7 +162,8 @@ def main():
     parser.add_argument("--config", default="small", help="the shipped training config whose model runs")
     args = parser.parse_args()
     budget = int(args.budget_gib * 2**30)
-    cfg = load_config(args.config).model
+    run = load_config(args.config)
+    cfg = dataclasses.replace(run.model, remat=run.layout.remat)  # the model as the run builds it
     lengths = sorted(args.lengths)
     lo, hi = lengths[0], lengths[-1]
     print(f"`{args.config}` ({cfg.layers} layers, D={cfg.dim}, {cfg.heads} heads, {cfg.kv_heads} kv "

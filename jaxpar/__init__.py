@@ -11,6 +11,7 @@ holds it in CI; contracts in ``pyproject.toml``)::
       <- jaxpar.placement, jaxpar.profiler  meshes, rules, sharding; compile-only profiles
       <- jaxpar.parallel                 SUMMA, ring/Ulysses attention, pipeline
       <- jaxpar.ops                      attention / linear / kernel entry points
+      <- jaxpar.layout                   one parallel layout: mesh, pipeline, remat, accumulation, offload
       <- jaxpar.models                   the transformer, GliDe draft, HF import
       <- jaxpar.inference                decoding, speculative decoding
       <- jaxpar.serving                  paged KV cache, continuous batching, the HTTP app

@@ -10,7 +10,7 @@ from jaxpar.train.loop import build_mesh
 def test_every_shipped_config_parses(name):
     cfg = load_config(name)
     assert cfg.steps > 0 and cfg.model.layers > 0
-    assert cfg.mesh.data is None  # takes the devices the other axes leave
+    assert cfg.layout.data is None  # takes the devices the other axes leave
 
 
 def test_shipped_configs_are_listed():
@@ -26,8 +26,8 @@ def test_tiny_is_llama_style_float32_200_steps():
 def test_dotted_overrides_are_typed():
     cfg = load_config("tiny", ["mesh.fsdp=4", "model.layers=2", "steps=30", "run_dir=/tmp/x",
                                "dry_run=true", "optimizer.lr=1e-3", "model.remat_names=[query,key]"])
-    assert (cfg.mesh.fsdp, cfg.model.layers, cfg.steps, cfg.run_dir, cfg.dry_run) == (4, 2, 30, "/tmp/x", True)
-    assert cfg.optimizer.lr == 1e-3 and cfg.model.remat_names == ("query", "key")
+    assert (cfg.layout.fsdp, cfg.model.layers, cfg.steps, cfg.run_dir, cfg.dry_run) == (4, 2, 30, "/tmp/x", True)
+    assert cfg.optimizer.lr == 1e-3 and cfg.layout.remat_names == ("query", "key")
     assert load_config("tiny").model.layers == 4  # the shipped file is untouched
 
 
@@ -87,11 +87,14 @@ def test_presets_are_the_one_definition_of_each_model():
     """The shipped configs name jaxpar.models.PRESETS rather than repeating them."""
     import dataclasses
 
-    assert load_config("small").model == PRESETS["small"]
-    assert load_config("1b").model == dataclasses.replace(PRESETS["1b"], vocab_size=32768)
+    def shape(preset, **changes):  # a preset's remat is the run's layout's (jaxpar.layout), not its model's
+        return dataclasses.replace(preset, remat="none", remat_names=(), **changes)
+
+    assert load_config("small").model == shape(PRESETS["small"])
+    assert load_config("small").layout.remat == PRESETS["small"].remat == "dots_no_batch"
+    assert load_config("1b").model == shape(PRESETS["1b"], vocab_size=32768)
     assert load_config("tiny", ["model=gpt2"]).model == PRESETS["gpt2"]
-    assert load_config("tiny", ["model.preset=small", "model.layers=2"]).model == \
-        dataclasses.replace(PRESETS["small"], layers=2)
+    assert load_config("tiny", ["model.preset=small", "model.layers=2"]).model == shape(PRESETS["small"], layers=2)
     from jaxpar.models import DLRM_PRESETS  # task dlrm's model section is a DLRMConfig
 
     assert load_config("dlrm").model == DLRM_PRESETS["dlrm"]
@@ -110,13 +113,14 @@ def test_choice_lists_come_from_the_library():
     from jaxpar.kernels.dispatch import IMPLS
     from jaxpar.parallel.pipeline_schedule import KINDS
     from jaxpar.placement.execution import SEQUENCE_IMPLS, SEQUENCE_LAYOUTS
-    from jaxpar.train.config import ExecutionConfig, PipelineConfig
+    from jaxpar.layout import Layout
+    from jaxpar.train.config import ExecutionConfig
 
     hints = typing.get_type_hints(ExecutionConfig)
     assert {op: typing.get_args(hints[op]) for op in IMPLS} == IMPLS
-    assert typing.get_args(hints["seq_impl"]) == SEQUENCE_IMPLS
+    assert typing.get_args(typing.get_type_hints(Layout)["seq_impl"]) == SEQUENCE_IMPLS
     assert typing.get_args(hints["seq_layout"]) == SEQUENCE_LAYOUTS
-    assert typing.get_args(typing.get_type_hints(PipelineConfig)["schedule"]) == KINDS
+    assert typing.get_args(typing.get_type_hints(Layout)["schedule"]) == KINDS
     with pytest.raises(ConfigError, match=r"execution.attention='flash' must be one of \['auto', 'xla', 'cudnn', 'pallas'\]"):
         load_config("tiny", ["execution.attention=flash"])
 
@@ -131,7 +135,7 @@ def test_trained_tokenizer_takes_the_model_vocabulary():
 def test_mesh_axis_types_reach_the_mesh():
     assert load_config("tiny").mesh.axis_types == "auto"
     for value, axis_type in (("auto", jax.sharding.AxisType.Auto), ("explicit", jax.sharding.AxisType.Explicit)):
-        mesh = build_mesh(load_config("tiny", ["mesh.fsdp=4", f"mesh.axis_types={value}"]).mesh)
+        mesh = build_mesh(load_config("tiny", ["mesh.fsdp=4", f"mesh.axis_types={value}"]))
         assert dict(mesh.shape)["fsdp"] == 4 and set(mesh.axis_types) == {axis_type}
 
 

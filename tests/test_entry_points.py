@@ -140,11 +140,11 @@ def test_offload_benchmark(tmp_path):
     # The plan jaxpar-train's dry run prints (offload_plan), from a compile of our own.
     cfg = load_config("tiny", [*row["overrides"], f"model.layers={offloaded['layers']}",
                                "offload.params=auto", "offload.optimizer=auto", "offload.device_budget=24MiB"])
-    mesh = build_mesh(cfg.mesh)
+    mesh = build_mesh(cfg)
     rules = sharding_rules(cfg.model, mesh)
     model = nnx.eval_shape(lambda: build_model(cfg))
     step = make_train_step(model, make_optimizer(cfg.optimizer, cfg.steps)[0], mesh, rules,
-                           grad_accum=cfg.optimizer.grad_accum)
+                           grad_accum=cfg.layout.grad_accum)
     plan = resolve(cfg, dry_run_profile(cfg, step, model, mesh, rules, None), step.abstract_state(model),
                    mesh, rules, None)
     assert plan.device_bytes == offloaded["device_bytes"] <= 24 << 20

@@ -176,10 +176,10 @@ def test_what_it_refuses(model):
 
 
 def test_config_fields():
-    opt = load_config("tiny", ["optimizer.reduction=adasum", "optimizer.compression=dct_topk",
-                               "optimizer.compression_ratio=1"]).optimizer
-    assert opt.gradient_reduction == Reduction("adasum", "dct_topk", 1.0, 10)
-    assert load_config("tiny").optimizer.gradient_reduction.is_mean
+    cfg = load_config("tiny", ["optimizer.reduction=adasum", "optimizer.compression=dct_topk",
+                               "optimizer.compression_ratio=1"])
+    assert cfg.gradient_reduction == Reduction("adasum", "dct_topk", 1.0, 10)
+    assert load_config("tiny").gradient_reduction.is_mean
     for override, message in [("optimizer.compression_ratio=0", r"compression_ratio=0.0 must be in \(0, 1\]"),
                               ("optimizer.compression_ratio=1.5", r"compression_ratio=1.5 must be in"),
                               ("optimizer.threshold_every=0", "threshold_every=0 must be at least 1"),

@@ -413,7 +413,7 @@ def state_1b():
     from jaxpar.train.step import make_train_step
 
     cfg = load_config("1b", ["mesh.fsdp=8", "batch_size=8"])
-    mesh = build_mesh(cfg.mesh)
+    mesh = build_mesh(cfg)
     model = nnx.eval_shape(lambda: build_model(cfg))
     step = make_train_step(model, make_optimizer(cfg.optimizer, 10)[0], mesh, sharding_rules(cfg.model, mesh))
     return cfg, step, model, step.abstract_state(model), mesh
@@ -499,13 +499,14 @@ def test_offload_section_parses():
                                "offload.device_budget=6GiB", "offload.resident_layers=2", "offload.prefetch=2",
                                "offload.host_bandwidth=32GB"])
     o = cfg.offload
-    assert (o.params, o.optimizer, o.activations, o.resident_layers, o.prefetch) == ("auto", "host", ("query", "key"), 2, 2)
+    assert (cfg.layout.offload_params, cfg.layout.offload_optimizer, o.activations, o.resident_layers, o.prefetch) == \
+        ("auto", "host", ("query", "key"), 2, 2)
     assert o.budget == 6 * 2**30 and o.bandwidth == 32e9
     assert load_config("tiny", ["offload.activations=none"]).offload.activations == ()
     assert load_config("tiny", ["offload.device_budget=4096"]).offload.budget == 4096
     assert load_config("tiny", ["offload.host_bandwidth=25e9"]).offload.bandwidth == 25e9
-    assert load_config("tiny").offload.requested == ()
-    assert load_config("tiny", ["offload.device_budget=1GB"]).offload.requested == ("offload.device_budget='1GB'",)
+    assert load_config("tiny").offload_requested == ()
+    assert load_config("tiny", ["offload.device_budget=1GB"]).offload_requested == ("offload.device_budget='1GB'",)
 
 
 @pytest.mark.parametrize("overrides,message", [
@@ -540,15 +541,15 @@ def test_activation_bytes_follow_the_shapes_and_the_mesh():
     from jaxpar.train.offload import activation_bytes, saved_names
 
     cfg = load_config("tiny", ["mesh.fsdp=4", "mesh.tensor=2", "batch_size=16", "optimizer.grad_accum=2"])
-    mesh = build_mesh(cfg.mesh)
+    mesh = build_mesh(cfg)
     sizes = activation_bytes(cfg, mesh, sharding_rules(cfg.model, mesh))
     m, rows = cfg.model, 16 // 2 // 4  # a microbatch's rows per data-parallel group (fsdp=4)
     assert sizes["query"] == sizes["attention"] == m.layers * rows * 128 * (m.heads // 2) * m.head_dim * 4
     assert sizes["key"] == sizes["value"] == m.layers * rows * 128 * (m.kv_heads // 2) * m.head_dim * 4
     assert sizes["mlp_hidden"] == m.layers * rows * 128 * (m.mlp_dim // 2) * 4
-    assert saved_names(cfg.model) == ("layer_input", "query", "key", "value", "attention", "mlp_hidden")
-    assert saved_names(load_config("tiny", ["model.remat=names", "model.remat_names=[key]"]).model) == ("key",)
-    assert saved_names(load_config("small").model) == ()
+    assert saved_names(cfg.layout) == ("layer_input", "query", "key", "value", "attention", "mlp_hidden")
+    assert saved_names(load_config("tiny", ["model.remat=names", "model.remat_names=[key]"]).layout) == ("key",)
+    assert saved_names(load_config("small").layout) == ()
 
 
 def test_device_live_bytes_counts_device_memory_on_the_most_loaded_device():
@@ -683,7 +684,7 @@ def test_auto_under_a_budget_the_all_on_device_step_exceeds_trains_the_same(tmp_
 
     def resolve(*overrides):
         cfg = load_config("tiny", base + list(overrides))
-        mesh = build_mesh(cfg.mesh)
+        mesh = build_mesh(cfg)
         rules = sharding_rules(cfg.model, mesh)
         model = nnx.eval_shape(lambda: build_model(cfg))
         abstract = make_train_step(model, make_optimizer(cfg.optimizer, cfg.steps)[0], mesh, rules).abstract_state(model)

@@ -189,7 +189,7 @@ def test_a_save_holds_no_copy_of_the_table(tmp_path, monkeypatch, sharding, writ
                                f"embedding.sharding={sharding}", f"mesh.data={1 if sharding == 'replicated' else 4}"])
     rng = np.random.default_rng(0)
     table = rng.standard_normal((sum(rows), dim), dtype=np.float32)
-    tables = build_tables(cfg, table, build_mesh(cfg.mesh))
+    tables = build_tables(cfg, table, build_mesh(cfg))
     ids = rng.choice(len(table), 200, replace=False)
     tables.prepare(ids)  # resident, then changed on the device alone: the save must flush them
     tables.arrays = CacheArrays(tables.arrays.rows + 1, tables.arrays.state + 1)

@@ -35,7 +35,7 @@ class Feature:
 
 
 def _reduction(cfg):
-    return cfg.optimizer.gradient_reduction
+    return cfg.gradient_reduction
 
 
 def _listed(weights) -> str:
@@ -43,23 +43,23 @@ def _listed(weights) -> str:
 
 
 def _mesh(axis: str) -> Feature:
-    return Feature(f"mesh.{axis}", lambda c: getattr(c.mesh, axis) != 1,
-                   lambda c: f"mesh.{axis}={getattr(c.mesh, axis)}")
+    return Feature(f"mesh.{axis}", lambda c: getattr(c.layout, axis) != 1,
+                   lambda c: f"mesh.{axis}={getattr(c.layout, axis)}")
 
 
 # The features a run turns on by config, then the mesh's axes (so a line reads
 # "offload.optimizer='host' with mesh.pipe=2").
 FEATURES = (
     Feature("model.moe", lambda c: getattr(c.model, "moe", None) is not None),
-    Feature("offload", lambda c: bool(c.offload.requested), lambda c: c.offload.requested[0]),
+    Feature("offload", lambda c: bool(c.offload_requested), lambda c: c.offload_requested[0]),
     Feature("data.batch_weights", lambda c: c.data.batch_weights is not None,
             lambda c: f"data.batch_weights={_listed(c.data.batch_weights)}"),
     Feature("optimizer.reduction=adasum", lambda c: _reduction(c).kind == "adasum"),
     Feature("optimizer.compression=dct_topk", lambda c: _reduction(c).compressed),
     Feature("eval.noise_scale", lambda c: c.eval.noise_scale),
     Feature("task=glide", lambda c: c.task == "glide"),
-    Feature("optimizer.grad_accum", lambda c: c.optimizer.grad_accum > 1,
-            lambda c: f"optimizer.grad_accum={c.optimizer.grad_accum}"),
+    Feature("optimizer.grad_accum", lambda c: c.layout.grad_accum > 1,
+            lambda c: f"optimizer.grad_accum={c.layout.grad_accum}"),
     _mesh("fsdp"), _mesh("tensor"), _mesh("pipe"), _mesh("seq"),
 )
 KEYS = tuple(f.key for f in FEATURES)

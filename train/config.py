@@ -5,6 +5,12 @@ The dataclasses are the one source of truth (names, types, defaults); a YAML fil
 keys (``mesh.fsdp=4``, ``model.layers=2``). Unknown keys and wrong types are
 ``ConfigError``s naming the key and the valid keys near it (the reading, checking and
 conversion of the values: ``jaxpar.train.config_load``).
+
+The parallel layout's settings (``mesh.fsdp``, ``pipeline.schedule``, ``model.remat``,
+``optimizer.grad_accum``, ``offload.params``, ... ``jaxpar.layout.KEYS``) are read into
+one ``jaxpar.layout.Layout``, ``Config.layout``, rather than into their sections: the
+keys stay where a user writes them, the values have one home, which the planner
+enumerates and ``to_dict`` writes back under the same keys.
 """
 
 from __future__ import annotations
@@ -19,16 +25,16 @@ import yaml
 
 from jaxpar.hetero import reduction as reduction_lib
 from jaxpar.kernels.dispatch import IMPLS as KERNEL_IMPLS
+from jaxpar.layout import FIELD_OF as LAYOUT_FIELD_OF, KEYS as LAYOUT_KEYS, Layout
 from jaxpar.models.config import CHECKPOINT_NAMES, PRESETS, ModelConfig
 from jaxpar.models.dlrm import DLRM_PRESETS, DLRMConfig
 from jaxpar.offload.budget import parse_bytes
-from jaxpar.offload.planner import PCIE5_X16_BANDWIDTH, PLACES as OFFLOAD_PLACES, REORDERED_STAGES, WHOLE_STAGES
-from jaxpar.parallel.pipeline_schedule import KINDS as PIPELINE_SCHEDULES
+from jaxpar.offload.planner import PCIE5_X16_BANDWIDTH, REORDERED_STAGES, WHOLE_STAGES
 from jaxpar.placement.mesh import AXIS_TYPES
-from jaxpar.placement.execution import SEQUENCE_IMPLS, SEQUENCE_LAYOUTS, SequenceOptions
+from jaxpar.placement.execution import SEQUENCE_LAYOUTS
 from jaxpar.kernels.dispatch import KernelOptions
 from jaxpar.train import combinations
-from jaxpar.train.config_load import ConfigError, _build, _merge, _read_yaml, _set
+from jaxpar.train.config_load import ConfigError, _build, _coerce, _merge, _read_yaml, _set
 from jaxpar.train.data import DataConfig
 from jaxpar.train.pipelined import check_stage_layers
 from jaxpar.train.recsys_data import SPARSE as CRITEO_FEATURES
@@ -38,15 +44,12 @@ CONFIG_DIR = pathlib.Path(__file__).parent / "configs"
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """Mesh axis sizes. ``data`` None takes the devices the others leave; ``tensor`` is
-    ``k`` for 1D (Megatron) tensor parallelism or ``[q, q]`` for the 2D (SUMMA) grid.
-    ``axis_types``: every axis ``auto`` or ``explicit`` (``jaxpar.make_mesh``)."""
+    """The mesh beyond its sizes. The sizes ``mesh.data``, ``fsdp``, ``pipe``, ``seq``
+    and ``tensor`` are ``Config.layout``'s (``data`` None takes the devices the others
+    leave; ``tensor`` is ``k`` for 1D (Megatron) tensor parallelism or ``[q, q]`` for the
+    2D (SUMMA) grid). ``axis_types``: every axis ``auto`` or ``explicit``
+    (``jaxpar.make_mesh``)."""
 
-    data: int | None = None
-    fsdp: int = 1
-    pipe: int = 1
-    seq: int = 1
-    tensor: int | tuple[int, ...] = 1
     axis_types: Literal[tuple(AXIS_TYPES)] = "auto"
 
 
@@ -92,6 +95,8 @@ class PlanConfig:
 class OptimizerConfig:
     """AdamW with linear warmup then cosine decay to ``lr * min_lr_ratio``.
 
+    ``optimizer.grad_accum`` (microbatches per step, accumulated inside the one jitted
+    step), ``optimizer.reduction`` and ``optimizer.compression`` are ``Config.layout``'s.
     How the ``data`` replicas' gradients combine (``jaxpar.hetero.reduction``):
     ``reduction`` ``mean`` (XLA's all-reduce) or ``adasum`` (a power-of-two
     ``mesh.data``); ``compression`` ``dct_topk``: each replica sends only the entries
@@ -124,24 +129,15 @@ class OptimizerConfig:
     b1: float = 0.9
     b2: float = 0.95
     clip_norm: float = 1.0  # global gradient norm clipping
-    grad_accum: int = 1  # microbatches per step, accumulated inside the one jitted step
-    reduction: Literal[reduction_lib.KINDS] = "mean"
-    compression: Literal[reduction_lib.COMPRESSIONS] = "none"
     compression_ratio: float = 0.01
     threshold_every: int = 10
     batch_scaling: Literal["none", "linear", "sqrt", "adascale"] = "none"
     base_batch_size: int | None = None  # what batch_scaling scales against; None: the run's first
 
     def __post_init__(self):
-        self.gradient_reduction  # Reduction's checks: the ratio in (0, 1], threshold_every >= 1
+        reduction_lib.Reduction("mean", "none", self.compression_ratio, self.threshold_every)  # its checks
         if self.base_batch_size is not None and self.base_batch_size < 1:
             raise ValueError(f"optimizer.base_batch_size={self.base_batch_size!r} must be at least 1")
-
-    @property
-    def gradient_reduction(self) -> reduction_lib.Reduction:
-        """What ``make_train_step(..., reduction=)`` takes."""
-        return reduction_lib.Reduction(self.reduction, self.compression, self.compression_ratio,
-                                       self.threshold_every)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,8 +148,9 @@ class CheckpointConfig:
 
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
-    """With ``mesh.pipe`` > 1 (``jaxpar.parallel.pipeline_schedule``): the schedule, microbatches
-    per step (None: twice ``mesh.pipe``) and virtual stages per device (interleaved).
+    """With ``mesh.pipe`` > 1 (``jaxpar.parallel.pipeline_schedule``): ``pipeline.schedule``,
+    ``microbatches`` per step (None: twice ``mesh.pipe``) and ``virtual_stages`` per device
+    (interleaved) are ``Config.layout``'s.
 
     ``stage_layers``: layers per stage, ``mesh.pipe x virtual_stages`` entries in stage
     order (stage ``s`` on device ``s % mesh.pipe``), each at least 1, summing to
@@ -162,9 +159,6 @@ class PipelineConfig:
     ``device_profile``: a YAML file describing the pipeline's devices, what "auto" reads
     (needed with it)."""
 
-    schedule: Literal[PIPELINE_SCHEDULES] = "1f1b"
-    microbatches: int | None = None
-    virtual_stages: int = 1
     stage_layers: tuple[int, ...] | Literal["auto"] | None = None
     device_profile: str | None = None
 
@@ -186,22 +180,21 @@ class ExecutionConfig:
     fused vocabulary projection + cross-entropy that never stores the logits.
 
     With ``mesh.seq`` > 1, how attention runs over the split length
-    (``jaxpar.ring_attention``): ``seq_impl`` the blockwise ring, the paper's Ring
-    Self-Attention or Ulysses' all-to-all; ``seq_layout`` the token order the model
+    (``jaxpar.ring_attention``): ``execution.seq_impl`` (``Config.layout``'s) the blockwise
+    ring, the paper's Ring Self-Attention or Ulysses' all-to-all; ``seq_layout`` the token order the model
     keeps (zigzag: causal load balance, the loader permutes every batch; needs seq_len
     divisible by 2 x mesh.seq). The library's own default is "natural" (right for any
     caller); the trainer defaults to "zigzag" because it permutes its batches itself.
 
-    ``sequence_parallel``: Megatron sequence parallelism with 1D ``mesh.tensor``: norms
-    and residual adds work on length-split activations (``jaxpar.rules.SEQUENCE_PARALLEL``).
+    ``execution.sequence_parallel`` (``Config.layout``'s): Megatron sequence parallelism
+    with 1D ``mesh.tensor``: norms and residual adds work on length-split activations
+    (``jaxpar.rules.SEQUENCE_PARALLEL``).
     """
 
     attention: Literal[KERNEL_IMPLS["attention"]] = "auto"
     norm: Literal[KERNEL_IMPLS["norm"]] = "auto"
     loss: Literal[KERNEL_IMPLS["loss"]] = "auto"
-    seq_impl: Literal[SEQUENCE_IMPLS] = "ring"
     seq_layout: Literal[SEQUENCE_LAYOUTS] = "zigzag"
-    sequence_parallel: bool = False
 
     @property
     def kernels(self) -> KernelOptions:
@@ -212,16 +205,13 @@ class ExecutionConfig:
         except ValueError as e:
             raise ConfigError(str(e)) from None
 
-    @property
-    def sequence(self) -> SequenceOptions:
-        return SequenceOptions(self.seq_impl, self.seq_layout)
-
 
 @dataclasses.dataclass(frozen=True)
 class OffloadConfig:
-    """Train state in host memory (``jaxpar.offload``): where the parameters (``params``)
-    and the optimizer state (``optimizer``) live between steps, ``device``, ``host`` or
-    ``auto`` (the planner chooses under ``device_budget``); ``activations``: the
+    """Train state in host memory (``jaxpar.offload``): where the parameters
+    (``offload.params``) and the optimizer state (``offload.optimizer``) live between
+    steps, ``device``, ``host`` or ``auto`` (the planner chooses under ``device_budget``),
+    is ``Config.layout``'s; ``activations``: the
     ``checkpoint_name``s whose saved residuals go to the host (a list, or ``none``);
     ``device_budget``: bytes per device (``6GiB``, ``512MiB``, ``1.5GB``, an integer;
     unset: the device's own memory where the backend says, else no limit);
@@ -230,8 +220,6 @@ class OffloadConfig:
     ``prefetch``: layers fetched ahead; ``host_bandwidth``: host<->device bytes per second
     per direction, for the planner's step-time prediction (a number or ``64GB``)."""
 
-    params: Literal[OFFLOAD_PLACES] = "device"
-    optimizer: Literal[OFFLOAD_PLACES] = "device"
     activations: tuple[str, ...] | Literal["none"] = ()
     device_budget: str | int | float | None = None
     resident_layers: int | None = None
@@ -253,12 +241,8 @@ class OffloadConfig:
             raise ValueError(f"offload.host_bandwidth={self.host_bandwidth!r} must be positive")
         if self.prefetch < 1:
             raise ValueError(f"offload.prefetch={self.prefetch!r} must be at least 1")
-        if self.resident_layers is not None:
-            if self.resident_layers < 0:
-                raise ValueError(f"offload.resident_layers={self.resident_layers!r} must not be negative")
-            if self.params == "device":
-                raise ValueError(f"offload.resident_layers={self.resident_layers} applies to "
-                                 "offload.params=host or auto (with params=device every layer is resident)")
+        if self.resident_layers is not None and self.resident_layers < 0:
+            raise ValueError(f"offload.resident_layers={self.resident_layers!r} must not be negative")
 
     @property
     def budget(self) -> int | None:
@@ -271,16 +255,6 @@ class OffloadConfig:
         if isinstance(self.host_bandwidth, str):
             return float(parse_bytes(self.host_bandwidth))
         return float(self.host_bandwidth)
-
-    @property
-    def requested(self) -> tuple[str, ...]:
-        """The keys that ask for a plan (any but ``prefetch`` and ``host_bandwidth`` off
-        their defaults), as ``key=value``; empty: everything stays on the device, unplanned."""
-        keys = ("params", "optimizer", "activations", "device_budget", "resident_layers")
-        default = OffloadConfig()
-        shown = lambda v: list(v) if isinstance(v, tuple) else v  # noqa: E731 - as the user wrote it
-        return tuple(f"offload.{k}={shown(getattr(self, k))!r}" for k in keys
-                     if getattr(self, k) != getattr(default, k))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -408,6 +382,10 @@ class Config:
     # "auto": the planner chooses the mesh, pipeline, remat, grad_accum and offload for the
     # devices present (jaxpar.train.plan.auto; plan.* says for what).
     mesh: MeshConfig | Literal["auto"] = MeshConfig()
+    # The parallel layout (jaxpar.layout): mesh sizes, pipeline schedule, sequence
+    # implementation, remat, accumulation, reduction, offload places, read from and
+    # written to their public keys (mesh.fsdp, model.remat, ...: jaxpar.layout.KEYS).
+    layout: Layout = dataclasses.field(default=Layout(data=None), metadata={"keys": tuple(LAYOUT_KEYS.values())})
     plan: PlanConfig = PlanConfig()
     pipeline: PipelineConfig = PipelineConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
@@ -437,12 +415,33 @@ class Config:
     def auto_mesh(self) -> bool:
         return self.mesh == "auto"
 
+    @property
+    def gradient_reduction(self) -> reduction_lib.Reduction:
+        """What ``make_train_step(..., reduction=)`` takes."""
+        return reduction_lib.Reduction(self.layout.reduction, self.layout.compression,
+                                       self.optimizer.compression_ratio, self.optimizer.threshold_every)
+
+    @property
+    def offload_requested(self) -> tuple[str, ...]:
+        """The offload keys that ask for a plan (any but ``prefetch`` and
+        ``host_bandwidth`` off their defaults), as ``key=value``; empty: everything stays
+        on the device, unplanned."""
+        shown = lambda v: list(v) if isinstance(v, tuple) else v  # noqa: E731 - as the user wrote it
+        places = [(f"offload.{k}", getattr(self.layout, f"offload_{k}"), "device") for k in ("params", "optimizer")]
+        default = OffloadConfig()
+        rest = [(f"offload.{k}", getattr(self.offload, k), getattr(default, k))
+                for k in ("activations", "device_budget", "resident_layers")]
+        return tuple(f"{key}={shown(value)!r}" for key, value, unset in places + rest if value != unset)
+
     def __post_init__(self):
         if (self.task == "dlrm") != isinstance(self.model, DLRMConfig):
             raise ValueError(f"task={self.task!r} with a {type(self.model).__name__} model: task dlrm "
                              f"takes a DLRM (model: {' or '.join(DLRM_PRESETS)}), the others a transformer")
         if self.task == "dlrm":
             return self._check_dlrm()
+        if self.model.remat != "none" or self.model.remat_names:  # one copy: the layout's
+            raise ValueError(f"model.remat={self.model.remat!r} in the ModelConfig: a run's remat is "
+                             "Config.layout's (model.remat in a config file, or layout=Layout(remat=...))")
         if self.auto_mesh and self.model.moe is not None:
             raise ValueError("mesh=auto with model.moe is not supported yet: the planner does not count experts; "
                              "give a mesh")
@@ -451,22 +450,16 @@ class Config:
         if self.task == "glide" and not self.target_run_dir:
             raise ValueError("task='glide' needs target_run_dir=DIR (the target model's jaxpar run "
                              "or Hugging Face directory)")
-        mesh_keys = () if self.auto_mesh else ("mesh.fsdp", "mesh.pipe", "mesh.seq")
-        for key in ("steps", "batch_size", *mesh_keys,
-                    "optimizer.grad_accum", "checkpoint.keep", "eval.batches",
-                    "pipeline.virtual_stages"):
+        for key in ("steps", "batch_size", "checkpoint.keep", "eval.batches"):
             value = _get(self, key)
             if value < 1:
                 raise ValueError(f"{key}={value!r} must be at least 1")
+        self.layout.check(mesh=not self.auto_mesh)
         for key in ("checkpoint.every", "eval.every", "optimizer.warmup_steps"):
             if _get(self, key) < 0:
                 raise ValueError(f"{key}={_get(self, key)!r} must not be negative")
-        if self.pipeline.microbatches is not None and self.pipeline.microbatches < 1:
-            raise ValueError(f"pipeline.microbatches={self.pipeline.microbatches!r} must be at least 1")
         if isinstance(self.pipeline.stage_layers, tuple):  # its count is checked with the mesh (loop)
             check_stage_layers(self.pipeline.stage_layers, self.model.layers)
-        if not self.auto_mesh and self.mesh.data is not None and self.mesh.data < 1:
-            raise ValueError(f"mesh.data={self.mesh.data!r} must be at least 1")
         # 256 byte symbols plus EOS is the smallest byte-level vocabulary.
         if self.task == "lm" and self.data.tokenizer is None and self.model.vocab_size < 257:
             raise ValueError(f"model.vocab_size={self.model.vocab_size} must be >= 257 to train a "
@@ -479,29 +472,35 @@ class Config:
         if self.optimizer.batch_scaling == "adascale" and not self.eval.noise_scale:
             raise ValueError("optimizer.batch_scaling=adascale reads the gradient noise scale: give "
                              "eval.noise_scale=true")
-        offload = self.offload
-        if offload.resident_layers is not None and offload.resident_layers > self.model.layers:
-            raise ValueError(f"offload.resident_layers={offload.resident_layers} is above "
-                             f"model.layers={self.model.layers}")
+        self._check_offload()
         combinations.check(self)  # the mesh's features too, once it is known
         if self.auto_mesh:
             return  # the rest checks the mesh: the plan's, once chosen
-        state_offload = [f"offload.{k}={v!r}" for k, v in (("params", offload.params), ("optimizer", offload.optimizer))
-                         if v != "device"]
-        if self.mesh.pipe > 1 and state_offload and (self.pipeline.schedule == "interleaved"
-                                                     or self.pipeline.stage_layers is not None):
-            raise ValueError(f"{state_offload[0]} with pipeline.schedule={self.pipeline.schedule} (stage_layers="
+        layout, offload = self.layout, self.offload
+        state_offload = [f"offload.{k}={v!r}" for k, v in (("params", layout.offload_params),
+                                                             ("optimizer", layout.offload_optimizer)) if v != "device"]
+        if layout.pipe > 1 and state_offload and (layout.schedule == "interleaved"
+                                                  or self.pipeline.stage_layers is not None):
+            raise ValueError(f"{state_offload[0]} with pipeline.schedule={layout.schedule} (stage_layers="
                              f"{self.pipeline.stage_layers}) is not supported yet: {REORDERED_STAGES}")
-        if self.mesh.pipe > 1 and offload.resident_layers:
-            raise ValueError(f"offload.resident_layers={offload.resident_layers} with mesh.pipe={self.mesh.pipe} is "
+        if layout.pipe > 1 and offload.resident_layers:
+            raise ValueError(f"offload.resident_layers={offload.resident_layers} with mesh.pipe={layout.pipe} is "
                              f"not supported yet: {WHOLE_STAGES}")
-        seq = self.mesh.seq
+        seq = layout.seq
         ways = 2 * seq if self.execution.seq_layout == "zigzag" else seq
         if seq > 1 and self.seq_len % ways:
             raise ValueError(
                 f"seq_len={self.seq_len} must be divisible by "
                 + (f"2 x mesh.seq = {ways} for execution.seq_layout=zigzag" if ways > seq else f"mesh.seq={seq}")
             )
+
+    def _check_offload(self):
+        resident = self.offload.resident_layers
+        if resident is not None and self.layout.offload_params == "device":
+            raise ValueError(f"offload.resident_layers={resident} applies to "
+                             "offload.params=host or auto (with params=device every layer is resident)")
+        if resident is not None and resident > self.model.layers:
+            raise ValueError(f"offload.resident_layers={resident} is above model.layers={self.model.layers}")
 
     def _check_dlrm(self):
         for key in ("steps", "batch_size", "checkpoint.keep", "eval.batches"):
@@ -515,8 +514,8 @@ class Config:
             raise ValueError(f"data.format=criteo has {CRITEO_FEATURES} categorical features, but the model has "
                              f"{len(self.model.table_rows)} tables: give model=dlrm_criteo_small (or dlrm_criteo, "
                              f"or {CRITEO_FEATURES} model.table_rows)")
-        if self.auto_mesh or any(getattr(self.mesh, a) not in (1, None) for a in ("fsdp", "pipe", "seq")) \
-                or self.mesh.tensor != 1:
+        if self.auto_mesh or any(getattr(self.layout, a) not in (1, None) for a in ("fsdp", "pipe", "seq")) \
+                or self.layout.tensor != 1:
             raise ValueError("task=dlrm trains data parallel: give mesh.data (or nothing) and no other axis")
 
 
@@ -569,7 +568,20 @@ def load_config(name_or_path: str, overrides: typing.Sequence[str] = ()) -> Conf
         _set(values, key.strip(), value)
     if "model" in values:
         values["model"] = _from_preset(values["model"])
+    values["layout"] = _layout_of(values)
     return _build(Config, values)
+
+
+def _layout_of(values: dict) -> Layout:
+    """The ``Layout`` the public keys of ``values`` set (``jaxpar.layout.KEYS``), taken out
+    of their sections; each value checked against its field as the key names it."""
+    hints = typing.get_type_hints(Layout)
+    kwargs = {"data": None}  # unset: the devices the other axes leave
+    for key, name in LAYOUT_FIELD_OF.items():
+        section, leaf = key.split(".")
+        if isinstance(values.get(section), dict) and leaf in values[section]:
+            kwargs[name] = _coerce(values[section].pop(leaf), hints[name], key)
+    return Layout(**kwargs)
 
 
 def _from_preset(model: Any) -> Any:
@@ -591,5 +603,12 @@ def _from_preset(model: Any) -> Any:
 
 
 def to_dict(cfg: Config) -> dict:
-    """The config as plain data (for metadata and the run's ``config.yaml``)."""
-    return dataclasses.asdict(cfg)
+    """The config as plain data (for metadata and the run's ``config.yaml``), the layout
+    under its public keys (``jaxpar.layout.KEYS``): ``load_config`` of it is ``cfg``."""
+    out = dataclasses.asdict(cfg)
+    del out["layout"]
+    for key, value in cfg.layout.settings().items():
+        section, leaf = key.split(".")
+        if isinstance(out[section], dict):  # not mesh=auto's sizes: the planner's
+            out[section][leaf] = tuple(value) if isinstance(value, list) else value
+    return out

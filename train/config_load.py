@@ -18,6 +18,7 @@ import typing
 from typing import Any, Literal
 
 from jaxpar.inputs import InputError, read_yaml
+from jaxpar.layout import KEYS as LAYOUT_KEYS
 
 
 class ConfigError(InputError):
@@ -25,8 +26,13 @@ class ConfigError(InputError):
 
 
 def _keys(cls, prefix="") -> list[str]:
+    """The dotted keys of ``cls``'s fields; a field read from keys of other sections (its
+    metadata's ``keys``: ``Config.layout``'s) counts as those."""
     keys = []
     for field in dataclasses.fields(cls):
+        if "keys" in field.metadata:
+            keys += list(field.metadata["keys"])
+            continue
         hint = typing.get_type_hints(cls)[field.name]
         inner = _dataclass_in(hint)
         keys += _keys(inner, f"{prefix}{field.name}.") if inner else [prefix + field.name]
@@ -68,6 +74,8 @@ def _coerce(value: Any, hint, key: str):
             raise ConfigError(f"{key}={value!r} must be one of {list(args)}")
         return value
     if dataclasses.is_dataclass(hint):
+        if isinstance(value, hint):  # built already (Config.layout, from its keys)
+            return value
         if not isinstance(value, dict):
             raise ConfigError(f"{key}={value!r} must be a mapping of {hint.__name__} fields")
         return _build(hint, value, key + ".")
@@ -116,7 +124,7 @@ def _build(cls, values: dict, prefix: str = ""):
     for name in values:
         if name not in names:
             key = prefix + name
-            valid = _keys(cls, prefix)
+            valid = [k for k in LAYOUT_KEYS.values() if prefix and k.startswith(prefix)] + _keys(cls, prefix)
             near = _near(key, valid) or valid[:8]
             raise ConfigError(f"unknown config key {key!r}; valid keys near it: {', '.join(near)}")
     kwargs = {}

@@ -81,9 +81,9 @@ def prepare(cfg: Config) -> tuple[Config, Transformer]:
 
     if cfg.dry_run:
         raise ValueError("dry_run=true is not supported with task=glide")
-    if cfg.mesh.pipe > 1 or cfg.mesh.seq > 1:
+    if cfg.layout.pipe > 1 or cfg.layout.seq > 1:
         raise ValueError(f"task=glide runs without pipeline or sequence parallelism, got "
-                         f"mesh.pipe={cfg.mesh.pipe} mesh.seq={cfg.mesh.seq}")
+                         f"mesh.pipe={cfg.layout.pipe} mesh.seq={cfg.layout.seq}")
     target_dir = pathlib.Path(cfg.target_run_dir)
     tokenizer = target_dir if is_gguf(target_dir) else target_dir / "tokenizer.json"
     if cfg.data.tokenizer is not None and pathlib.Path(cfg.data.tokenizer).resolve() != tokenizer.resolve():

@@ -54,7 +54,7 @@ from jaxpar.train import offload as offload_lib
 from jaxpar.train import tasks, weighted
 from jaxpar.train.checkpoints import CheckpointError, Checkpoints
 from jaxpar.train.data import file_in_the_way
-from jaxpar.train.config import Config, ConfigError, MeshConfig, OptimizerConfig, to_dict
+from jaxpar.train.config import Config, ConfigError, OptimizerConfig, to_dict
 from jaxpar.train.loader import Loader
 from jaxpar.train.step import make_train_step
 from jaxpar.train.stepping import Recorder, TrainingError, finished, run_steps
@@ -65,27 +65,28 @@ log = logging.getLogger(__name__)
 build_model, load_data = tasks.build_model, tasks.load_data  # the loop's names, as callers know them
 
 
-def build_mesh(mesh_cfg: MeshConfig, devices=None) -> jax.sharding.Mesh:
-    """The mesh for ``mesh_cfg``; ``data`` None takes the devices the other axes leave.
-    Sizes that ask for fewer devices than one process has take its first ones (a job
-    given part of a host, as an elastic job resized to fewer devices is)."""
+def build_mesh(cfg: Config, devices=None) -> jax.sharding.Mesh:
+    """The mesh of ``cfg.layout`` (``cfg.mesh.axis_types``); ``data`` None takes the
+    devices the other axes leave. Sizes that ask for fewer devices than one process has
+    take its first ones (a job given part of a host, as an elastic job resized to fewer
+    devices is)."""
     devices = jax.devices() if devices is None else devices
-    tensor = mesh_cfg.tensor if isinstance(mesh_cfg.tensor, tuple) else (mesh_cfg.tensor,)
-    others = mesh_cfg.fsdp * mesh_cfg.pipe * mesh_cfg.seq * math.prod(tensor)
-    data = mesh_cfg.data
+    layout = cfg.layout
+    others = layout.fsdp * layout.pipe * layout.seq * layout.tensor_ways
+    data = layout.data
     if data is not None and jax.process_count() == 1 and data * others < len(devices):
         devices = devices[:data * others]
     if data is None:
         if others < 1 or len(devices) % others:
             raise ConfigError(
-                f"mesh fsdp={mesh_cfg.fsdp} pipe={mesh_cfg.pipe} seq={mesh_cfg.seq} "
-                f"tensor={mesh_cfg.tensor} ({others} devices) does not divide {len(devices)} devices"
+                f"mesh fsdp={layout.fsdp} pipe={layout.pipe} seq={layout.seq} "
+                f"tensor={layout.tensor} ({others} devices) does not divide {len(devices)} devices"
             )
         data = len(devices) // others
     try:
-        return jaxpar.make_mesh(data=data, fsdp=mesh_cfg.fsdp, pipe=mesh_cfg.pipe,
-                                seq=mesh_cfg.seq, tensor=mesh_cfg.tensor, devices=devices,
-                                axis_types=mesh_cfg.axis_types)
+        return jaxpar.make_mesh(data=data, fsdp=layout.fsdp, pipe=layout.pipe,
+                                seq=layout.seq, tensor=layout.tensor, devices=devices,
+                                axis_types=cfg.mesh.axis_types)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
@@ -153,38 +154,39 @@ def pipeline_schedule(cfg: Config, mesh, rules) -> Schedule | None:
     its sizes checked against the model and the batch."""
     from jaxpar.train.pipelined import check_stage_layers
 
-    P, pipe = mesh.shape["pipe"], cfg.pipeline
-    V = pipe.virtual_stages if pipe.schedule == "interleaved" else 1
-    if isinstance(pipe.stage_layers, tuple):  # a stage count the mesh can take (config.py: the rest)
+    P, layout, stage_layers = mesh.shape["pipe"], cfg.layout, cfg.pipeline.stage_layers
+    V = layout.virtual_stages if layout.schedule == "interleaved" else 1
+    if isinstance(stage_layers, tuple):  # a stage count the mesh can take (config.py: the rest)
         try:
-            check_stage_layers(pipe.stage_layers, cfg.model.layers, P, V)
+            check_stage_layers(stage_layers, cfg.model.layers, P, V)
         except ValueError as e:
             raise ConfigError(str(e)) from None
     if P == 1:
         return None
-    M = pipe.microbatches or 2 * P
-    if pipe.stage_layers is None and cfg.model.layers % (P * V):
+    M = layout.microbatches or 2 * P
+    if stage_layers is None and cfg.model.layers % (P * V):
         raise ConfigError(f"model.layers={cfg.model.layers} is not divisible by mesh.pipe x "
                             f"pipeline.virtual_stages = {P} x {V} = {P * V}")
-    if cfg.optimizer.grad_accum != 1:
-        raise ConfigError(f"optimizer.grad_accum={cfg.optimizer.grad_accum} with mesh.pipe={P}: "
+    if layout.grad_accum != 1:
+        raise ConfigError(f"optimizer.grad_accum={layout.grad_accum} with mesh.pipe={P}: "
                             "the pipeline's microbatches accumulate already (pipeline.microbatches)")
     axes, ways = _data_parallel(mesh, rules)
     if cfg.batch_size % (M * ways):
         raise ConfigError(f"batch_size={cfg.batch_size} is not divisible by pipeline.microbatches "
                             f"x the data-parallel degree = {M} x {ways} = {M * ways}")
     try:
-        return pipeline_schedules.build(pipe.schedule, P, M, V)
+        return pipeline_schedules.build(layout.schedule, P, M, V)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
 
 def _check_batch(cfg: Config, mesh, rules) -> None:
     axes, ways = _data_parallel(mesh, rules)
-    micro = cfg.batch_size // cfg.optimizer.grad_accum
-    if cfg.batch_size % cfg.optimizer.grad_accum or micro % ways:
+    accum = cfg.layout.grad_accum
+    micro = cfg.batch_size // accum
+    if cfg.batch_size % accum or micro % ways:
         raise ConfigError(
-            f"batch_size={cfg.batch_size} / optimizer.grad_accum={cfg.optimizer.grad_accum} "
+            f"batch_size={cfg.batch_size} / optimizer.grad_accum={accum} "
             f"must be a multiple of the data-parallel degree {'*'.join(axes)}={ways}"
         )
 
@@ -328,8 +330,8 @@ def build(cfg: Config, task, base_batch: int | None = None) -> Setup:
     ``offload`` requested, planned on the all-on-device step's compile-only profile (not
     compiled where the plan has one candidate and no budget to check, unless ``dry_run``
     reports its figures)."""
-    mesh = build_mesh(cfg.mesh)
-    rules = sharding_rules(cfg.model, mesh, sequence_parallel=cfg.execution.sequence_parallel)
+    mesh = build_mesh(cfg)
+    rules = sharding_rules(cfg.model, mesh, sequence_parallel=cfg.layout.sequence_parallel)
     _check_batch(cfg, mesh, rules)
     abstract_model = nnx.eval_shape(task.model)
     base_batch = base_batch or cfg.optimizer.base_batch_size or cfg.batch_size
@@ -349,16 +351,17 @@ def build(cfg: Config, task, base_batch: int | None = None) -> Setup:
         key = ("step", tuple(sorted(offload.items())))
         if key not in programs:
             programs[key] = make_train_step(
-                abstract_model, tx, mesh, rules, grad_accum=cfg.optimizer.grad_accum,
-                sequence=cfg.execution.sequence, kernels=cfg.execution.kernels, pipeline=stages,
+                abstract_model, tx, mesh, rules, grad_accum=cfg.layout.grad_accum,
+                sequence=cfg.layout.sequence(cfg.execution.seq_layout), kernels=cfg.execution.kernels,
+                pipeline=stages,
                 stage_layers=None if stages is None else cfg.pipeline.stage_layers,
-                weighted=None if layout is None else layout.unit, reduction=cfg.optimizer.gradient_reduction,
+                weighted=None if layout is None else layout.unit, reduction=cfg.gradient_reduction,
                 noise_scale=noise, **task.step_options(frozen), **offload)
         return programs[key]
 
     setup = Setup(mesh, rules, abstract_model, tx, lr, stages, frozen, build_step(), layout=layout,
                   noise_scale=noise, programs=programs)
-    if not cfg.offload.requested:
+    if not cfg.offload_requested:
         return setup
     abstract_state = setup.step_fn.abstract_state(abstract_model)
     # The all-on-device compile only informs the plan (and dry_run's figures): a fixed

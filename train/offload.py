@@ -9,7 +9,8 @@ import math
 
 import jax
 
-from jaxpar.models.config import CHECKPOINT_NAMES, ModelConfig
+from jaxpar.layout import Layout
+from jaxpar.models.config import CHECKPOINT_NAMES
 from jaxpar.models.transformer import ACT_BTD, ACT_BTF, ACT_BTKH, ACT_BTNH
 from jaxpar.offload import budget as budget_lib
 from jaxpar.offload.planner import H100_PEAK_FLOPS, Plan, PlanError, decided, plan
@@ -26,7 +27,7 @@ def activation_bytes(cfg: Config, mesh, rules) -> dict[str, int]:
     [B, T, N, H], mlp_hidden [B, T, F] (``CHECKPOINT_NAMES``), times ``model.layers``.
     """
     m = cfg.model
-    B, T = cfg.batch_size // cfg.optimizer.grad_accum, cfg.seq_len
+    B, T = cfg.batch_size // cfg.layout.grad_accum, cfg.seq_len
     shapes = {
         "layer_input": ((B, T, m.dim), ACT_BTD),
         "query": ((B, T, m.heads, m.head_dim), ACT_BTNH),
@@ -46,15 +47,15 @@ def activation_bytes(cfg: Config, mesh, rules) -> dict[str, int]:
     return sizes
 
 
-def saved_names(model: ModelConfig) -> tuple[str, ...]:
+def saved_names(layout: Layout) -> tuple[str, ...]:
     """The checkpoint names whose residuals the step keeps on the device without
     offload: all with ``remat=none`` (the backward reads each of them), ``remat_names``
     with ``remat=names``; none known by name under ``full`` or the ``dots`` policies
     (they save other values, the projections' outputs before RoPE and the gating)."""
-    if model.remat == "none":
+    if layout.remat == "none":
         return CHECKPOINT_NAMES
-    if model.remat == "names":
-        return tuple(model.remat_names)
+    if layout.remat == "names":
+        return tuple(layout.remat_names)
     return ()
 
 
@@ -72,9 +73,8 @@ def needs_profile(cfg: Config, abstract_state: dict) -> bool:
     """Whether ``resolve`` needs the all-on-device step's profile: with a budget to check
     (``_budget``) or more than one plan to weigh. A fixed placement without a budget
     (``jaxpar.offload.planner.decided``) does not: a run skips that compile."""
-    o = cfg.offload
-    return not decided(abstract_state, _budget(cfg)[0], params=o.params, optimizer=o.optimizer,
-                       resident_layers=o.resident_layers)
+    return not decided(abstract_state, _budget(cfg)[0], params=cfg.layout.offload_params,
+                       optimizer=cfg.layout.offload_optimizer, resident_layers=cfg.offload.resident_layers)
 
 
 def resolve(cfg: Config, profile: dict | None, abstract_state: dict, mesh, rules,
@@ -91,17 +91,17 @@ def resolve(cfg: Config, profile: dict | None, abstract_state: dict, mesh, rules
     """
     offload = cfg.offload
     budget, source = _budget(cfg)
-    microbatches = cfg.optimizer.grad_accum
+    microbatches = cfg.layout.grad_accum
     if mesh is not None and mesh.shape.get("pipe", 1) > 1:  # a stage fetches its layers for each microbatch
-        microbatches = cfg.pipeline.microbatches or 2 * mesh.shape["pipe"]
+        microbatches = cfg.layout.pipeline_microbatches
     try:
-        return plan(abstract_state, mesh, profile, budget, params=offload.params,
-                    optimizer=offload.optimizer, activations=offload.activations,
+        return plan(abstract_state, mesh, profile, budget, params=cfg.layout.offload_params,
+                    optimizer=cfg.layout.offload_optimizer, activations=offload.activations,
                     resident_layers=offload.resident_layers, prefetch=offload.prefetch,
                     grad_accum=microbatches,
                     host_bandwidth=offload.bandwidth, peak_flops=peak_flops or H100_PEAK_FLOPS,
                     activation_bytes=activation_bytes(cfg, mesh, rules),
-                    saved_names=saved_names(cfg.model), budget_source=source)
+                    saved_names=saved_names(cfg.layout), budget_source=source)
     except PlanError as e:
         raise ConfigError(str(e)) from None
 

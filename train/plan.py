@@ -1,5 +1,6 @@
 """The planner in training: a config's candidate layouts compiled (``compiled_figures``,
-``measured_steps``), ranked (``run_plan``) and applied (``with_layout``), which
+``measured_steps``), ranked (``run_plan``) and applied (``Config.layout`` is the
+planner's own ``jaxpar.layout.Layout``: ``dataclasses.replace(cfg, layout=...)``), which
 ``mesh=auto`` runs for the devices present (``auto``), and
 ``pipeline.stage_layers=auto``'s split (``auto_stage_layers``).
 
@@ -30,7 +31,8 @@ from jaxpar.planning import hardware as hardware_lib
 from jaxpar.planning import search, stages
 from jaxpar.planning.cache import FigureCache
 from jaxpar.planning.hardware import Hardware
-from jaxpar.planning.layout import Layout
+from jaxpar.layout import Layout
+from jaxpar.planning.layout import Space
 from jaxpar.planning.search import Plan
 from jaxpar.planning.workload import Workload
 from jaxpar.train import loop
@@ -40,38 +42,21 @@ from jaxpar.train.data import cache_dir_of
 log = logging.getLogger(__name__)
 
 
-def with_layout(cfg: Config, layout: Layout, *, offload: bool = True) -> Config:
-    """``cfg`` with ``layout``'s settings (``offload=False``: state left on the device)."""
-    pipeline = dataclasses.replace(cfg.pipeline, schedule=layout.schedule,
-                                   microbatches=layout.microbatches if layout.pipe > 1 else None,
-                                   virtual_stages=layout.virtual_stages)
-    execution = dataclasses.replace(cfg.execution, seq_impl=layout.seq_impl,
-                                    sequence_parallel=layout.sequence_parallel)
-    tensor = tuple(layout.tensor) if isinstance(layout.tensor, tuple) else layout.tensor
-    mesh = dataclasses.replace(MeshConfig() if cfg.auto_mesh else cfg.mesh, data=layout.data, fsdp=layout.fsdp, pipe=layout.pipe, seq=layout.seq, tensor=tensor)
-    offload_cfg = cfg.offload
-    if offload:
-        offload_cfg = dataclasses.replace(cfg.offload, params=layout.offload_params,
-                                          optimizer=layout.offload_optimizer)
-    return dataclasses.replace(
-        cfg, mesh=mesh, pipeline=pipeline, execution=execution, offload=offload_cfg,
-        model=dataclasses.replace(cfg.model, remat=layout.remat),
-        optimizer=dataclasses.replace(cfg.optimizer, grad_accum=layout.grad_accum))
-
-
 def _built_step(cfg: Config, layout: Layout, devices):
     """``(run config, mesh, rules, train step, abstract model, pipeline schedule)`` of ``cfg``
     under ``layout`` (state on the device) on the first ``layout.devices`` devices."""
     devices = list(jax.devices() if devices is None else devices)[:layout.devices]
-    run = with_layout(cfg, layout, offload=False)
-    mesh = loop.build_mesh(run.mesh, devices)
-    rules = sharding_rules(run.model, mesh, sequence_parallel=run.execution.sequence_parallel)
+    on_device = dataclasses.replace(layout, offload_params="device", offload_optimizer="device")
+    run = dataclasses.replace(cfg, mesh=MeshConfig() if cfg.auto_mesh else cfg.mesh, layout=on_device)
+    mesh = loop.build_mesh(run, devices)
+    rules = sharding_rules(run.model, mesh, sequence_parallel=run.layout.sequence_parallel)
     loop._check_batch(run, mesh, rules)
     stages = loop.pipeline_schedule(run, mesh, rules)
     abstract = nnx.eval_shape(lambda: loop.build_model(run))
     tx, _ = loop.make_optimizer(run.optimizer, run.steps)
-    step = loop.make_train_step(abstract, tx, mesh, rules, grad_accum=run.optimizer.grad_accum,
-                                sequence=run.execution.sequence, kernels=run.execution.kernels, pipeline=stages)
+    step = loop.make_train_step(abstract, tx, mesh, rules, grad_accum=run.layout.grad_accum,
+                                sequence=run.layout.sequence(run.execution.seq_layout), kernels=run.execution.kernels,
+                                pipeline=stages)
     return run, mesh, rules, step, abstract, stages
 
 
@@ -175,7 +160,8 @@ def run_plan(cfg: Config, devices: int, *, hw: Hardware, device_memory: int, dev
     cache = FigureCache(cache_dir_of(cfg.cache_dir))
     try:
         return search.search(workload(cfg), devices, hw, device_memory=device_memory,
-                             devices_per_node=devices_per_node, compile=compile, compile_top=cfg.plan.compile_top,
+                             devices_per_node=devices_per_node, space=Space(base=cfg.layout),
+                             compile=compile, compile_top=cfg.plan.compile_top,
                              cache=cache, backend=backend, progress=progress)
     except search.PlanError as e:
         raise ConfigError(str(e)) from None
@@ -197,24 +183,10 @@ def auto(cfg: Config) -> Config:
              budget_lib.format_bytes(best["memory_bytes"]), budget_lib.format_bytes(memory), best["memory_source"],
              best["step_time_s"] * 1e3, f"{best['tokens_per_s']:,.0f}", best["mfu"] * 100, hw.name,
              plan.considered, plan.compiled, plan.cached, plan.seconds)
-    return with_layout(dataclasses.replace(cfg, mesh=MeshConfig()), plan.best.layout)
+    return dataclasses.replace(cfg, mesh=MeshConfig(), layout=plan.best.layout)
 
 
 # ----------------------------------------------------------------------------- uneven stages
-
-
-def layout_of(cfg: Config, devices: int) -> Layout:
-    """``cfg``'s own mesh, pipeline and placement as a ``Layout`` (``with_layout``'s
-    inverse; ``mesh.data`` unset: what ``devices`` leave; ``offload`` ``auto``: device)."""
-    m, p = cfg.mesh, cfg.pipeline
-    tensor = tuple(m.tensor) if isinstance(m.tensor, (list, tuple)) else m.tensor
-    layout = Layout(fsdp=m.fsdp, pipe=m.pipe, seq=m.seq, tensor=tensor, schedule=p.schedule,
-                    microbatches=(p.microbatches or 2 * m.pipe) if m.pipe > 1 else 1, virtual_stages=p.virtual_stages,
-                    seq_impl=cfg.execution.seq_impl, sequence_parallel=cfg.execution.sequence_parallel,
-                    remat=cfg.model.remat, grad_accum=cfg.optimizer.grad_accum,
-                    offload_params="host" if cfg.offload.params == "host" else "device",
-                    offload_optimizer="host" if cfg.offload.optimizer == "host" else "device")
-    return dataclasses.replace(layout, data=m.data or max(1, devices // layout.devices))
 
 
 def stage_comparison(cfg: Config, devices: int, hw: Hardware, devices_per_node: int) -> dict:
@@ -222,8 +194,8 @@ def stage_comparison(cfg: Config, devices: int, hw: Hardware, devices_per_node: 
     ``pipeline.device_profile`` (``jaxpar.planning.stages.compare``); ``ConfigError``
     (one line) where the profile or the layout cannot give one."""
     try:
-        profile = devices_lib.load(cfg.pipeline.device_profile, cfg.mesh.pipe)
-        model = stages.stage_model(workload(cfg), layout_of(cfg, devices), hw, devices_per_node=devices_per_node,
+        profile = devices_lib.load(cfg.pipeline.device_profile, cfg.layout.pipe)
+        model = stages.stage_model(workload(cfg), cfg.layout.resolved(devices), hw, devices_per_node=devices_per_node,
                                    backend="cpu" if hw.name == "cpu" else "gpu")
         return {"device_profile": profile.source, **stages.compare(profile, model)}
     except ValueError as e:

@@ -230,7 +230,7 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
     """Runs (or resumes) the DLRM training ``cfg`` describes; returns the per-step metrics."""
     m: DLRMConfig = cfg.model
     run_dir = pathlib.Path(cfg.run_dir)
-    mesh = build_mesh(cfg.mesh)
+    mesh = build_mesh(cfg)
     replicated, by_batch = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
     if cfg.batch_size % mesh.shape["data"]:
         raise ValueError(f"batch_size={cfg.batch_size} must be a multiple of mesh.data={mesh.shape['data']}")

@@ -39,11 +39,13 @@ from jaxpar.train.config import Config
 def build_model(cfg: Config, vocab=None) -> nnx.Module:
     """The model a run trains: the ``Transformer``, or with ``task: glide`` the GliDe
     draft for the target's model config (``cfg.model``) over ``vocab`` (a
-    ``jaxpar.models.glide.DraftVocab``, or None: the whole vocabulary)."""
+    ``jaxpar.models.glide.DraftVocab``, or None: the whole vocabulary), its layers
+    rematerialised as ``cfg.layout`` says."""
+    model = dataclasses.replace(cfg.model, remat=cfg.layout.remat, remat_names=cfg.layout.remat_names)
     if cfg.task == "glide":
-        return GlideDraftModel(cfg.model, cfg.glide.layers, vocab=vocab, features=cfg.glide.features,
+        return GlideDraftModel(model, cfg.glide.layers, vocab=vocab, features=cfg.glide.features,
                                rngs=nnx.Rngs(cfg.seed))
-    return Transformer(cfg.model, rngs=nnx.Rngs(cfg.seed))
+    return Transformer(model, rngs=nnx.Rngs(cfg.seed))
 
 
 def load_data(cfg: Config, target: Transformer | None = None, *, progress: bool = False) -> tuple:

@@ -173,7 +173,7 @@ def layout_of(cfg: Config, mesh) -> Layout | None:
     try:
         return row_counts(cfg.batch_size, (1.0,) * processes if weights == "auto" else weights,
                           processes, mesh.shape["data"] // processes,
-                          mesh.shape.get("fsdp", 1) * cfg.optimizer.grad_accum)
+                          mesh.shape.get("fsdp", 1) * cfg.layout.grad_accum)
     except WeightsError as e:
         raise ConfigError(str(e)) from None
 

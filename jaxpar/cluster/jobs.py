@@ -193,7 +193,7 @@ def job_speed(cfg, hw, devices: int, batches) -> SpeedModel:
     # Here, as _planned's imports: only ``speed: plan`` needs the planner and a config
     # (0.5 s of jaxpar-cluster's start, which jaxpar-cluster simulate never uses).
     from jaxpar.planning import cost
-    from jaxpar.planning.layout import Layout
+    from jaxpar.layout import Layout
     from jaxpar.planning.workload import Workload
     from jaxpar.train.config import ConfigError
 
@@ -202,7 +202,7 @@ def job_speed(cfg, hw, devices: int, batches) -> SpeedModel:
         for batch in sorted(set(batches)):
             if batch % d:
                 continue
-            layout = dataclasses.replace(Layout(data=d), remat=cfg.model.remat)
+            layout = Layout(data=d, remat=cfg.layout.remat)
             try:
                 t = cost.step_time(Workload(cfg.model, batch, cfg.seq_len), layout, hw, devices_per_node=d).total
             except ValueError:  # a layout the shapes cannot take

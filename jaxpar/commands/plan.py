@@ -27,7 +27,7 @@ from jaxpar.placement.runtime import simulate_cpu_devices
 from jaxpar.planning import devices as devices_lib
 from jaxpar.planning import search
 from jaxpar.planning.calibrate import calibrate_and_save
-from jaxpar.planning.layout import Layout
+from jaxpar.layout import PLANNED, Layout
 from jaxpar.planning.search import Plan
 from jaxpar.train.config import Config, load_config
 from jaxpar.train.data import cache_dir_of, file_in_the_way
@@ -37,9 +37,10 @@ ALIASES = ("devices", "device_memory", "hardware", "devices_per_node")
 
 
 def overlay(layout: Layout) -> dict:
-    """``layout``'s settings as nested config sections (what ``--out`` writes)."""
+    """``layout``'s settings as nested config sections (what ``--out`` writes): every one
+    the planner chooses, so that the config it overlays reloads with exactly ``layout``."""
     out: dict = {}
-    for dotted, value in layout.overrides().items():
+    for dotted, value in layout.settings(PLANNED).items():
         section, key = dotted.split(".")
         out.setdefault(section, {})[key] = value
     return out

@@ -1,12 +1,13 @@
 """Candidate layouts: every way to run one training step on N devices that the planner
 weighs, and the rules that prune the ones that cannot run.
 
-A ``Layout`` is the mesh (``data``, ``fsdp``, ``pipe``, ``seq``, ``tensor`` 1D or a
-square 2D grid) with everything else that changes the compiled step: the pipeline's
-schedule, microbatches and virtual stages, the sequence-parallel attention, Megatron
-sequence parallelism, the remat policy, gradient accumulation and where the parameters
-and optimizer state live (``offload.params`` / ``offload.optimizer``).
-``Layout.overrides()`` is the ``jaxpar-train`` settings that select it.
+A candidate is a ``jaxpar.layout.Layout``, the one type a training config holds too: the
+mesh with everything else that changes the compiled step (the pipeline's schedule,
+microbatches and virtual stages, the sequence-parallel attention, Megatron sequence
+parallelism, the remat policy, gradient accumulation and where the parameters and
+optimizer state live). The planner's are concrete: ``data`` set, ``microbatches`` set
+with ``pipe`` > 1 (None otherwise), offload ``device`` or ``host``, the mean reduction.
+``Layout.overrides()`` is the ``jaxpar-train`` settings that select one.
 
 ``enumerate_layouts`` walks the space in nested loops whose ranges are BOUNDS, so what
 a bound excludes is never generated (``BOUNDS`` says each); every layout it does
@@ -22,6 +23,7 @@ import dataclasses
 import math
 from collections.abc import Iterator
 
+from jaxpar.layout import Layout, from_overrides  # noqa: F401 - the planner's candidates are Layouts
 from jaxpar.models.config import ModelConfig
 from jaxpar.parallel.pipeline_schedule import KINDS as SCHEDULES
 from jaxpar.placement.execution import SEQUENCE_IMPLS
@@ -52,101 +54,6 @@ RULES = {
 }
 
 
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """One candidate. ``tensor`` is an int (1D, Megatron) or ``(q, q)`` (2D, SUMMA)."""
-
-    data: int = 1
-    fsdp: int = 1
-    pipe: int = 1
-    seq: int = 1
-    tensor: int | tuple[int, int] = 1
-    schedule: str = "1f1b"
-    microbatches: int = 1
-    virtual_stages: int = 1
-    seq_impl: str = "ring"
-    sequence_parallel: bool = False
-    remat: str = "none"
-    grad_accum: int = 1
-    offload_params: str = "device"
-    offload_optimizer: str = "device"
-
-    @property
-    def tensor_ways(self) -> int:
-        return math.prod(self.tensor) if isinstance(self.tensor, tuple) else self.tensor
-
-    @property
-    def devices(self) -> int:
-        return self.data * self.fsdp * self.pipe * self.seq * self.tensor_ways
-
-    @property
-    def data_ways(self) -> int:
-        """Ways the batch is split: data x fsdp (x the 2D grid's rows)."""
-        rows = self.tensor[0] if isinstance(self.tensor, tuple) else 1
-        return self.data * self.fsdp * rows
-
-    @property
-    def mesh_sizes(self) -> dict[str, int]:
-        """The mesh's axes, outermost first (``jaxpar.make_mesh``'s order)."""
-        sizes = {"data": self.data, "fsdp": self.fsdp, "pipe": self.pipe, "seq": self.seq}
-        if isinstance(self.tensor, tuple):
-            return sizes | {"tensor_row": self.tensor[0], "tensor_col": self.tensor[1]}
-        return sizes | {"tensor": self.tensor}
-
-    def overrides(self) -> dict:
-        """The dotted ``jaxpar-train`` settings that select this layout."""
-        out = {f"mesh.{k}": getattr(self, k) for k in ("data", "fsdp", "pipe", "seq")}
-        out["mesh.tensor"] = list(self.tensor) if isinstance(self.tensor, tuple) else self.tensor
-        if self.pipe > 1:
-            out |= {"pipeline.schedule": self.schedule, "pipeline.microbatches": self.microbatches,
-                    "pipeline.virtual_stages": self.virtual_stages}
-        if self.seq > 1:
-            out["execution.seq_impl"] = self.seq_impl
-        out["execution.sequence_parallel"] = self.sequence_parallel
-        out["model.remat"] = self.remat
-        out["optimizer.grad_accum"] = self.grad_accum
-        out["offload.params"] = self.offload_params
-        out["offload.optimizer"] = self.offload_optimizer
-        return out
-
-    def describe(self) -> str:
-        """``fsdp=4 tensor=2 +sp remat=full ga=2``: what differs from one plain device."""
-        parts = [f"{k}={v}" for k, v in (("data", self.data), ("fsdp", self.fsdp), ("pipe", self.pipe),
-                                         ("seq", self.seq)) if v > 1]
-        if isinstance(self.tensor, tuple):
-            parts.append(f"tensor={self.tensor[0]}x{self.tensor[1]}")
-        elif self.tensor > 1:
-            parts.append(f"tensor={self.tensor}")
-        if self.pipe > 1:
-            parts.append(f"{self.schedule}/m{self.microbatches}" + (f"/v{self.virtual_stages}"
-                                                                   if self.virtual_stages > 1 else ""))
-        if self.seq > 1:
-            parts.append(self.seq_impl)
-        if self.sequence_parallel:
-            parts.append("sp")
-        parts.append(f"remat={self.remat}")
-        if self.grad_accum > 1:
-            parts.append(f"ga={self.grad_accum}")
-        if self.offload_params == "host":
-            parts.append("params@host")
-        if self.offload_optimizer == "host":
-            parts.append("opt@host")
-        return " ".join(parts) if parts else "one device"
-
-
-def from_overrides(values: dict) -> Layout:
-    """The ``Layout`` a dict of dotted settings selects (``Layout.overrides``' inverse;
-    missing keys take their defaults)."""
-    names = {f"mesh.{k}": k for k in ("data", "fsdp", "pipe", "seq", "tensor")} | {
-        "pipeline.schedule": "schedule", "pipeline.microbatches": "microbatches",
-        "pipeline.virtual_stages": "virtual_stages", "execution.seq_impl": "seq_impl",
-        "execution.sequence_parallel": "sequence_parallel", "model.remat": "remat",
-        "optimizer.grad_accum": "grad_accum", "offload.params": "offload_params",
-        "offload.optimizer": "offload_optimizer"}
-    kwargs = {names[k]: (tuple(v) if isinstance(v, list) else v) for k, v in values.items() if k in names}
-    return Layout(**kwargs)
-
-
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -163,7 +70,9 @@ def powers_of_two(limit: int, dividing: int) -> list[int]:
 
 @dataclasses.dataclass
 class Space:
-    """What ``enumerate_layouts`` may choose beyond the mesh (defaults: everything)."""
+    """What ``enumerate_layouts`` may choose beyond the mesh (defaults: everything), and
+    ``base``: the layout every candidate starts from, whose settings the planner does not
+    choose (the replicas' reduction, ``remat_names``) carry over (a config's own)."""
 
     remats: tuple[str, ...] = REMATS
     schedules: tuple[str, ...] = SCHEDULES
@@ -171,6 +80,7 @@ class Space:
     offload: bool = True
     tensor_2d: bool = True
     max_grad_accum: int = 16
+    base: Layout = Layout()
 
 
 def _meshes(devices: int, model: ModelConfig, batch_size: int, seq_len: int, tensor_2d: bool) -> Iterator[dict]:
@@ -233,7 +143,7 @@ def enumerate_layouts(devices: int, model: ModelConfig, batch_size: int, seq_len
 
 def _options(mesh: dict, model: ModelConfig, batch_size: int, space: Space) -> Iterator[tuple[Layout, str | None]]:
     """Every setting beyond the mesh, each with the RULE it breaks (or None)."""
-    base = Layout(**mesh)
+    base = dataclasses.replace(space.base, **mesh)
     rows = batch_size // base.data_ways if batch_size % base.data_ways == 0 else 0
     if mesh["pipe"] > 1:
         pipes = [(s, m, v) for s in space.schedules for v in ((2, 4) if s == "interleaved" else (1,))
@@ -241,7 +151,7 @@ def _options(mesh: dict, model: ModelConfig, batch_size: int, space: Space) -> I
                  for m in powers_of_two(min(max(rows, 1), 8 * mesh["pipe"]), max(rows, 1))]
         accums = [1]
     else:
-        pipes = [("1f1b", 1, 1)]
+        pipes = [("1f1b", None, 1)]
         accums = powers_of_two(min(max(rows, 1), space.max_grad_accum), max(rows, 1))
     seq_impls = space.seq_impls if mesh["seq"] > 1 else ("ring",)
     one_d = not isinstance(mesh["tensor"], tuple) and mesh["tensor"] > 1
