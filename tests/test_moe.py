@@ -4,6 +4,7 @@ published ones; moe_tiny through jaxpar-train."""
 
 import dataclasses
 import math
+import types
 
 import jax
 import jax.numpy as jnp
@@ -192,6 +193,16 @@ def test_presets_have_the_published_parameter_counts():
     assert total == 30_532_122_624 - 48 * 2 * 128 and round(active / 1e9, 1) in (3.3, 3.4)
     total, active = _counts("deepseek_v3_like")  # "like": see the preset's comment
     assert round(total / 1e9) == 708 and round(active / 1e9) == 41
+    # the MFU's count: 6 per active matmul parameter (not the input embedding, the norms,
+    # the router biases)
+    from jaxpar.train.loop import flops_per_token
+
+    for name in ("mixtral_8x7b", "deepseek_v3_like"):
+        m, (_, active) = PRESETS[name], _counts(name)
+        biases = m.layers * m.moe.experts if m.moe.router == "sigmoid_bias" else 0
+        matmul = active - m.vocab_size * m.dim - (2 * m.layers + 1) * m.dim - biases
+        expected = 6 * matmul + 12 * m.layers * m.heads * m.head_dim * 4096
+        assert flops_per_token(types.SimpleNamespace(model=m, seq_len=4096)) == expected
 
 
 def test_moe_config_bad_input_is_one_line():

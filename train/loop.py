@@ -134,12 +134,18 @@ def make_optimizer(opt: OptimizerConfig, steps: int, scale: float = 1.0, *,
 
 def flops_per_token(cfg) -> float:
     """Training FLOPs per token: 6 per matmul parameter (the output projection, not the
-    input embedding's lookup) plus attention's score and value products (PaLM's count)."""
+    input embedding's lookup) plus attention's score and value products (PaLM's count).
+    A MoE layer counts the parameters a token passes through: the router, its k routed
+    experts and the shared ones."""
     m = cfg.model
+    per_width = m.dim * (3 if m.mlp == "swiglu" else 2)  # an MLP's parameters per unit of width
     params = m.vocab_size * m.dim + m.layers * (
-        m.dim * (m.heads + 2 * m.kv_heads) * m.head_dim + m.heads * m.head_dim * m.dim
-        + m.dim * m.mlp_dim * (3 if m.mlp == "swiglu" else 2)
+        m.dim * (m.heads + 2 * m.kv_heads) * m.head_dim + m.heads * m.head_dim * m.dim + per_width * m.mlp_dim
     )
+    if getattr(m, "moe", None) is not None:
+        moe = m.moe
+        routed = m.dim * moe.experts + per_width * moe.expert_width * (moe.experts_per_token + moe.shared_experts)
+        params += m.layers // moe.every * (routed - per_width * m.mlp_dim)
     return 6 * params + 12 * m.layers * m.heads * m.head_dim * cfg.seq_len
 
 
