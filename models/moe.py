@@ -23,6 +23,14 @@ Parameters (a stacked layer's lead with L):
   moe.down         [E, F, D]  (exp, mlp_moe, embed_moe)
 Shared experts are the layer's dense ``mlp`` of width ``shared_experts * expert_width``.
 
+The balance loss's statistics (``f``, ``P``) are those of the rows one loss call sees:
+the whole batch under data, FSDP and tensor parallelism (each device's summed), but each
+microbatch's under ``optimizer.grad_accum`` and each replica's under
+``data.batch_weights``; the loss is not linear in them, so those runs' balance terms
+differ from one device's whole-batch term (the load deviations the router bias steps
+by are token-weighted means and agree). A capacity's "token order" is the order the
+rows hold their tokens: under ``execution.seq_layout=zigzag``, the zigzag order.
+
 The router bias (DeepSeek-V3's auxiliary-loss-free balancing) is stored as a parameter
 (so checkpoints, shardings and restores carry it as any other) but is no gradient
 parameter: the layer's loss term ``b . sg(f - 1/E) - sg(...)`` is zero in value and
