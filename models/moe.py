@@ -27,9 +27,10 @@ The balance loss's statistics (``f``, ``P``) are those of the rows one loss call
 the whole batch under data, FSDP and tensor parallelism (each device's summed), but each
 microbatch's under ``optimizer.grad_accum`` and each replica's under
 ``data.batch_weights``; the loss is not linear in them, so those runs' balance terms
-differ from one device's whole-batch term (the load deviations the router bias steps
-by are token-weighted means and agree). A capacity's "token order" is the order the
-rows hold their tokens: under ``execution.seq_layout=zigzag``, the zigzag order.
+differ from one device's whole-batch term (the load deviations the router bias steps by
+are means weighted by counted tokens, and agree where every token counts). A capacity's
+"token order" is the order the rows hold their tokens: under
+``execution.seq_layout=zigzag``, the zigzag order.
 
 The router bias (DeepSeek-V3's auxiliary-loss-free balancing) is stored as a parameter
 (so checkpoints, shardings and restores carry it as any other) but is no gradient
