@@ -39,7 +39,6 @@ until one fits; the table marks such steps down.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import sys
 import time
@@ -65,7 +64,7 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import jaxpar  # noqa: E402
-from jaxpar.models import Transformer  # noqa: E402
+from jaxpar.models import Remat, Transformer  # noqa: E402
 from jaxpar.models.transformer import sharding_rules  # noqa: E402
 from jaxpar import SequenceOptions  # noqa: E402
 from jaxpar.train.config import load_config  # noqa: E402
@@ -79,9 +78,9 @@ ROUND = 512  # the longest length is a multiple of this (and so of 2N, for N <= 
 class Bench:
     """Compiles and profiles the step for one (impl, N) at any length."""
 
-    def __init__(self, cfg, impl: str, n: int):
+    def __init__(self, cfg, impl: str, n: int, remat: Remat):
         self.cfg, self.impl, self.n = cfg, impl, n
-        self.model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+        self.model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), remat=remat))
         devices = jax.devices()[:n]
         if impl == "tensor":
             mesh, sequence = jaxpar.make_mesh(tensor=n, devices=devices), SequenceOptions()
@@ -163,11 +162,11 @@ def main():
     args = parser.parse_args()
     budget = int(args.budget_gib * 2**30)
     run = load_config(args.config)
-    cfg = dataclasses.replace(run.model, remat=run.layout.remat)  # the model as the run builds it
+    cfg, remat = run.model, Remat(run.layout.remat, run.layout.remat_names)  # as the run builds its model
     lengths = sorted(args.lengths)
     lo, hi = lengths[0], lengths[-1]
     print(f"`{args.config}` ({cfg.layers} layers, D={cfg.dim}, {cfg.heads} heads, {cfg.kv_heads} kv "
-          f"heads, remat {cfg.remat}), AdamW, global batch 1 x T tokens, budget "
+          f"heads, remat {remat.policy}), AdamW, global batch 1 x T tokens, budget "
           f"{args.budget_gib:g} GiB of argument + temp bytes per device; figures in GB "
           f"(10^9 bytes) per device per step\n", flush=True)
     print(f"| impl | N | argument | temp, T={lo} | temp, T={hi} | collective, T={lo} | "
@@ -178,7 +177,7 @@ def main():
     start = time.time()
     for impl in args.impls:
         for n in args.devices:
-            bench = Bench(cfg, impl, n)
+            bench = Bench(cfg, impl, n, remat)
             small, large = bench(lo), bench(hi)
             best = longest(bench, lengths, budget)
             found[impl, n] = best["confirmed"]

@@ -30,7 +30,6 @@ try:
 except RuntimeError:  # run inside a process whose JAX has started (a test's): its devices, as many as it has
     pass
 
-import dataclasses  # noqa: E402
 
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
@@ -84,7 +83,7 @@ def main():
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--config", default="small", help="the shipped training config whose model runs")
     args = parser.parse_args()
-    cfg = dataclasses.replace(load_config(args.config).model, remat="none")
+    cfg = load_config(args.config).model  # no remat: the model's default (not the config's layout)
     T, D = args.seq_len, cfg.dim
     print(f"`{args.config}` ({cfg.layers} layers, D={D}), global batch {args.batch} x {T} tokens, "
           f"budget {BUDGET / 2**30:.0f} GiB per device\n")

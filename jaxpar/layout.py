@@ -32,7 +32,8 @@ from jaxpar.offload.planner import PLACES as OFFLOAD_PLACES
 from jaxpar.parallel.pipeline_schedule import KINDS as SCHEDULES
 from jaxpar.placement.execution import SEQUENCE_IMPLS, SequenceOptions
 
-# What a stacked layer keeps for its backward pass (``jaxpar.models.transformer._remat``).
+# What a stacked layer keeps for its backward pass (``jaxpar.models.transformer.Remat``,
+# the model's argument; a config's ``model.remat``).
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "names")
 
 # Each field's public config key: how a config file, an override, ``jaxpar-plan --out``

@@ -6,7 +6,7 @@ from jaxpar.models.dlrm import DLRM, DLRM_PRESETS, DLRMConfig
 from jaxpar.models.gguf import from_gguf
 from jaxpar.models.glide import GlideDraft
 from jaxpar.models.hf import from_hf, to_hf
-from jaxpar.models.transformer import Transformer
+from jaxpar.models.transformer import Remat, Transformer
 
 __all__ = ["DLRM", "DLRM_PRESETS", "DLRMConfig", "PRESETS", "GlideDraft", "ModelConfig", "MoEConfig", "RopeScaling",
-           "Transformer", "from_gguf", "from_hf", "to_hf"]
+           "Remat", "Transformer", "from_gguf", "from_hf", "to_hf"]

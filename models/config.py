@@ -8,7 +8,6 @@ from typing import Literal
 
 import jax.numpy as jnp
 
-REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "names")
 NORMS = ("rms", "layer")
 MLPS = ("swiglu", "gelu")
 POSITIONS = ("rope", "learned")
@@ -129,8 +128,6 @@ class ModelConfig:
     mlp_bias: bool = _field(False, WEIGHTS)
     dtype: Literal[DTYPES] = "float32"  # compute dtype
     param_dtype: Literal[DTYPES] = _field("float32", WEIGHTS)
-    remat: Literal[REMAT_POLICIES] = "none"
-    remat_names: tuple[str, ...] = ()  # with remat="names": checkpoint_name tags to save
     init_std: float = 0.02
     # A mixture-of-experts MLP in (every `moe.every`-th of) the layers; None: dense.
     moe: MoEConfig | None = _field(None, WEIGHTS)
@@ -183,17 +180,18 @@ class ModelConfig:
 PRESETS: dict[str, ModelConfig] = {
     # Trains on CPU in minutes; float32 so parallel runs match single-device runs.
     "tiny": ModelConfig(),
-    # About 350M parameters, Llama style, bfloat16 compute: a one-GPU run.
+    # About 350M parameters, Llama style, bfloat16 compute: a one-GPU run (small.yaml
+    # trains it with model.remat=dots_no_batch: remat is the run's layout, jaxpar.layout).
     "small": ModelConfig(
         vocab_size=32768, dim=1024, layers=24, heads=16, kv_heads=8, head_dim=64, mlp_dim=2816,
-        dtype="bfloat16", remat="dots_no_batch",
+        dtype="bfloat16",
     ),
     # The shape of Llama 3.2 1B (its 128,256-token vocabulary: train it with Llama 3's
     # tokenizer.json, or set vocab_size to the tokenizer you have, as 1b.yaml does).
     "1b": ModelConfig(
         vocab_size=128256, dim=2048, layers=16, heads=32, kv_heads=8, head_dim=64,
         mlp_dim=8192, rope_theta=500000.0, rope_scaling=RopeScaling(factor=32.0),
-        tie_embeddings=True, dtype="bfloat16", remat="dots_no_batch",
+        tie_embeddings=True, dtype="bfloat16",
     ),
     # GPT-2 (124M).
     "gpt2": ModelConfig(
@@ -208,14 +206,14 @@ PRESETS: dict[str, ModelConfig] = {
     # 12.9B active.
     "mixtral_8x7b": ModelConfig(
         vocab_size=32000, dim=4096, layers=32, heads=32, kv_heads=8, head_dim=128, mlp_dim=14336,
-        rope_theta=1e6, max_position=32768, dtype="bfloat16", param_dtype="bfloat16", remat="dots_no_batch",
+        rope_theta=1e6, max_position=32768, dtype="bfloat16", param_dtype="bfloat16",
         moe=MoEConfig(experts=8, experts_per_token=2, expert_width=14336),
     ),
     # Qwen3-30B-A3B: 30.5B parameters, 3.3B active (without its q/k norms: 12,288 fewer).
     "qwen3_30b_a3b": ModelConfig(
         vocab_size=151936, dim=2048, layers=48, heads=32, kv_heads=4, head_dim=128, mlp_dim=6144,
         norm_eps=1e-6, rope_theta=1e6, max_position=40960, dtype="bfloat16", param_dtype="bfloat16",
-        remat="dots_no_batch", moe=MoEConfig(experts=128, experts_per_token=8, expert_width=768),
+        moe=MoEConfig(experts=128, experts_per_token=8, expert_width=768),
     ),
     # DeepSeek-V3-like: its MoE (256 routed experts of width 2048, 8 per token, 1 shared,
     # sigmoid router with the balancing bias) in all 61 layers, with grouped-query
@@ -224,7 +222,7 @@ PRESETS: dict[str, ModelConfig] = {
     # 671B, 37B).
     "deepseek_v3_like": ModelConfig(
         vocab_size=129280, dim=7168, layers=61, heads=128, kv_heads=8, head_dim=128, mlp_dim=18432,
-        norm_eps=1e-6, dtype="bfloat16", param_dtype="bfloat16", remat="dots_no_batch",
+        norm_eps=1e-6, dtype="bfloat16", param_dtype="bfloat16",
         moe=MoEConfig(experts=256, experts_per_token=8, expert_width=2048, shared_experts=1,
                       router="sigmoid_bias", balance_loss=0.0001),
     ),

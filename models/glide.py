@@ -64,6 +64,7 @@ from jaxpar.models.transformer import (
     Attention,
     Decoded,
     Norm,
+    Remat,
     _param,
     _remat,
     _zeros,
@@ -267,17 +268,18 @@ class GlideDraft(nnx.Module):
     """
 
     def __init__(self, cfg: ModelConfig, layers: int = 1, *, vocab: DraftVocab | None = None,
-                 features: bool = False, rngs: nnx.Rngs):
+                 features: bool = False, rngs: nnx.Rngs, remat: Remat = Remat()):
         """``cfg``: the TARGET's ``ModelConfig`` (the draft layers take its widths, norm,
         MLP, position and bias settings); ``layers``: ``L_d``, at most ``cfg.layers``;
         ``vocab``: the tokens it predicts over (None: all ``cfg.vocab_size``);
-        ``features``: whether it reads the target's features (EAGLE's input)."""
+        ``features``: whether it reads the target's features (EAGLE's input); ``remat``:
+        what its layers keep for the backward pass (``jaxpar.models.transformer.Remat``)."""
         if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= cfg.layers:
             raise ValueError(f"GliDe draft layers={layers!r} must be between 1 and the target's "
                              f"model.layers={cfg.layers}")
         if vocab is not None and vocab.vocab_size != cfg.vocab_size:
             raise ValueError(f"{vocab!r} is not over the target's vocabulary of {cfg.vocab_size} tokens")
-        self.cfg = cfg
+        self.cfg, self.remat = cfg, remat
         self.num_layers = layers
         self.vocab = vocab
         self.features = features
@@ -370,7 +372,7 @@ class GlideDraft(nnx.Module):
             state = jax.tree.map(fetch.to_device, state)  # a host-resident layer (jaxpar.offload), fetched
             return nnx.merge(graphdef, state)(x, positions, segment_ids, cross.layer(i)), None
 
-        x = jax.lax.scan(_remat(layer, self.cfg), x, (layer_state, jnp.arange(self.num_layers)))[0]
+        x = jax.lax.scan(_remat(layer, self.remat), x, (layer_state, jnp.arange(self.num_layers)))[0]
         return self.logits(x, target, head)
 
     def decode(self, tokens: jax.Array, target, cross, cache, *, positions: jax.Array,

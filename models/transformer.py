@@ -42,6 +42,7 @@ from jaxpar.ops import kernel_ops
 from jaxpar.placement import rules as rules_lib
 from jaxpar.ops.attention import dot_product_attention
 from jaxpar.ops.linear import dense
+from jaxpar.layout import REMAT_POLICIES
 from jaxpar.models.cache import Cache
 from jaxpar.models.config import CHECKPOINT_NAMES, ModelConfig, RopeScaling
 from jaxpar.models.moe import MoE
@@ -283,9 +284,27 @@ class LayerGroup(nnx.Module):
         return self.sparse.forward(x, positions, segment_ids)
 
 
-def _remat(fn, cfg: ModelConfig):
+@dataclasses.dataclass(frozen=True)
+class Remat:
+    """What a stacked layer keeps for its backward pass: ``policy`` in
+    ``jaxpar.layout.REMAT_POLICIES`` (``none``: everything), ``names`` the
+    ``checkpoint_name``s (``CHECKPOINT_NAMES``) ``policy="names"`` keeps. An argument of
+    the model (``Transformer(cfg, remat=...)``), not part of its config: it changes the
+    program, not the weights; a training run takes it from its layout (``model.remat``,
+    ``model.remat_names``)."""
+
+    policy: str = "none"
+    names: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if self.policy not in REMAT_POLICIES:
+            raise ValueError(f"model.remat={self.policy!r} must be one of {REMAT_POLICIES}")
+        object.__setattr__(self, "names", tuple(self.names))
+
+
+def _remat(fn, remat: Remat):
     """``fn(x, xs)``, one stacked layer over the residual stream ``x [B, T, D]``, under
-    ``jax.checkpoint`` with the policy ``cfg.remat`` names composed with the
+    ``jax.checkpoint`` with the policy ``remat.policy`` names composed with the
     ``offload.activations`` of the ``Execution`` in force (``jaxpar.offload``).
 
     What a layer keeps for its backward pass, value by value:
@@ -307,7 +326,7 @@ def _remat(fn, cfg: ModelConfig):
     """
     policies = jax.checkpoint_policies
     offloaded = execution_lib.current().offload.activations
-    if cfg.remat == "none" and not offloaded:
+    if remat.policy == "none" and not offloaded:
         return fn
     activations.check_names(offloaded, CHECKPOINT_NAMES)
     otherwise = {
@@ -316,12 +335,12 @@ def _remat(fn, cfg: ModelConfig):
         "dots": policies.checkpoint_dots,
         "dots_no_batch": policies.dots_with_no_batch_dims_saveable,
         "names": None,
-    }[cfg.remat]
-    saved = cfg.remat_names if cfg.remat == "names" else ()
+    }[remat.policy]
+    saved = remat.names if remat.policy == "names" else ()
     if offloaded:
         policy = activations.policy(offloaded, saved=saved, otherwise=otherwise)
     else:  # as before offload existed: None is jax.checkpoint's own "save nothing"
-        policy = policies.save_only_these_names(*saved) if cfg.remat == "names" else otherwise
+        policy = policies.save_only_these_names(*saved) if remat.policy == "names" else otherwise
 
     def named(x, *xs):
         if isinstance(x, tuple):  # (x, aux) of a MoE model: the residual stream is named
@@ -383,8 +402,8 @@ def sharding_rules(cfg: ModelConfig, mesh, rules=None, *, sequence_parallel: boo
 class Transformer(nnx.Module):
     """Decoder-only language model: int32 tokens ``[B, T]`` -> logits ``[B, T, V]``."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        self.cfg = cfg
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, remat: Remat = Remat()):
+        self.cfg, self.remat = cfg, remat
         self.embed = _param(rngs, cfg, (cfg.vocab_size, cfg.dim), ("vocab", "embed"))
         if cfg.position == "learned":
             self.positions = _param(rngs, cfg, (cfg.max_position, cfg.dim), ("positions", "embed"))
@@ -465,8 +484,8 @@ class Transformer(nnx.Module):
         x = self.embed_tokens(tokens, positions)
         graphdef, layer_state = nnx.split(self.layers)
         if self.cfg.moe is None:
-            return run_layers(self.cfg, graphdef, layer_state, x, positions, segment_ids), None
-        return run_layers_and_aux(self.cfg, graphdef, layer_state, x, positions, segment_ids)
+            return run_layers(self.cfg, graphdef, layer_state, x, positions, segment_ids, remat=self.remat), None
+        return run_layers_and_aux(self.cfg, graphdef, layer_state, x, positions, segment_ids, remat=self.remat)
 
     def embed_tokens(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
         """int ``[B, T]`` tokens (and positions) -> the residual stream ``[B, T, D]``.
@@ -510,20 +529,21 @@ class Transformer(nnx.Module):
         return (head if ids is None else jnp.take(head, ids, axis=1)).astype(dtype)
 
 
-def run_layers(cfg: ModelConfig, graphdef, layer_state, x, positions, segment_ids):
+def run_layers(cfg: ModelConfig, graphdef, layer_state, x, positions, segment_ids, *, remat: Remat = Remat()):
     """Runs stacked decoder layers (``layer_state`` leaves ``[L', ...]``, any ``L'``, as a
-    pipeline stage holds) over ``x [B, T, D]`` with ``jax.lax.scan``, remat per layer.
+    pipeline stage holds) over ``x [B, T, D]`` with ``jax.lax.scan``, ``remat`` per layer.
     Layers kept in host memory are fetched to the device a few layers ahead of their use
     (``jaxpar.offload.fetch.scan_layers``)."""
     def layer(x, state, positions, segment_ids):
         return nnx.merge(graphdef, state)(x, positions, segment_ids)
 
     if cfg.moe is not None:
-        return run_layers_and_aux(cfg, graphdef, layer_state, x, positions, segment_ids)[0]
-    return fetch.scan_layers(_remat(layer, cfg), x, layer_state, positions, segment_ids)
+        return run_layers_and_aux(cfg, graphdef, layer_state, x, positions, segment_ids, remat=remat)[0]
+    return fetch.scan_layers(_remat(layer, remat), x, layer_state, positions, segment_ids)
 
 
-def run_layers_and_aux(cfg: ModelConfig, graphdef, layer_state, x, positions, segment_ids):
+def run_layers_and_aux(cfg: ModelConfig, graphdef, layer_state, x, positions, segment_ids, *,
+                       remat: Remat = Remat()):
     """``run_layers`` of a MoE model carrying ``(x, aux)``: the residual stream and the sum
     of the MoE layers' loss terms (float32)."""
     def layer(carry, state, positions, segment_ids):
@@ -532,4 +552,4 @@ def run_layers_and_aux(cfg: ModelConfig, graphdef, layer_state, x, positions, se
         return x, aux + layer_aux
 
     carry = (x, jnp.zeros((), jnp.float32))
-    return fetch.scan_layers(_remat(layer, cfg), carry, layer_state, positions, segment_ids)
+    return fetch.scan_layers(_remat(layer, remat), carry, layer_state, positions, segment_ids)

@@ -87,14 +87,12 @@ def test_presets_are_the_one_definition_of_each_model():
     """The shipped configs name jaxpar.models.PRESETS rather than repeating them."""
     import dataclasses
 
-    def shape(preset, **changes):  # a preset's remat is the run's layout's (jaxpar.layout), not its model's
-        return dataclasses.replace(preset, remat="none", remat_names=(), **changes)
-
-    assert load_config("small").model == shape(PRESETS["small"])
-    assert load_config("small").layout.remat == PRESETS["small"].remat == "dots_no_batch"
-    assert load_config("1b").model == shape(PRESETS["1b"], vocab_size=32768)
+    assert load_config("small").model == PRESETS["small"]
+    assert load_config("small").layout.remat == "dots_no_batch"  # the run's layout (small.yaml), not the model's
+    assert load_config("1b").model == dataclasses.replace(PRESETS["1b"], vocab_size=32768)
     assert load_config("tiny", ["model=gpt2"]).model == PRESETS["gpt2"]
-    assert load_config("tiny", ["model.preset=small", "model.layers=2"]).model == shape(PRESETS["small"], layers=2)
+    assert load_config("tiny", ["model.preset=small", "model.layers=2"]).model == \
+        dataclasses.replace(PRESETS["small"], layers=2)
     from jaxpar.models import DLRM_PRESETS  # task dlrm's model section is a DLRMConfig
 
     assert load_config("dlrm").model == DLRM_PRESETS["dlrm"]

@@ -85,3 +85,17 @@ def test_the_step_execution_comes_from_the_layout():
         assert (step.execution.sequence.impl, step.execution.sequence.layout) == (layout.seq_impl, "natural")
         norms = dict(rules)["activation_norm_length"]  # Megatron sequence parallelism splits them over tensor
         assert ("tensor" in (norms if isinstance(norms, tuple) else (norms,))) == layout.sequence_parallel
+
+
+def test_the_model_a_run_builds_takes_the_layouts_remat():
+    """Remat is the model's argument (it changes the program, not the weights), and a run
+    passes its layout's: the model config holds none (one copy)."""
+    from flax import nnx
+
+    from jaxpar.models import Remat
+    from jaxpar.train.tasks import build_model
+
+    cfg = load_config("tiny", ["model.remat=names", "model.remat_names=[key,value]", "model.layers=1"])
+    assert not hasattr(cfg.model, "remat") and not hasattr(cfg.model, "remat_names")
+    assert nnx.eval_shape(lambda: build_model(cfg)).remat == Remat("names", ("key", "value"))
+    assert nnx.eval_shape(lambda: build_model(load_config("small", ["model.layers=1"]))).remat == Remat("dots_no_batch")

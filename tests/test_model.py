@@ -8,7 +8,7 @@ from flax import nnx
 
 import jaxpar
 from conftest import rel_err, tree_rel_err
-from jaxpar.models import PRESETS, ModelConfig, RopeScaling, Transformer
+from jaxpar.models import PRESETS, ModelConfig, Remat, RopeScaling, Transformer
 from jaxpar.models.transformer import apply_rope, rope_frequencies
 from jaxpar.train.step import loss_fn
 
@@ -142,8 +142,8 @@ def remat_batch_and_reference():
 @pytest.mark.parametrize("remat", ["full", "dots", "dots_no_batch", "names"])
 def test_remat_policies_keep_gradients(remat_batch_and_reference, remat):
     batch, want = remat_batch_and_reference
-    cfg = dataclasses.replace(SMALL, remat=remat, remat_names=("query", "key", "value"))
-    assert tree_rel_err(_grads(Transformer(cfg, rngs=nnx.Rngs(0)), batch), want) < 1e-5
+    model = Transformer(SMALL, rngs=nnx.Rngs(0), remat=Remat(remat, ("query", "key", "value")))
+    assert tree_rel_err(_grads(model, batch), want) < 1e-5
 
 
 def test_gpt2_style_and_bfloat16_compute(rng):
@@ -167,13 +167,17 @@ def test_param_dtype_is_separate_from_compute_dtype():
         (dict(heads=6, kv_heads=4), "model.heads=6 must be a multiple of model.kv_heads=4"),
         (dict(layers=0), "model.layers=0 must be a positive int"),
         (dict(norm="batch"), "model.norm='batch' must be one of"),
-        (dict(remat="sometimes"), "model.remat='sometimes' must be one of"),
         (dict(dtype="float64"), "model.dtype='float64' must be"),
     ],
 )
 def test_config_errors(change, message):
     with pytest.raises(ValueError, match=message):
         dataclasses.replace(SMALL, **change)
+
+
+def test_remat_errors():  # remat is the model's argument (the run's layout), not its config
+    with pytest.raises(ValueError, match="model.remat='sometimes' must be one of"):
+        Remat("sometimes")
 
 
 def test_presets_build_abstractly():

@@ -7,7 +7,6 @@ offload, and the traced program is checked to move each offloaded residual (its
 reach the program XLA's GPU compiler gets."""
 
 import collections
-import dataclasses
 import re
 
 import jax
@@ -20,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import jaxpar
 from conftest import rel_err, tree_rel_err
-from jaxpar.models import ModelConfig, Transformer
+from jaxpar.models import ModelConfig, Remat, Transformer
 from jaxpar.models.transformer import CHECKPOINT_NAMES, sharding_rules
 from jaxpar.offload import OffloadOptions
 from jaxpar.placement.execution import use_execution
@@ -45,10 +44,10 @@ def batch_of(rng):
     return {"inputs": jnp.asarray(tokens[:, :-1], jnp.int32), "targets": jnp.asarray(tokens[:, 1:], jnp.int32)}
 
 
-def loss_and_grads(cfg: ModelConfig):
-    """``(params, batch) -> (loss, grads)`` of ``Transformer(cfg)``, and its parameters
+def loss_and_grads(cfg: ModelConfig, remat: Remat = Remat()):
+    """``(params, batch) -> (loss, grads)`` of ``Transformer(cfg, remat=remat)``, and its parameters
     (numpy-drawn, nonzero)."""
-    graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
+    graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0), remat=remat))
     draw = np.random.default_rng(1)
     params = jax.tree.map(lambda x: jnp.asarray(0.3 * draw.standard_normal(x.shape), x.dtype), params)
     return jax.value_and_grad(lambda p, batch: loss_fn(nnx.merge(graphdef, p), batch)), params
@@ -99,7 +98,7 @@ CASES = [
 @pytest.mark.parametrize("remat,saved,offloaded", CASES, ids=[c[0] for c in CASES])
 def test_offloaded_losses_and_gradients_equal_the_run_without(reference, remat, saved, offloaded):
     params, batch, (ref_loss, ref_grads) = reference
-    fn, _ = loss_and_grads(dataclasses.replace(CFG, remat=remat, remat_names=saved))
+    fn, _ = loss_and_grads(CFG, Remat(remat, saved))
     with use_execution(offload=OffloadOptions(activations=offloaded)):
         assert moved_to_host(fn, params, batch) == expected(CFG, offloaded)
         loss, grads = jaxpar.jit(fn)(params, batch)
@@ -109,8 +108,8 @@ def test_offloaded_losses_and_gradients_equal_the_run_without(reference, remat, 
 
 def test_offloaded_on_a_data_fsdp_mesh(reference):
     params, batch, (ref_loss, ref_grads) = reference
-    cfg = dataclasses.replace(CFG, remat="full")
-    fn, _ = loss_and_grads(cfg)
+    cfg = CFG
+    fn, _ = loss_and_grads(cfg, Remat("full"))
     mesh = jaxpar.make_mesh(data=2, fsdp=4)
     rules = sharding_rules(cfg, mesh)
     with jaxpar.use_mesh(mesh, rules), use_execution(offload=OffloadOptions(activations=CHECKPOINT_NAMES)):
@@ -204,10 +203,10 @@ def stacks_read(bodies: dict[str, str], layer: str, copies) -> list[tuple]:
     return found
 
 
-def lowered_step(cfg, offloaded, mesh=None) -> str:
-    """The StableHLO of one AdamW step of ``Transformer(cfg)`` with ``offloaded`` names,
-    lowered for CUDA."""
-    fn, params = loss_and_grads(cfg)
+def lowered_step(cfg, offloaded, mesh=None, remat: Remat = Remat()) -> str:
+    """The StableHLO of one AdamW step of ``Transformer(cfg, remat=remat)`` with
+    ``offloaded`` names, lowered for CUDA."""
+    fn, params = loss_and_grads(cfg, remat)
     tx = optax.adamw(1e-3)
 
     def step(params, opt_state, batch):
@@ -233,9 +232,9 @@ def test_the_step_lowered_for_cuda_moves_each_offloaded_residual_per_layer(mesh)
     places in host memory. The layer input is the scan's carry (jax#23869); key and value
     have one shape and each gets a stack of its own (xla#20373: XLA's GPU pipeline once
     merged such same-shape stacks, breaking the offload; fixed in XLA, after our lowering)."""
-    cfg = dataclasses.replace(CFG, remat="full")
+    cfg = CFG
     offloaded = ("layer_input", "key", "value", "mlp_hidden")
-    text = lowered_step(cfg, offloaded, mesh and jaxpar.make_mesh(**mesh))
+    text = lowered_step(cfg, offloaded, mesh and jaxpar.make_mesh(**mesh), Remat("full"))
     shapes = [residual_shapes(cfg)[n] for n in offloaded]
     L = cfg.layers
 

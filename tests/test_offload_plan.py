@@ -472,12 +472,12 @@ def test_1b_plan_matches_its_compile(state_1b):
 
 
 def test_checkpoint_names_are_the_ones_the_model_tags():
-    from jaxpar.models import ModelConfig, Transformer
+    from jaxpar.models import ModelConfig, Remat, Transformer
     from jaxpar.models.config import CHECKPOINT_NAMES
 
     # remat on: layer_input is named inside the layer's checkpoint
-    cfg = ModelConfig(vocab_size=64, dim=16, layers=1, heads=2, kv_heads=1, head_dim=8, mlp_dim=32, remat="full")
-    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    cfg = ModelConfig(vocab_size=64, dim=16, layers=1, heads=2, kv_heads=1, head_dim=8, mlp_dim=32)
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), remat=Remat("full")))
     graphdef, state = nnx.split(model)
     jaxpr = jax.make_jaxpr(lambda s, t: nnx.merge(graphdef, s)(t))(state, jnp.zeros((1, 4), jnp.int32))
 

@@ -439,9 +439,6 @@ class Config:
                              f"takes a DLRM (model: {' or '.join(DLRM_PRESETS)}), the others a transformer")
         if self.task == "dlrm":
             return self._check_dlrm()
-        if self.model.remat != "none" or self.model.remat_names:  # one copy: the layout's
-            raise ValueError(f"model.remat={self.model.remat!r} in the ModelConfig: a run's remat is "
-                             "Config.layout's (model.remat in a config file, or layout=Layout(remat=...))")
         if self.auto_mesh and self.model.moe is not None:
             raise ValueError("mesh=auto with model.moe is not supported yet: the planner does not count experts; "
                              "give a mesh")

@@ -56,7 +56,7 @@ from flax import nnx
 from jaxpar.offload.fetch import to_device
 from jaxpar.parallel import pipeline
 from jaxpar.placement import rules as rules_lib
-from jaxpar.models.transformer import ACT_BTD, run_layers
+from jaxpar.models.transformer import ACT_BTD, Remat, run_layers
 from jaxpar.parallel.pipeline_schedule import Schedule
 from jaxpar.placement.execution import current
 from jaxpar.placement.sharding import auto_axes
@@ -158,7 +158,8 @@ def to_model(tree, order):
     return jax.tree.map_with_path(lambda path, x: x[where] if _is_layers(path) else x, tree)
 
 
-def masked_layers(cfg, layers_def, layer_state, x, positions, segment_ids, count, *, lockstep: bool):
+def masked_layers(cfg, layers_def, layer_state, x, positions, segment_ids, count, *, lockstep: bool,
+                  remat: Remat = Remat()):
     """The first ``count`` (an int32 scalar, traced) of a stage's stacked layers
     (``layer_state`` leaves ``[Lmax, ...]``) over ``x [B, T, D]``; the others pass ``x``
     through unchanged, and their parameters get zero gradients.
@@ -171,7 +172,8 @@ def masked_layers(cfg, layers_def, layer_state, x, positions, segment_ids, count
     gives the layer makes zero gradients too (a NaN there would not: ``0 * NaN``).
     """
     def run(layer, x):  # one layer, remat as every stacked layer (run_layers)
-        return run_layers(cfg, layers_def, jax.tree.map(lambda w: w[None], layer), x, positions, segment_ids)
+        return run_layers(cfg, layers_def, jax.tree.map(lambda w: w[None], layer), x, positions, segment_ids,
+                          remat=remat)
 
     def body(x, scanned):
         layer, i = scanned
@@ -216,9 +218,9 @@ def loss_and_grads(graphdef, params, batch: dict, schedule: Schedule, mesh, stag
 
     def stage(w, x, side, count=None):
         if count is None:
-            return run_layers(cfg, layers_def, w, x, side["positions"], side.get("segment_ids"))
+            return run_layers(cfg, layers_def, w, x, side["positions"], side.get("segment_ids"), remat=model.remat)
         return masked_layers(cfg, layers_def, w, x, side["positions"], side.get("segment_ids"), count,
-                             lockstep=lockstep)
+                             lockstep=lockstep, remat=model.remat)
 
     def head(rest, x, side):
         return side["share"] * head_loss(shell(rest), x, side["targets"], side["mask"])

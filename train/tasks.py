@@ -30,7 +30,7 @@ from flax import nnx
 
 import jaxpar
 from jaxpar.models import GlideDraft as GlideDraftModel
-from jaxpar.models import Transformer
+from jaxpar.models import Remat, Transformer
 from jaxpar.train import data as data_lib
 from jaxpar.train import glide, self_distill
 from jaxpar.train.config import Config
@@ -41,11 +41,11 @@ def build_model(cfg: Config, vocab=None) -> nnx.Module:
     draft for the target's model config (``cfg.model``) over ``vocab`` (a
     ``jaxpar.models.glide.DraftVocab``, or None: the whole vocabulary), its layers
     rematerialised as ``cfg.layout`` says."""
-    model = dataclasses.replace(cfg.model, remat=cfg.layout.remat, remat_names=cfg.layout.remat_names)
+    remat = Remat(cfg.layout.remat, cfg.layout.remat_names)
     if cfg.task == "glide":
-        return GlideDraftModel(model, cfg.glide.layers, vocab=vocab, features=cfg.glide.features,
-                               rngs=nnx.Rngs(cfg.seed))
-    return Transformer(model, rngs=nnx.Rngs(cfg.seed))
+        return GlideDraftModel(cfg.model, cfg.glide.layers, vocab=vocab, features=cfg.glide.features,
+                               rngs=nnx.Rngs(cfg.seed), remat=remat)
+    return Transformer(cfg.model, rngs=nnx.Rngs(cfg.seed), remat=remat)
 
 
 def load_data(cfg: Config, target: Transformer | None = None, *, progress: bool = False) -> tuple:
