@@ -33,6 +33,7 @@ def test_the_table_names_every_field_once_and_the_config_reads_each():
     assert len(set(KEYS.values())) == len(KEYS) and set(PLANNED) <= set(KEYS)
     assert set(KEYS.values()) <= set(config_load._keys(Config))  # what an unknown key's message offers
     cfg = every_key_config()
+    assert set(cfg.layout.settings()) == set(EVERY_KEY), "a layout key this test does not set: add it to EVERY_KEY"
     assert cfg.layout.settings() == EVERY_KEY
     assert from_overrides(cfg.layout.settings()) == cfg.layout
     hints = typing.get_type_hints(Layout)  # and a bad value is named by its public key
