@@ -3,11 +3,14 @@ permuted, every supported tensor type) equals the same dequantized weights read 
 from_hf; its byte-level BPE tokenizer equals the one it was made from; and (slow) the
 real SmolLM2-135M-Instruct equals transformers' own GGUF loader."""
 
+import contextlib
 import functools
+import io
 import importlib.util
 import json
 import pathlib
 import sysconfig
+import time
 
 import gguf
 import jax.numpy as jnp
@@ -201,6 +204,52 @@ def test_generate_reads_a_gguf_file(bpe, tmp_path, capsys):
     ours = json.loads(capsys.readouterr().out)
     assert generate([str(tmp_path / "hf"), *args]) == 0
     assert ours == {**json.loads(capsys.readouterr().out), "tokens_per_s": ours["tokens_per_s"]}
+
+
+def test_serve_reads_a_gguf_file(bpe, tmp_path):
+    """README: ``jaxpar-serve "$GGUF" --model-name smollm2`` on a small GGUF file, with
+    the server's default flags: the file is converted once into a Hugging Face directory
+    in the cache (``jaxpar.train.runs.as_hf``; a later start reads that directory), the
+    model is listed under its ``--model-name``, and a greedy completion over HTTP (the
+    official openai client) is what ``jaxpar-generate`` gives for the same file."""
+    import socket
+    import threading
+
+    import openai
+    import uvicorn
+
+    from jaxpar.commands import serve
+    from jaxpar.commands.generate import main as generate
+    from jaxpar.train.runs import as_hf
+
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, hf_weights(bpe.get_vocab_size(), True), bpe)
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        assert generate([str(path), "--prompt", "def f(x):", "--max-new-tokens", "10", "--json"]) == 0
+    want = json.loads(out.getvalue())
+    _, app, engine = serve.build(serve._parser().parse_args([str(path), "--model-name", "smollm2"]))
+    converted = as_hf(path)
+    written = (converted / "model.safetensors").stat().st_mtime_ns
+    assert converted.parent.name == "gguf" and as_hf(path) == converted
+    assert (converted / "model.safetensors").stat().st_mtime_ns == written  # read, not converted again
+    sock = socket.create_server(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            assert thread.is_alive()
+            time.sleep(0.01)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}/v1", api_key="unused",
+                               max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["smollm2"]
+        out = client.completions.create(model="smollm2", prompt="def f(x):", max_tokens=10, temperature=0)
+        assert out.choices[0].text == want["text"] and out.usage.completion_tokens == len(want["tokens"])
+    finally:
+        engine.stop_warm_up()
+        server.should_exit = True
+        thread.join(60)
+    assert not thread.is_alive()
 
 
 def test_refuses_other_architectures_and_tensor_types(tmp_path):
