@@ -206,6 +206,7 @@ def test_generate_reads_a_gguf_file(bpe, tmp_path, capsys):
     assert ours == {**json.loads(capsys.readouterr().out), "tokens_per_s": ours["tokens_per_s"]}
 
 
+@pytest.mark.slow  # a server's start: its programs compiled
 def test_serve_reads_a_gguf_file(bpe, tmp_path):
     """README: ``jaxpar-serve "$GGUF" --model-name smollm2`` on a small GGUF file, with
     the server's default flags: the file is converted once into a Hugging Face directory
