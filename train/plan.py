@@ -41,6 +41,11 @@ from jaxpar.train.data import cache_dir_of
 
 log = logging.getLogger(__name__)
 
+# calibrate_step's reference: a config and its overrides, run under data=N, and the
+# steps timed (tests take a smaller one: a rougher, faster profile).
+CALIBRATION_REFERENCE = ("tiny", ())
+CALIBRATION_STEPS = 5
+
 
 def _built_step(cfg: Config, layout: Layout, devices):
     """``(run config, mesh, rules, train step, abstract model, pipeline schedule)`` of ``cfg``
@@ -102,21 +107,22 @@ def measured_steps(cfg: Config, layout: Layout, devices=None, *, steps: int = 5)
 def calibrate_step(hw: Hardware, cache_dir: pathlib.Path, devices: int) -> Hardware:
     """``hw`` (the measured ``cpu`` profile) with its matmul and attention efficiencies
     scaled so that the model predicts a measured reference step: ``tiny`` under
-    ``data=N`` on the ``N`` devices present. The kernels' peak rates come from large
-    matmuls; a training step's small ones, the softmax and the dispatch between
+    ``data=N`` on the ``N`` devices present (``CALIBRATION_REFERENCE``). The kernels'
+    peak rates come from large matmuls; a training step's small ones, the softmax and the dispatch between
     operations run slower, and this one factor carries that into every prediction."""
-    reference = load_config("tiny", [])
+    reference = load_config(CALIBRATION_REFERENCE[0], list(CALIBRATION_REFERENCE[1]))
     layout = Layout(data=devices)
-    measured = float(np.median(measured_steps(reference, layout)))
+    measured = float(np.median(measured_steps(reference, layout, steps=CALIBRATION_STEPS)))
     predicted = cost.step_time(workload(reference), layout, hw, devices_per_node=devices,
                                compiled=compiled_figures(reference, layout))
     kernels = predicted.compute - cost.elementwise_bytes(workload(reference), layout) / hw.hbm_bandwidth
     rest = predicted.total - kernels
     scale = max(measured - rest, 0.1 * kernels) / kernels
     hw = dataclasses.replace(hw, efficiency={k: v / scale for k, v in hw.efficiency.items()})
+    name = " ".join((CALIBRATION_REFERENCE[0], *CALIBRATION_REFERENCE[1]))
     hardware_lib.save(hw, hardware_lib.calibrated_path(cache_dir),
                       notes=f"peak rates measured by jaxpar.planning.calibrate on {devices} simulated devices; "
-                            f"efficiencies fit to a measured tiny data={devices} step ({measured * 1e3:.1f} ms, "
+                            f"efficiencies fit to a measured {name} data={devices} step ({measured * 1e3:.1f} ms, "
                             f"predicted {predicted.total * 1e3:.1f} ms at efficiency 1)")
     return hw
 
@@ -129,19 +135,20 @@ def workload(cfg: Config) -> Workload:
 
 
 def hardware_for(name: str | None, cache_dir: pathlib.Path, devices=None) -> Hardware:
-    """The profile ``name`` names; None: the present device's kind (``cpu`` on CPUs,
-    measured now and saved if this machine has no calibrated profile yet)."""
+    """The profile ``name`` names; None: the present device's kind. ``cpu`` (named or
+    present) is measured now and saved if ``cache_dir`` has no calibrated profile yet
+    (``jaxpar-plan`` calibrates itself first, after refusing bad input)."""
     if name is None:
         device = (devices or jax.devices())[0]
         name = hardware_lib.shipped_for(device.device_kind) or ("cpu" if device.platform == "cpu" else None)
         if name is None:
             raise ConfigError(f"no hardware profile for {device.device_kind!r}: give plan.hardware=FILE")
-        if name == "cpu" and not hardware_lib.calibrated_path(cache_dir).is_file():
-            from jaxpar.planning.calibrate import calibrate_and_save
+    if name == "cpu" and not hardware_lib.calibrated_path(cache_dir).is_file():
+        from jaxpar.planning.calibrate import calibrate_and_save
 
-            log.info("calibrating the cpu hardware profile (once per machine)")
-            measured, _ = calibrate_and_save(cache_dir)
-            calibrate_step(measured, cache_dir, len(devices or jax.devices()))
+        log.info("calibrating the cpu hardware profile (once per machine)")
+        measured, _ = calibrate_and_save(cache_dir)
+        calibrate_step(measured, cache_dir, len(devices or jax.devices()))
     try:
         return hardware_lib.load(name, cache_dir)
     except hardware_lib.HardwareError as e:

@@ -1,9 +1,17 @@
 """``jaxpar-plan CONFIG devices=N [--out PLAN.yaml] [--json]``: the parallel layouts of
 a config on N devices, ranked by the planner (``jaxpar.planning``) and printed as a
 table; ``--out`` writes the best as a config overlay (``jaxpar-train CONFIG
-PLAN.yaml``); ``--calibrate`` measures this machine's ``cpu`` hardware profile,
-``--profile-devices`` the devices' pipeline profile. Every bad input is refused in one
-line (exit 2) before anything is compiled or written.
+PLAN.yaml``); ``--calibrate`` measures this machine's ``cpu`` hardware profile (which
+``hardware=cpu`` also measures on first use, saying so on stderr and as ``calibrated``
+in ``--json``), ``--profile-devices`` the devices' pipeline profile. Every bad input is
+refused in one line (exit 2) before anything is compiled or written.
+
+The table (``jaxpar.planning.search.table``): first, when the question is wrong (the
+best candidate far below what its compute alone reaches), one line saying so and what
+would help (``jaxpar.planning.advice``); then the ranked rows; then the search's counts,
+one line saying how many candidates were compiled and why (the bound: every candidate
+that could still rank first), and the bounds. ``--json``: the same as one object
+(``advice``, ``compile_bound``, ``margins``, ``unverified``, ``candidates``, ...).
 
 The command line alone: what a run also uses (the candidates compiled, the plan, the
 hardware profile, the uneven pipeline split) is ``jaxpar.train.plan``'s, where
@@ -27,6 +35,7 @@ from jaxpar.placement.runtime import simulate_cpu_devices
 from jaxpar.planning import devices as devices_lib
 from jaxpar.planning import search
 from jaxpar.planning.calibrate import calibrate_and_save
+from jaxpar.planning.hardware import calibrated_path
 from jaxpar.layout import PLANNED, Layout
 from jaxpar.planning.search import Plan
 from jaxpar.train.config import Config, load_config
@@ -126,39 +135,37 @@ def main(argv=None) -> int:
         parser.error("give devices=N (how many devices to plan for)")
     per_node = cfg.plan.devices_per_node or (8 if devices % 8 == 0 else devices)
     hardware = cfg.plan.hardware or "h100"
-    if not args.calibrate or args.config is not None:
+    # hardware=cpu without a calibrated profile calibrates on first use (cached)
+    calibrating = args.calibrate or (hardware == "cpu" and args.config is not None
+                                     and not calibrated_path(cache_dir).is_file())
+    hw = None
+    if args.config is not None:
         try:  # every bad input is refused before anything is compiled or written
-            hw = hardware_for(hardware, cache_dir) if not (args.calibrate and hardware == "cpu") else None
-        except InputError as e:
-            parser.error(str(e))
-    stage_split = None
-    if cfg.pipeline.stage_layers == "auto" and not args.calibrate:
-        try:
-            stage_split = stage_comparison(cfg, devices, hw, per_node)
+            hw = hardware_for("h100" if hardware == "cpu" and calibrating else hardware, cache_dir)
+            if cfg.pipeline.stage_layers == "auto":
+                stage_comparison(cfg, devices, hw, per_node)  # (checked here; recomputed on the cpu profile)
         except InputError as e:
             parser.error(str(e))
     compiles = args.calibrate or (cfg.plan.compile_top > 0 and devices <= cfg.plan.compile_devices)
-    if compiles:  # compiled for XLA:CPU on simulated devices, whatever the machine has
+    if compiles or calibrating:  # compiled for XLA:CPU on simulated devices, whatever the machine has
         jax.config.update("jax_platforms", "cpu")
-        simulate_cpu_devices(devices)
-    if args.calibrate:
-        hw, path = calibrate_and_save(cache_dir)
-        hw = calibrate_step(hw, cache_dir, devices)
-        say(f"wrote {path}: {hw.peak_flops['float32'] / 1e9:.1f} GFLOP/s float32 per device "
-            f"(a train step's matmuls reach {hw.efficiency['matmul']:.0%} of it), "
-            f"{hw.hbm_bandwidth / 1e9:.1f} GB/s memory, {hw.intra_node_bandwidth / 1e9:.2f} GB/s between "
-            f"devices, {hw.collective_latency * 1e6:.0f} us a collective, on {devices} simulated devices")
+        simulate_cpu_devices(devices if compiles else min(devices, 8))
+    calibrated = None
+    if calibrating:
+        calibrated = _calibrate(cache_dir, say)
         if args.config is None:
             return 0
         hw = hardware_for(hardware, cache_dir)
     try:
+        stage_split = stage_comparison(cfg, devices, hw, per_node) if cfg.pipeline.stage_layers == "auto" else None
         plan = run_plan(cfg, devices, hw=hw, device_memory=cfg.plan.memory or hw.memory, devices_per_node=per_node,
                         compile_on=jax.devices() if compiles else None, backend="cpu",
                         progress=None if args.json else say)
     except InputError as e:
         parser.error(str(e))
     if args.json:
-        print(json.dumps(plan.to_json() | ({"pipeline_stages": stage_split} if stage_split else {})))
+        print(json.dumps(plan.to_json() | ({"pipeline_stages": stage_split} if stage_split else {})
+                         | ({"calibrated": str(calibrated)} if calibrated else {})))
     else:
         print(search.table(plan, args.top, every=args.all))
         if stage_split:
@@ -167,6 +174,21 @@ def main(argv=None) -> int:
         write_overlay(args.out, plan, args.config)
         say(f"wrote {args.out}: jaxpar-train {args.config} {args.out}")
     return 0
+
+
+def _calibrate(cache_dir: pathlib.Path, say) -> pathlib.Path:
+    """Measures this machine's ``cpu`` profile on the simulated devices present into
+    ``cache_dir`` (``--calibrate``, or ``hardware=cpu``'s first use), said in one line;
+    returns where it wrote it."""
+    devices = len(jax.devices())
+    say(f"calibrating the cpu hardware profile on {devices} simulated devices (once: cached in {cache_dir})")
+    hw, path = calibrate_and_save(cache_dir)
+    hw = calibrate_step(hw, cache_dir, devices)
+    say(f"wrote {path}: {hw.peak_flops['float32'] / 1e9:.1f} GFLOP/s float32 per device "
+        f"(a train step's matmuls reach {hw.efficiency['matmul']:.0%} of it), "
+        f"{hw.hbm_bandwidth / 1e9:.1f} GB/s memory, {hw.intra_node_bandwidth / 1e9:.2f} GB/s between "
+        f"devices, {hw.collective_latency * 1e6:.0f} us a collective, on {devices} simulated devices")
+    return path
 
 
 def _config(parser, args) -> tuple:

@@ -10,7 +10,9 @@ on N devices, ranked by predicted step time among those that fit the device's me
 * ``hardware``  hardware profiles (``h100``, ``h200``, ``a100``, a calibrated ``cpu``);
 * ``calibrate`` measures the ``cpu`` profile on this machine;
 * ``cache``     compiled figures on disk, by model shape and layout;
-* ``search``    the ranking, compiling the best candidates for exact figures;
+* ``search``    the ranking, compiling every candidate that could rank first for exact
+                figures (its margins: ``TIME_MARGIN``, ``MEMORY_LOW``, ``MEMORY_HIGH``);
+* ``advice``    the line that says when the question is wrong, and what would help;
 * ``devices``   device profiles: each pipeline rank's relative speed and memory;
 * ``stages``    ``pipeline.stage_layers=auto``: layers per rank from a device profile,
                 and the step time of any split, the schedule played tick by tick.

@@ -73,6 +73,7 @@ ATTN = (512, 4, 64)  # attention T, N (heads), H (head dim)
 LATENCY_LOOP = 64    # psums chained in the latency program
 MIB = 1 << 20
 PARTS = 7            # measurements sharing ``seconds``
+SECONDS = 3.0        # ``calibrate``'s default ``seconds`` (tests lower it: a faster, rougher profile)
 
 
 def _mesh(devices: int | None) -> jax.sharding.Mesh:
@@ -212,11 +213,12 @@ def _host_bandwidth(mesh, budget: float) -> float:
     return per_device * 4 / _median_time(run, budget)
 
 
-def calibrate(devices: int | None = None, *, seconds: float = 3.0) -> hardware.Hardware:
+def calibrate(devices: int | None = None, *, seconds: float | None = None) -> hardware.Hardware:
     """The ``cpu`` profile measured on the first ``devices`` of ``jax.devices()`` (all of
     them by default; the caller sets the simulated count before JAX starts). ``seconds``
     is about the time spent in timed runs (compiling and warm-up runs come on top: about
     5 s in all for 8 devices on 2 cores). See the module docstring for what is measured."""
+    seconds = SECONDS if seconds is None else seconds
     if not seconds > 0:
         raise ValueError(f"calibrate: seconds={seconds!r} must be positive")
     mesh = _mesh(devices)

@@ -147,7 +147,7 @@ def load(name_or_path: str, cache_dir: pathlib.Path | str | None = None) -> Hard
         path = calibrated_path(cache_dir)
         if not path.is_file():
             raise HardwareError(f"hardware=cpu: no calibrated profile at {path}; run "
-                                "`jaxpar-plan --calibrate` on this machine first")
+                                "`jaxpar-plan --calibrate` (or plan with hardware=cpu: it calibrates on first use)")
     elif not path.suffix:
         raise HardwareError(f"hardware={name_or_path!r} is not one of {', '.join(SHIPPED + ('cpu',))} "
                             "nor a path to a YAML profile")

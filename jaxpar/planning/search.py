@@ -6,19 +6,26 @@ fit the device's memory, the best of them compiled for their exact figures.
    over its mesh axes prunes too (rule ``shape``).
 2. Every candidate gets the analytic memory (``memory.estimate``) and step time
    (``cost.step_time``).
-3. Fitting first, then fastest (estimated and compiled figures alike), the best
-   candidate of each of the best ``compile_top`` meshes is compiled (``compile``, the
-   caller's: ``jaxpar.train.plan`` builds the very train step ``jaxpar-train`` runs),
-   the order redone with its figures, and again until those are all compiled or
-   ``3 x compile_top`` were: a candidate whose compiled program is slower than its
-   estimate makes room for the next. Compiled figures replace the analytic ones (memory, FLOPs,
-   collectives by axis) and are cached on disk (``cache.FigureCache``), keyed by model
-   shape and layout, so a second plan compiles nothing. Offload variants of a layout
-   share its compile (XLA:CPU does not tell host from device memory): their device
-   bytes are the compiled peak minus the host-resident state, counted exactly.
-4. The ranking: candidates that fit ``device_memory`` first, compiled (verified) ones
-   before estimated ones, fastest first; within 0.1% of the same time, the fewest host
-   transfers, the least gradient accumulation, then the least memory.
+3. The ranking is by predicted step time among the candidates that fit, compiled and
+   estimated alike (within 0.1% of the same time: the fewest host transfers, the least
+   gradient accumulation, then the least memory). An estimated candidate fits only
+   with the memory model's margin (``MEMORY_LOW``): its estimate times 1.5 within
+   ``device_memory``.
+4. The bound: the candidates compiled (``compile``, the caller's: ``jaxpar.train.plan``
+   builds the very train step ``jaxpar-train`` runs), fastest estimate first, are every
+   one that could still rank first (``could_rank_first``): an estimate within
+   ``TIME_MARGIN`` of the best fitting step and a memory estimate that could fit
+   (``MEMORY_HIGH``), until none is left; so the first line is compiled and no
+   estimated candidate that fits is predicted faster than it. ``3 x compile_top``
+   programs at most: reached, the compiled candidates rank before the estimated ones
+   (the first line is still compiled) and the plan says how many could still rank first.
+   Compiled figures replace the analytic ones (memory, collectives by axis) and are
+   cached on disk (``cache.FigureCache``), keyed by model shape and layout, so a
+   second plan compiles nothing. Offload variants of a layout share its compile
+   (XLA:CPU does not tell host from device memory): their device bytes are the
+   compiled peak minus the host-resident state, counted exactly.
+5. ``advice.diagnose``: when the best candidate's MFU is far below what its compute
+   alone reaches, one line says why and what would help (``Plan.advice``).
 """
 
 from __future__ import annotations
@@ -30,13 +37,28 @@ import time
 from collections.abc import Callable
 
 from jaxpar.inputs import InputError
-from jaxpar.planning import cost, memory
+from jaxpar.planning import advice, cost, memory
 from jaxpar.planning.cache import FigureCache, key as cache_key
 from jaxpar.planning.hardware import Hardware
 from jaxpar.planning.layout import BOUNDS, RULES, Layout, Space, enumerate_layouts
 from jaxpar.planning.workload import LayoutError, Workload, shards
 
 GIB = 2 ** 30
+
+# How far an estimate may be from its compiled figures. Memory (BENCHMARKS.md,
+# "Planning", 144 compiled candidates of tiny, small and 1b on 8 and 16 devices): the
+# estimate is low by at most 33% at the 90th percentile of every config (compiled
+# <= estimate / (1 - 0.33), i.e. x 1.5) and high by at most 14% (the worst case).
+MEMORY_LOW = 1.5   # an estimated candidate fits when estimate x MEMORY_LOW <= device_memory
+MEMORY_HIGH = 1.14  # it could fit (and is compiled if it could rank first) when estimate / MEMORY_HIGH does
+# Step time: compiling replaces the counted collectives (bytes and counts by axis) with
+# the program's own; compute is the same model either way. Measured by
+# bench/plan_margin.py (BENCHMARKS.md, "Planning", the ranking's margin): over 58
+# compiled candidates (34 programs) of tiny, small (h100) and tiny at seq_len 512 (a100) on 8 devices,
+# compiled within a 10% margin, the compiled prediction was never below the estimate
+# (1.04x to 3.98x it, median 1.20x: the counted collectives are a lower bound); 1% is
+# kept for ties (the ranking's 0.1%) and configs not measured.
+TIME_MARGIN = 0.01
 
 
 class PlanError(InputError):
@@ -75,6 +97,22 @@ class Plan:
     compiled: int
     cached: int
     seconds: float
+    compile_limit: int = 0  # the most programs compile_figures would take (0: analytic only)
+    unverified: int = 0  # candidates that could still rank first when compile_limit stopped the search
+    advice: str | None = None  # advice.diagnose's line: the question is wrong
+
+    def compile_note(self) -> str:
+        """How many candidates were compiled and why (the bound)."""
+        if not self.compile_limit:
+            return "nothing compiled (analytic only): the first line is an estimate"
+        why = (f"every candidate that could rank first (an estimate within {TIME_MARGIN:.0%} of the best "
+               f"fitting step, its memory estimate / {MEMORY_HIGH} within device memory)")
+        if self.unverified:
+            return (f"{self.compiled + self.cached} compiled ({self.cached} from the cache), stopped at "
+                    f"plan.compile_top's limit of {self.compile_limit} (3 x compile_top): {self.unverified} estimated "
+                    "candidates could still rank first, so the compiled ones are ranked before them; raise "
+                    "plan.compile_top to verify them")
+        return f"{self.compiled + self.cached} compiled ({self.cached} from the cache): {why}"
 
     @property
     def best(self) -> Candidate:
@@ -85,7 +123,9 @@ class Plan:
                 "device_memory": self.device_memory, "hardware": self.hardware.name,
                 "considered": self.considered, "pruned": dict(self.pruned),
                 "kept": len(self.candidates), "compiled": self.compiled, "from_cache": self.cached,
-                "seconds": round(self.seconds, 3), "bounds": list(BOUNDS),
+                "seconds": round(self.seconds, 3), "bounds": list(BOUNDS), "compile_bound": self.compile_note(),
+                "margins": {"time": TIME_MARGIN, "memory_low": MEMORY_LOW, "memory_high": MEMORY_HIGH},
+                "unverified": self.unverified, "advice": self.advice,
                 "candidates": [c.summary(self.work, self.hardware) for c in self.candidates]}
 
 
@@ -112,7 +152,7 @@ def table(plan: Plan, top: int = 12, *, every: bool = False) -> str:
     hw, work = plan.hardware, plan.work
     head = ("| # | layout | memory/device | fits | step | tokens/s | MFU | compute | comm | bubble | offload |\n"
             "|---|---|---|---|---|---|---|---|---|---|---|")
-    rows = [head]
+    rows = ([f"The question is wrong: {plan.advice}", ""] if plan.advice else []) + [head]
     ranks = {id(c): rank for rank, c in enumerate(plan.candidates, 1)}
     shown = plan.candidates[:top] if every else best_of_each_mesh(plan.candidates, top)
     for c in shown:
@@ -129,10 +169,11 @@ def table(plan: Plan, top: int = 12, *, every: bool = False) -> str:
     rows.append("")
     rows.append(f"{plan.considered:,} candidates considered on {plan.devices} devices ({plan.devices_per_node} per "
                 f"node, {hw.name}, {_fmt_bytes(plan.device_memory)} each); pruned: {pruned}; "
-                f"{len(plan.candidates):,} kept, {fitting:,} fit; {plan.compiled} compiled, {plan.cached} from the "
-                f"cache; searched in {plan.seconds:.1f} s.")
+                f"{len(plan.candidates):,} kept, {fitting:,} fit; searched in {plan.seconds:.1f} s.")
+    rows.append(f"{plan.compile_note()}.")
     rows.append(("Every candidate, ranked" if every else "The best candidate of each mesh, # its rank among all")
-                + "; (est.): the analytic figures (not compiled), ranked after the compiled ones.")
+                + " by predicted step among those that fit; (est.): the analytic figures (not compiled), fitting "
+                f"only with the memory margin (estimate x {MEMORY_LOW} within device memory).")
     rows.append("Bounds (never generated): " + "; ".join(BOUNDS) + ".")
     return "\n".join(rows)
 
@@ -152,13 +193,24 @@ def _compiled_memory(work: Workload, layout: Layout, figures: dict, prefetch: in
     return {"device": peak, "host": host}
 
 
-def _rank_key(c: Candidate) -> tuple:
-    """Fitting first, then compiled (verified) before estimated, then fastest; within
-    0.1% of the same time, the fewest host transfers, then the least gradient
-    accumulation, then the least memory."""
+def _rank_key(c: Candidate, compiled_first: bool = False) -> tuple:
+    """Fitting first, then fastest; within 0.1% of the same time, the fewest host
+    transfers, then the least gradient accumulation, then the least memory.
+    ``compiled_first`` (the compile limit stopped the bound): compiled before estimated."""
     offloaded = (c.layout.offload_params == "host") + (c.layout.offload_optimizer == "host")
-    return (not c.fits, c.source != "compiled", round(math.log(c.time.total), 3), offloaded, c.layout.grad_accum,
-            c.memory["device"], c.layout.describe())
+    return (not c.fits, compiled_first and c.source != "compiled", round(math.log(c.time.total), 3), offloaded,
+            c.layout.grad_accum, c.memory["device"], c.layout.describe())
+
+
+def estimate_fits(device_bytes: float, device_memory: int) -> bool:
+    """An estimated candidate fits: its estimate with the memory margin does."""
+    return device_bytes * MEMORY_LOW <= device_memory
+
+
+def could_rank_first(c: Candidate, bound: float, device_memory: int) -> bool:
+    """``c`` (estimated) could rank first against a best fitting step of ``bound``
+    seconds: its estimate is within ``TIME_MARGIN`` of it and its memory could fit."""
+    return c.time.total * (1 - TIME_MARGIN) < bound and c.memory["device"] / MEMORY_HIGH <= device_memory
 
 
 def _on_device(layout: Layout) -> Layout:
@@ -202,25 +254,32 @@ class _Compiler:
                                         compiled=figures, compiled_backend=self.backend)
         candidate.fits = candidate.memory["device"] <= device_memory
 
-    def refine(self, candidates: list[Candidate], device_memory: int, top: int) -> None:
-        """Compiles the best candidate of each of the ``top`` best meshes (fitting first,
-        then fastest, estimated and compiled alike; with nothing fitting, the smallest),
-        again until those are all compiled or ``3 x top`` were; then gives every offload
-        variant of a compiled layout its figures (the same program: free)."""
-        budget = 3 * top
-        while budget > 0:
-            fitting = any(c.fits for c in candidates)
-            order = (lambda c: (not c.fits, c.time.total)) if fitting else (lambda c: c.memory["device"])
-            head = [c for c in best_of_each_mesh(sorted(candidates, key=order), top)
-                    if c.source != "compiled" and (c.fits or not fitting)][:budget]
-            if not head:
-                break
-            for candidate in head:
-                self.apply(candidate, device_memory)
-            budget -= len(head)
-        for candidate in candidates:
-            if candidate.source != "compiled" and _on_device(candidate.layout) in self.figures:
-                self.apply(candidate, device_memory)
+    def refine(self, candidates: list[Candidate], device_memory: int, limit: int) -> int:
+        """Compiles, fastest estimate first, every candidate that could still rank first
+        (``could_rank_first``) until none is left or ``limit`` were compiled (from the
+        cache or not); each compile gives every offload variant of its layout the same
+        figures. With nothing that fits or could fit, the smallest is compiled (the
+        refusal names its compiled size). Returns how many could still rank first when
+        ``limit`` stopped it (0: the bound holds)."""
+        siblings = collections.defaultdict(list)
+        for c in candidates:
+            siblings[_on_device(c.layout)].append(c)
+        done = 0
+        while True:
+            top = min((c for c in candidates if c.fits), key=lambda c: c.time.total, default=None)
+            bound = math.inf if top is None else top.time.total
+            open_ = [c for c in candidates if c.source != "compiled" and could_rank_first(c, bound, device_memory)]
+            if not open_ and top is None:
+                smallest = min(candidates, key=lambda c: c.memory["device"])
+                open_ = [smallest] if smallest.source != "compiled" else []
+            if not open_:
+                return 0
+            if done >= limit:
+                return len(open_)
+            chosen = min(open_, key=lambda c: c.time.total)
+            for c in siblings[_on_device(chosen.layout)]:
+                self.apply(c, device_memory)
+            done += 1
 
 
 def _estimates(work, devices, hw, *, device_memory, devices_per_node, space, backend):
@@ -234,7 +293,7 @@ def _estimates(work, devices, hw, *, device_memory, devices_per_node, space, bac
             pruned["shape"] += 1
             continue
         step = cost.step_time(work, layout, hw, devices_per_node=devices_per_node)
-        candidates.append(Candidate(layout, mem, step, fits=mem["device"] <= device_memory))
+        candidates.append(Candidate(layout, mem, step, fits=estimate_fits(mem["device"], device_memory)))
     return candidates, len(layouts) + sum(pruned.values()) - pruned["shape"], pruned
 
 
@@ -245,11 +304,12 @@ def _refuse(candidates: list[Candidate], pruned, devices: int, device_memory: in
                         + (", ".join(f"{n} {RULES.get(r, r)}" for r, n in pruned.most_common()) or "no candidates"))
     if not candidates[0].fits:
         smallest = min(candidates, key=lambda c: c.memory["device"])
+        need = smallest.memory["device"] * (1 if smallest.source == "compiled" else MEMORY_LOW)
         raise PlanError(
             f"no layout fits device_memory={_fmt_bytes(device_memory)} per device: the smallest, "
             f"{smallest.layout.describe()}, needs {_fmt_bytes(smallest.memory['device'])} "
-            f"({smallest.source}); give device_memory >= {math.ceil(smallest.memory['device'] / GIB * 10) / 10}GiB, "
-            "more devices, or a smaller batch_size")
+            + ("(compiled)" if smallest.source == "compiled" else f"(estimated; x {MEMORY_LOW} with its margin)")
+            + f"; give device_memory >= {math.ceil(need / GIB * 10) / 10}GiB, more devices, or a smaller batch_size")
 
 
 def search(work: Workload, devices: int, hw: Hardware, *, device_memory: int, devices_per_node: int,
@@ -259,7 +319,8 @@ def search(work: Workload, devices: int, hw: Hardware, *, device_memory: int, de
     """The ranked ``Plan`` of ``work`` on ``devices`` devices of ``hw``.
 
     ``compile(layout) -> figures`` (the profiler's, with ``collectives_by_axes``) for
-    the best candidates, ``backend`` naming what it compiles for; None: analytic only.
+    the candidates that could rank first, ``backend`` naming what it compiles for, at
+    most ``3 x compile_top`` of them; None (or ``compile_top=0``): analytic only.
 
     Raises:
       PlanError: no candidate fits ``device_memory`` (naming the smallest that would).
@@ -272,12 +333,16 @@ def search(work: Workload, devices: int, hw: Hardware, *, device_memory: int, de
     candidates, considered, pruned = _estimates(work, devices, hw, device_memory=device_memory,
                                                 devices_per_node=devices_per_node, space=space,
                                                 backend=estimate_for)
-    compiler = None
-    if compile is not None and candidates:
+    compiler, limit, unverified = None, 0, 0
+    if compile is not None and candidates and compile_top > 0:
         compiler = _Compiler(work, hw, devices_per_node, compile, cache or FigureCache(None), backend, progress)
-        compiler.refine(candidates, device_memory, compile_top)
-    candidates.sort(key=_rank_key)
+        limit = 3 * compile_top
+        unverified = compiler.refine(candidates, device_memory, limit)
+    candidates.sort(key=lambda c: _rank_key(c, compiled_first=unverified > 0))
     _refuse(candidates, pruned, devices, device_memory)
-    return Plan(work, hw, devices, devices_per_node, device_memory, candidates, considered, pruned,
-                compiler.compiled if compiler else 0, compiler.cached if compiler else 0,
-                time.perf_counter() - began)
+    plan = Plan(work, hw, devices, devices_per_node, device_memory, candidates, considered, pruned,
+                compiler.compiled if compiler else 0, compiler.cached if compiler else 0, 0.0,
+                compile_limit=limit, unverified=unverified)
+    plan.advice = advice.diagnose(plan, MEMORY_LOW)
+    plan.seconds = time.perf_counter() - began
+    return plan
