@@ -62,8 +62,9 @@ class PlanConfig:
     ``jaxpar-plan --calibrate`` measured here) or a profile's YAML path (unset: the
     present device's kind, ``cpu`` on CPUs); ``devices_per_node``: devices that share a
     node's fast links (unset: 8, or the devices one process has with ``mesh=auto``);
-    ``compile_top``: how many of the best candidates to compile for exact figures (0:
-    the analytic model only); ``compile_devices``: the most devices compiled for
+    ``compile_top``: the candidates that could still rank first are compiled for exact
+    figures, at most ``3 x compile_top`` of them (0: the analytic model only);
+    ``compile_devices``: the most devices compiled for
     (simulated CPU devices; beyond, the analytic model only)."""
 
     devices: int | None = None
