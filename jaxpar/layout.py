@@ -1,8 +1,8 @@
 """One description of a parallel layout: everything besides the model and the data that
 changes how one training step runs on its devices.
 
-``Layout`` is the mesh (``data``, ``fsdp``, ``pipe``, ``seq``, ``tensor`` 1D or a square
-2D grid), the pipeline's schedule, microbatches and virtual stages, the sequence-parallel
+``Layout`` is the mesh (``data``, ``fsdp``, ``expert``, ``pipe``, ``seq``, ``tensor`` 1D or a
+square 2D grid), the pipeline's schedule, microbatches and virtual stages, the sequence-parallel
 attention, Megatron sequence parallelism, the remat policy, gradient accumulation, how
 the data replicas' gradients combine, and where the parameters and optimizer state live.
 It is the one copy of those settings:
@@ -39,7 +39,8 @@ REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "names")
 # Each field's public config key: how a config file, an override, ``jaxpar-plan --out``
 # and a run's saved ``config.yaml`` name it. The one table between them.
 KEYS = {
-    "data": "mesh.data", "fsdp": "mesh.fsdp", "pipe": "mesh.pipe", "seq": "mesh.seq", "tensor": "mesh.tensor",
+    "data": "mesh.data", "fsdp": "mesh.fsdp", "expert": "mesh.expert", "pipe": "mesh.pipe", "seq": "mesh.seq",
+    "tensor": "mesh.tensor",
     "schedule": "pipeline.schedule", "microbatches": "pipeline.microbatches",
     "virtual_stages": "pipeline.virtual_stages",
     "seq_impl": "execution.seq_impl", "sequence_parallel": "execution.sequence_parallel",
@@ -49,9 +50,10 @@ KEYS = {
     "offload_params": "offload.params", "offload_optimizer": "offload.optimizer",
 }
 FIELD_OF = {key: name for name, key in KEYS.items()}
-MESH_FIELDS = ("data", "fsdp", "pipe", "seq", "tensor")
+MESH_FIELDS = ("data", "fsdp", "expert", "pipe", "seq", "tensor")
 # What the planner chooses, so what ``overrides()`` writes (pipeline keys only with
-# pipe > 1, ``seq_impl`` only with seq > 1: they change nothing otherwise).
+# pipe > 1, ``seq_impl`` only with seq > 1: they change nothing otherwise). The planner
+# does not enumerate ``expert`` yet (a MoE model takes a given mesh, not ``mesh=auto``).
 PLANNED = ("data", "fsdp", "pipe", "seq", "tensor", "schedule", "microbatches", "virtual_stages", "seq_impl",
            "sequence_parallel", "remat", "grad_accum", "offload_params", "offload_optimizer")
 
@@ -63,10 +65,13 @@ class Layout:
     ``remat_names``: the ``checkpoint_name``s ``remat="names"`` saves. ``reduction`` /
     ``compression``: ``jaxpar.hetero.reduction``'s kind and compression (its ratio and
     re-estimation period are ``optimizer.compression_ratio`` / ``threshold_every``).
+    ``expert``: the ways MoE layers split their experts (``jaxpar.models.moe``); outside
+    them the batch is split over it as over ``data``.
     No checks here (the planner builds hundreds of thousands); ``check`` is a config's."""
 
     data: int | None = 1
     fsdp: int = 1
+    expert: int = 1
     pipe: int = 1
     seq: int = 1
     tensor: int | tuple[int, ...] = 1
@@ -86,7 +91,7 @@ class Layout:
     def check(self, *, mesh: bool = True) -> None:
         """``ValueError`` naming the public key of the first value out of range
         (``mesh=False``: the mesh's sizes are not checked, ``mesh=auto`` plans them)."""
-        names = (("fsdp", "pipe", "seq") if mesh else ()) + ("virtual_stages", "grad_accum")
+        names = (("fsdp", "expert", "pipe", "seq") if mesh else ()) + ("virtual_stages", "grad_accum")
         for name in names + (("data",) if mesh and self.data is not None else ()) + (
                 ("microbatches",) if self.microbatches is not None else ()):
             if getattr(self, name) < 1:
@@ -101,18 +106,20 @@ class Layout:
     @property
     def devices(self) -> int:
         """Devices the layout takes (``data`` None counts as 1)."""
-        return (self.data or 1) * self.fsdp * self.pipe * self.seq * self.tensor_ways
+        return (self.data or 1) * self.fsdp * self.expert * self.pipe * self.seq * self.tensor_ways
 
     @property
     def data_ways(self) -> int:
-        """Ways the batch is split: data x fsdp (x the 2D grid's rows)."""
+        """Ways the batch is split: data x fsdp x expert (x the 2D grid's rows)."""
         rows = self.tensor[0] if isinstance(self.tensor, tuple) else 1
-        return (self.data or 1) * self.fsdp * rows
+        return (self.data or 1) * self.fsdp * self.expert * rows
 
     @property
     def mesh_sizes(self) -> dict[str, int]:
-        """The mesh's axes, outermost first (``jaxpar.make_mesh``'s order)."""
-        sizes = {"data": self.data or 1, "fsdp": self.fsdp, "pipe": self.pipe, "seq": self.seq}
+        """The mesh's axes, outermost first (``jaxpar.make_mesh``'s order; ``expert``
+        only when above 1, as ``make_mesh`` makes it)."""
+        sizes = {"data": self.data or 1, "fsdp": self.fsdp} | ({"expert": self.expert} if self.expert > 1 else {}) \
+            | {"pipe": self.pipe, "seq": self.seq}
         if isinstance(self.tensor, tuple):
             return sizes | {"tensor_row": self.tensor[0], "tensor_col": self.tensor[1]}
         return sizes | {"tensor": self.tensor}
@@ -125,7 +132,7 @@ class Layout:
     def resolved(self, devices: int) -> Layout:
         """This layout on ``devices`` devices: ``data`` the devices the other axes leave
         where unset, ``microbatches`` twice ``pipe`` where unset with ``pipe`` > 1."""
-        others = self.fsdp * self.pipe * self.seq * self.tensor_ways
+        others = self.fsdp * self.expert * self.pipe * self.seq * self.tensor_ways
         return dataclasses.replace(self, data=self.data or max(1, devices // others),
                                    microbatches=self.pipeline_microbatches if self.pipe > 1 else self.microbatches)
 
@@ -156,7 +163,8 @@ class Layout:
 
     def describe(self) -> str:
         """``fsdp=4 tensor=2 +sp remat=full ga=2``: what differs from one plain device."""
-        parts = [f"{k}={v}" for k, v in (("data", self.data or 1), ("fsdp", self.fsdp), ("pipe", self.pipe),
+        parts = [f"{k}={v}" for k, v in (("data", self.data or 1), ("fsdp", self.fsdp), ("expert", self.expert),
+                                         ("pipe", self.pipe),
                                          ("seq", self.seq)) if v > 1]
         if isinstance(self.tensor, tuple):
             parts.append(f"tensor={self.tensor[0]}x{self.tensor[1]}")

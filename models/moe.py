@@ -13,6 +13,13 @@ function, so that expert parallelism can wrap the grouped matmul (``expert_mlp``
 * ``combine``: the rows back in token order, summed over each token's ``k`` experts
   weighted by their gates (0 for a dropped assignment: the residual carries the token).
 
+Expert parallelism (``mesh.expert``: the rules split the experts ``exp`` over ``expert``,
+and the batch over it too): each device routes and permutes its own tokens, and
+``exchange`` sends each assignment to the device holding its expert and its output back,
+by all-to-all with fixed per-destination buffers, the device computing its own experts'
+rows between (``expert_mlp``). The router decides before the exchange, so a capacity's
+per-sequence drops are those of one device.
+
 Dimension letters: N tokens (``B * T``), E experts, k experts per token, D the model
 width, F an expert's width.
 
@@ -190,7 +197,9 @@ class MoE(nnx.Module):
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """With a mesh, each device routes and computes its own batch rows (``dispatch``
         under ``shard_map`` over the axes the rules split ``activation_batch`` over), and
-        the balance statistics are summed over the devices after. The weights enter as
+        the balance statistics are summed over the devices after. Where the rules split
+        the experts (``exp``) over axes the batch is split over too (``expert``), the
+        expert weights stay split and the tokens travel (``exchange``). The weights enter as
         they are stored (``embed_moe`` over ``fsdp``, ``mlp_moe`` over ``tensor``) and are
         all-gathered whole inside (``_gathered``), so their gradients leave
         reduce-scattered onto their shards, as ZeRO-3 keeps them, rather than all-reduced
@@ -211,8 +220,11 @@ class MoE(nnx.Module):
         if rows:
             rules = rules_for(mesh, "jaxpar.models.moe")
             specs = tuple(rules_lib.logical_to_spec(names, rules) for names in NAMES)
+            experts = tuple(a for a in rules_lib.as_tuple(specs[3][0]) if mesh.shape[a] > 1)
+            experts = experts if experts and set(experts) <= set(rows) else ()
+            local = functools.partial(dispatch, moe=moe, expert_axes=experts)
             split = PartitionSpec(rows)
-            local = jax.shard_map(_gathered(local, specs), mesh=mesh, in_specs=(split, *specs),
+            local = jax.shard_map(_gathered(local, specs, experts), mesh=mesh, in_specs=(split, *specs),
                                   out_specs=(split, split), check_vma=False)
         y, stats = local(x, *weights)
         return y, self._aux(stats.sum(0), weights[1])
@@ -233,38 +245,89 @@ class MoE(nnx.Module):
         return aux
 
 
-def _gathered(fn, specs):
+def _gathered(fn, specs, experts=()):
     """``fn(x, *weights)`` on one device (inside ``shard_map``) with each weight first
-    all-gathered whole along the mesh axes its ``specs`` entry splits it over; the
-    gather's transpose is a reduce-scatter of the gradient onto the weight's shards."""
-    def gather(w, spec):
+    all-gathered whole along the mesh axes its ``specs`` entry splits it over (but the
+    expert weights' experts over the ``experts`` axes, which stay split); the gather's
+    transpose is a reduce-scatter of the gradient onto the weight's shards."""
+    def gather(w, spec, expert_weight):
         if w is None:
             return None
         for dim, axes in enumerate(spec):
-            if axes is not None:
-                w = jax.lax.all_gather(w, rules_lib.as_tuple(axes), axis=dim, tiled=True)
+            axes = tuple(a for a in rules_lib.as_tuple(axes) if not (expert_weight and dim == 0 and a in experts))
+            if axes:
+                w = jax.lax.all_gather(w, axes, axis=dim, tiled=True)
         return w
 
     def run(x, *weights):
-        return fn(x, *(gather(w, spec) for w, spec in zip(weights, specs)))
+        return fn(x, *(gather(w, spec, i >= 2) for i, (w, spec) in enumerate(zip(weights, specs))))
 
     return run
 
 
-def dispatch(x, router, bias, gate, up, down, *, moe: MoEConfig):
+def dispatch(x, router, bias, gate, up, down, *, moe: MoEConfig, expert_axes: tuple[str, ...] = ()):
     """The routed experts of ``x [B, T, D]`` (one device's rows): ``route -> permute ->
-    expert_mlp -> combine``. Returns ``(y [B, T, D], stats [1, 2, E])``: float32 each
-    expert's assignment count (the router's choice, before any capacity) and its router
-    probabilities summed over the tokens, which ``MoE`` sums over devices."""
+    expert_mlp -> combine``, with ``exchange`` around ``expert_mlp`` where the experts
+    are split over ``expert_axes`` (``gate, up, down`` then this device's experts).
+    Returns ``(y [B, T, D], stats [1, 2, E])``: float32 each expert's assignment count
+    (the router's choice, before any capacity) and its router probabilities summed over
+    the tokens, which ``MoE`` sums over devices."""
     B, T, D = x.shape
     tokens = x.reshape(B * T, D)
     with jax.named_scope("router"):
         routing = route(tokens.astype(jnp.float32) @ router, moe, bias, rows=B)
     with jax.named_scope("experts"):
         xs, order, group_sizes = permute(tokens, routing.experts, moe.experts)
-        y = combine(expert_mlp(xs, group_sizes, gate, up, down), order, routing.gates)
+        mlp = functools.partial(expert_mlp, gate=gate, up=up, down=down)
+        ys = exchange(mlp, xs, group_sizes, expert_axes, moe.experts_per_token) if expert_axes else mlp(
+            xs, group_sizes)
+        y = combine(ys, order, routing.gates)
     counts = jnp.bincount(routing.experts.reshape(-1), length=moe.experts).astype(jnp.float32)
     return y.reshape(B, T, D), jnp.stack([counts, routing.probs.sum(0)])[None]
+
+
+def exchange(mlp, xs: jax.Array, group_sizes: jax.Array, axes: tuple[str, ...], k: int) -> jax.Array:
+    """``mlp(rows, local_group_sizes)`` (this device's experts) over the rows ``xs [N k,
+    D]`` of every device, sorted by expert (``group_sizes [E]`` each), the experts split
+    in order over the mesh ``axes`` (``W`` devices, ``E / W`` experts each): each row is
+    sent to its expert's device, computed there, and sent back; returns ``[N k, D]`` in
+    ``xs``' order (inside ``shard_map``).
+
+    Fixed per-destination buffers (``send_buffers``; the backend-neutral form, as XLA:CPU
+    has no ``ragged_all_to_all``): dropless, each destination's buffer holds the most rows
+    one device can send it, ``N * min(k, E / W)`` (a token's k experts are distinct), so
+    each device holds ``W * N * min(k, E / W)`` rows of ``D`` twice (sent and received)
+    each way: ``W`` times the ``N k`` rows of its own permutation where ``E / W >= k``,
+    and the grouped matmul runs over all ``W * N * min(k, E / W)`` rows (those past the
+    received counts give zeros; a backend whose grouped matmul reads the group sizes
+    skips them)."""
+    W = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in axes)
+    axes = axes[0] if len(axes) == 1 else axes
+    local = group_sizes.shape[0] // W
+    slots = xs.shape[0] // k * min(k, local)
+    buffers, dest, pos = send_buffers(xs, group_sizes.reshape(W, local).sum(1), slots)
+    received = jax.lax.all_to_all(buffers, axes, 0, 0, tiled=True)  # [W sources, slots, D]
+    counts = jax.lax.all_to_all(group_sizes.reshape(W, local), axes, 0, 0, tiled=True)  # [W sources, E/W]
+    # each received row's local expert (E/W past a source's rows), then grouped by it
+    ends = jnp.cumsum(counts, axis=1)
+    expert = (jnp.arange(slots)[None, :, None] >= ends[:, None, :]).sum(-1).reshape(-1)
+    order = jnp.argsort(expert, stable=True)
+    out = mlp(jnp.take(received.reshape(W * slots, -1), order, axis=0), counts.sum(0))
+    out = jnp.zeros_like(out).at[order].set(out).reshape(W, slots, -1)
+    returned = jax.lax.all_to_all(out, axes, 0, 0, tiled=True)  # [W destinations, slots, D]
+    return returned[dest, pos]
+
+
+def send_buffers(xs: jax.Array, per_dest: jax.Array, slots: int):
+    """``xs [M, D]`` sorted by destination (``per_dest [W]`` rows each, none more than
+    ``slots``) into fixed buffers ``[W, slots, D]`` (zeros past each destination's rows);
+    returns ``(buffers, dest [M], pos [M])``, row ``i`` at ``buffers[dest[i], pos[i]]``.
+    The one place ``jax.lax.ragged_all_to_all``'s offsets and sizes would replace."""
+    M = xs.shape[0]
+    starts = jnp.cumsum(per_dest) - per_dest
+    dest = jnp.repeat(jnp.arange(per_dest.shape[0]), per_dest, total_repeat_length=M)
+    pos = jnp.arange(M) - starts[dest]
+    return jnp.zeros((per_dest.shape[0], slots, xs.shape[1]), xs.dtype).at[dest, pos].set(xs), dest, pos
 
 
 def _is_bias(path) -> bool:

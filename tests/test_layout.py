@@ -15,7 +15,7 @@ from jaxpar.train import config_load
 from jaxpar.train.config import Config, load_config, to_dict
 
 # Every layout key set, most off their defaults (mesh: 2 x 2 x 2 = the 8 simulated devices).
-EVERY_KEY = {"mesh.data": 1, "mesh.fsdp": 2, "mesh.pipe": 2, "mesh.seq": 1, "mesh.tensor": 2,
+EVERY_KEY = {"mesh.data": 1, "mesh.fsdp": 2, "mesh.expert": 1, "mesh.pipe": 2, "mesh.seq": 1, "mesh.tensor": 2,
              "pipeline.schedule": "gpipe", "pipeline.microbatches": 4, "pipeline.virtual_stages": 2,
              "execution.seq_impl": "ulysses", "execution.sequence_parallel": True,
              "model.remat": "names", "model.remat_names": ["query", "key"], "optimizer.grad_accum": 1,

@@ -34,11 +34,12 @@ def test_default_rules_name_all_of_maxtexts_vocabulary_and_keep_jaxpars_own():
     missing = [name for name in NAMES if name not in dict(DEFAULT_RULES)]
     assert not missing, missing
     assert len(NAMES) == 70
-    # jaxpar's rules as they were before MaxText's names joined them, first and unchanged.
+    # jaxpar's rules as they were before MaxText's names joined them, first and unchanged
+    # (but for `expert` in the batches, MaxText's, since mesh.expert).
     assert DEFAULT_RULES[:20] == (
         ("vocab", "tensor"), ("embed", "fsdp"), ("heads", "tensor"), ("kv_heads", "tensor"),
         ("kv", None), ("mlp", "tensor"), ("layers", "pipe"), ("norm", None), ("positions", None),
-        ("batch", ("data", "fsdp")), ("length", "seq"), ("activation_batch", ("data", "fsdp")),
+        ("batch", ("data", "fsdp", "expert")), ("length", "seq"), ("activation_batch", ("data", "fsdp", "expert")),
         ("activation_length", "seq"), ("activation_norm_length", "seq"), ("activation_embed", None),
         ("activation_heads", "tensor"), ("activation_kv_heads", "tensor"), ("activation_kv", None),
         ("activation_mlp", "tensor"), ("activation_vocab", "tensor"),
@@ -58,10 +59,8 @@ def test_default_rules_differ_from_maxtexts_only_where_documented():
         "activation_kv", "activation_kv_head_dim",
         # Weights' model dimension: MaxText adds `context` and `expert`.
         "embed", "embed_vocab", "embed_moe", "q_lora", "kv_lora",
-        # Batches: MaxText adds `expert` (and `stage` around the embedding and logits).
-        "activation_batch", "activation_batch_attn", "activation_kv_batch", "activation_batch_moe",
-        "activation_prefill_kv_batch", "decode_batch", "activation_embed_and_logits_batch",
-        "activation_embed_and_logits_batch_sequence",
+        # Batches: MaxText adds `stage` around the embedding and logits.
+        "activation_embed_and_logits_batch", "activation_embed_and_logits_batch_sequence",
     }
     assert maxtext["embed"] == ("fsdp", "seq", "expert") and default["embed"] == "fsdp"
     assert maxtext["activation_embed_and_logits_batch"] == ("data", "pipe", "fsdp", "expert")

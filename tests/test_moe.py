@@ -145,18 +145,34 @@ def test_router_bias_steps_by_the_sign_of_its_load_deviation(rng):
     assert np.isfinite(float(metrics["loss"])) and float(metrics["grad_norm"]) > 0
 
 
-def test_each_device_routes_its_rows_and_the_balance_statistics_are_the_batchs(rng):
-    """The MoE block on data=2 x fsdp=2 x tensor=2 (each device dispatches its own rows
-    under shard_map; the counts and probabilities summed over devices after) against one
-    device: the output, the balance loss (with the router bias's term) and the gradients
-    of every weight, the bias's load deviation included (1e-5). Training on meshes:
-    test_combinations_train.py's model.moe cells."""
+MESH_CASES = {  # model.moe, the mesh: with `expert`, the tokens travel to their experts (moe.exchange)
+    "sigmoid_bias-capacity-data2xfsdp2xtensor2": (
+        MoEConfig(experts=4, experts_per_token=2, expert_width=8, router="sigmoid_bias", capacity_factor=1.0),
+        {"data": 2, "fsdp": 2, "tensor": 2}),
+    "softmax-expert4xfsdp2": (MoEConfig(experts=4, experts_per_token=2, expert_width=8), {"expert": 4, "fsdp": 2}),
+    "softmax-unnormalised-capacity-expert2xfsdp2xseq2": (
+        MoEConfig(experts=8, experts_per_token=2, expert_width=8, normalize=False, capacity_factor=1.25),
+        {"expert": 2, "fsdp": 2, "seq": 2}),
+    "sigmoid_bias-expert8": (MoEConfig(experts=8, experts_per_token=3, expert_width=8, router="sigmoid_bias"),
+                             {"expert": 8}),
+}
+
+
+@pytest.mark.parametrize("name", MESH_CASES)
+def test_each_device_routes_its_rows_and_the_balance_statistics_are_the_batchs(name, rng):
+    """The MoE block on a mesh (each device dispatches its own rows under shard_map; with
+    ``expert``, the experts split and each assignment sent to its expert's device and
+    back, fewer local experts than ``k`` included; the counts and probabilities summed
+    over devices after) against one device: the output, the balance loss (with the
+    router bias's term) and the gradients of every weight, the bias's load deviation
+    included (1e-5). Training on meshes: test_combinations_train.py's model.moe cells,
+    test_expert_parallel_training_steps_equal_one_device."""
     import jaxpar
     from conftest import tree_rel_err
     from jaxpar.models.transformer import sharding_rules
     from jaxpar.placement.sharding import use_mesh
 
-    moe = MoEConfig(experts=4, experts_per_token=2, expert_width=8, router="sigmoid_bias", capacity_factor=1.0)
+    moe, axes = MESH_CASES[name]
     cfg = dataclasses.replace(SMALL, moe=moe)
     block = random_init(lambda: moe_lib.MoE(cfg, rngs=nnx.Rngs(0)), rng)
     x = jnp.asarray(rng.standard_normal((8, 8, cfg.dim)), jnp.float32)
@@ -170,11 +186,12 @@ def test_each_device_routes_its_rows_and_the_balance_statistics_are_the_batchs(r
         return nnx.grad(loss, has_aux=True)(block)
 
     grads_one, (y_one, aux_one) = run(block, x)
-    mesh = jaxpar.make_mesh(data=2, fsdp=2, tensor=2)
+    mesh = jaxpar.make_mesh(**axes)
     with use_mesh(mesh, sharding_rules(cfg, mesh)):
         grads, (y, aux) = run(block, x)
     assert rel_err(y, y_one) < 1e-5 and abs(float(aux) - float(aux_one)) < 1e-6
-    assert tree_rel_err(grads, grads_one) < 1e-5 and np.abs(grads["router_bias"][...]).max() > 0
+    assert tree_rel_err(grads, grads_one) < 1e-5
+    assert moe.router == "softmax" or np.abs(grads["router_bias"][...]).max() > 0
 
 
 def _counts(name):
@@ -212,9 +229,13 @@ def test_moe_config_bad_input_is_one_line():
         ("model.moe.every=3", "model.layers=4 must be a multiple of model.moe.every=3"),
         ("model.moe.router=top1", "model.moe.router='top1' must be one of"),
         ("mesh.pipe=2", "model.moe with mesh.pipe=2 is not supported yet"),
+        ("mesh.expert=3", r"^mesh.expert=3 must divide model.moe.experts=8$"),
+        ("mesh.expert=0", r"^mesh.expert=0 must be at least 1$"),
     ]:
         with pytest.raises(ConfigError, match=message):
             load_config("moe_tiny", [override])
+    with pytest.raises(ConfigError, match=r"^mesh.expert=2 splits a MoE model's experts: give model.moe"):
+        load_config("tiny", ["mesh.expert=2"])
     # a key set over the preset keeps its other moe keys
     assert load_config("moe_tiny", ["model.moe.experts=4"]).model.moe == dataclasses.replace(
         PRESETS["moe_tiny"].moe, experts=4)
@@ -222,8 +243,10 @@ def test_moe_config_bad_input_is_one_line():
 
 def test_moe_tiny_trains_and_resumes_to_the_same_losses(tmp_path):
     """jaxpar-train's loop on moe_tiny (2 layers, the second MoE: ``every=2``; narrower
-    experts, a small vocabulary; 4 data devices): the loss is finite and falls; stopped after its step-3 checkpoint and
-    resumed, steps 4-6 repeat the uninterrupted run's losses."""
+    experts, a small vocabulary; mesh.expert=2 x data=2): the loss is finite and falls;
+    stopped after its step-3 checkpoint and resumed on mesh.expert=4 (the orbax
+    checkpoint's expert weights read onto 4 shards), steps 4-6 repeat the uninterrupted
+    run's losses."""
     import shutil
 
     from jaxpar.train.loop import train
@@ -231,12 +254,47 @@ def test_moe_tiny_trains_and_resumes_to_the_same_losses(tmp_path):
     args = ["model.layers=2", "model.moe.every=2", "model.vocab_size=512", "model.moe.expert_width=64",
             "data.max_files=120",
             "data.val_fraction=0.1", "seq_len=32", "batch_size=8", "optimizer.warmup_steps=2", "steps=6",
-            "checkpoint.every=3", "eval.every=0", "mesh.data=4"]
+            "checkpoint.every=3", "eval.every=0"]
     run = tmp_path / "run"
-    history = train(load_config("moe_tiny", [*args, f"run_dir={run}"]), progress=False)
+    history = train(load_config("moe_tiny", [*args, "mesh.expert=2", "mesh.data=2", f"run_dir={run}"]), progress=False)
     losses = [r["loss"] for r in history]
     assert len(losses) == 6 and np.all(np.isfinite(losses)) and losses[-1] < losses[0] - 0.3
     shutil.rmtree(run / "checkpoints" / "6")
-    resumed = train(load_config("moe_tiny", [*args, f"run_dir={run}"]), progress=False)
+    resumed = train(load_config("moe_tiny", [*args, "mesh.expert=4", "mesh.data=1", f"run_dir={run}"]),
+                    progress=False)
     assert [r["step"] for r in resumed] == [4, 5, 6]
     assert rel_err([r["loss"] for r in resumed], losses[3:]) < 1e-5
+
+
+
+def test_expert_parallel_training_steps_equal_one_device(rng):
+    """Two train steps of a MoE model (the sigmoid_bias router, a capacity, a shared
+    expert, the balance loss) with its experts split over ``expert=2`` beside data=2 and
+    tensor=2 (each device's tokens sent to their experts' devices and back by
+    all-to-all: moe.exchange) equal one device's: each step's loss and gradient (1e-5),
+    the parameters after (the router bias's sign step included), on fresh random tokens.
+    The block alone on other meshes and routers: test_each_device_routes_its_rows..."""
+    from conftest import tree_rel_err
+    import jaxpar
+    from jaxpar.train.step import make_train_step
+
+    moe = MoEConfig(experts=4, experts_per_token=2, expert_width=8, router="sigmoid_bias", capacity_factor=1.0,
+                    bias_rate=0.01, shared_experts=1)
+    model = random_init(lambda: Transformer(dataclasses.replace(SMALL, kv_heads=2, moe=moe), rngs=nnx.Rngs(0)), rng)
+    record = optax.GradientTransformation(lambda p: jax.tree.map(jnp.zeros_like, p), lambda g, s, p=None: (g, g))
+    no_bias = lambda tree: jax.tree.map_with_path(  # noqa: E731 - the bias's gradient is taken out (zeros)
+        lambda path, g: None if moe_lib._is_bias(path) else g, tree)
+    runs = {}
+    for key, mesh in (("one", None), ("split", jaxpar.make_mesh(expert=2, data=2, tensor=2))):
+        step = make_train_step(model, optax.chain(record, optax.sgd(0.5)), mesh, donate=False)
+        params, opt_state = step.init(model)
+        for seed in range(2):
+            tokens = np.random.default_rng(seed).integers(0, 64, (8, 17)).astype(np.int32)
+            params, opt_state, metrics = step(params, opt_state, {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]})
+            runs.setdefault(key, []).append((float(metrics["loss"]), no_bias(step.in_model_order(opt_state)[0])))
+        runs[key].append(step.in_model_order(params))
+    for (loss_one, grads_one), (loss, grads) in zip(runs["one"][:2], runs["split"][:2]):
+        assert abs(loss - loss_one) < 1e-5 * abs(loss_one) and tree_rel_err(grads, grads_one) < 1e-5
+    assert tree_rel_err(runs["split"][2], runs["one"][2]) < 1e-5
+    moved = np.asarray(runs["split"][2]["layers"]["moe"]["router_bias"][...] - model.layers.moe.router_bias[...])
+    assert np.abs(moved).max() == pytest.approx(0.02)  # two sign steps of bias_rate

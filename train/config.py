@@ -26,7 +26,7 @@ import yaml
 from jaxpar.hetero import reduction as reduction_lib
 from jaxpar.kernels.dispatch import IMPLS as KERNEL_IMPLS
 from jaxpar.layout import FIELD_OF as LAYOUT_FIELD_OF, KEYS as LAYOUT_KEYS, Layout
-from jaxpar.models.config import CHECKPOINT_NAMES, PRESETS, ModelConfig
+from jaxpar.models.config import CHECKPOINT_NAMES, PRESETS, ModelConfig, check_expert_ways
 from jaxpar.models.dlrm import DLRM_PRESETS, DLRMConfig
 from jaxpar.offload.budget import parse_bytes
 from jaxpar.offload.planner import PCIE5_X16_BANDWIDTH, REORDERED_STAGES, WHOLE_STAGES
@@ -44,10 +44,10 @@ CONFIG_DIR = pathlib.Path(__file__).parent / "configs"
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """The mesh beyond its sizes. The sizes ``mesh.data``, ``fsdp``, ``pipe``, ``seq``
-    and ``tensor`` are ``Config.layout``'s (``data`` None takes the devices the others
-    leave; ``tensor`` is ``k`` for 1D (Megatron) tensor parallelism or ``[q, q]`` for the
-    2D (SUMMA) grid). ``axis_types``: every axis ``auto`` or ``explicit``
+    """The mesh beyond its sizes. The sizes ``mesh.data``, ``fsdp``, ``expert`` (a MoE
+    model's experts), ``pipe``, ``seq`` and ``tensor`` are ``Config.layout``'s (``data``
+    None takes the devices the others leave; ``tensor`` is ``k`` for 1D (Megatron) tensor
+    parallelism or ``[q, q]`` for the 2D (SUMMA) grid). ``axis_types``: every axis ``auto`` or ``explicit``
     (``jaxpar.make_mesh``)."""
 
     axis_types: Literal[tuple(AXIS_TYPES)] = "auto"
@@ -453,6 +453,8 @@ class Config:
             if value < 1:
                 raise ValueError(f"{key}={value!r} must be at least 1")
         self.layout.check(mesh=not self.auto_mesh)
+        if self.layout.expert != 1:
+            check_expert_ways(self.model.moe, self.layout.expert)
         for key in ("checkpoint.every", "eval.every", "optimizer.warmup_steps"):
             if _get(self, key) < 0:
                 raise ValueError(f"{key}={_get(self, key)!r} must not be negative")

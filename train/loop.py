@@ -72,19 +72,19 @@ def build_mesh(cfg: Config, devices=None) -> jax.sharding.Mesh:
     devices is)."""
     devices = jax.devices() if devices is None else devices
     layout = cfg.layout
-    others = layout.fsdp * layout.pipe * layout.seq * layout.tensor_ways
+    others = layout.fsdp * layout.expert * layout.pipe * layout.seq * layout.tensor_ways
     data = layout.data
     if data is not None and jax.process_count() == 1 and data * others < len(devices):
         devices = devices[:data * others]
     if data is None:
         if others < 1 or len(devices) % others:
             raise ConfigError(
-                f"mesh fsdp={layout.fsdp} pipe={layout.pipe} seq={layout.seq} "
+                f"mesh fsdp={layout.fsdp} expert={layout.expert} pipe={layout.pipe} seq={layout.seq} "
                 f"tensor={layout.tensor} ({others} devices) does not divide {len(devices)} devices"
             )
         data = len(devices) // others
     try:
-        return jaxpar.make_mesh(data=data, fsdp=layout.fsdp, pipe=layout.pipe,
+        return jaxpar.make_mesh(data=data, fsdp=layout.fsdp, expert=layout.expert, pipe=layout.pipe,
                                 seq=layout.seq, tensor=layout.tensor, devices=devices,
                                 axis_types=cfg.mesh.axis_types)
     except ValueError as e:

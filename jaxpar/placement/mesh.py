@@ -1,11 +1,15 @@
-"""Device meshes with jaxpar's five named axes.
+"""Device meshes with jaxpar's five named axes, and ``expert`` where MoE layers split their
+experts.
 
-Axes, outermost to innermost: ``data, fsdp, pipe, seq, tensor``. Devices that are
+Axes, outermost to innermost: ``data, fsdp, [expert,] pipe, seq, tensor``. Devices that are
 neighbours in ``jax.devices()`` order (same host, same NVLink island) end up on the
 innermost axes, so the axes that talk most often sit on the fastest links:
 
 * ``data``   all-reduces gradients once per step (outermost: may cross slow links);
 * ``fsdp``   all-gathers each layer's parameters and reduce-scatters its gradients;
+* ``expert`` exchanges each MoE layer's tokens by all-to-all, twice a layer, and is
+  data-parallel elsewhere (next to ``data`` and ``fsdp``, as in MaxText, so the batch's
+  axes are adjacent); present only when above 1 (``make_mesh(expert=)``);
 * ``pipe``   sends activations between neighbouring stages every microbatch;
 * ``seq``    passes keys/values around a ring inside every attention layer;
 * ``tensor`` reduces partial sums inside every projection (innermost).
@@ -24,9 +28,9 @@ from jax.sharding import AxisType, Mesh
 
 MESH_AXES: tuple[str, ...] = ("data", "fsdp", "pipe", "seq", "tensor")
 TENSOR_2D_AXES: tuple[str, str] = ("tensor_row", "tensor_col")
-# Expert parallelism (MaxText's `expert` axis: MoE experts split over it). Sharding rules
-# may name it and a user's own mesh may have it; ``make_mesh`` does not make it (jaxpar
-# has no MoE layers), so on jaxpar's meshes the rules naming it replicate.
+# Expert parallelism (MaxText's `expert` axis: MoE experts split over it). ``make_mesh``
+# makes it only when ``expert`` > 1, so meshes without MoE layers keep their five axes; on
+# those the rules naming it replicate.
 EXPERT_AXIS = "expert"
 # Every mesh axis name sharding rules may name: a jaxpar mesh's axes, and `expert`.
 ALL_AXES: tuple[str, ...] = MESH_AXES + TENSOR_2D_AXES + (EXPERT_AXIS,)
@@ -38,6 +42,7 @@ def make_mesh(
     *,
     data: int = 1,
     fsdp: int = 1,
+    expert: int = 1,
     pipe: int = 1,
     seq: int = 1,
     tensor: int | tuple[int, int] = 1,
@@ -45,7 +50,8 @@ def make_mesh(
     axis_types: str = "auto",
 ) -> Mesh:
     """Returns a mesh with axes ``("data", "fsdp", "pipe", "seq", "tensor")``, or with
-    ``tensor=(q, q)`` the axes ``("data", "fsdp", "pipe", "seq", "tensor_row", "tensor_col")``.
+    ``tensor=(q, q)`` the axes ``("data", "fsdp", "pipe", "seq", "tensor_row", "tensor_col")``;
+    with ``expert`` > 1, ``"expert"`` after ``"fsdp"``.
 
     The product of the sizes must equal the number of devices (``devices``, or all of
     ``jax.devices()``); every axis is present, size 1 when unused, so sharding rules can
@@ -74,7 +80,9 @@ def make_mesh(
     """
     if not isinstance(axis_types, str) or axis_types not in AXIS_TYPES:
         raise ValueError(f"mesh axis_types={axis_types!r} must be one of {list(AXIS_TYPES)}")
-    sizes = {"data": data, "fsdp": fsdp, "pipe": pipe, "seq": seq}
+    if isinstance(expert, bool) or not isinstance(expert, int) or expert < 1:
+        raise ValueError(f"mesh axis expert={expert!r} must be a positive int")
+    sizes = {"data": data, "fsdp": fsdp} | ({EXPERT_AXIS: expert} if expert > 1 else {}) | {"pipe": pipe, "seq": seq}
     if isinstance(tensor, (tuple, list)):
         if len(tensor) != 2 or tensor[0] != tensor[1] or not isinstance(tensor[0], int) or tensor[0] < 2:
             raise ValueError(

@@ -46,12 +46,13 @@ names that are variants of it follow it:
 * ``embed`` (and the weights' other model dimensions ``embed_vocab``, ``embed_moe``,
   ``q_lora``, ``kv_lora``): MaxText also splits it over ``context`` and ``expert``;
   jaxpar over ``fsdp`` (its transformer adds ``seq`` where the width divides).
-* ``activation_batch`` (and the other batches): MaxText's also name ``expert`` (and
-  ``stage`` around the embedding and the logits); jaxpar's are ``BATCH_AXES``.
+* ``activation_batch`` (and the other batches): MaxText's also name ``stage`` around
+  the embedding and the logits; jaxpar's are ``BATCH_AXES``, ``expert`` among them as in
+  MaxText (expert devices are data-parallel outside the MoE layers).
 
-MaxText's experts (``exp``, ``activation_exp``) go to ``expert``, an axis a user's mesh
-may have and jaxpar's do not: there they are replicated, as in MaxText without expert
-parallelism. ``from_maxtext(table)`` loads a MaxText ``logical_axis_rules`` table as it
+MaxText's experts (``exp``, ``activation_exp``) go to ``expert``, an axis ``make_mesh``
+makes only with ``expert`` > 1 (``mesh.expert``): without it they are replicated, as in
+MaxText without expert parallelism. ``from_maxtext(table)`` loads a MaxText ``logical_axis_rules`` table as it
 is, MaxText's rule for every name.
 """
 
@@ -69,7 +70,7 @@ from jaxpar.placement.mesh import ALL_AXES
 MeshAxes = str | tuple[str, ...] | None
 Rules = Sequence[tuple[str, MeshAxes]]
 
-BATCH_AXES = ("data", "fsdp")
+BATCH_AXES = ("data", "fsdp", "expert")
 
 DEFAULT_RULES: tuple[tuple[str, MeshAxes], ...] = (
     # Parameters. FSDP/ZeRO-3 shards the model dimension of every large weight over
@@ -126,8 +127,8 @@ DEFAULT_RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("activation_kv_length", None),
     ("activation_embed_attn", None),
     ("activation_kv_head_dim", None),
-    # Mixture of experts: the experts over `expert` (replicated on jaxpar's meshes, which
-    # lack it), each expert's weights as the dense MLP's.
+    # Mixture of experts: the experts over `expert` (replicated on meshes without it),
+    # each expert's weights as the dense MLP's.
     ("exp", "expert"),
     ("embed_moe", "fsdp"),
     ("mlp_moe", "tensor"),

@@ -55,7 +55,7 @@ from jaxpar.planning.layout import Layout
 from jaxpar.planning.memory import local_sizes, schedule_figures
 from jaxpar.planning.workload import Workload, shards
 
-AXIS_ORDER = ("data", "fsdp", "pipe", "seq", "tensor", "tensor_row", "tensor_col")
+AXIS_ORDER = ("data", "fsdp", "expert", "pipe", "seq", "tensor", "tensor_row", "tensor_col")
 CRITICAL = ("tensor", "tensor_row", "tensor_col", "pipe")  # exposed, whatever the overlap
 
 

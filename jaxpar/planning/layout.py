@@ -83,8 +83,11 @@ class Space:
     base: Layout = Layout()
 
 
-def _meshes(devices: int, model: ModelConfig, batch_size: int, seq_len: int, tensor_2d: bool) -> Iterator[dict]:
-    """Every mesh within the BOUNDS."""
+def _meshes(devices: int, model: ModelConfig, batch_size: int, seq_len: int, tensor_2d: bool,
+            expert: int = 1) -> Iterator[dict]:
+    """Every mesh within the BOUNDS. ``expert`` (the config's ``mesh.expert``) is kept as
+    given, not enumerated: the others share the ``devices / expert`` left."""
+    devices //= expert
     tensors: list = [t for t in divisors(devices) if t <= model.heads]
     if tensor_2d:
         tensors += [(q, q) for q in range(2, model.heads + 1) if devices % (q * q) == 0]
@@ -98,9 +101,9 @@ def _meshes(devices: int, model: ModelConfig, batch_size: int, seq_len: int, ten
                     break
                 for fsdp in divisors(rest // seq // pipe):
                     data = rest // seq // pipe // fsdp
-                    if data * fsdp > batch_size:
+                    if data * fsdp * expert > batch_size:
                         continue
-                    yield {"data": data, "fsdp": fsdp, "pipe": pipe, "seq": seq, "tensor": tensor}
+                    yield {"data": data, "fsdp": fsdp, "expert": expert, "pipe": pipe, "seq": seq, "tensor": tensor}
 
 
 def mesh_rule(mesh: dict, model: ModelConfig, seq_len: int) -> str | None:
@@ -127,7 +130,7 @@ def enumerate_layouts(devices: int, model: ModelConfig, batch_size: int, seq_len
     """``(kept layouts, pruned count by RULES key)``."""
     kept: list[Layout] = []
     pruned: collections.Counter = collections.Counter()
-    for mesh in _meshes(devices, model, batch_size, seq_len, space.tensor_2d):
+    for mesh in _meshes(devices, model, batch_size, seq_len, space.tensor_2d, space.base.expert):
         rule = mesh_rule(mesh, model, seq_len)
         options = list(_options(mesh, model, batch_size, space))
         if rule:
