@@ -296,11 +296,12 @@ def exchange(mlp, xs: jax.Array, group_sizes: jax.Array, axes: tuple[str, ...], 
     Fixed per-destination buffers (``send_buffers``; the backend-neutral form, as XLA:CPU
     has no ``ragged_all_to_all``): dropless, each destination's buffer holds the most rows
     one device can send it, ``N * min(k, E / W)`` (a token's k experts are distinct), so
-    each device holds ``W * N * min(k, E / W)`` rows of ``D`` twice (sent and received)
-    each way: ``W`` times the ``N k`` rows of its own permutation where ``E / W >= k``,
-    and the grouped matmul runs over all ``W * N * min(k, E / W)`` rows (those past the
+    each of the four buffers (sent, received, computed, returned) is ``W * N * min(k, E /
+    W)`` rows of ``D``: ``W`` times the ``N k`` rows of the device's own permutation where
+    ``E / W >= k``; and the grouped matmul runs over all of those rows (those past the
     received counts give zeros; a backend whose grouped matmul reads the group sizes
-    skips them)."""
+    skips them). ``ragged_all_to_all`` would send only the real rows: its offsets and
+    sizes are ``send_buffers``' ``starts`` and ``per_dest`` and the received ``counts``."""
     W = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in axes)
     axes = axes[0] if len(axes) == 1 else axes
     local = group_sizes.shape[0] // W
