@@ -165,7 +165,21 @@ def step_batch(batch: dict, rows: tuple[int, ...]) -> dict:
 
 @pytest.mark.parametrize("a, b", WORKS, ids=[f"{a}+{b}" for a, b in WORKS])
 def test_a_cell_that_works_trains_as_one_device(tasks, a, b):
-    options = options_of(a, b)
+    train_cell(tasks, options_of(a, b))
+
+
+def test_expert_parallelism_beside_unequal_rows_trains_as_one_device(tasks):
+    """``mesh.expert=2`` (no feature of the table: it needs ``model.moe`` and so takes its
+    refusals) in the model.moe cell with ``data.batch_weights``, whose per-replica loop
+    holds the MoE layers' own shard_map: the experts split over ``expert``, the batch over
+    data x expert. Its other cells (grad_accum, fsdp, tensor, seq) pass too, checked once
+    (the MoE block on those meshes: tests/test_moe.py)."""
+    options = options_of("model.moe", "data.batch_weights")
+    train_cell(tasks, {**options, "axes": {**options["axes"], "expert": 2}})
+
+
+def train_cell(tasks, options: dict) -> None:
+    """Two steps of the cell ``options`` (``options_of``'s) against one device's."""
     task = tasks[options.pop("task")]
     axes, rows = options.pop("axes"), options.pop("rows")
     mesh = jaxpar.make_mesh(**axes, devices=jax.devices()[:int(np.prod(list(axes.values())))], axis_types="auto")
