@@ -100,3 +100,15 @@ def test_the_model_a_run_builds_takes_the_layouts_remat():
     assert not hasattr(cfg.model, "remat") and not hasattr(cfg.model, "remat_names")
     assert nnx.eval_shape(lambda: build_model(cfg)).remat == Remat("names", ("key", "value"))
     assert nnx.eval_shape(lambda: build_model(load_config("small", ["model.layers=1"]))).remat == Remat("dots_no_batch")
+
+
+def test_the_planner_keeps_a_configs_expert_axis_and_plans_the_devices_it_leaves():
+    """``mesh.expert`` is not enumerated: every candidate keeps the config's, and the other
+    axes share the 8 devices it leaves (4 each), the batch split over it too."""
+    cfg = load_config("moe_tiny", ["mesh.expert=2"])
+    layouts, _ = enumerate_layouts(8, cfg.model, cfg.batch_size, cfg.seq_len,
+                                   space=Space(base=cfg.layout, remats=("none",), offload=False))
+    assert layouts and all(layout.expert == 2 and layout.devices == 8 for layout in layouts)
+    assert {layout.data_ways for layout in layouts if layout.fsdp == 2 and layout.data == 2} == {8}
+    assert Layout(data=2, fsdp=2, expert=2).mesh_sizes == {"data": 2, "fsdp": 2, "expert": 2, "pipe": 1, "seq": 1,
+                                                             "tensor": 1}

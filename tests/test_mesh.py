@@ -12,6 +12,15 @@ def test_axes_and_order():
     assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
 
 
+def test_an_expert_axis_sits_after_fsdp_only_when_asked_for():
+    mesh = jaxpar.make_mesh(data=2, fsdp=2, expert=2)
+    assert mesh.axis_names == ("data", "fsdp", "expert", "pipe", "seq", "tensor")
+    assert [[d.id for d in row] for row in mesh.devices.reshape(4, 2)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert jaxpar.make_mesh(data=8, expert=1).axis_names == ("data", "fsdp", "pipe", "seq", "tensor")
+    with pytest.raises(ValueError, match=r"^mesh axis expert=0 must be a positive int$"):
+        jaxpar.make_mesh(data=8, expert=0)
+
+
 def test_innermost_axis_holds_neighbouring_devices():
     mesh = jaxpar.make_mesh(data=2, tensor=4)
     ids = [[d.id for d in row] for row in mesh.devices.reshape(2, 4)]
