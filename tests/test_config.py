@@ -38,7 +38,7 @@ def test_dotted_overrides_are_typed():
         ("stpes=3", r"unknown config key 'stpes'; valid keys near it: steps$"),
         ("lr=1e-3", r"unknown config key 'lr'; valid keys near it: optimizer.lr, embedding.lr$"),
         ("model.lyers=2", r"unknown config key 'model.lyers'; valid keys near it: model.layers$"),
-        ("mesh.zzz=2", r"unknown config key 'mesh.zzz'; valid keys near it: mesh.data, mesh.fsdp, mesh.pipe, "
+        ("mesh.zzz=2", r"unknown config key 'mesh.zzz'; valid keys near it: mesh.data, mesh.fsdp, mesh.expert, mesh.pipe, "
                        r"mesh.seq, mesh.tensor, mesh.axis_types$"),
         ("steps=many", r"steps='many' must be an integer"),
         ("dry_run=3", r"dry_run=3 must be true or false"),
