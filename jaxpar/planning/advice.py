@@ -122,7 +122,8 @@ def diagnose(plan, memory_margin: float) -> str | None:
     helps = []
     found = _batch_for(work, best.layout, hw, plan.devices_per_node, target, fits)
     if found is not None:
-        helps.append(f"batch_size={found[0]:,} ({found[0] / plan.devices:.3g} sequences a device; "
+        each = found[0] / plan.devices
+        helps.append(f"batch_size={found[0]:,} ({each:.3g} sequence{'' if each == 1 else 's'} a device; "
                      f"{found[1].describe()})")
     smaller = _devices_for(work, best.layout, hw, plan.devices_per_node, target, fits)
     if smaller is not None:
