@@ -72,7 +72,7 @@ class PlanConfig:
     device_memory: str | int | None = None
     hardware: str | None = None
     devices_per_node: int | None = None
-    compile_top: int = 8
+    compile_top: int = 12  # 36 programs: what jaxpar-plan 1b devices=8 hardware=h100 needs (33)
     compile_devices: int = 1024
 
     def __post_init__(self):
