@@ -293,7 +293,7 @@ class Setup:
     step_fn: Any
     offload_plan: Any = None
     profile: dict | None = None
-    layout: weighted.Layout | None = None
+    row_split: weighted.RowSplit | None = None
     noise_scale: bool = False  # the step returns the norms jaxpar.train.noise_scale reads
     programs: dict = dataclasses.field(default_factory=dict)  # _programs_of's: the jitted functions
 
@@ -309,14 +309,14 @@ _PROGRAMS_KEPT = 4
 _NOT_IN_PROGRAMS = ("run_dir", "cache_dir", "checkpoint", "dry_run")
 
 
-def _programs_of(cfg: Config, task, layout, base_batch: int) -> dict:
+def _programs_of(cfg: Config, task, row_split, base_batch: int) -> dict:
     """The program store for runs of ``cfg`` at first batch ``base_batch``: shared with
     earlier runs of the same config in this process (most recent ``_PROGRAMS_KEPT``);
     a fresh one (nothing kept) for a task with frozen state (a GliDe draft's programs
     hold its target, whose weights a kept store would keep in memory after the run)
     or per-process batch shares (``data.batch_weights``), whose programs hold more than
     the config says."""
-    if not isinstance(task, tasks.LanguageModel) or layout is not None:
+    if not isinstance(task, tasks.LanguageModel) or row_split is not None:
         return {}
     fields = to_dict(cfg)
     for name in _NOT_IN_PROGRAMS:
@@ -344,11 +344,11 @@ def build(cfg: Config, task, base_batch: int | None = None) -> Setup:
     scale = batch_scale(cfg.optimizer.batch_scaling, cfg.batch_size, base_batch)
     stages = pipeline_schedule(cfg, mesh, rules)
     frozen = task.frozen(mesh, rules)
-    layout = weighted.layout_of(cfg, mesh)
+    row_split = weighted.row_split_of(cfg, mesh)
     adascale = ((base_batch, cfg.batch_size, noise_lib.replicas_of(mesh))
                 if cfg.optimizer.batch_scaling == "adascale" else None)
     noise = noise_lib.enabled(cfg, mesh)
-    programs = _programs_of(cfg, task, layout, base_batch)
+    programs = _programs_of(cfg, task, row_split, base_batch)
     if "tx" not in programs:
         programs["tx"], programs["lr"] = make_optimizer(cfg.optimizer, cfg.steps, scale, adascale=adascale)
     tx, lr = programs["tx"], programs["lr"]
@@ -361,11 +361,11 @@ def build(cfg: Config, task, base_batch: int | None = None) -> Setup:
                 sequence=cfg.layout.sequence(cfg.execution.seq_layout), kernels=cfg.execution.kernels,
                 pipeline=stages,
                 stage_layers=None if stages is None else cfg.pipeline.stage_layers,
-                weighted=None if layout is None else layout.unit, reduction=cfg.gradient_reduction,
+                weighted=None if row_split is None else row_split.unit, reduction=cfg.gradient_reduction,
                 noise_scale=noise, **task.step_options(frozen), **offload)
         return programs[key]
 
-    setup = Setup(mesh, rules, abstract_model, tx, lr, stages, frozen, build_step(), layout=layout,
+    setup = Setup(mesh, rules, abstract_model, tx, lr, stages, frozen, build_step(), row_split=row_split,
                   noise_scale=noise, programs=programs)
     if not cfg.offload_requested:
         return setup
@@ -539,10 +539,10 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
             trainer.add_hook(evaluation(setup.step_fn, data, setup.frozen, setup.programs), every=cfg.eval.every)
         if setup.noise_scale:
             trainer.add_hook(noise_lib.hook(cfg.batch_size))
-        if setup.layout is not None:  # data.batch_weights: each process's share, maybe re-measured
-            weighted.start_shares(cfg, setup.step_fn, setup.layout, data, trainer, resumed=restored is not None)
+        if setup.row_split is not None:  # data.batch_weights: each process's share, maybe re-measured
+            weighted.start_shares(cfg, setup.step_fn, setup.row_split, data, trainer, resumed=restored is not None)
             if cfg.data.rebalance_every:
-                trainer.add_hook(weighted.rebalancing(cfg, setup.step_fn, setup.layout, data),
+                trainer.add_hook(weighted.rebalancing(cfg, setup.step_fn, setup.row_split, data),
                                  every=cfg.data.rebalance_every)
         recorder = Recorder(pathlib.Path(cfg.run_dir), start, cfg.steps, lead=jax.process_index() == 0,
                             progress=progress, done=done)

@@ -36,19 +36,19 @@ class Batches:
     loader: Loader
     batch_of: Callable
     validation: list
-    layout: Any = None  # with data.batch_weights: the jaxpar.train.weighted.Layout in force
+    row_split: Any = None  # with data.batch_weights: the jaxpar.train.weighted.RowSplit in force
 
     def next_train(self):
         rows = self.loader.local_rows(self.loader.step)
         local = next(self.loader)
-        if self.layout is not None:  # each device's rows padded to the slot
-            local = self.layout.padded(local, self.loader.process)
+        if self.row_split is not None:  # each device's rows padded to the slot
+            local = self.row_split.padded(local, self.loader.process)
         return self.batch_of("train", rows, local)
 
-    def share(self, layout) -> None:
-        """From the next batch on, the rows of each process are ``layout``'s."""
-        self.layout = layout
-        self.loader.share(layout.rows)
+    def share(self, row_split) -> None:
+        """From the next batch on, the rows of each process are ``row_split``'s."""
+        self.row_split = row_split
+        self.loader.share(row_split.rows)
 
 
 @dataclasses.dataclass

@@ -26,7 +26,7 @@ microbatch.
 process's first device give its tokens/s; the processes share them
 (``process_allgather``) and every process derives the same weights. With
 ``data.rebalance_every=N`` the trainer re-measures every ``N`` steps (a ``Trainer``
-hook); a new slot size compiles the step anew, once per distinct layout.
+hook); a new slot size compiles the step anew, once per distinct split.
 
 With ``mesh.fsdp`` or ``mesh.tensor`` a "device" above is a data replica: its slot's
 rows split over its FSDP devices (a quantum is a multiple of ``mesh.fsdp``), and every
@@ -67,7 +67,7 @@ class WeightsError(InputError):
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class RowSplit:
     """How a global batch splits over processes: ``rows[p]`` of process ``p``,
     ``devices`` data-parallel devices per process, each device's ``slot`` rows in the
     step's global batch (real rows first), run in microbatches of ``unit`` rows (a
@@ -100,8 +100,8 @@ class Layout:
         return {k: pad(v) for k, v in local.items()}
 
 
-def row_counts(global_batch: int, weights, processes: int, devices: int, within: int = 1) -> Layout:
-    """The ``Layout`` that splits ``global_batch`` rows over ``processes`` processes of
+def row_counts(global_batch: int, weights, processes: int, devices: int, within: int = 1) -> RowSplit:
+    """The ``RowSplit`` that splits ``global_batch`` rows over ``processes`` processes of
     ``devices`` data-parallel devices (replicas) each, in proportion to ``weights``
     (largest remainders, in quanta: the largest divisor of a replica's even share up to a
     quarter of it, a multiple of ``within``: ``mesh.fsdp`` (the devices a replica's rows
@@ -129,7 +129,7 @@ def row_counts(global_batch: int, weights, processes: int, devices: int, within:
     order = np.argsort(-(exact - counts), kind="stable")
     for i in range(units - counts.sum()):
         counts[order[i % processes]] += 1
-    return Layout(tuple(int(c) * devices * quantum for c in counts), devices, quantum, within)
+    return RowSplit(tuple(int(c) * devices * quantum for c in counts), devices, quantum, within)
 
 
 def measure(step_fn, params, rows: dict, *, repeats: int = 3) -> float:
@@ -161,7 +161,7 @@ def shared_speeds(speed: float) -> tuple[float, ...]:
     return tuple(float(s) for s in np.asarray(multihost_utils.process_allgather(np.float64(speed))).ravel())
 
 
-def layout_of(cfg: Config, mesh) -> Layout | None:
+def row_split_of(cfg: Config, mesh) -> RowSplit | None:
     """With ``data.batch_weights``, how each global batch splits over the processes
     (``auto``: evenly until measured); ``ConfigError`` (exit 2) where the weights do not
     fit the run. The features it does not compose with (the limits above) are refused
@@ -178,31 +178,31 @@ def layout_of(cfg: Config, mesh) -> Layout | None:
         raise ConfigError(str(e)) from None
 
 
-def rebalancing(cfg: Config, step_fn, layout: Layout, data):
+def rebalancing(cfg: Config, step_fn, row_split: RowSplit, data):
     """A ``Trainer`` hook: measures every process's tokens/s (``measure``), shares the
     next batches (``data``, the trainer's ``Batches``) in proportion and records the new
     shares in the step's metrics (``batch_shares``)."""
 
     def rebalance(info: StepInfo) -> None:
-        rows = data.loader.local_rows(data.loader.step)[:layout.unit]
+        rows = data.loader.local_rows(data.loader.step)[:row_split.unit]
         speeds = shared_speeds(measure(step_fn, info.params, data_lib.batch_of_rows(data.loader.rows, rows)))
-        data.share(row_counts(cfg.batch_size, speeds, len(speeds), layout.devices, layout.within))
+        data.share(row_counts(cfg.batch_size, speeds, len(speeds), row_split.devices, row_split.within))
         if info.record is not None:
-            info.record["batch_shares"] = list(data.layout.rows)
-        log.info("batch shares %s from tokens/s %s", list(data.layout.rows), [round(s) for s in speeds])
+            info.record["batch_shares"] = list(data.row_split.rows)
+        log.info("batch shares %s from tokens/s %s", list(data.row_split.rows), [round(s) for s in speeds])
 
     return rebalance
 
 
-def start_shares(cfg: Config, step_fn, layout: Layout, data, trainer, *, resumed: bool) -> None:
+def start_shares(cfg: Config, step_fn, row_split: RowSplit, data, trainer, *, resumed: bool) -> None:
     """The shares the run starts with: a list's; with ``auto``, the checkpoint's where it
     saved some for as many processes, else measured before the first step."""
     saved = data.loader.saved_shares if resumed else None
     if cfg.data.batch_weights != "auto":
-        data.share(layout)
+        data.share(row_split)
     elif saved is not None and len(saved) == jax.process_count() and sum(saved) == cfg.batch_size:
-        data.share(dataclasses.replace(layout, rows=saved))
+        data.share(dataclasses.replace(row_split, rows=saved))
     else:
-        data.share(layout)
+        data.share(row_split)
         with step_fn.context():
-            rebalancing(cfg, step_fn, layout, data)(StepInfo(0, trainer.params, trainer.opt_state, None, {}, False))
+            rebalancing(cfg, step_fn, row_split, data)(StepInfo(0, trainer.params, trainer.opt_state, None, {}, False))
