@@ -187,6 +187,29 @@ def test_flops_count_loop_bodies_trip_count_times():
     assert matmuls <= looped["flops"] <= matmuls + 2 * L + 1
 
 
+def test_a_loop_body_calling_a_comparator_is_costed_too():
+    """A scanned body with ``top_k`` (XLA:CPU's TopK custom call names its comparator in
+    ``called_computations``, as a MoE layer's router does): the body cut out for costing
+    carries the comparator, so its matmuls still count trip-count times."""
+    B, D, L = 16, 32, 5
+    x = jax.ShapeDtypeStruct((B, D), jnp.float32)
+    w = jax.ShapeDtypeStruct((L, D, D), jnp.float32)
+
+    def scanned(x, w):
+        def body(c, wi):
+            h = c @ wi
+            top, _ = jax.lax.top_k(h, 2)
+            return jnp.tanh(h) + top.sum(-1, keepdims=True), None
+
+        return jax.lax.scan(body, x, w)[0]
+
+    compiled = jax.jit(scanned).lower(x, w).compile()
+    assert "called_computations=" in compiled.as_text()  # what the test is about
+    looped = profile(compiled)
+    assert looped["flops_trip_corrected"]
+    assert looped["flops"] >= 2 * B * D * D * L > looped["xla_flops"]
+
+
 # ------------------------------------------------------------------- HLO text parsing
 
 @pytest.mark.parametrize("shape,nbytes", [

@@ -23,7 +23,7 @@ _TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)"?')
 _IOTA = re.compile(r"\[([\d,\s]+)\]<=\[([\d,\s]+)\](?:T\(([\d,\s]+)\))?")
 _CALLEE_ATTR = re.compile(
     r"(?:^|,\s*)(calls|to_apply|body|condition|true_computation|false_computation"
-    r"|branch_computations)=(\{[^}]*\}|%?[\w.\-]+)"
+    r"|branch_computations|called_computations)=(\{[^}]*\}|%?[\w.\-]+)"
 )
 
 
