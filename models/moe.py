@@ -60,6 +60,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from jaxpar.models.config import ModelConfig, MoEConfig
+from jaxpar.models.params import param as _param
 from jaxpar.placement import rules as rules_lib
 from jaxpar.placement.axes import local_axes
 from jaxpar.placement.execution import rules_for
@@ -170,12 +171,6 @@ def balance_loss(routing: Routing, num_experts: int) -> jax.Array:
     router probability of expert ``e``): 1 when balanced. Hugging Face's Mixtral loss
     (``load_balancing_loss_func``) is ``k`` times this, over the layers' tokens pooled."""
     return num_experts * jnp.sum(load(routing.experts, num_experts) * routing.probs.mean(0))
-
-
-def _param(rngs: nnx.Rngs, cfg: ModelConfig, shape, names, init=None) -> nnx.Param:
-    init = init or nnx.initializers.normal(cfg.init_std)
-    annotated = nnx.with_partitioning(init, names, eager_sharding=False)
-    return nnx.Param(annotated(rngs.params(), shape, cfg.weight_dtype))
 
 
 class MoE(nnx.Module):

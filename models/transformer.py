@@ -46,6 +46,7 @@ from jaxpar.layout import REMAT_POLICIES
 from jaxpar.models.cache import Cache
 from jaxpar.models.config import CHECKPOINT_NAMES, ModelConfig, RopeScaling
 from jaxpar.models.moe import MoE
+from jaxpar.models.params import param as _param, zeros as _zeros, ones as _ones
 from jaxpar.placement import execution as execution_lib
 from jaxpar.placement.sharding import constrain
 
@@ -56,21 +57,6 @@ ACT_BTF = ("activation_batch", "activation_length", "activation_mlp")
 ACT_BTV = ("activation_batch", "activation_length", "activation_vocab")
 ACT_BTNH = ("activation_batch", "activation_length", "activation_heads", "activation_kv")
 ACT_BTKH = ("activation_batch", "activation_length", "activation_kv_heads", "activation_kv")
-
-
-def _param(rngs: nnx.Rngs, cfg: ModelConfig, shape, names, init=None) -> nnx.Param:
-    """A parameter annotated with logical axis names; sharding is left to shard_model."""
-    init = init or nnx.initializers.normal(cfg.init_std)
-    annotated = nnx.with_partitioning(init, names, eager_sharding=False)
-    return nnx.Param(annotated(rngs.params(), shape, cfg.weight_dtype))
-
-
-def _zeros(rngs, cfg, shape, names):
-    return _param(rngs, cfg, shape, names, nnx.initializers.zeros_init())
-
-
-def _ones(rngs, cfg, shape, names):
-    return _param(rngs, cfg, shape, names, nnx.initializers.ones_init())
 
 
 # Helpers ------------------------------------------------------------------------------
