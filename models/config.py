@@ -135,6 +135,9 @@ class ModelConfig:
     tie_embeddings: bool = _field(False, WEIGHTS)
     attention_bias: bool = _field(False, WEIGHTS)  # biases on the q/k/v/out projections
     mlp_bias: bool = _field(False, WEIGHTS)
+    # Qwen3's per-head RMSNorm of the queries and keys over the head dimension, before
+    # RoPE (scales layers.attn.q_norm, k_norm [L, H]; eps norm_eps), whatever ``norm``.
+    qk_norm: bool = _field(False, WEIGHTS, TARGET)
     dtype: Literal[DTYPES] = "float32"  # compute dtype
     param_dtype: Literal[DTYPES] = _field("float32", WEIGHTS)
     init_std: float = 0.02
@@ -218,10 +221,10 @@ PRESETS: dict[str, ModelConfig] = {
         rope_theta=1e6, max_position=32768, dtype="bfloat16", param_dtype="bfloat16",
         moe=MoEConfig(experts=8, experts_per_token=2, expert_width=14336),
     ),
-    # Qwen3-30B-A3B: 30.5B parameters, 3.3B active (without its q/k norms: 12,288 fewer).
+    # Qwen3-30B-A3B: 30.5B parameters, 3.3B active.
     "qwen3_30b_a3b": ModelConfig(
         vocab_size=151936, dim=2048, layers=48, heads=32, kv_heads=4, head_dim=128, mlp_dim=6144,
-        norm_eps=1e-6, rope_theta=1e6, max_position=40960, dtype="bfloat16", param_dtype="bfloat16",
+        norm_eps=1e-6, qk_norm=True, rope_theta=1e6, max_position=40960, dtype="bfloat16", param_dtype="bfloat16",
         moe=MoEConfig(experts=128, experts_per_token=8, expert_width=768),
     ),
     # DeepSeek-V3-like: its MoE (256 routed experts of width 2048, 8 per token, 1 shared,

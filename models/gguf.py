@@ -8,7 +8,7 @@ Weights. Tensors are dequantized to float32 on the host (``gguf.quants.dequantiz
 types read: F32, F16, BF16, Q8_0, Q4_0, Q4_1. A ggml tensor of ``ne = [in, out]`` is a
 numpy ``[out, in]`` array: Hugging Face's ``nn.Linear`` layout, so each tensor is renamed
 to its Hugging Face name (``_HF_NAMES``) and the layout ``models/hf.py`` documents
-(``TABLE``) does the rest. One difference: llama.cpp's converter
+(``TABLES``) does the rest. One difference: llama.cpp's converter
 (``convert_hf_to_gguf.py``, ``LlamaModel.permute``) reorders the rows of q and k (weights
 and biases) within each head from rotate-half order ``[2, H/2]`` to interleaved pairs
 ``[H/2, 2]`` for its RoPE; ``_unpermute`` puts them back, so the model is the Hugging Face

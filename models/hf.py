@@ -1,18 +1,20 @@
-"""Hugging Face Llama checkpoints <-> jaxpar ``Transformer``.
+"""Hugging Face checkpoints <-> jaxpar ``Transformer``: Llama, Qwen3, Mixtral, Qwen3-MoE.
 
 Reads and writes a local directory holding ``config.json`` and ``model.safetensors``
 (or shards listed in ``model.safetensors.index.json``). Pickle ``*.bin`` files are never
-loaded. Only the Llama architecture (``LlamaForCausalLM``) maps onto the model:
-``norm="rms", mlp="swiglu", position="rope"``.
+loaded. Which architecture a model is, and its config keys, are ``models.hf_config``'s;
+the tensors are mapped here by one table per architecture (``TABLES``).
 
 Layout. HF ``nn.Linear`` weights are ``[out, in]``, ours ``[in, ..., out]``. HF's per-layer
-tensors ``model.layers.{i}.<name>`` are stacked on our leading ``L`` axis.
+tensors ``model.layers.{i}.<name>`` are stacked on our leading ``L`` axis; per-expert ones
+``...experts.{j}...`` on our ``E`` axis after it.
 
   ours                    shape         HF <name>                        shape    ours <- W
   embed                   [V, D]        model.embed_tokens.weight        [V, D]   W
   layers.attn.q           [L, D, N, H]  self_attn.q_proj.weight          [N*H, D] W.T -> D,N,H
   layers.attn.k, v        [L, D, K, H]  self_attn.k_proj, v_proj.weight  [K*H, D] W.T -> D,K,H
   layers.attn.o           [L, N, H, D]  self_attn.o_proj.weight          [D, N*H] W.T -> N,H,D
+  layers.attn.q/k_norm    [L, H]        self_attn.q_norm, k_norm.weight  [H]      W (Qwen3)
   layers.mlp.gate, up     [L, D, F]     mlp.gate_proj, up_proj.weight    [F, D]   W.T
   layers.mlp.down         [L, F, D]     mlp.down_proj.weight             [D, F]   W.T
   layers.attn_norm.scale  [L, D]        input_layernorm.weight           [D]      W
@@ -24,6 +26,16 @@ tensors ``model.layers.{i}.<name>`` are stacked on our leading ``L`` axis.
   layers.attn.o_bias      [L, D]        self_attn.o_proj.bias            [D]      W
   layers.mlp.gate/up_bias [L, F]        mlp.gate_proj, up_proj.bias      [F]      W
   layers.mlp.down_bias    [L, D]        mlp.down_proj.bias               [D]      W
+  MoE layers (Mixtral: block_sparse_moe.gate, .experts.{j}.w1, w3, w2; Qwen3-MoE below):
+  layers.moe.router       [L, D, E]     mlp.gate.weight                  [E, D]   W.T
+  layers.moe.gate, up     [L, E, D, F]  mlp.experts.{j}.gate/up_proj.w.  [F, D]   W.T
+  layers.moe.down         [L, E, F, D]  mlp.experts.{j}.down_proj.weight [D, F]   W.T
+
+With ``model.moe.every = n > 1`` (Qwen3-MoE's ``decoder_sparse_step``) our stack is of
+groups of ``n`` layers: ``layers.dense[i]`` of group ``g`` is HF layer ``g n + i``,
+``layers.sparse`` HF layer ``g n + n - 1``. These are the names on disk and on the Hub
+(transformers 5 fuses the experts into ``gate_up_proj`` in memory only, converting on
+load and save: ``conversion_mapping.py``), which transformers and vLLM read.
 
 Biases exist with ``attention_bias`` / ``mlp_bias``. Both sides rotate query/key halves
 the same way (rotate-half RoPE), so q and k need no permutation.
@@ -42,7 +54,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpar.models.config import ModelConfig, RopeScaling
+from jaxpar.models import hf_config
+from jaxpar.models.config import ModelConfig
+from jaxpar.models.hf_config import config_from_dict
 from jaxpar.models.transformer import Transformer
 from jaxpar.placement.sharding import shard_model
 
@@ -53,34 +67,79 @@ _IN = (lambda w, s: w.T.reshape(s), lambda w: w.reshape(w.shape[0], -1).T)  # ou
 _OUT = (lambda w, s: w.T.reshape(s), lambda w: w.reshape(-1, w.shape[-1]).T)  # ours [..., D]
 
 _L = "model.layers.{i}."
-# Our path -> (HF name, transforms). Rows whose path the model lacks (biases, lm_head
-# when tied) are skipped; a model variable without a row is an error.
-TABLE: dict[tuple[str, ...], tuple[str, tuple]] = {
+# Our path (within a layer for stacked layers) -> (HF name, after _L for a layer's,
+# transforms). Rows whose path the model lacks (biases, lm_head when tied) are skipped;
+# a model variable without a row is an error.
+_TOP = {
     ("embed",): ("model.embed_tokens.weight", _SAME),
     ("final_norm", "scale"): ("model.norm.weight", _SAME),
     ("lm_head",): ("lm_head.weight", _IN),
-    ("layers", "attn_norm", "scale"): (_L + "input_layernorm.weight", _SAME),
-    ("layers", "mlp_norm", "scale"): (_L + "post_attention_layernorm.weight", _SAME),
-    **{("layers", "attn", p): (_L + f"self_attn.{p}_proj.weight", _IN) for p in "qkv"},
-    ("layers", "attn", "o"): (_L + "self_attn.o_proj.weight", _OUT),
-    **{("layers", "attn", f"{p}_bias"): (_L + f"self_attn.{p}_proj.bias", _FLAT) for p in "qkvo"},
-    **{("layers", "mlp", p): (_L + f"mlp.{p}_proj.weight", _IN) for p in ("gate", "up")},
-    ("layers", "mlp", "down"): (_L + "mlp.down_proj.weight", _OUT),
-    **{("layers", "mlp", f"{p}_bias"): (_L + f"mlp.{p}_proj.bias", _FLAT)
-       for p in ("gate", "up", "down")},
+}
+_ATTENTION = {
+    ("attn_norm", "scale"): ("input_layernorm.weight", _SAME),
+    ("mlp_norm", "scale"): ("post_attention_layernorm.weight", _SAME),
+    **{("attn", p): (f"self_attn.{p}_proj.weight", _IN) for p in "qkv"},
+    ("attn", "o"): ("self_attn.o_proj.weight", _OUT),
+    **{("attn", f"{p}_bias"): (f"self_attn.{p}_proj.bias", _FLAT) for p in "qkvo"},
+}
+_QK_NORM = {("attn", f"{p}_norm"): (f"self_attn.{p}_norm.weight", _SAME) for p in "qk"}
+_MLP = {
+    **{("mlp", p): (f"mlp.{p}_proj.weight", _IN) for p in ("gate", "up")},
+    ("mlp", "down"): ("mlp.down_proj.weight", _OUT),
+    **{("mlp", f"{p}_bias"): (f"mlp.{p}_proj.bias", _FLAT) for p in ("gate", "up", "down")},
+}
+
+
+def _experts(prefix: str, router: str, gate: str, up: str, down: str) -> dict:
+    """A MoE layer's rows: ``{j}`` in a name is the expert."""
+    return {("moe", "router"): (f"{prefix}.{router}.weight", _IN),
+            ("moe", "gate"): (f"{prefix}.experts.{{j}}.{gate}.weight", _IN),
+            ("moe", "up"): (f"{prefix}.experts.{{j}}.{up}.weight", _IN),
+            ("moe", "down"): (f"{prefix}.experts.{{j}}.{down}.weight", _OUT)}
+
+
+TABLES: dict[str, dict[tuple, tuple[str, tuple]]] = {
+    hf_config.LLAMA: {**_TOP, **_ATTENTION, **_MLP},
+    hf_config.QWEN3: {**_TOP, **_ATTENTION, **_QK_NORM, **_MLP},
+    hf_config.MIXTRAL: {**_TOP, **_ATTENTION, **_experts("block_sparse_moe", "gate", "w1", "w3", "w2")},
+    hf_config.QWEN3_MOE: {**_TOP, **_ATTENTION, **_QK_NORM, **_MLP,
+                          **_experts("mlp", "gate", "gate_proj", "up_proj", "down_proj")},
 }
 _IGNORED = ("rotary_emb.inv_freq",)  # buffers some old checkpoints carry
 
 
-def _names(path, layers):
-    """HF tensor names of one of our variables: L of them for stacked layers."""
-    name = TABLE[path][0]
-    return [name.format(i=i) for i in range(layers)] if path[0] == "layers" else [name]
+def _row(path, cfg: ModelConfig):
+    """``(table key, HF layer indices)`` of one of our variables (indices None for one
+    outside the stacked layers); see the module docstring for ``every > 1``."""
+    if path[0] != "layers":
+        return path, None
+    n, groups = 1 if cfg.moe is None else cfg.moe.every, range(cfg.stacked_layers)
+    if path[1] == "dense":
+        return path[3:], [g * n + path[2] for g in groups]
+    if path[1] == "sparse":
+        return path[2:], [g * n + n - 1 for g in groups]
+    return path[1:], list(groups)
 
 
-def _check_mapped(paths):
-    if unmapped := [".".join(p) for p in paths if p not in TABLE]:
-        raise ValueError(f"no Hugging Face mapping for model variables {unmapped}")
+def _names(path, cfg: ModelConfig, table) -> np.ndarray:
+    """HF tensor names of one of our variables, an object array of the shape of its
+    leading axes: ``[]``, ``[L]`` for stacked layers, ``[L, E]`` for experts."""
+    key, layers = _row(path, cfg)
+    name = table[key][0]
+    if layers is None:
+        return np.array(name, dtype=object)
+    if "{j}" in name:
+        return np.array([[(_L + name).format(i=i, j=j) for j in range(cfg.moe.experts)] for i in layers], object)
+    return np.array([(_L + name).format(i=i) for i in layers], dtype=object)
+
+
+def _check_mapped(paths, cfg: ModelConfig) -> dict:
+    """The table of ``cfg``'s architecture; ``ValueError`` naming variables it lacks."""
+    arch = hf_config.architecture(cfg)
+    table = TABLES[arch]
+    if unmapped := [".".join(map(str, p)) for p in paths if _row(p, cfg)[0] not in table]:
+        raise ValueError(f"no Hugging Face {arch} mapping for model variables {unmapped}")
+    return table
 
 
 def _read_config(path: pathlib.Path) -> ModelConfig:
@@ -89,55 +148,6 @@ def _read_config(path: pathlib.Path) -> ModelConfig:
     except json.JSONDecodeError as e:
         raise ValueError(f"{path / 'config.json'} is not valid JSON: {e}") from None
     return config_from_dict(hf, path / "config.json")
-
-
-def config_from_dict(hf: dict, where) -> ModelConfig:
-    """The ``ModelConfig`` of a Hugging Face Llama ``config.json`` dict ``hf``; error
-    lines name ``where`` (the file, or what the dict was made from: models/gguf.py
-    builds one from GGUF metadata)."""
-    archs = hf.get("architectures") or []
-    if not ("LlamaForCausalLM" in archs if archs else hf.get("model_type") == "llama"):
-        raise ValueError(
-            f"{where}: unsupported architecture "
-            f"{archs or hf.get('model_type')!r}; only LlamaForCausalLM is read"
-        )
-    required = ("hidden_size", "num_hidden_layers", "num_attention_heads",
-                "intermediate_size", "vocab_size")
-    if missing := [k for k in required if not isinstance(hf.get(k), int)]:
-        raise ValueError(f"{where} lacks integer {', '.join(missing)}")
-    if (act := hf.get("hidden_act", "silu")) != "silu":
-        raise ValueError(f"{where}: hidden_act={act!r}; only 'silu' is supported")
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind not in ("default", "llama3") or rope.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(
-            f"{where}: RoPE {rope}; only 'default' and 'llama3' are supported"
-        )
-    heads = hf["num_attention_heads"]
-    try:
-        scaling = None if kind == "default" else RopeScaling(
-            factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
-            high_freq_factor=float(rope["high_freq_factor"]),
-            original_max_position=int(rope.get("original_max_position_embeddings")
-                                      or hf["max_position_embeddings"]),
-        )
-        return ModelConfig(
-            vocab_size=hf["vocab_size"], dim=hf["hidden_size"], layers=hf["num_hidden_layers"],
-            heads=heads, kv_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-            mlp_dim=hf["intermediate_size"], norm="rms", mlp="swiglu", position="rope",
-            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-            rope_scaling=scaling, max_position=hf.get("max_position_embeddings", 2048),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=bool(hf.get("attention_bias", False)),
-            mlp_bias=bool(hf.get("mlp_bias", False)),
-            init_std=float(hf.get("initializer_range", 0.02)),
-        )
-    except KeyError as e:
-        raise ValueError(f"{where}: RoPE {rope} lacks {e}") from None
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{where}: {e}") from None
 
 
 def _tensor_files(path: pathlib.Path) -> dict[str, pathlib.Path]:
@@ -166,7 +176,8 @@ def _tensor_files(path: pathlib.Path) -> dict[str, pathlib.Path]:
 
 
 def from_hf(path, *, dtype="float32", mesh=None, rules=None) -> Transformer:
-    """Builds a ``Transformer`` from a local Hugging Face Llama directory.
+    """Builds a ``Transformer`` from a local Hugging Face directory (Llama, Qwen3,
+    Mixtral or Qwen3-MoE: ``models.hf_config``).
 
     Args:
       path: directory with ``config.json`` and ``*.safetensors`` weights.
@@ -201,7 +212,7 @@ def load_tensors(cfg: ModelConfig, names: Collection[str], read: Callable[[str],
     """The ``Transformer`` of ``cfg`` in ``dtype`` holding a checkpoint's weights.
 
     Args:
-      names: every tensor the checkpoint holds, by Hugging Face name (``TABLE``).
+      names: every tensor the checkpoint holds, by Hugging Face name (``TABLES``).
       read: the tensor of a name as an array in Hugging Face layout (``[out, in]``).
       mesh, rules: as in ``from_hf``.
       mismatch: the start of the error line when tensors are missing, misshapen or
@@ -212,14 +223,15 @@ def load_tensors(cfg: ModelConfig, names: Collection[str], read: Callable[[str],
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     variables = dict(nnx.to_flat_state(state))
-    _check_mapped(variables)
+    table = _check_mapped(variables, cfg)
     missing, misshapen, used = [], [], set()
     for p, var in variables.items():
-        shape, (_, (to_ours, back)) = var.get_value().shape, TABLE[p]
-        per_layer = shape[1:] if p[0] == "layers" else shape
-        expected = jax.eval_shape(back, jax.ShapeDtypeStruct(per_layer, np.float32)).shape
+        hf_names, (to_ours, back) = _names(p, cfg, table), table[_row(p, cfg)[0]][1]
+        shape = var.get_value().shape
+        one = shape[hf_names.ndim:]  # one HF tensor's share of the variable
+        expected = jax.eval_shape(back, jax.ShapeDtypeStruct(one, np.float32)).shape
         arrays = []
-        for name in _names(p, cfg.layers):
+        for name in hf_names.flat:
             w = read(name) if name in names else None
             used.add(name)
             if w is None:
@@ -227,9 +239,9 @@ def load_tensors(cfg: ModelConfig, names: Collection[str], read: Callable[[str],
             elif w.shape != expected:
                 misshapen.append(f"{name} expected {expected}, found {w.shape}")
             else:
-                arrays.append(np.asarray(to_ours(w, per_layer), dtype=dtype))
-        if len(arrays) == len(_names(p, cfg.layers)):
-            value = np.stack(arrays) if p[0] == "layers" else arrays[0]
+                arrays.append(np.asarray(to_ours(w, one), dtype=dtype))
+        if len(arrays) == hf_names.size:
+            value = np.stack(arrays).reshape(shape)
             # With a mesh, host arrays go to their shards only (shard_model below).
             var.set_value(jnp.asarray(value) if mesh is None else value)
     ignored = {"lm_head.weight"} if cfg.tie_embeddings else set()
@@ -243,30 +255,11 @@ def load_tensors(cfg: ModelConfig, names: Collection[str], read: Callable[[str],
     return model if mesh is None else shard_model(model, mesh, rules)
 
 
-def _hf_config(cfg: ModelConfig, dtype: str) -> dict:
-    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
-    if (s := cfg.rope_scaling) is not None:
-        rope.update(rope_type="llama3", factor=s.factor, low_freq_factor=s.low_freq_factor,
-                    high_freq_factor=s.high_freq_factor,
-                    original_max_position_embeddings=s.original_max_position)
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "num_hidden_layers": cfg.layers,
-        "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.kv_heads,
-        "head_dim": cfg.head_dim, "intermediate_size": cfg.mlp_dim, "hidden_act": "silu",
-        "rms_norm_eps": cfg.norm_eps, "max_position_embeddings": cfg.max_position,
-        "rope_parameters": rope,  # transformers >= 5; older versions read the next two
-        "rope_theta": cfg.rope_theta,
-        "rope_scaling": {k: v for k, v in rope.items() if k != "rope_theta"} if s else None,
-        "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": cfg.attention_bias,
-        "mlp_bias": cfg.mlp_bias, "attention_dropout": 0.0,
-        "initializer_range": cfg.init_std, "use_cache": True,
-        "dtype": dtype, "torch_dtype": dtype,
-    }
-
-
 def to_hf(model: Transformer, path, *, dtype=None, overwrite=False) -> None:
-    """Writes ``model`` as a Hugging Face Llama checkpoint (config.json, model.safetensors).
+    """Writes ``model`` as a Hugging Face checkpoint (config.json, model.safetensors) of
+    its architecture (``models.hf_config.architecture``: Llama, Qwen3, Mixtral or
+    Qwen3-MoE), in the Hub's tensor names (the module docstring). A MoE model trained with
+    a ``capacity_factor`` is written as it is; transformers runs it dropless.
 
     Args:
       model: a Llama-style ``Transformer`` (norm="rms", mlp="swiglu", position="rope").
@@ -276,18 +269,13 @@ def to_hf(model: Transformer, path, *, dtype=None, overwrite=False) -> None:
         *.safetensors); without it, a directory holding one is refused.
 
     Raises:
-      ValueError: the model is not Llama-style.
+      ValueError: the model is none of those architectures (``hf_config.check_writable``).
       FileExistsError: ``path`` already holds a checkpoint and ``overwrite`` is False.
     """
     from safetensors.numpy import save_file
 
     cfg: ModelConfig = model.cfg
-    style = {"norm": "rms", "mlp": "swiglu", "position": "rope"}
-    if wrong := {k: getattr(cfg, k) for k, v in style.items() if getattr(cfg, k) != v}:
-        raise ValueError(f"to_hf writes Llama models only ({style}); this model has {wrong}")
-    if cfg.moe is not None:
-        raise ValueError("to_hf writes dense Llama models only; this model has model.moe (Mixtral and Qwen3-MoE "
-                         "export is not built yet)")
+    hf_config.check_writable(cfg)
     path = pathlib.Path(path)
     if path.exists() and not path.is_dir():
         raise FileExistsError(f"{path} exists and is not a directory")
@@ -300,16 +288,15 @@ def to_hf(model: Transformer, path, *, dtype=None, overwrite=False) -> None:
         )
     dtype = jnp.dtype(dtype or cfg.param_dtype)
     variables = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
-    _check_mapped(variables)
+    table = _check_mapped(variables, cfg)
     tensors = {}
     for p, var in variables.items():
-        _, (_, to_hf_fn) = TABLE[p]
+        hf_names, (_, to_hf_fn) = _names(p, cfg, table), table[_row(p, cfg)[0]][1]
         value = np.asarray(jax.device_get(var.get_value()))
-        layers = value if p[0] == "layers" else value[None]
-        for name, w in zip(_names(p, cfg.layers), layers):
+        for name, w in zip(hf_names.flat, value.reshape(-1, *value.shape[hf_names.ndim:])):
             tensors[name] = np.ascontiguousarray(to_hf_fn(w).astype(dtype))
     path.mkdir(parents=True, exist_ok=True)
     for p in existing:
         p.unlink()
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    (path / "config.json").write_text(json.dumps(_hf_config(cfg, dtype.name), indent=2) + "\n")
+    (path / "config.json").write_text(json.dumps(hf_config.hf_config(cfg, dtype.name), indent=2) + "\n")

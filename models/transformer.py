@@ -12,6 +12,7 @@ Parameter layout (stacked layers lead with L):
   layers.attn.q         [L, D, N, H]  (layers, embed, heads, kv)
   layers.attn.k, v      [L, D, K, H]  (layers, embed, kv_heads, kv)
   layers.attn.o         [L, N, H, D]  (layers, heads, kv, embed)
+  layers.attn.q_norm, k_norm [L, H]   (layers, kv)                 qk_norm only (Qwen3)
   layers.mlp.gate, up   [L, D, F]     (layers, embed, mlp)         gate for swiglu only
   layers.mlp.down       [L, F, D]     (layers, mlp, embed)
   *_norm.scale, bias    [L, D] / [D]  (layers, norm) / (norm,)     bias for LayerNorm only
@@ -92,6 +93,15 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
     return rotated.astype(x.dtype)
 
 
+def head_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """Qwen3's RMSNorm of each head of ``x [B, T, heads, H]`` over ``H`` (``model.qk_norm``):
+    float32 statistics, then, as Hugging Face's ``Qwen3RMSNorm``, the normalised value cast
+    back to ``x``'s dtype and multiplied by ``scale [H]`` in it."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + eps)
+    return scale.astype(x.dtype) * normed.astype(x.dtype)
+
+
 # Modules -----------------------------------------------------------------------------
 
 
@@ -133,6 +143,9 @@ class Attention(nnx.Module):
             self.k_bias = _zeros(rngs, cfg, (K, H), ("kv_heads", "kv"))
             self.v_bias = _zeros(rngs, cfg, (K, H), ("kv_heads", "kv"))
             self.o_bias = _zeros(rngs, cfg, (D,), ("embed",))
+        if cfg.qk_norm:
+            self.q_norm = _ones(rngs, cfg, (H,), ("kv",))
+            self.k_norm = _ones(rngs, cfg, (H,), ("kv",))
 
     def __call__(self, x, positions, segment_ids, cache=None):
         """x ``[B, T, D]`` -> ``[B, T, D]``.
@@ -155,6 +168,8 @@ class Attention(nnx.Module):
         q = project(self.q, "q_bias", "heads", ACT_BTNH)
         k = project(self.k, "k_bias", "kv_heads", ACT_BTKH)
         v = project(self.v, "v_bias", "kv_heads", ACT_BTKH)
+        if cfg.qk_norm:  # every path (training, prefill, decode, paged, speculative) passes here
+            q, k = head_norm(q, self.q_norm[...], cfg.norm_eps), head_norm(k, self.k_norm[...], cfg.norm_eps)
         if cfg.position == "rope":
             inv_freq = rope_frequencies(cfg)
             q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)

@@ -282,3 +282,152 @@ def test_generate_stops_where_transformers_stops(tmp_path, capsys):
     (path / "config.json").write_text(json.dumps(config))
     (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "t7"}}))
     assert eos_ids(path, words) == (7,)
+
+
+# Mixtral, Qwen3-MoE and Qwen3 ----------------------------------------------------------
+
+# Tiny float32 shapes: 2 layers, 4 experts, top-2, GQA (4 heads over 2).
+TINY_MOE = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, intermediate_size=24, num_experts_per_tok=2)
+ARCHS = {
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(num_experts=4, moe_intermediate_size=16, norm_topk_prob=False, attention_bias=True)),
+}
+MOE_TOKENS = np.random.RandomState(1).randint(0, TINY_MOE["vocab_size"], size=(2, 10))
+
+
+def hf_of(arch, **overrides):
+    """A tiny random transformers model of ``arch`` (``ARCHS``): noise of 0.1 (norm
+    weights around 1), so routers choose by clear margins and a swapped tensor shows."""
+    torch, transformers = hf_modules()
+    config, model, extra = ARCHS[arch]
+    torch.manual_seed(0)
+    hf = getattr(transformers, model)(getattr(transformers, config)(**{**TINY_MOE, **extra, **overrides}))
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+    return hf.eval()
+
+
+def logits_of(hf, tokens=MOE_TOKENS) -> np.ndarray:
+    torch, _ = hf_modules()
+    with torch.no_grad():
+        return hf(torch.tensor(tokens)).logits.numpy()
+
+
+def assert_rel(ours, ref, tol=1e-5):
+    ours, ref = np.asarray(ours, np.float32), np.asarray(ref, np.float32)
+    assert ours.shape == ref.shape and np.abs(ours - ref).max() / np.abs(ref).max() < tol
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory):
+    """``arch -> (saved directory, transformers' logits, its model, our import)``: one
+    tiny model per architecture, made where a test first asks, for the tests below."""
+    made = {}
+
+    def get(arch):
+        if arch not in made:
+            hf, path = hf_of(arch), tmp_path_factory.mktemp(arch)
+            hf.save_pretrained(path, safe_serialization=True)
+            made[arch] = path, logits_of(hf), hf, from_hf(path)
+        return made[arch]
+
+    return get
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_moe_logits_match_transformers(arch, moe_checkpoint):
+    """Float32 logits within 1e-5 relative (measured: about 2e-7)."""
+    _, ref, _, ours = moe_checkpoint(arch)
+    moe = ours.cfg.moe
+    assert (moe.experts, moe.experts_per_token, ours.cfg.qk_norm) == (4, 2, arch == "qwen3_moe")
+    assert moe.normalize == (arch == "mixtral") and ours.cfg.attention_bias == (arch == "qwen3_moe")
+    assert_rel(ours(jnp.asarray(MOE_TOKENS)), ref)
+
+
+def test_qwen3_moe_greedy_decode_matches_transformers(moe_checkpoint):
+    """Plain greedy decoding (jaxpar.inference, KV-cached prefill then one token a step)
+    gives transformers' greedy generate's tokens. Qwen3-MoE's model is Mixtral's plus q/k
+    norms, attention biases and unnormalised gates, so it alone is decoded (about 5
+    CPU-seconds of compiling each)."""
+    torch, _ = hf_modules()
+    from jaxpar.inference.decoding import generate
+
+    _, _, hf, ours = moe_checkpoint("qwen3_moe")
+    prompt, new = MOE_TOKENS[:, :6], 5
+    expected = hf.generate(torch.tensor(prompt), max_new_tokens=new, do_sample=False, pad_token_id=0)
+    tokens = np.stack(list(generate(ours, prompt, max_new_tokens=new)), axis=1)
+    np.testing.assert_array_equal(tokens, expected[:, prompt.shape[1]:].numpy())
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_moe_export_is_the_hub_layout(arch, moe_checkpoint, tmp_path):
+    """to_hf writes the tensor names and shapes transformers' save_pretrained writes (the
+    Hub's per-expert layout) and the Hub's config keys; transformers reloads it with our
+    logits; an export of an import gives the source's tensors exactly."""
+    _, transformers = hf_modules()
+    src, ref, _, ours = moe_checkpoint(arch)
+    to_hf(ours, tmp_path)
+    source, written = (safetensors.numpy.load_file(d / "model.safetensors") for d in (src, tmp_path))
+    assert sorted(written) == sorted(source)
+    assert all(np.array_equal(written[k], source[k]) for k in source)
+    config = json.loads((tmp_path / "config.json").read_text())
+    experts_key = "num_local_experts" if arch == "mixtral" else "num_experts"
+    assert config["architectures"] == [ARCHS[arch][1]] and config[experts_key] == 4
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(reloaded).__name__ == ARCHS[arch][1]
+    assert_rel(logits_of(reloaded), ref)
+
+
+def test_qwen3_moe_sparse_step_and_dense_qwen3(tmp_path):
+    """Qwen3-MoE with decoder_sparse_step=2 (layer 0 dense, layer 1 MoE: jaxpar's
+    model.moe.every=2) and dense Qwen3 (q/k norms, no experts): logits equal
+    transformers', and the export is the source's tensors."""
+    _, transformers = hf_modules()
+    stepped = hf_of("qwen3_moe", decoder_sparse_step=2, attention_bias=False)
+    torch_dense = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        **{k: v for k, v in TINY_MOE.items() if k != "num_experts_per_tok"}, tie_word_embeddings=True))
+    for name, hf in [("stepped", stepped), ("dense", torch_dense)]:
+        if name == "dense":
+            hf = hf.eval()
+        hf.save_pretrained(tmp_path / name, safe_serialization=True)
+        ours = from_hf(tmp_path / name)
+        assert ours.cfg.qk_norm and (ours.cfg.moe is None) == (name == "dense")
+        assert name == "dense" or ours.cfg.moe.every == 2
+        assert_rel(ours(jnp.asarray(MOE_TOKENS)), logits_of(hf))
+        to_hf(ours, tmp_path / f"{name}_out")
+        source, written = (safetensors.numpy.load_file(tmp_path / d / "model.safetensors")
+                           for d in (name, f"{name}_out"))
+        assert sorted(written) == sorted(source) and all(np.array_equal(written[k], source[k]) for k in source)
+
+
+@pytest.mark.parametrize("arch, change, message", [
+    ("qwen3_moe", {"mlp_only_layers": [0]}, r"mlp_only_layers=\[0\]; only \[\] is read"),
+    ("qwen3_moe", {"use_sliding_window": True}, "use_sliding_window=true; jaxpar's attention has no sliding window"),
+    ("mixtral", {"sliding_window": 4096}, "sliding_window=4096; jaxpar's attention has no sliding window"),
+    ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise=0.1; jaxpar's router has no jitter"),
+    ("mixtral", {"num_experts_per_tok": 5}, "model.moe.experts_per_token=5 is more than model.moe.experts=4"),
+])
+def test_unsupported_moe_config_is_one_line(arch, change, message, tmp_path):
+    config = {"architectures": [ARCHS[arch][1]], **TINY_MOE, **ARCHS[arch][2], **change}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    safetensors.numpy.save_file({"x": np.ones(1, np.float32)}, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=message) as e:
+        from_hf(tmp_path)
+    assert "\n" not in str(e.value) and str(tmp_path / "config.json") in str(e.value)
+
+
+def test_to_hf_refuses_moe_it_cannot_write(tmp_path):
+    base = dataclasses.replace(PRESETS["moe_tiny"], vocab_size=64, dim=32, layers=2, heads=4, kv_heads=2,
+                               head_dim=8, mlp_dim=24)
+    for change, message in [
+        (dict(router="sigmoid_bias"), "as MixtralForCausalLM: model.moe.router='sigmoid_bias' \\(only 'softmax'\\)"),
+        (dict(shared_experts=1), "model.moe.shared_experts=1 \\(only 0\\)"),
+        (dict(every=2), "model.moe.every=2, normalize=True \\(Mixtral: 1, true; with model.qk_norm"),
+    ]:
+        cfg = dataclasses.replace(base, moe=dataclasses.replace(base.moe, **change))
+        with pytest.raises(ValueError, match=message):
+            to_hf(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))), tmp_path)
+    assert not list(tmp_path.iterdir())
