@@ -431,3 +431,19 @@ def test_to_hf_refuses_moe_it_cannot_write(tmp_path):
         with pytest.raises(ValueError, match=message):
             to_hf(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))), tmp_path)
     assert not list(tmp_path.iterdir())
+
+
+def test_generate_refuses_an_unsupported_moe_config_with_exit_2(tmp_path, capsys):
+    """jaxpar-generate on a Qwen3-MoE directory with mlp_only_layers: exit 2, one line."""
+    import tokenizers
+
+    from jaxpar.commands.generate import main as generate
+
+    config = {"architectures": ["Qwen3MoeForCausalLM"], **TINY_MOE, **ARCHS["qwen3_moe"][2], "mlp_only_layers": [1]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    safetensors.numpy.save_file({"x": np.ones(1, np.float32)}, tmp_path / "model.safetensors")
+    tokenizers.Tokenizer(tokenizers.models.WordLevel({"a": 0}, "a")).save(str(tmp_path / "tokenizer.json"))
+    with pytest.raises(SystemExit) as e:
+        generate([str(tmp_path), "--prompt", "a"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2 and r"mlp_only_layers=[1]; only [] is read" in err
