@@ -339,7 +339,7 @@ def moe_checkpoint(tmp_path_factory):
 
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_moe_logits_match_transformers(arch, moe_checkpoint):
-    """Float32 logits within 1e-5 relative (measured: about 2e-7)."""
+    """Float32 logits within 1e-5 relative (measured: 3.9e-7 Mixtral, 3.2e-7 Qwen3-MoE)."""
     _, ref, _, ours = moe_checkpoint(arch)
     moe = ours.cfg.moe
     assert (moe.experts, moe.experts_per_token, ours.cfg.qk_norm) == (4, 2, arch == "qwen3_moe")
