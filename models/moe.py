@@ -34,18 +34,22 @@ The balance loss's statistics (``f``, ``P``) are those of the rows one loss call
 the whole batch under data, FSDP and tensor parallelism (each device's summed), but each
 microbatch's under ``optimizer.grad_accum`` and each replica's under
 ``data.batch_weights``; the loss is not linear in them, so those runs' balance terms
-differ from one device's whole-batch term (the load deviations the router bias steps by
-are means weighted by counted tokens, and agree where every token counts). A capacity's
-"token order" is the order the rows hold their tokens: under
-``execution.seq_layout=zigzag``, the zigzag order.
+differ from one device's whole-batch term. A capacity's "token order" is the order the
+rows hold their tokens: under ``execution.seq_layout=zigzag``, the zigzag order.
+
+Statistics. Each MoE layer also returns ``Aux.stats``, float32 ``[3, E]``: per expert the
+assignments the router chose, its router probabilities summed over the tokens, and the
+assignments a capacity kept; sums over tokens, so the train step adds them over
+microbatches and ``psum``s them over replicas beside the gradient (never through a
+gradient reduction: Adasum and the top-k exchange leave them alone), and the whole
+step's are one device's whatever the layout. From them the step takes the router
+bias's step and its metrics (``step_metrics``).
 
 The router bias (DeepSeek-V3's auxiliary-loss-free balancing) is stored as a parameter
 (so checkpoints, shardings and restores carry it as any other) but is no gradient
-parameter: the layer's loss term ``b . sg(f - 1/E) - sg(...)`` is zero in value and
-makes the bias's gradient its layer's load deviation ``f_e - 1/E`` (the batch's,
-token-weighted over microbatches and replicas as every gradient is); the train step
-takes that out of the gradients before the optimizer (``update_router_biases``) and moves
-the bias by ``-bias_rate * sign(f_e - 1/E)``.
+parameter (it only steers the choice, under ``stop_gradient``): the train step zeroes its
+gradient before the optimizer and moves it by ``-bias_rate * sign(f_e - 1/E)``, ``f``
+its layer's load over the whole step's tokens (``update_router_biases``).
 """
 
 from __future__ import annotations
@@ -69,6 +73,17 @@ BIAS = "router_bias"
 # The logical axes of the router, its bias, gate, up and down (MaxText's names).
 NAMES = (("embed", None), (None,), ("exp", "embed_moe", "mlp_moe"), ("exp", "embed_moe", "mlp_moe"),
          ("exp", "mlp_moe", "embed_moe"))
+
+
+class Aux(NamedTuple):
+    """What MoE layers add beside their output: ``loss`` their float32 term of the training
+    loss (the balance loss times its coefficient), ``stats`` float32 ``[..., 3, E]`` (a
+    layer's ``[3, E]``; stacked layers' ``[L, 3, E]``): per expert the assignments chosen,
+    the router probabilities summed over tokens, and the assignments kept (the module
+    docstring's statistics)."""
+
+    loss: jax.Array
+    stats: jax.Array
 
 
 class Routing(NamedTuple):
@@ -175,8 +190,8 @@ def balance_loss(routing: Routing, num_experts: int) -> jax.Array:
 
 class MoE(nnx.Module):
     """The routed experts of a MoE layer: ``x [B, T, D]`` -> ``(y [B, T, D], aux)``, with
-    ``aux`` the layer's float32 term of the training loss (``balance_loss`` times its
-    coefficient, and the router bias's zero-valued term, the module docstring)."""
+    ``aux`` an ``Aux``: the layer's float32 term of the training loss (``balance_loss``
+    times its coefficient) and its statistics ``[3, E]``, summed over the devices."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         moe = cfg.moe
@@ -189,7 +204,7 @@ class MoE(nnx.Module):
         self.up = _param(rngs, cfg, (E, D, F), NAMES[3])
         self.down = _param(rngs, cfg, (E, F, D), NAMES[4])
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, Aux]:
         """With a mesh, each device routes and computes its own batch rows (``dispatch``
         under ``shard_map`` over the axes the rules split ``activation_batch`` over), and
         the balance statistics are summed over the devices after. Where the rules split
@@ -222,22 +237,19 @@ class MoE(nnx.Module):
             local = jax.shard_map(_gathered(local, specs, experts), mesh=mesh, in_specs=(split, *specs),
                                   out_specs=(split, split), check_vma=False)
         y, stats = local(x, *weights)
-        return y, self._aux(stats.sum(0), weights[1])
+        stats = stats.sum(0)
+        return y, Aux(self._balance(stats), jax.lax.stop_gradient(stats))
 
-    def _aux(self, stats: jax.Array, bias: jax.Array | None) -> jax.Array:
-        """The layer's loss term from ``stats`` ``[2, E]``: every device's assignment
-        counts and router probabilities summed (``dispatch``)."""
+    def _balance(self, stats: jax.Array) -> jax.Array:
+        """The layer's loss term from ``stats`` ``[3, E]`` (every device's summed,
+        ``dispatch``): Switch's ``E * sum_e f_e P_e`` times its coefficient, ``P_e`` the
+        mean probability over tokens, ``f`` constant."""
         moe = self.cfg.moe
-        counts, prob_sums = stats[0], stats[1]
-        fraction = counts / counts.sum()  # load: f_e
-        aux = jnp.zeros((), jnp.float32)
-        if moe.balance_loss:  # Switch: E * sum_e f_e P_e, P_e the mean probability over tokens
-            tokens = counts.sum() / moe.experts_per_token
-            aux = moe.balance_loss * moe.experts * jnp.sum(jax.lax.stop_gradient(fraction) * prob_sums / tokens)
-        if bias is not None:  # zero in value; its gradient is the load deviation (module docstring)
-            term = jnp.sum(bias * jax.lax.stop_gradient(fraction - 1 / moe.experts))
-            aux = aux + (term - jax.lax.stop_gradient(term))
-        return aux
+        if not moe.balance_loss:
+            return jnp.zeros((), jnp.float32)
+        counts, prob_sums = jax.lax.stop_gradient(stats[0]), stats[1]
+        tokens = counts.sum() / moe.experts_per_token
+        return moe.balance_loss * moe.experts * jnp.sum(counts / counts.sum() * prob_sums / tokens)
 
 
 def _gathered(fn, specs, experts=()):
@@ -264,9 +276,9 @@ def dispatch(x, router, bias, gate, up, down, *, moe: MoEConfig, expert_axes: tu
     """The routed experts of ``x [B, T, D]`` (one device's rows): ``route -> permute ->
     expert_mlp -> combine``, with ``exchange`` around ``expert_mlp`` where the experts
     are split over ``expert_axes`` (``gate, up, down`` then this device's experts).
-    Returns ``(y [B, T, D], stats [1, 2, E])``: float32 each expert's assignment count
-    (the router's choice, before any capacity) and its router probabilities summed over
-    the tokens, which ``MoE`` sums over devices."""
+    Returns ``(y [B, T, D], stats [1, 3, E])``: float32 each expert's assignment count
+    (the router's choice, before any capacity), its router probabilities summed over
+    the tokens, and its assignments kept, which ``MoE`` sums over devices."""
     B, T, D = x.shape
     tokens = x.reshape(B * T, D)
     with jax.named_scope("router"):
@@ -277,8 +289,10 @@ def dispatch(x, router, bias, gate, up, down, *, moe: MoEConfig, expert_axes: tu
         ys = exchange(mlp, xs, group_sizes, expert_axes, moe.experts_per_token) if expert_axes else mlp(
             xs, group_sizes)
         y = combine(ys, order, routing.gates)
-    counts = jnp.bincount(routing.experts.reshape(-1), length=moe.experts).astype(jnp.float32)
-    return y.reshape(B, T, D), jnp.stack([counts, routing.probs.sum(0)])[None]
+    flat = routing.experts.reshape(-1)
+    counts = jnp.bincount(flat, length=moe.experts).astype(jnp.float32)
+    kept = jnp.bincount(flat, routing.kept.reshape(-1).astype(jnp.float32), length=moe.experts)
+    return y.reshape(B, T, D), jnp.stack([counts, routing.probs.sum(0), kept])[None]
 
 
 def exchange(mlp, xs: jax.Array, group_sizes: jax.Array, axes: tuple[str, ...], k: int) -> jax.Array:
@@ -330,14 +344,22 @@ def _is_bias(path) -> bool:
     return any(getattr(key, "key", getattr(key, "name", None)) == BIAS for key in path)
 
 
-def update_router_biases(params, grads, rate: float):
+def deviations(stats: jax.Array) -> jax.Array:
+    """float32 ``[L, E]``: each layer's load less an even share, ``f_e - 1/E``, from the
+    step's statistics ``[L, 3, E]``."""
+    counts = stats[:, 0]
+    return counts / jnp.maximum(counts.sum(-1, keepdims=True), 1.0) - 1 / counts.shape[-1]
+
+
+def update_router_biases(params, grads, stats: jax.Array, rate: float):
     """The router biases' step (DeepSeek-V3, ``router="sigmoid_bias"``): ``(grads,
-    biases)``, the gradients with the biases' (their load deviations) zeroed, so that
-    the optimizer, its clipping and norms see none, and the biases moved by ``-rate *
-    sign(deviation)`` (leaves of ``params``' structure, None where not a bias) for
-    ``with_router_biases`` to put in after the optimizer's update."""
+    biases)``, the gradients with the biases' zeroed, so that the optimizer, its clipping
+    and norms see none, and the biases (stacked ``[L, E]``) moved by ``-rate *
+    sign(deviations(stats))`` (leaves of ``params``' structure, None where not a bias)
+    for ``with_router_biases`` to put in after the optimizer's update."""
+    step = rate * jnp.sign(deviations(stats))
     biases = jax.tree.map_with_path(
-        lambda path, p, g: (p - rate * jnp.sign(g)).astype(p.dtype) if _is_bias(path) else None, params, grads)
+        lambda path, p: (p - step.reshape(p.shape)).astype(p.dtype) if _is_bias(path) else None, params)
     grads = jax.tree.map_with_path(lambda path, g: jnp.zeros_like(g) if _is_bias(path) else g, grads)
     return grads, biases
 
@@ -345,6 +367,25 @@ def update_router_biases(params, grads, rate: float):
 def with_router_biases(params, biases):
     """``params`` with the router biases ``update_router_biases`` computed."""
     return jax.tree.map(lambda p, b: p if b is None else b, params, biases, is_leaf=lambda x: x is None)
+
+
+def step_metrics(stats: jax.Array, moe: MoEConfig) -> dict[str, jax.Array]:
+    """A train step's MoE metrics from its statistics ``[L, 3, E]`` (the whole step's
+    tokens, every MoE layer; ``metrics.jsonl``):
+
+    * ``moe_balance_loss``: the balance loss's term of the loss, ``balance_loss * sum_l E
+      sum_e f_le P_le`` over the step's tokens pooled (under ``optimizer.grad_accum`` and
+      ``data.batch_weights`` the loss adds each microbatch's own, the module docstring);
+    * ``moe_load_max``: the most assignments any expert of any layer was chosen for, over
+      an even share (``N k / E``): 1 when balanced, ``E / k`` at worst;
+    * ``moe_dropped``: the fraction of assignments a capacity dropped (0 dropless)."""
+    counts, prob_sums, kept = stats[:, 0], stats[:, 1], stats[:, 2]
+    assigned = counts.sum(-1)  # [L]: N k each
+    tokens = assigned / moe.experts_per_token
+    balance = moe.experts * jnp.sum(counts / assigned[:, None] * prob_sums / tokens[:, None])
+    return {"moe_balance_loss": moe.balance_loss * balance,
+            "moe_load_max": jnp.max(counts * moe.experts / assigned[:, None]),
+            "moe_dropped": 1 - kept.sum() / assigned.sum()}
 
 
 def active_parameters(cfg: ModelConfig, total: int) -> int:

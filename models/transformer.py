@@ -46,7 +46,7 @@ from jaxpar.ops.linear import dense
 from jaxpar.layout import REMAT_POLICIES
 from jaxpar.models.cache import Cache
 from jaxpar.models.config import CHECKPOINT_NAMES, ModelConfig, RopeScaling
-from jaxpar.models.moe import MoE
+from jaxpar.models.moe import Aux, MoE
 from jaxpar.models.params import param as _param, zeros as _zeros, ones as _ones
 from jaxpar.placement import execution as execution_lib
 from jaxpar.placement.sharding import constrain
@@ -245,7 +245,7 @@ class DecoderLayer(nnx.Module):
         return x if cache is None else (x, new_cache)
 
     def forward(self, x, positions, segment_ids, cache=None):
-        """``(x, new_cache, aux)``: ``aux`` the MoE layer's float32 loss term (None when dense)."""
+        """``(x, new_cache, aux)``: ``aux`` the MoE layer's ``jaxpar.models.moe.Aux`` (None when dense)."""
         with jax.named_scope("attention"):
             attn = self.attn(self.attn_norm(x), positions, segment_ids, cache)
             attn, new_cache = attn if cache is not None else (attn, None)
@@ -476,9 +476,9 @@ class Transformer(nnx.Module):
 
     def features_and_aux(self, tokens: jax.Array, *, positions: jax.Array | None = None,
                          segment_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
-        """``(features(...), aux)``: ``aux`` the MoE layers' float32 loss terms summed
-        (``jaxpar.models.moe``: the balance loss, the router bias's gradient), which the
-        training loss adds; None for a dense model."""
+        """``(features(...), aux)``: ``aux`` the MoE layers' ``jaxpar.models.moe.Aux``, their
+        loss terms summed (the balance loss, which the training loss adds) and their
+        statistics stacked ``[L, 3, E]``; None for a dense model."""
         B, T = tokens.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
@@ -545,12 +545,17 @@ def run_layers(cfg: ModelConfig, graphdef, layer_state, x, positions, segment_id
 
 def run_layers_and_aux(cfg: ModelConfig, graphdef, layer_state, x, positions, segment_ids, *,
                        remat: Remat = Remat()):
-    """``run_layers`` of a MoE model carrying ``(x, aux)``: the residual stream and the sum
-    of the MoE layers' loss terms (float32)."""
+    """``run_layers`` of a MoE model: ``(x, Aux)``, the residual stream and the MoE layers'
+    ``jaxpar.models.moe.Aux`` (loss terms summed, statistics stacked ``[L', 3, E]``,
+    carried through the scan with the index of the layer to write)."""
     def layer(carry, state, positions, segment_ids):
-        x, aux = carry
-        x, _, layer_aux = nnx.merge(graphdef, state).forward(x, positions, segment_ids)
-        return x, aux + layer_aux
+        x, loss, stats, i = carry
+        x, _, aux = nnx.merge(graphdef, state).forward(x, positions, segment_ids)
+        return x, loss + aux.loss, jax.lax.dynamic_update_index_in_dim(stats, aux.stats, i, 0), i + 1
 
-    carry = (x, jnp.zeros((), jnp.float32))
-    return fetch.scan_layers(_remat(layer, remat), carry, layer_state, positions, segment_ids)
+    first = jax.tree.leaves(layer_state, is_leaf=fetch.is_split)[0]
+    units = first.resident.shape[0] + first.offloaded.shape[0] if fetch.is_split(first) else first.shape[0]
+    stats = jnp.zeros((units, 3, cfg.moe.experts), jnp.float32)
+    carry = (x, jnp.zeros((), jnp.float32), stats, jnp.zeros((), jnp.int32))
+    x, loss, stats, _ = fetch.scan_layers(_remat(layer, remat), carry, layer_state, positions, segment_ids)
+    return x, Aux(loss, stats)

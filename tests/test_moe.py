@@ -26,13 +26,14 @@ def _reference(x, routed, shared, moe: MoEConfig):
     """The routed experts plus the shared MLP of ``x [B, T, D]``, a token and an expert at
     a time in float64: the router's choice, the gates, and (with a capacity) each
     sequence's assignments counted per expert in token order, those past the capacity
-    skipped. Returns ``(y [B, T, D], dropped)``, the (token, expert) pairs skipped."""
+    skipped. Returns ``(y [B, T, D], dropped, chosen)``: the (token, expert) pairs
+    skipped, and each expert's assignments chosen."""
     B, T, D = x.shape
     p = {k: np.asarray(v, np.float64) for k, v in routed.items()}
     silu = lambda a: a / (1 + np.exp(-a))  # noqa: E731
     cap = math.inf if moe.capacity_factor is None else math.ceil(
         moe.capacity_factor * T * moe.experts_per_token / moe.experts)
-    y, dropped = np.zeros((B, T, D)), set()
+    y, dropped, chosen = np.zeros((B, T, D)), set(), np.zeros(moe.experts)
     for b in range(B):
         count = [0] * moe.experts
         for t in range(T):
@@ -48,6 +49,7 @@ def _reference(x, routed, shared, moe: MoEConfig):
             gates = scores[top] / (scores[top].sum() if moe.normalize else 1.0)
             for e, g in zip(top, gates):
                 count[e] += 1
+                chosen[e] += 1
                 if count[e] > cap:
                     dropped.add((b * T + t, int(e)))
                     continue
@@ -55,7 +57,7 @@ def _reference(x, routed, shared, moe: MoEConfig):
             if shared is not None:
                 s = {k: np.asarray(v, np.float64) for k, v in shared.items()}
                 y[b, t] += (silu(h @ s["gate"]) * (h @ s["up"])) @ s["down"]
-    return y, dropped
+    return y, dropped, chosen
 
 
 CASES = {
@@ -84,11 +86,16 @@ def test_moe_block_matches_a_token_by_token_reference(name, rng):
 
     y, aux = block(routed, shared, x)
     weights = lambda m: {k: v[...] for k, v in nnx.state(m, nnx.Param).items()}  # noqa: E731
-    expected, dropped = _reference(np.asarray(x), weights(routed), None if shared is None else weights(shared), moe)
+    expected, dropped, chosen = _reference(np.asarray(x), weights(routed), None if shared is None else weights(shared),
+                                           moe)
     assert rel_err(y, expected) < 1e-5
     bias = routed.router_bias[...] if moe.router == "sigmoid_bias" else None
     routing = moe_lib.route(x.reshape(16, -1) @ routed.router[...], moe, bias, rows=2)
-    assert abs(float(aux) - moe.balance_loss * float(moe_lib.balance_loss(routing, moe.experts))) < 1e-6
+    assert abs(float(aux.loss) - moe.balance_loss * float(moe_lib.balance_loss(routing, moe.experts))) < 1e-6
+    # the statistics: chosen, probabilities summed, kept (chosen less the reference's drops)
+    kept = chosen - np.bincount([e for _, e in dropped], minlength=moe.experts)
+    assert np.array_equal(aux.stats[0], chosen) and np.array_equal(aux.stats[2], kept)
+    assert rel_err(aux.stats[1], routing.probs.sum(0)) < 1e-6
     if moe.capacity_factor is not None:  # the rule really drops some, and route drops exactly those
         assert 0 < len(dropped) < 2 * 8 * moe.experts_per_token // 2
         got = {(n, int(e)) for n, j in zip(*np.nonzero(~np.asarray(routing.kept)))
@@ -115,34 +122,46 @@ def test_balance_loss_is_switch_formula():
     assert abs(float(moe_lib.balance_loss(routing, 2)) - 1.15) < 1e-6
 
 
-def test_router_bias_steps_by_the_sign_of_its_load_deviation(rng):
-    """A sigmoid_bias model whose router weights are zero: every token's scores are 0.5,
-    so the biases (0.3, 0.2, 0.1, 0) send every token to experts 0 and 1 (k=2): loads
-    (1/2, 1/2, 0, 0), deviations (1/4, 1/4, -1/4, -1/4), the bias's gradient. One
-    train step moves the bias by -rate * sign(deviation), untouched by AdamW's weight
-    decay."""
+def test_router_bias_steps_by_the_sign_of_its_load_deviation_and_the_metrics_are_exact(rng):
+    """A 2-layer sigmoid_bias model whose router weights are zero: every token's scores
+    are 0.5 (probabilities 1/4 each), so the biases send every token of layer 0 to
+    experts 0 and 1 (biases 0.3, 0.2, 0.1, 0; k=2) and of layer 1 to experts 3 and 2:
+    loads (1/2, 1/2, 0, 0) and (0, 0, 1/2, 1/2). One train step moves each layer's bias
+    by -rate * sign(load - 1/4), untouched by AdamW's weight decay; its metrics, by
+    hand: balance 4 * (1/2 * 1/4 + 1/2 * 1/4) = 1 a layer, times 0.01, 2 layers: 0.02;
+    load max 1/2 over 1/4 = 2; capacity ceil(1.0 * 8 * 2 / 4) = 4 of each sequence's 8
+    assignments to each chosen expert kept: dropped 0.5."""
     moe = MoEConfig(experts=4, experts_per_token=2, expert_width=8, router="sigmoid_bias", bias_rate=0.01,
-                    balance_loss=0.0)
-    cfg = dataclasses.replace(SMALL, moe=moe)
-    bias = np.array([0.3, 0.2, 0.1, 0.0], np.float32)
-    block = random_init(lambda: moe_lib.MoE(cfg, rngs=nnx.Rngs(0)), rng)
-    block.router[...], block.router_bias[...] = jnp.zeros_like(block.router[...]), jnp.asarray(bias)
-    x = jnp.asarray(rng.standard_normal((2, 8, cfg.dim)), jnp.float32)
-    grads = nnx.jit(nnx.grad(lambda block, x: block(x)[1]))(block, x)
-    assert np.allclose(grads["router_bias"][...], [0.25, 0.25, -0.25, -0.25], rtol=0, atol=1e-7)
-
+                    balance_loss=0.01, capacity_factor=1.0)
+    cfg = dataclasses.replace(SMALL, layers=2, moe=moe)
+    bias = np.array([[0.3, 0.2, 0.1, 0.0], [0.0, 0.1, 0.2, 0.3]], np.float32)
     from jaxpar.train.step import make_train_step
 
     model = random_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), rng)
     model.layers.moe.router[...] = jnp.zeros_like(model.layers.moe.router[...])
-    model.layers.moe.router_bias[...] = jnp.asarray(bias[None])
+    model.layers.moe.router_bias[...] = jnp.asarray(bias)
     tokens = jnp.asarray(rng.integers(0, 64, (2, 8)), jnp.int32)
     step = make_train_step(model, optax.adamw(1e-2, weight_decay=0.5))
     params, opt_state = step.init(model)
     params, _, metrics = step(params, opt_state, {"inputs": tokens, "targets": jnp.roll(tokens, -1, axis=1)})
-    assert np.allclose(params["layers"]["moe"]["router_bias"][...], bias - 0.01 * np.array([1, 1, -1, -1]),
-                       rtol=0, atol=1e-7)
+    signs = np.array([[1, 1, -1, -1], [-1, -1, 1, 1]])
+    assert np.allclose(params["layers"]["moe"]["router_bias"][...], bias - 0.01 * signs, rtol=0, atol=1e-7)
     assert np.isfinite(float(metrics["loss"])) and float(metrics["grad_norm"]) > 0
+    assert abs(float(metrics["moe_balance_loss"]) - 0.02) < 1e-7
+    assert float(metrics["moe_load_max"]) == 2.0 and float(metrics["moe_dropped"]) == 0.5
+
+
+def test_step_metrics_from_statistics():
+    """``step_metrics`` on hand-written statistics: 2 layers, 3 experts, k=1, 6 tokens.
+    Layer 0 chose (3, 2, 1), probabilities summed (2.4, 2.1, 1.5), kept (2, 2, 1); layer 1
+    (2, 2, 2), (2, 2, 2), all kept. Balance: 3 * (3/6 * 0.4 + 2/6 * 0.35 + 1/6 * 0.25) =
+    1.075, and 3 * 3 * (1/3 * 1/3) = 1: 2.075 times 0.5. Load max 3 over 2: 1.5. Dropped
+    1 of 12."""
+    stats = jnp.array([[[3, 2, 1], [2.4, 2.1, 1.5], [2, 2, 1]], [[2, 2, 2], [2, 2, 2], [2, 2, 2]]], jnp.float32)
+    moe = MoEConfig(experts=3, experts_per_token=1, expert_width=8, balance_loss=0.5)
+    got = {k: float(v) for k, v in moe_lib.step_metrics(stats, moe).items()}
+    assert got == pytest.approx({"moe_balance_loss": 0.5 * 2.075, "moe_load_max": 1.5, "moe_dropped": 1 / 12},
+                                rel=1e-6)
 
 
 MESH_CASES = {  # model.moe, the mesh: with `expert`, the tokens travel to their experts (moe.exchange)
@@ -162,10 +181,9 @@ MESH_CASES = {  # model.moe, the mesh: with `expert`, the tokens travel to their
 def test_each_device_routes_its_rows_and_the_balance_statistics_are_the_batchs(name, rng):
     """The MoE block on a mesh (each device dispatches its own rows under shard_map; with
     ``expert``, the experts split and each assignment sent to its expert's device and
-    back, fewer local experts than ``k`` included; the counts and probabilities summed
-    over devices after) against one device: the output, the balance loss (with the
-    router bias's term) and the gradients of every weight, the bias's load deviation
-    included (1e-5). Training on meshes: test_combinations_train.py's model.moe cells,
+    back, fewer local experts than ``k`` included; the statistics summed over devices
+    after) against one device: the output, the balance loss, the statistics and the
+    gradients of every weight (1e-5). Training on meshes: test_combinations_train.py's model.moe cells,
     test_expert_parallel_training_steps_equal_one_device."""
     import jaxpar
     from conftest import tree_rel_err
@@ -182,16 +200,21 @@ def test_each_device_routes_its_rows_and_the_balance_statistics_are_the_batchs(n
     def run(block, x):
         def loss(block):
             y, aux = block(x)
-            return jnp.sum(y * probe) + aux, (y, aux)
+            return jnp.sum(y * probe) + aux.loss, (y, aux)
         return nnx.grad(loss, has_aux=True)(block)
 
     grads_one, (y_one, aux_one) = run(block, x)
     mesh = jaxpar.make_mesh(**axes)
     with use_mesh(mesh, sharding_rules(cfg, mesh)):
         grads, (y, aux) = run(block, x)
-    assert rel_err(y, y_one) < 1e-5 and abs(float(aux) - float(aux_one)) < 1e-6
-    assert tree_rel_err(grads, grads_one) < 1e-5
-    assert moe.router == "softmax" or np.abs(grads["router_bias"][...]).max() > 0
+    assert rel_err(y, y_one) < 1e-5 and abs(float(aux.loss) - float(aux_one.loss)) < 1e-6
+    assert rel_err(aux.stats, aux_one.stats) < 1e-6 and float(aux.stats[0].sum()) == 64 * moe.experts_per_token
+    assert tree_rel_err(_no_bias(grads), _no_bias(grads_one)) < 1e-5
+
+
+def _no_bias(tree):
+    """``tree`` without the router bias (no gradient parameter: its gradient is zero)."""
+    return jax.tree.map_with_path(lambda path, g: None if moe_lib._is_bias(path) else g, tree)
 
 
 def _counts(name):
@@ -271,8 +294,9 @@ def test_expert_parallel_training_steps_equal_one_device(rng):
     """Two train steps of a MoE model (the sigmoid_bias router, a capacity, a shared
     expert, the balance loss) with its experts split over ``expert=2`` beside data=2 and
     tensor=2 (each device's tokens sent to their experts' devices and back by
-    all-to-all: moe.exchange) equal one device's: each step's loss and gradient (1e-5),
-    the parameters after (the router bias's sign step included), on fresh random tokens.
+    all-to-all: moe.exchange) equal one device's: each step's loss, MoE metrics and
+    gradient (1e-5), the parameters after (the router bias's sign step included), on
+    fresh random tokens.
     The block alone on other meshes and routers: test_each_device_routes_its_rows..."""
     from conftest import tree_rel_err
     import jaxpar
@@ -282,8 +306,6 @@ def test_expert_parallel_training_steps_equal_one_device(rng):
                     bias_rate=0.01, shared_experts=1)
     model = random_init(lambda: Transformer(dataclasses.replace(SMALL, kv_heads=2, moe=moe), rngs=nnx.Rngs(0)), rng)
     record = optax.GradientTransformation(lambda p: jax.tree.map(jnp.zeros_like, p), lambda g, s, p=None: (g, g))
-    no_bias = lambda tree: jax.tree.map_with_path(  # noqa: E731 - the bias's gradient is taken out (zeros)
-        lambda path, g: None if moe_lib._is_bias(path) else g, tree)
     runs = {}
     for key, mesh in (("one", None), ("split", jaxpar.make_mesh(expert=2, data=2, tensor=2))):
         step = make_train_step(model, optax.chain(record, optax.sgd(0.5)), mesh, donate=False)
@@ -291,10 +313,13 @@ def test_expert_parallel_training_steps_equal_one_device(rng):
         for seed in range(2):
             tokens = np.random.default_rng(seed).integers(0, 64, (8, 17)).astype(np.int32)
             params, opt_state, metrics = step(params, opt_state, {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]})
-            runs.setdefault(key, []).append((float(metrics["loss"]), no_bias(step.in_model_order(opt_state)[0])))
+            runs.setdefault(key, []).append((metrics, _no_bias(step.in_model_order(opt_state)[0])))
         runs[key].append(step.in_model_order(params))
-    for (loss_one, grads_one), (loss, grads) in zip(runs["one"][:2], runs["split"][:2]):
-        assert abs(loss - loss_one) < 1e-5 * abs(loss_one) and tree_rel_err(grads, grads_one) < 1e-5
+    for (metrics_one, grads_one), (metrics, grads) in zip(runs["one"][:2], runs["split"][:2]):
+        assert tree_rel_err(grads, grads_one) < 1e-5 and set(metrics) == set(metrics_one)
+        for key in metrics:  # the loss, and moe_balance_loss, moe_load_max, moe_dropped
+            np.testing.assert_allclose(metrics[key], metrics_one[key], rtol=1e-5, err_msg=key)
+        assert 0 < float(metrics["moe_dropped"]) < 1 and float(metrics["moe_load_max"]) > 1
     assert tree_rel_err(runs["split"][2], runs["one"][2]) < 1e-5
     moved = np.asarray(runs["split"][2]["layers"]["moe"]["router_bias"][...] - model.layers.moe.router_bias[...])
     assert np.abs(moved).max() == pytest.approx(0.02)  # two sign steps of bias_rate

@@ -1,7 +1,10 @@
 """The parts a train step's loss and gradients are built from (``make_train_step``).
 
-A *gradient function* maps ``(params, batch, *frozen)`` to ``(loss, grads)``. The step
-composes one from parts, each a small function:
+A *gradient function* maps ``(params, batch, *frozen)`` to ``(loss, grads, stats)``:
+``stats`` a dict of float32 arrays that are sums over the batch's rows (a MoE model's
+routing statistics, ``jaxpar.train.losses.loss_and_stats``; ``{}`` otherwise), added over
+microbatches and ``psum``-ed over replicas beside the gradient, whatever reduction the
+gradient takes. The step composes one from parts, each a small function:
 
 * a source, how a batch becomes a loss: ``plain`` (the model's loss under
   ``jax.value_and_grad``) or through a pipeline schedule (``jaxpar.train.pipelined.source``);
@@ -39,15 +42,21 @@ from jaxpar.offload.fetch import to_device
 from jaxpar.placement.execution import current, use_execution
 from jaxpar.placement.sharding import auto_axes
 
-GradFn = Callable[..., tuple[jax.Array, Any]]  # (params, batch, *frozen) -> (loss, grads)
+GradFn = Callable[..., tuple[jax.Array, Any, dict]]  # (params, batch, *frozen) -> (loss, grads, stats)
 AXIS = reduction_lib.AXIS
 
 
 def plain(loss: Callable, graphdef) -> GradFn:
     """``loss(model, batch, *frozen)``'s value and gradient with respect to the model's
-    parameters (``nnx.merge(graphdef, params)``)."""
+    parameters (``nnx.merge(graphdef, params)``), and its statistics: ``loss`` returns a
+    scalar (no statistics) or ``(scalar, stats)`` (``jaxpar.train.losses.loss_and_stats``)."""
+    def with_stats(p, batch, *frozen):
+        out = loss(nnx.merge(graphdef, p), batch, *frozen)
+        return out if isinstance(out, tuple) else (out, {})
+
     def grad_fn(params, batch, *frozen):
-        return jax.value_and_grad(lambda p: loss(nnx.merge(graphdef, p), batch, *frozen))(params)
+        (value, stats), grads = jax.value_and_grad(with_stats, has_aux=True)(params, batch, *frozen)
+        return value, grads, stats
 
     return grad_fn
 
@@ -77,8 +86,9 @@ def token_shares(mask: jax.Array) -> jax.Array:
 def accumulated(grad_fn: GradFn, count: int) -> GradFn:
     """``grad_fn`` over ``count`` microbatches of the batch (``microbatches``), each
     weighted by its share of the counted tokens (``token_shares``): the loss and
-    gradients of the whole batch's token-weighted mean, whatever ``count``. Each sum is
-    made where its gradient lives: a host-resident parameter's on the host."""
+    gradients of the whole batch's token-weighted mean, whatever ``count``, and the
+    microbatches' statistics summed. Each sum is made where its gradient lives: a
+    host-resident parameter's on the host."""
     def run(params, batch, *frozen):
         micro = jax.tree.map(lambda x: microbatches(x, count), batch)
         mask = micro.get("mask")
@@ -86,10 +96,12 @@ def accumulated(grad_fn: GradFn, count: int) -> GradFn:
 
         def body(carry, xs):
             micro, share = xs
-            return offload_state.accumulate(carry, grad_fn(params, micro, *frozen), share), None
+            value, grads, stats = grad_fn(params, micro, *frozen)
+            return offload_state.accumulate(carry, (value, grads), share), stats
 
         zeros = (jnp.zeros((), jnp.float32), offload_state.zeros_like(params))
-        return jax.lax.scan(body, zeros, (micro, shares))[0]
+        (value, grads), stats = jax.lax.scan(body, zeros, (micro, shares))
+        return value, grads, jax.tree.map(lambda s: s.sum(0), stats)
 
     return run
 
@@ -113,35 +125,39 @@ class Replicas:
 
 
 def own_rows(grad_fn: GradFn, unit: int) -> Callable:
-    """``(params, batch, *frozen) -> (loss, grads, tokens)``: ``grad_fn`` over the real
-    rows of one replica's slot ``batch`` (real rows first, then rows whose ``mask`` is all
-    zero) in microbatches of ``unit`` rows, as many as its real rows need (a
+    """``(params, batch, *frozen) -> (loss, grads, stats, tokens)``: ``grad_fn`` over the
+    real rows of one replica's slot ``batch`` (real rows first, then rows whose ``mask``
+    is all zero) in microbatches of ``unit`` rows, as many as its real rows need (a
     ``fori_loop`` whose trip count is this replica's own), each weighted by its counted
-    tokens: the token-weighted mean over the real rows, and their counted tokens. Each
-    sum is made where its gradient lives (as ``accumulated`` makes it)."""
+    tokens: the token-weighted mean over the real rows, their statistics summed, and their
+    counted tokens. Each sum is made where its gradient lives (as ``accumulated`` makes it)."""
     def run(params, batch, *frozen):
         counted = batch["mask"].sum(axis=1) > 0
         last = jnp.max(jnp.where(counted, jnp.arange(counted.shape[0]) + 1, 0))
+        rows_of = lambda i: jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, i * unit, unit), batch)  # noqa: E731
 
         def microbatch(i, carry):
-            total, tokens, grads = carry
-            rows = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, i * unit, unit), batch)
+            total, tokens, grads, stats = carry
+            rows = rows_of(i)
             count = rows["mask"].sum().astype(jnp.float32)
-            value, g = grad_fn(params, rows, *frozen)
-            return total + count * value, tokens + count, offload_state.accumulate(grads, g, count)
+            value, g, s = grad_fn(params, rows, *frozen)
+            return (total + count * value, tokens + count, offload_state.accumulate(grads, g, count),
+                    jax.tree.map(jnp.add, stats, s))
 
-        zeros = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), offload_state.zeros_like(params))
-        total, tokens, grads = jax.lax.fori_loop(0, (last + unit - 1) // unit, microbatch, zeros)
+        shapes = jax.eval_shape(lambda: grad_fn(params, rows_of(0), *frozen)[2])
+        zeros = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), offload_state.zeros_like(params),
+                 jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
+        total, tokens, grads, stats = jax.lax.fori_loop(0, (last + unit - 1) // unit, microbatch, zeros)
         scale = 1.0 / jnp.maximum(tokens, 1.0)
-        return total * scale, offload_state.scaled(grads, scale), tokens
+        return total * scale, offload_state.scaled(grads, scale), stats, tokens
 
     return run
 
 
 def over_replicas(grad_fn: GradFn, replicas: Replicas, mesh, params_sharding, state_sharding=None) -> Callable:
-    """``(params, state, batch, *frozen) -> (loss, grads, state, measured)``: ``grad_fn``
-    per ``data`` replica on its own rows (the module docstring), combined as ``replicas``
-    says. ``state`` is DCT's carried state (``jaxpar.hetero.reduction.ResidualState``, its
+    """``(params, state, batch, *frozen) -> (loss, grads, stats, state, measured)``:
+    ``grad_fn`` per ``data`` replica on its own rows (the module docstring), combined as
+    ``replicas`` says, the statistics ``psum``-ed. ``state`` is DCT's carried state (``jaxpar.hetero.reduction.ResidualState``, its
     leaves split over ``data``; None otherwise), returned updated; ``measured`` holds
     ``grad_sq_small`` and ``batch_small`` with ``replicas.measure`` (else it is empty):
     the mean over the replicas of each one's squared gradient norm, and the batch that
@@ -151,7 +167,8 @@ def over_replicas(grad_fn: GradFn, replicas: Replicas, mesh, params_sharding, st
     token-weighted mean over the replicas with the mean, else the mean of the replicas'
     losses. On an Explicit mesh it runs with the axes made Auto, as the model's loss does."""
     run = functools.partial(_per_replica, grad_fn, replicas, mesh)
-    return auto_axes(run, out_sharding=(PartitionSpec(), params_sharding, state_sharding, PartitionSpec()))
+    return auto_axes(run, out_sharding=(PartitionSpec(), params_sharding, PartitionSpec(), state_sharding,
+                                        PartitionSpec()))
 
 
 def _per_replica(grad_fn: GradFn, replicas: Replicas, mesh, params, state, batch, *frozen):
@@ -162,9 +179,9 @@ def _per_replica(grad_fn: GradFn, replicas: Replicas, mesh, params, state, batch
     def replica(params, state, batch, *frozen):
         with use_execution(rules=rules):  # inside, `data` is manual: activations name it no more
             if replicas.rows is not None:
-                value, grads, tokens = own_rows(grad_fn, replicas.rows)(params, batch, *frozen)
+                value, grads, stats, tokens = own_rows(grad_fn, replicas.rows)(params, batch, *frozen)
             else:
-                value, grads = grad_fn(params, batch, *frozen)
+                value, grads, stats = grad_fn(params, batch, *frozen)
                 tokens = batch["mask"].astype(jnp.float32).sum() if "mask" in batch else jnp.ones((), jnp.float32)
         measured = {}
         if replicas.measure:  # each replica's squared norm, and the small batch they measure
@@ -182,7 +199,7 @@ def _per_replica(grad_fn: GradFn, replicas: Replicas, mesh, params, state, batch
                 grads, state = reduction_lib.exchange(jax.tree.map(to_device, grads), state, reduction, n)
             else:
                 grads = reduction_lib.adasum_over(grads, AXIS, n)
-        return value, grads, state, measured
+        return value, grads, jax.lax.psum(stats, AXIS), state, measured
 
     whole, split = PartitionSpec(), PartitionSpec(AXIS)
     compressed = reduction is not None and reduction.compressed
@@ -192,5 +209,5 @@ def _per_replica(grad_fn: GradFn, replicas: Replicas, mesh, params, state, batch
     # JAX 0.10 crashes checking the varying-manual-axes types of own_rows' loop (a
     # segfault while linearising the layers' scan).
     return jax.shard_map(replica, mesh=on, in_specs=(whole, state_spec, split, *(whole,) * len(frozen)),
-                         out_specs=(whole, whole, state_spec, whole), axis_names={AXIS}, check_vma=False,
+                         out_specs=(whole, whole, whole, state_spec, whole), axis_names={AXIS}, check_vma=False,
                          )(params, state, batch, *frozen)

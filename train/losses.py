@@ -40,14 +40,21 @@ def masked_mean(losses: jax.Array, mask: jax.Array | None) -> jax.Array:
 
 
 @auto_axes  # the model is written for Auto axes: on an Explicit mesh it runs with them Auto
+def loss_and_stats(model: nnx.Module, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """``(loss_fn(model, batch), stats)``: ``stats`` what the train step sums over the
+    batch's rows beside the gradient (``jaxpar.train.gradients``): ``{"moe": [L, 3, E]}``,
+    a MoE model's statistics (``jaxpar.models.moe``), ``{}`` for a dense model."""
+    x, aux = model.features_and_aux(batch["inputs"], positions=batch.get("positions"),
+                                    segment_ids=batch.get("segment_ids"))
+    loss = head_loss(model, x, batch["targets"], batch.get("mask"))
+    return (loss, {}) if aux is None else (loss + aux.loss, {"moe": aux.stats})
+
+
 def loss_fn(model: nnx.Module, batch: Batch) -> jax.Array:
     """Loss of ``model`` on a batch with ``inputs``, ``targets`` (int ``[B, T]``) and
     optionally ``positions``, ``segment_ids`` and ``mask`` (all ``[B, T]``); a MoE model's
     adds its layers' balance losses (``jaxpar.models.moe``; evaluation's too)."""
-    x, aux = model.features_and_aux(batch["inputs"], positions=batch.get("positions"),
-                                    segment_ids=batch.get("segment_ids"))
-    loss = head_loss(model, x, batch["targets"], batch.get("mask"))
-    return loss if aux is None else loss + aux
+    return loss_and_stats(model, batch)[0]
 
 
 def head_loss(model: nnx.Module, x: jax.Array, targets: jax.Array,

@@ -243,16 +243,17 @@ def loss_and_grads(graphdef, params, batch: dict, schedule: Schedule, mesh, stag
 
 def source(graphdef, schedule: Schedule, mesh, stage_layers, params_sharding) -> GradFn:
     """The step's gradient source through ``schedule`` (``jaxpar.train.gradients``):
-    ``loss_and_grads`` of jaxpar's own model, which, as ``loss_fn`` does, runs on an
-    Explicit mesh with the axes made Auto, its ``shard_map`` on the mesh in force there."""
+    ``loss_and_grads`` of jaxpar's own model (no statistics: a MoE model is refused),
+    which, as ``loss_fn`` does, runs on an Explicit mesh with the axes made Auto, its
+    ``shard_map`` on the mesh in force there."""
     def run(params, batch):
         context = jax.sharding.get_abstract_mesh()
         # inside another shard_map (a data replica's, jaxpar.train.gradients.over_replicas)
         # or on Explicit axes, the schedule's shard_map runs on the mesh in force there
         on = context if mesh.explicit_axes or (not context.empty and context.manual_axes) else mesh
-        return loss_and_grads(graphdef, params, batch, schedule, on, stage_layers)
+        return (*loss_and_grads(graphdef, params, batch, schedule, on, stage_layers), {})
 
-    return auto_axes(run, out_sharding=(jax.sharding.PartitionSpec(), params_sharding))
+    return auto_axes(run, out_sharding=(jax.sharding.PartitionSpec(), params_sharding, jax.sharding.PartitionSpec()))
 
 
 def profile_fields(schedule: Schedule, state, model_cfg, mesh, rules, batch_size: int, seq_len: int,

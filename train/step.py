@@ -31,7 +31,7 @@ from jaxpar.models import moe as moe_lib
 from jaxpar.placement.execution import Execution, OffloadOptions, SequenceOptions, use_execution
 from jaxpar.placement.sharding import like_params, model_shardings, use_mesh
 from jaxpar.train import combinations, gradients, pipelined
-from jaxpar.train.losses import Batch, loss_fn
+from jaxpar.train.losses import Batch, loss_and_stats, loss_fn
 
 BATCH_AXES = ("batch", "length")
 # What the data loader gives, each int32 [B, T].
@@ -270,8 +270,9 @@ def make_train_step(
     graphdef, params = nnx.split(model)
     reduction = None if reduction is None or reduction.is_mean else reduction
     offload = offload or OffloadOptions()
+    moe = getattr(getattr(model, "cfg", None), "moe", None)
     _refuse(mesh, pipeline, offload, reduction, weighted, noise_scale, grad_accum, stage_layers, loss, frozen,
-            moe=getattr(getattr(model, "cfg", None), "moe", None) is not None)
+            moe=moe is not None)
     resolved = None if mesh is None else rules_lib.for_mesh(mesh, rules_lib.DEFAULT_RULES if rules is None else rules)
     execution = Execution(resolved, kernels or KernelOptions(), sequence, offload)
     if reduction is not None:
@@ -279,16 +280,14 @@ def make_train_step(
         tx = reduction_lib.with_state(tx, reduction, mesh)
     layer_order, stage_layers = _storage_order(pipeline, model, stage_layers, offload)
     shardings = _shardings(params, tx, mesh, rules, resolved, offload, reduction, frozen)
-    if pipeline is not None:
-        source = pipelined.source(graphdef, pipeline, mesh, stage_layers, shardings.params)
-    else:
-        source = gradients.plain(loss, graphdef)
+    source = (gradients.plain(loss_and_stats if loss is loss_fn else loss, graphdef) if pipeline is None
+              else pipelined.source(graphdef, pipeline, mesh, stage_layers, shardings.params))
     if weighted is not None:
         weighted //= grad_accum  # _refuse: a divisor
     elif grad_accum > 1:
         source = gradients.accumulated(source, grad_accum)
     replicas = gradients.Replicas(reduction, weighted, noise_scale)
-    step = _step(source, replicas, tx, mesh, offload, shardings, execution, _bias_rate(model))
+    step = _step(source, replicas, tx, mesh, offload, shardings, execution, moe)
     donate_argnums = (0, 1) if donate else ()
     if mesh is None and not offload.state_on_host:
         return TrainStep(graphdef, tx, jax.jit(step, donate_argnums=donate_argnums),
@@ -386,18 +385,15 @@ def _shardings(params, tx, mesh, rules, resolved, offload: OffloadOptions, reduc
     return _Shardings(params_sharding, opt_sharding, batch_sharding, replicated, frozen_sharding, split)
 
 
-def _bias_rate(model: nnx.Module) -> float | None:
-    """The router bias's rate of a MoE model with ``router="sigmoid_bias"``, else None."""
-    moe = getattr(getattr(model, "cfg", None), "moe", None)
-    return moe.bias_rate if moe is not None and moe.router == "sigmoid_bias" else None
-
-
 def _step(source: gradients.GradFn, replicas: gradients.Replicas, tx, mesh, offload: OffloadOptions,
-          shardings: _Shardings, execution: Execution, bias_rate: float | None = None) -> Callable:
-    """``(params, opt_state, batch, *frozen) -> (params, opt_state, metrics)``: the loss and
-    gradients from ``source`` (per replica where ``replicas`` asks for it), then the update;
-    with ``bias_rate``, a MoE model's router biases take their own step
-    (``jaxpar.models.moe.update_router_biases``) rather than the optimizer's."""
+          shardings: _Shardings, execution: Execution, moe=None) -> Callable:
+    """``(params, opt_state, batch, *frozen) -> (params, opt_state, metrics)``: the loss,
+    gradients and statistics from ``source`` (per replica where ``replicas`` asks for it),
+    then the update. A MoE model (``moe``, its ``MoEConfig``) adds its metrics
+    (``jaxpar.models.moe.step_metrics``), and with ``router="sigmoid_bias"`` its router
+    biases take their own step from the statistics (``update_router_biases``) rather than
+    the optimizer's."""
+    bias_rate = moe.bias_rate if moe is not None and moe.router == "sigmoid_bias" else None
     per_replica = replicas != gradients.Replicas()
     compressed = replicas.reduction is not None and replicas.reduction.compressed
     # DCT's carried state in host memory (offload.optimizer=host) is exchanged on the
@@ -416,13 +412,15 @@ def _step(source: gradients.GradFn, replicas: gradients.Replicas, tx, mesh, offl
             state = opt_state[0] if compressed else None
             if carried_on_host:
                 state = jax.tree.map(to_device, state)
-            value, grads, state, measured = combined(params, state, batch, *frozen)
+            value, grads, stats, state, measured = combined(params, state, batch, *frozen)
             if compressed:
                 opt_state = (jax.tree.map(to_host, state) if carried_on_host else state, *opt_state[1:])
         else:
-            value, grads = source(params, batch, *frozen)
-        if bias_rate is not None:
-            grads, biases = moe_lib.update_router_biases(params, grads, bias_rate)
+            value, grads, stats = source(params, batch, *frozen)
+        if "moe" in stats:  # a MoE model's (none through a loss of the caller's own)
+            measured |= moe_lib.step_metrics(stats["moe"], moe)
+        if bias_rate is not None and "moe" in stats:
+            grads, biases = moe_lib.update_router_biases(params, grads, stats["moe"], bias_rate)
         if replicas.measure:
             measured["grad_sq_big"] = offload_state.squared_norm(grads)
         # the noise scale's norms reach a transformation that reads them (AdaScale's)
@@ -431,7 +429,7 @@ def _step(source: gradients.GradFn, replicas: gradients.Replicas, tx, mesh, offl
         else:
             updates, opt_state = optax.with_extra_args_support(tx).update(grads, opt_state, params, **measured)
             params, norm = optax.apply_updates(params, updates), optax.tree.norm(grads)
-        if bias_rate is not None:
+        if bias_rate is not None and "moe" in stats:
             params = moe_lib.with_router_biases(params, biases)
         adascale = adascale_lib.state_of(opt_state)
         if adascale is not None:  # scalars, on the host with offload.optimizer=host
