@@ -39,7 +39,9 @@ from jaxpar.parallel.pipeline_schedule import build
 from jaxpar.placement.execution import OffloadOptions, SequenceOptions
 from jaxpar.train import combinations, glide
 from jaxpar.train.config import load_config
-from jaxpar.train.step import loss_fn, make_train_step
+from jaxpar.models import moe as moe_lib
+from jaxpar.train.losses import loss_and_stats
+from jaxpar.train.step import make_train_step
 
 pytestmark = pytest.mark.slow
 
@@ -101,18 +103,18 @@ class Task:
 def tasks() -> dict[str, Task]:
     rng = np.random.default_rng(0)
     target = random_init(lambda: Transformer(CFG, rngs=nnx.Rngs(0)), rng)
-    lm = Task(target, loss_fn, (), lambda batch: batch)  # numpy: the references slice it without programs
+    lm = Task(target, loss_and_stats, (), lambda batch: batch)  # numpy: the references slice it without programs
     cfg = dataclasses.replace(load_config("glide", ["target_run_dir=t", "glide.kl_weight=0.5"]), model=CFG)
     draft = random_init(lambda: GlideDraft(CFG, 1, rngs=nnx.Rngs(0)), rng)
     state = nnx.state(target)
     teach = glide.teacher(target, cfg)
-    # The MoE cells: one MoE layer with a capacity and a shared expert; no balance loss
-    # (a function of the batch's statistics, not a mean over rows: test_moe.py checks it
-    # across devices)
+    # The MoE cells: one MoE layer with DeepSeek-V3's router bias, a capacity and a shared
+    # expert; no balance loss (a function of the batch's statistics, not a mean over rows:
+    # test_moe.py checks it across devices)
     moe = MoEConfig(experts=4, experts_per_token=2, expert_width=16, shared_experts=1, capacity_factor=1.0,
-                    balance_loss=0.0)
+                    balance_loss=0.0, router="sigmoid_bias", bias_rate=0.05)
     model = random_init(lambda: Transformer(dataclasses.replace(CFG, layers=1, moe=moe), rngs=nnx.Rngs(0)), rng)
-    return {"lm": lm, "moe": Task(model, loss_fn, (), lambda batch: batch), "glide": Task(draft, glide.make_loss(cfg, target), (state,),
+    return {"lm": lm, "moe": Task(model, loss_and_stats, (), lambda batch: batch), "glide": Task(draft, glide.make_loss(cfg, target), (state,),
                                     lambda batch: jax.tree.map(np.asarray, teach(state, batch)))}
 
 
@@ -126,17 +128,24 @@ def random_batch(seed: int, rows: int) -> dict:
 
 @functools.cache
 def _value_and_grad(loss, graphdef):
-    return jax.jit(jax.value_and_grad(lambda p, b, frozen: loss(nnx.merge(graphdef, p), b, *frozen)))
+    def with_stats(p, b, frozen):
+        out = loss(nnx.merge(graphdef, p), b, *frozen)
+        return out if isinstance(out, tuple) else (out, {})
+
+    return jax.jit(jax.value_and_grad(with_stats, has_aux=True))
 
 
-def reference_step(task: Task, params, batch: dict, options: dict) -> tuple[float, dict, dict]:
-    """One device: ``(loss, reduced gradient, noise-scale norms)`` at ``params`` (numpy) of the cell's replicas, each ``options["rows"]`` consecutive rows of ``batch``."""
+def reference_step(task: Task, params, batch: dict, options: dict) -> tuple[float, dict, dict, dict]:
+    """One device: ``(loss, reduced gradient, noise-scale norms, statistics)`` at
+    ``params`` (numpy) of the cell's replicas, each ``options["rows"]`` consecutive rows
+    of ``batch``; the statistics (a MoE model's) summed over the replicas."""
     grad_of = _value_and_grad(task.loss, nnx.graphdef(task.model))
     rows = options["rows"]
     starts = np.cumsum((0, *rows))
     out = [grad_of(params, {k: jnp.asarray(v[a:b]) for k, v in batch.items()}, task.frozen)
            for a, b in zip(starts, starts[1:])]
-    losses = np.array([float(loss) for loss, _ in out])
+    losses = np.array([float(loss) for (loss, _), _ in out])
+    stats = jax.tree.map(lambda *s: np.sum([np.asarray(x, np.float64) for x in s], axis=0), *[s for (_, s), _ in out])
     stacked = jax.tree.map(lambda *g: np.stack([np.asarray(x, np.float64) for x in g]), *[g for _, g in out])
     reduction = options.get("reduction")
     if reduction is None:  # the whole batch's token-weighted mean: every token counts
@@ -149,7 +158,7 @@ def reference_step(task: Task, params, batch: dict, options: dict) -> tuple[floa
     norms = {"grad_sq_small": np.mean([sum(np.sum(np.square(g[r])) for g in jax.tree.leaves(stacked))
                                        for r in range(len(rows))]),
              "grad_sq_big": sum(np.sum(np.square(g)) for g in jax.tree.leaves(grads))}
-    return loss, grads, norms
+    return loss, grads, norms, stats
 
 
 def step_batch(batch: dict, rows: tuple[int, ...]) -> dict:
@@ -190,7 +199,7 @@ def train_cell(tasks, options: dict) -> None:
         before = jax.tree.map(np.asarray, step.in_model_order(params))
         batch = task.prepare(random_batch(seed, sum(rows)))
         params, opt_state, metrics = step(params, opt_state, step_batch(batch, rows), *task.frozen)
-        loss, grads, norms = reference_step(task, before, batch, {**options, "rows": rows})
+        loss, grads, norms, stats = reference_step(task, before, batch, {**options, "rows": rows})
         got = step.in_model_order(opt_state)
         compressed = options.get("reduction") is not None and options["reduction"].compressed
         assert tree_rel_err(got[1][0] if compressed else got[0], grads) < 1e-5, seed
@@ -200,4 +209,19 @@ def train_cell(tasks, options: dict) -> None:
                 np.testing.assert_allclose(metrics[key], value, rtol=1e-5, err_msg=key)
             np.testing.assert_allclose(metrics["batch_small"], len(rows) / sum(1 / r for r in rows), rtol=1e-6)
         moved = jax.tree.map(lambda a, b: np.asarray(a, np.float64) - b, step.in_model_order(params), before)
+        if "moe" in stats:
+            check_moe(task.model.cfg.moe, metrics, moved, grads, stats["moe"])
         assert tree_rel_err(moved, jax.tree.map(lambda g: -LR * g, grads)) < 1e-4, seed  # float32 parameters
+
+
+def check_moe(moe: MoEConfig, metrics: dict, moved, grads, stats: np.ndarray) -> None:
+    """A MoE cell's metrics are those of the whole batch's statistics, and its router
+    bias moved by ``-bias_rate * sign`` of the whole batch's load deviation (its
+    gradient, zero, taken out of ``moved`` and ``grads`` for the SGD check after)."""
+    assert float(stats[0, 2].sum()) < float(stats[0, 0].sum())  # the capacity drops some
+    for key, value in moe_lib.step_metrics(jnp.asarray(stats, jnp.float32), moe).items():
+        np.testing.assert_allclose(metrics[key], value, rtol=1e-5, err_msg=key)
+    counts = stats[:, 0]
+    want = -moe.bias_rate * np.sign(counts / counts.sum(-1, keepdims=True) - 1 / moe.experts)
+    assert np.any(want) and np.allclose(moved["layers"]["moe"]["router_bias"][...], want, rtol=0, atol=1e-6)
+    moved["layers"]["moe"]["router_bias"][...] = grads["layers"]["moe"]["router_bias"][...] = np.zeros_like(want)

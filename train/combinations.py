@@ -69,15 +69,10 @@ _ROWS_LOOP = ("each data replica runs its own count of microbatches (a loop of i
               "axis's collective-permutes meet every device at once (FSDP's and tensor's collectives stay "
               "within a replica)")
 _NOISE_MEAN = "the noise scale's large batch is the plain mean's gradient, which {} replaces"
-_MOE_GRADIENT = ("a MoE model's router bias steps by the sign of its gradient, its load deviation over the batch "
-                 "(jaxpar.models.moe), which only the plain mean's gradient is")
 REFUSED: dict[frozenset, str] = {frozenset(pair): why for pair, why in {
     ("model.moe", "mesh.pipe"): "a pipelined step computes the next-token loss itself, without the MoE layers' "
                                 "loss terms",
     ("model.moe", "offload"): "experts in host memory are not built yet (issue 51, item 2)",
-    ("model.moe", "optimizer.reduction=adasum"): _MOE_GRADIENT,
-    ("model.moe", "optimizer.compression=dct_topk"): _MOE_GRADIENT,
-    ("model.moe", "eval.noise_scale"): _MOE_GRADIENT,
     ("model.moe", "task=glide"): "a GliDe draft reads a dense target's layers",
     ("data.batch_weights", "mesh.pipe"): _ROWS_LOOP,
     ("data.batch_weights", "mesh.seq"): _ROWS_LOOP,
