@@ -110,16 +110,21 @@ class KVCache:
     lengths: jax.Array
 
     def run(self, layers, x, call, tree_mask=None, xs=None):
+        """``Cache.run``. Where the stack holds ``U`` units of ``n = L / U`` layers each (a
+        MoE model's ``model.moe.every = n`` groups), unit ``u``'s view holds layers ``u n
+        .. u n + n - 1``: ``k``, ``v`` ``[n, B, S_max, K, H]``, and it returns theirs."""
         B, T = x.shape[:2]
         lengths = jnp.broadcast_to(self.lengths, (B,))
         graphdef, layer_state = nnx.split(layers)
+        units = jax.tree.leaves(layer_state)[0].shape[0]
+        grouped = lambda a: a if units == a.shape[0] else a.reshape(units, -1, *a.shape[1:])  # noqa: E731
 
         def layer(x, inputs):
             state, k, v, extra = inputs
             return call(nnx.merge(graphdef, state), x, CacheView(k, v, lengths, tree_mask), extra)
 
-        x, (k, v) = jax.lax.scan(layer, x, (layer_state, self.k, self.v, xs))
-        return x, KVCache(k, v, lengths + T)
+        x, (k, v) = jax.lax.scan(layer, x, (layer_state, grouped(self.k), grouped(self.v), xs))
+        return x, KVCache(k.reshape(self.k.shape), v.reshape(self.v.shape), lengths + T)
 
     def with_lengths(self, lengths):
         return dataclasses.replace(self, lengths=lengths)

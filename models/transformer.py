@@ -44,7 +44,7 @@ from jaxpar.placement import rules as rules_lib
 from jaxpar.ops.attention import dot_product_attention
 from jaxpar.ops.linear import dense
 from jaxpar.layout import REMAT_POLICIES
-from jaxpar.models.cache import Cache
+from jaxpar.models.cache import Cache, CacheView
 from jaxpar.models.config import CHECKPOINT_NAMES, ModelConfig, RopeScaling
 from jaxpar.models.moe import Aux, MoE
 from jaxpar.models.params import param as _param, zeros as _zeros, ones as _ones
@@ -274,15 +274,28 @@ class LayerGroup(nnx.Module):
         self.sparse = DecoderLayer(cfg, rngs=rngs, moe=True)
 
     def __call__(self, x, positions, segment_ids, cache=None):
-        x, _, _ = self.forward(x, positions, segment_ids, cache)
-        return x
+        x, new_cache, _ = self.forward(x, positions, segment_ids, cache)
+        return x if cache is None else (x, new_cache)
 
     def forward(self, x, positions, segment_ids, cache=None):
-        if cache is not None:
-            raise ValueError(f"decoding a model with model.moe.every={len(self.dense) + 1} is not supported yet")
-        for layer in self.dense:
-            x = layer(x, positions, segment_ids)
-        return self.sparse.forward(x, positions, segment_ids)
+        """``DecoderLayer.forward`` over the group's layers. A ``cache`` is the contiguous
+        cache's view of the group's ``n`` layers (``CacheView`` with ``k``, ``v`` ``[n, B,
+        S_max, K, H]``: ``KVCache.run``), and the new cache their updated keys and values
+        stacked; the paged caches of ``jaxpar.serving.pages`` are refused."""
+        if cache is None:
+            for layer in self.dense:
+                x = layer(x, positions, segment_ids)
+            return self.sparse.forward(x, positions, segment_ids)
+        if not isinstance(cache, CacheView):
+            raise ValueError(f"decoding a model with model.moe.every={len(self.dense) + 1} over a paged cache "
+                             "(jaxpar-serve) is not supported yet")
+        keys, values = [], []
+        for j, layer in enumerate([*self.dense, self.sparse]):
+            view = dataclasses.replace(cache, k=cache.k[j], v=cache.v[j])
+            x, (k, v), aux = layer.forward(x, positions, segment_ids, view)
+            keys.append(k)
+            values.append(v)
+        return x, (jnp.stack(keys), jnp.stack(values)), aux
 
 
 @dataclasses.dataclass(frozen=True)

@@ -323,3 +323,25 @@ def test_expert_parallel_training_steps_equal_one_device(rng):
     assert tree_rel_err(runs["split"][2], runs["one"][2]) < 1e-5
     moved = np.asarray(runs["split"][2]["layers"]["moe"]["router_bias"][...] - model.layers.moe.router_bias[...])
     assert np.abs(moved).max() == pytest.approx(0.02)  # two sign steps of bias_rate
+
+
+def test_decoding_with_moe_every_2_equals_the_full_forward(rng):
+    """A 4-layer model with MoE in layers 1 and 3 (``every=2``: two stacked groups of a
+    dense and a MoE layer): a 6-token prompt, then 3 tokens one at a time, through the
+    contiguous KV cache (each group's view holds its 2 layers), give the full forward's
+    logits (1e-5) on random weights and tokens, and fill every layer's cache."""
+    from jaxpar.models.cache import init_cache
+
+    moe = MoEConfig(experts=4, experts_per_token=2, expert_width=8, every=2)
+    cfg = dataclasses.replace(SMALL, layers=4, moe=moe)
+    model = random_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), rng)
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 9)), jnp.int32)
+    decode = nnx.jit(lambda m, t, c: m.decode(t, c)[:2])
+    full = nnx.jit(lambda m, t: m(t))(model, tokens)
+    first, cache = decode(model, tokens[:, :6], init_cache(cfg, 2, 12))
+    stepped = [first]
+    for i in range(6, 9):
+        logits, cache = decode(model, tokens[:, i:i + 1], cache)
+        stepped.append(logits)
+    assert rel_err(jnp.concatenate(stepped, axis=1), full) < 1e-5
+    assert np.asarray(cache.lengths).tolist() == [9, 9] and np.all(np.abs(np.asarray(cache.k[:, :, :9])).sum(-1) > 0)
