@@ -175,11 +175,15 @@ def rel_err(a, b) -> float:
 
 
 def tree_rel_err(a, b) -> float:
-    """The worst per-leaf ||a - b|| / ||b|| over two pytrees of the same structure."""
+    """The worst per-leaf ||a - b|| / ||b|| over two pytrees of the same structure. A leaf
+    whose reference is all zeros counts ||a - b|| itself, and a NaN anywhere is inf: a
+    0/0 must not drop out of the maximum (``max(0.0, nan)`` is 0.0)."""
     worst = 0.0
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
-        worst = max(worst, float(np.linalg.norm(x - y) / np.linalg.norm(y)))
+        diff, norm = float(np.linalg.norm(x - y)), float(np.linalg.norm(y))
+        err = diff / norm if norm > 0 else diff
+        worst = max(worst, err if np.isfinite(err) else np.inf)
     return worst
 
 

@@ -35,3 +35,17 @@ def test_a_parallel_run_shares_one_cache_and_removes_it(tmp_path):
     seen = {(tmp_path / f"{name}.seen").read_text() for name in ("a", "b")}
     assert len(seen) == 1 and seen.pop().startswith(str(tmp_path / "tmp" / "jaxpar-tests-"))
     assert not list((tmp_path / "tmp").glob("jaxpar-tests-*"))
+
+
+def test_tree_rel_err_does_not_drop_a_zero_reference_or_a_nan():
+    """A leaf whose reference is all zeros (a 0/0) and a NaN leaf make the error large,
+    not vanish from the maximum."""
+    import numpy as np
+
+    from conftest import tree_rel_err
+
+    rng = np.random.default_rng(0)
+    ref = {"w": rng.normal(size=(3, 4)), "zero": np.zeros(5)}
+    assert tree_rel_err(ref, ref) == 0.0
+    assert tree_rel_err({**ref, "zero": np.full(5, 1e-3)}, ref) > 1e-5
+    assert tree_rel_err({**ref, "w": np.full((3, 4), np.nan)}, ref) == np.inf
