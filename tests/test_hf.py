@@ -362,6 +362,56 @@ def test_qwen3_moe_greedy_decode_matches_transformers(moe_checkpoint):
     np.testing.assert_array_equal(tokens, expected[:, prompt.shape[1]:].numpy())
 
 
+@pytest.mark.slow
+def test_serve_mixtral_tensor_parallel_matches_transformers(moe_checkpoint, tmp_path):
+    """``jaxpar-serve MIXTRAL_DIR mesh.tensor=2`` (paged KV cache, experts split by the
+    tensor rule) answers the official openai client with transformers' greedy generate's
+    tokens, cut at Mixtral's end token (id 2) where generate stops. One program (steps of
+    8 tokens): a word-level tokenizer ``t0`` ... ``t63`` is added to the saved directory."""
+    import socket
+    import threading
+    import time
+
+    import openai
+    import tokenizers
+    import uvicorn
+
+    from jaxpar.commands import serve
+
+    torch, _ = hf_modules()
+    src, _, hf, _ = moe_checkpoint("mixtral")
+    path = shutil.copytree(src, tmp_path / "mixtral")
+    words = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"t{i}": i for i in range(64)}, "t0"))
+    words.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    words.save(str(path / "tokenizer.json"))
+    args = serve._parser().parse_args([str(path), "mesh.tensor=2", "--max-batch", "2", "--page-size", "8",
+                                       "--max-num-batched-tokens", "8", "--max-context", "32",
+                                       "--kv-memory", str(16 * 2 * 2 * 8 * 2 * 8 * 4), "--wait-for-programs"])
+    async_engine, app, engine = serve.build(args)
+    assert dict(engine.mesh.shape) == {"tensor": 2} and len(engine.compiled_programs) == 2
+    sock = socket.create_server(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            assert thread.is_alive()
+            time.sleep(0.01)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}/v1", api_key="unused",
+                               max_retries=0)
+        for prompt in MOE_TOKENS[:, :6].tolist():
+            out = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0)
+            want = out[0, len(prompt):].tolist()
+            got = client.completions.create(model="mixtral", prompt=" ".join(f"t{i}" for i in prompt),
+                                            max_tokens=12, temperature=0)
+            assert got.usage.completion_tokens == len(want)
+            assert got.choices[0].text == " ".join(f"t{i}" for i in want if i != 2)
+    finally:
+        server.should_exit = True
+        thread.join(60)
+    assert not thread.is_alive()
+
+
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_moe_export_is_the_hub_layout(arch, moe_checkpoint, tmp_path):
     """to_hf writes the tensor names and shapes transformers' save_pretrained writes (the
