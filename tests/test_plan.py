@@ -36,7 +36,8 @@ def figures(tiny):
 
     from jaxpar.train.plan import compiled_figures
 
-    return functools.cache(lambda layout: compiled_figures(tiny, layout))
+    compiled = functools.cache(lambda layout, batch_size: compiled_figures(tiny, layout, batch_size))
+    return lambda layout, batch_size=None: compiled(layout, batch_size or tiny.batch_size)
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +68,26 @@ def test_candidates_keep_only_runnable_layouts(tiny):
     assert any(l.pipe > 1 for l in host) and any(l.seq > 1 for l in host)  # offload composes with both
 
 
+def test_dominated_variants_change_no_ranking(tiny, h100, monkeypatch):
+    """Pruning the host-offload and extra-accumulation variants of layouts that fit with
+    room to spare (rule ``dominated``) leaves every ranking the same: on tiny at 8
+    devices (memory ample, then tight enough that only some layouts are roomy) the
+    first candidate and the best of each mesh are those of the unpruned search, which
+    counts the pruned ones among its own candidates."""
+    work = work_of(tiny)
+    for memory in (80 * GIB, 2 ** 25):  # 32 MiB: the best is offloaded, 744 of 6,336 dominated
+        pruned = search.search(work, 8, h100, device_memory=memory, devices_per_node=8)
+        with monkeypatch.context() as m:
+            m.setattr(search, "DOMINANT", float("inf"))  # nothing is roomy: nothing pruned
+            whole = search.search(work, 8, h100, device_memory=memory, devices_per_node=8)
+        dominated = pruned.pruned["dominated"]
+        assert dominated > 0 and "dominated" not in whole.pruned
+        assert len(whole.candidates) == len(pruned.candidates) + dominated
+        assert {c.layout for c in pruned.candidates} < {c.layout for c in whole.candidates}
+        best = lambda plan: [(c.layout, c.time.total) for c in search.best_of_each_mesh(plan.candidates, 10 ** 6)]  # noqa: E731
+        assert best(pruned) == best(whole)
+
+
 def test_overrides_select_the_layout(tiny):
     layout = Layout(data=2, pipe=2, tensor=2, schedule="interleaved", microbatches=4, virtual_stages=1,
                     remat="full", sequence_parallel=True)
@@ -95,6 +116,29 @@ def test_analytic_memory_against_compiled(tiny, figures):
         compiled = (fig["argument_bytes"] + fig["output_bytes"] - fig["alias_bytes"]
                     + fig["temp_bytes"])
         assert abs(parts["device"] / compiled - 1) < 0.05, (layout.describe(), parts["device"], compiled)
+
+
+def test_data_cut_to_two_compiles_the_same_program_per_device(tiny, figures):
+    """A candidate compiles with ``data`` cut to 2 and the batch with it
+    (``search.compiled_shape``): its memory and FLOPs per device are exactly the full
+    program's, and its collectives rescaled to the full group (``search.rescaled``) are
+    the full program's bytes and counts by axis and kind. data=8 on tiny's batch of 16
+    (compiled for the memory test above) against data=2 on 4 sequences."""
+    work = work_of(tiny)
+    full = Layout(data=8, remat="none")
+    small_work, small = search.compiled_shape(work, full)
+    assert small == Layout(data=2, remat="none") and small_work.batch_size == 4
+    whole, cut = figures(full), figures(small, small_work.batch_size)
+    for key in ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "flops", "collective_counts_by_axes"):
+        assert cut[key] == whole[key], key
+    assert cut["collectives_by_axes"]["data"] < whole["collectives_by_axes"]["data"]  # a smaller group
+    scaled = search.rescaled(cut, small, full)
+    for key in ("collectives_by_axes", "collectives"):
+        assert scaled[key] == pytest.approx(whole[key], rel=1e-12), key
+    assert scaled["collective_kinds_by_axes"].keys() == whole["collective_kinds_by_axes"].keys()
+    for axes, kinds in whole["collective_kinds_by_axes"].items():
+        assert scaled["collective_kinds_by_axes"][axes] == pytest.approx(kinds, rel=1e-12), axes
+    assert scaled["collective_bytes"] == pytest.approx(whole["collective_bytes"], rel=1e-12)
 
 
 @pytest.mark.slow

@@ -62,7 +62,7 @@ def test_first_line_is_compiled_and_predicted_fastest(tmp_path):
         # memory: ample, or just above the smallest estimate with its margin (the margin decides)
         smallest = min(c.memory["device"] for c in analytic.candidates)
         memory = 80 * GIB if trial == 0 else int(smallest * search.MEMORY_LOW * float(rng.uniform(1.2, 2)))
-        compile = functools.cache(lambda layout, cfg=cfg: compiled_figures(cfg, layout))
+        compile = functools.cache(lambda layout, batch_size, cfg=cfg: compiled_figures(cfg, layout, batch_size))
         kwargs = dict(device_memory=memory, devices_per_node=2, compile=compile, compile_top=20, space=space,
                       cache=FigureCache(tmp_path / str(trial)))
         cold = search.search(work, 2, hw, **kwargs)

@@ -65,8 +65,10 @@ class PlanConfig:
     node's fast links (unset: 8, or the devices one process has with ``mesh=auto``);
     ``compile_top``: the candidates that could still rank first are compiled for exact
     figures, at most ``3 x compile_top`` of them (0: the analytic model only);
-    ``compile_devices``: the most devices compiled for
-    (simulated CPU devices; beyond, the analytic model only)."""
+    ``compile_devices``: the most (simulated CPU) devices a candidate is compiled on: it
+    compiles with ``data`` cut to 2 and the batch with it, the same program per device
+    (``jaxpar.planning.search.compiled_shape``); one that still needs more stays
+    estimated, and the plan says so."""
 
     devices: int | None = None
     device_memory: str | int | None = None

@@ -65,15 +65,18 @@ def _built_step(cfg: Config, layout: Layout, devices):
     return run, mesh, rules, step, abstract, stages
 
 
-def compiled_figures(cfg: Config, layout: Layout, devices=None) -> dict:
+def compiled_figures(cfg: Config, layout: Layout, batch_size: int | None = None, *, devices=None) -> dict:
     """The compile-only profile of ``cfg``'s train step under ``layout`` (state on the
     device: XLA:CPU does not tell host from device memory, ``jaxpar.profiler``), on the
     first ``layout.devices`` of ``devices`` (default ``jax.devices()``), with
-    ``collectives_by_axes``. Everything that changes the program is an argument of
+    ``collectives_by_axes``; ``batch_size``: in place of ``cfg``'s (the planner's
+    ``compiled_shape``). Everything that changes the program is an argument of
     ``make_train_step`` (its ``Execution`` bound when built), so candidates compiled one
     after another in one process do not see each other's settings."""
     from jaxpar.profiler import profile
 
+    if batch_size is not None:
+        cfg = dataclasses.replace(cfg, batch_size=batch_size)
     run, mesh, _, step, abstract, stages = _built_step(cfg, layout, devices)
     figures = profile(step.compile(abstract, run.batch_size, run.seq_len), mesh=mesh)
     if stages is not None:
@@ -158,7 +161,7 @@ def hardware_for(name: str | None, cache_dir: pathlib.Path, devices=None) -> Har
 def run_plan(cfg: Config, devices: int, *, hw: Hardware, device_memory: int, devices_per_node: int,
              compile_on=None, backend: str = "cpu", progress=None) -> Plan:
     """The ranked plan; ``compile_on``: the devices to compile candidates on (None:
-    analytic only)."""
+    analytic only; a candidate needing more of them than there are is left estimated)."""
     if devices_per_node > devices:
         devices_per_node = devices
     compile = None
@@ -169,7 +172,8 @@ def run_plan(cfg: Config, devices: int, *, hw: Hardware, device_memory: int, dev
         return search.search(workload(cfg), devices, hw, device_memory=device_memory,
                              devices_per_node=devices_per_node, space=Space(base=cfg.layout),
                              compile=compile, compile_top=cfg.plan.compile_top,
-                             cache=cache, backend=backend, progress=progress)
+                             cache=cache, backend=backend, progress=progress,
+                             compile_devices=None if compile_on is None else len(compile_on))
     except search.PlanError as e:
         raise ConfigError(str(e)) from None
 

@@ -146,10 +146,13 @@ def main(argv=None) -> int:
                 stage_comparison(cfg, devices, hw, per_node)  # (checked here; recomputed on the cpu profile)
         except InputError as e:
             parser.error(str(e))
-    compiles = args.calibrate or (cfg.plan.compile_top > 0 and devices <= cfg.plan.compile_devices)
-    if compiles or calibrating:  # compiled for XLA:CPU on simulated devices, whatever the machine has
+    # compiled for XLA:CPU on simulated devices, whatever the machine has: at most
+    # plan.compile_devices of them (a candidate compiles with data cut, on fewer devices;
+    # one that needs more than there are stays estimated, and the plan says so)
+    compiles = args.calibrate or cfg.plan.compile_top > 0
+    if compiles or calibrating:
         jax.config.update("jax_platforms", "cpu")
-        simulate_cpu_devices(devices if compiles else min(devices, 8))
+        simulate_cpu_devices(min(devices, cfg.plan.compile_devices) if compiles else min(devices, 8))
     calibrated = None
     if calibrating:
         calibrated = _calibrate(cache_dir, say)

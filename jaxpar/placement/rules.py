@@ -356,6 +356,20 @@ def _suggest(name: str, choices: Sequence[str]) -> str:
 
 def freeze(rules: Rules) -> tuple[tuple[str, MeshAxes], ...]:
     """Validates the table's shape and returns it as a hashable tuple."""
+    if isinstance(rules, tuple):
+        try:
+            return _freeze_tuple(rules)  # the planner freezes the same tables thousands of times
+        except TypeError:  # unhashable (a list inside)
+            pass
+    return _freeze(rules)
+
+
+@functools.lru_cache(maxsize=1024)
+def _freeze_tuple(rules: tuple) -> tuple[tuple[str, MeshAxes], ...]:
+    return _freeze(rules)
+
+
+def _freeze(rules: Rules) -> tuple[tuple[str, MeshAxes], ...]:
     frozen = []
     seen = set()
     for entry in rules:

@@ -49,6 +49,7 @@ CPU-compiled bfloat16 program are halved.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from jaxpar.planning.hardware import Hardware
 from jaxpar.planning.layout import Layout
@@ -165,15 +166,23 @@ def comm_bytes(work: Workload, layout: Layout) -> tuple[dict[str, float], dict[s
 def bandwidth(key: str, sizes: dict[str, int], hw: Hardware, devices_per_node: int) -> float:
     """Bytes/s one device sends over the axes ``key`` names (``data+fsdp``): intra-node
     when their devices all sit in one node, else inter-node."""
+    inside = _within_node(key, tuple(sizes.items()), devices_per_node)
+    return hw.intra_node_bandwidth if inside else hw.inter_node_bandwidth
+
+
+@functools.lru_cache(maxsize=65536)
+def _within_node(key: str, sizes: tuple[tuple[str, int], ...], devices_per_node: int) -> bool:
+    """Whether the devices of the axes ``key`` names all sit in one node."""
+    sizes = dict(sizes)
     axes = [a for a in key.split("+") if a in sizes]
     if not axes:
-        return hw.inter_node_bandwidth
+        return False
     order = [a for a in AXIS_ORDER if a in sizes]
     outer = min(order.index(a) for a in axes)
     span = 1
     for a in order[outer:]:
         span *= sizes[a]
-    return hw.intra_node_bandwidth if span <= devices_per_node else hw.inter_node_bandwidth
+    return span <= devices_per_node
 
 
 def offload_bytes(work: Workload, layout: Layout) -> float:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from jaxpar.layout import Layout, from_overrides  # noqa: F401 - the planner's candidates are Layouts
 from jaxpar.models.config import ModelConfig
@@ -51,6 +51,8 @@ RULES = {
     "microbatches": "1F1B and interleaved need microbatches >= pipe (interleaved: a multiple of pipe)",
     "sequence_parallel": "Megatron sequence parallelism needs 1D tensor > 1",
     "offload": "offload with the interleaved schedule (its layers are stored reordered; not yet)",
+    "dominated": "host offload or more grad_accum where the layout fits on the device with room to spare "
+                 "(never faster, never ranked first)",
 }
 
 
@@ -126,17 +128,21 @@ def mesh_rule(mesh: dict, model: ModelConfig, seq_len: int) -> str | None:
 
 
 def enumerate_layouts(devices: int, model: ModelConfig, batch_size: int, seq_len: int, *,
-                      space: Space = Space()) -> tuple[list[Layout], collections.Counter]:
-    """``(kept layouts, pruned count by RULES key)``."""
+                      space: Space = Space(), roomy: Callable[[Layout], bool] | None = None,
+                      ) -> tuple[list[Layout], collections.Counter]:
+    """``(kept layouts, pruned count by RULES key)``. ``roomy(layout)`` (a kept layout,
+    its state on the device): True when it fits with room to spare, which prunes (rule
+    ``dominated``) its host-offload variants and, at ``grad_accum=1``, its variants with
+    more gradient accumulation: each is the same step plus host transfers or more
+    collectives, never predicted faster, and ranked after it in a tie."""
     kept: list[Layout] = []
     pruned: collections.Counter = collections.Counter()
     for mesh in _meshes(devices, model, batch_size, seq_len, space.tensor_2d, space.base.expert):
         rule = mesh_rule(mesh, model, seq_len)
-        options = list(_options(mesh, model, batch_size, space))
         if rule:
-            pruned[rule] += len(options)
+            pruned[rule] += _count(_choices(mesh, model, batch_size, space), space)
             continue
-        for layout, rule in options:
+        for layout, rule in _options(mesh, model, batch_size, space, roomy):
             if rule:
                 pruned[rule] += 1
             else:
@@ -144,8 +150,9 @@ def enumerate_layouts(devices: int, model: ModelConfig, batch_size: int, seq_len
     return kept, pruned
 
 
-def _options(mesh: dict, model: ModelConfig, batch_size: int, space: Space) -> Iterator[tuple[Layout, str | None]]:
-    """Every setting beyond the mesh, each with the RULE it breaks (or None)."""
+def _choices(mesh: dict, model: ModelConfig, batch_size: int, space: Space) -> tuple:
+    """``(base layout, (schedule, microbatches, virtual) choices, seq_impls, sequence
+    parallelism, grad_accums, host-offload places)`` of a mesh."""
     base = dataclasses.replace(space.base, **mesh)
     rows = batch_size // base.data_ways if batch_size % base.data_ways == 0 else 0
     if mesh["pipe"] > 1:
@@ -158,18 +165,49 @@ def _options(mesh: dict, model: ModelConfig, batch_size: int, space: Space) -> I
         accums = powers_of_two(min(max(rows, 1), space.max_grad_accum), max(rows, 1))
     seq_impls = space.seq_impls if mesh["seq"] > 1 else ("ring",)
     one_d = not isinstance(mesh["tensor"], tuple) and mesh["tensor"] > 1
-    places = [(p, o) for p in PLACES for o in PLACES] if space.offload else [("device", "device")]
+    hosts = [(p, o) for p in PLACES for o in PLACES][1:] if space.offload else []
+    return base, pipes, seq_impls, ((False, True) if one_d else (False,)), accums, hosts
+
+
+def _count(choices: tuple, space: Space) -> int:
+    """How many layouts ``_options`` yields for these choices."""
+    _, pipes, seq_impls, sps, accums, hosts = choices
+    return len(pipes) * len(seq_impls) * len(sps) * len(space.remats) * len(accums) * (1 + len(hosts))
+
+
+def _options(mesh: dict, model: ModelConfig, batch_size: int, space: Space,
+             roomy: Callable[[Layout], bool] | None = None) -> Iterator[tuple[Layout | None, str | None]]:
+    """Every setting beyond the mesh, each with the RULE it breaks (or None); a pruned
+    host-offload variant is not built (None with its rule)."""
+    base, pipes, seq_impls, sps, accums, hosts = _choices(mesh, model, batch_size, space)
     for schedule, micro, virtual in pipes:
         for seq_impl in seq_impls:
-            for sp in ((False, True) if one_d else (False,)):
-                for remat in space.remats:
-                    for accum in accums:
-                        for params, opt in places:
-                            layout = dataclasses.replace(
-                                base, schedule=schedule, microbatches=micro, virtual_stages=virtual,
-                                seq_impl=seq_impl, sequence_parallel=sp, remat=remat, grad_accum=accum,
-                                offload_params=params, offload_optimizer=opt)
-                            yield layout, _rule(layout, model, batch_size)
+            spacious = set()  # (sp, remat) whose grad_accum=1 layout fits with room: more accumulation dominated
+            for accum in accums:
+                settings = dict(schedule=schedule, microbatches=micro, virtual_stages=virtual, seq_impl=seq_impl,
+                                grad_accum=accum)
+                rule = _rule(dataclasses.replace(base, **settings), model, batch_size)  # whatever sp and remat
+                if rule:
+                    yield from ((None, rule) for _ in range(len(sps) * len(space.remats) * (1 + len(hosts))))
+                    continue
+                for sp in sps:
+                    for remat in space.remats:
+                        if (sp, remat) in spacious:
+                            yield from ((None, "dominated") for _ in range(1 + len(hosts)))
+                            continue
+                        layout = dataclasses.replace(base, **settings, sequence_parallel=sp, remat=remat,
+                                                     offload_params="device", offload_optimizer="device")
+                        yield layout, None
+                        fits_well = roomy is not None and roomy(layout)
+                        if fits_well and accum == 1:
+                            spacious.add((sp, remat))
+                        if hosts and schedule == "interleaved" and mesh["pipe"] > 1:
+                            yield from ((None, "offload") for _ in hosts)
+                        elif fits_well:
+                            yield from ((None, "dominated") for _ in hosts)
+                        else:
+                            for params, opt in hosts:
+                                yield dataclasses.replace(layout, offload_params=params, offload_optimizer=opt), None
 
 
 def _rule(layout: Layout, model: ModelConfig, batch_size: int) -> str | None:

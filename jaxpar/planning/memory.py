@@ -54,7 +54,6 @@ for their exact figures (``jaxpar.planning.search``).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 from jaxpar.parallel import pipeline_schedule
@@ -89,24 +88,27 @@ def local_sizes(work: Workload, layout: Layout) -> dict[str, float]:
             "logits": b * t * m.vocab_size / tp}
 
 
-def layer_saved(work: Workload, layout: Layout, *, backend: str = "gpu") -> float:
-    """Bytes one layer keeps for its backward pass for one microbatch."""
+def layer_saved(work: Workload, layout: Layout, *, backend: str = "gpu", remat: str | None = None,
+                x: dict[str, float] | None = None) -> float:
+    """Bytes one layer keeps for its backward pass for one microbatch (``remat``: in
+    place of the layout's; ``x``: its ``local_sizes``, where known)."""
     m = work.model
+    remat = remat or layout.remat
     c = m.compute_dtype.itemsize
     mm = 4 if backend == "cpu" else c  # a matmul's result (XLA:CPU: float32)
-    x = local_sizes(work, layout)
+    x = x or local_sizes(work, layout)
     gates = 2 if m.mlp == "swiglu" else 1
     saved = x["norm"] * c  # the layer's input (the scan's carry; split over tensor with SP)
-    if layout.remat == "full":
+    if remat == "full":
         return saved
     # q, k, v, the attention output projection's result (after SP's reduce-scatter), the
     # MLP's gate and up; the down projection's result is the next layer's input.
     saved += (x["q"] + 2 * x["kv"] + gates * x["btf"]) * mm + x["norm"] * mm
-    if layout.remat == "dots_no_batch":
+    if remat == "dots_no_batch":
         return saved
     ring = layout.seq > 1 and layout.seq_impl != "ulysses"  # every block's scores, once
     saved += (x["ring_scores"] if ring else x["scores"]) * mm + x["q"] * mm
-    if layout.remat == "dots" or ring:  # a ring's loop keeps no more without remat
+    if remat == "dots" or ring:  # a ring's loop keeps no more without remat
         return saved
     # none: the rest, the softmax in float32; XLA:CPU also keeps the MLP's elementwise
     # results in float32 when it computes them from bfloat16
@@ -149,12 +151,12 @@ def estimate(work: Workload, layout: Layout, *, backend: str = "gpu", prefetch: 
     x = local_sizes(work, layout)
     batch = 5 * 4 * work.batch_size * work.seq_len / (layout.data_ways * layout.seq)
     grads = 4 * s["elements"] * (2 if layout.grad_accum > 1 else 1)  # float32
-    saved = layer_saved(work, layout, backend=backend)
+    saved = layer_saved(work, layout, backend=backend, x=x)
     if layout.pipe == 1:
         activations = saved * layers_here
     else:  # the stash: each in-flight microbatch's stage input; a stage's backward recomputes it
         activations = in_flight(layout) * x["btd"] * m.compute_dtype.itemsize + saved * layers_here / layout.virtual_stages
-    one_layer = layer_saved(work, dataclasses.replace(layout, remat="none"), backend=backend)
+    one_layer = layer_saved(work, layout, backend=backend, remat="none", x=x)
     # One layer's weights gathered for its use (twice: the next one's gather overlaps):
     # over fsdp and seq, and on a 2D grid over tensor_row too (SUMMA's panels).
     ways = layout.fsdp * layout.seq * (layout.tensor[0] if isinstance(layout.tensor, tuple) else 1)

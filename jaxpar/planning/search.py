@@ -5,7 +5,9 @@ fit the device's memory, the best of them compiled for their exact figures.
    those its rules refuse (counted by rule); a parameter dimension that does not divide
    over its mesh axes prunes too (rule ``shape``).
 2. Every candidate gets the analytic memory (``memory.estimate``) and step time
-   (``cost.step_time``).
+   (``cost.step_time``); host-offload variants of a layout whose on-device estimate
+   fits ``DOMINANT`` times over, and at ``grad_accum=1`` its variants with more
+   accumulation, are pruned (rule ``dominated``) before they are.
 3. The ranking is by predicted step time among the candidates that fit, compiled and
    estimated alike (within 0.1% of the same time: the fewest host transfers, the least
    gradient accumulation, then the least memory). An estimated candidate fits only
@@ -19,6 +21,11 @@ fit the device's memory, the best of them compiled for their exact figures.
    estimated candidate that fits is predicted faster than it. ``3 x compile_top``
    programs at most: reached, the compiled candidates rank before the estimated ones
    (the first line is still compiled) and the plan says how many could still rank first.
+   Each program is compiled at the smallest device count that gives the same
+   per-device program (``compiled_shape``: ``data`` cut to ``COMPILE_DATA``, the batch
+   with it; its collectives over ``data`` rescaled to the full group, ``rescaled``), on
+   at most ``compile_devices`` devices: a candidate that needs more stays estimated and
+   the plan says how many could still rank first.
    Compiled figures replace the analytic ones (memory, collectives by axis) and are
    cached on disk (``cache.FigureCache``), keyed by model shape and layout, so a
    second plan compiles nothing. Offload variants of a layout share its compile
@@ -59,6 +66,21 @@ MEMORY_HIGH = 1.14  # it could fit (and is compiled if it could rank first) when
 # (1.04x to 3.98x it, median 1.20x: the counted collectives are a lower bound); 1% is
 # kept for ties (the ranking's 0.1%) and configs not measured.
 TIME_MARGIN = 0.01
+# A layout whose on-device estimate fits this many times over is not offloaded or
+# accumulated further (rule ``dominated``): twice the memory margin, beyond the largest
+# underestimate measured (2x, ``seq`` with ring or RSA under full remat), so that its
+# compile fits too.
+DOMINANT = 2 * MEMORY_LOW
+# A layout is compiled at the smallest device count that gives the same per-device
+# program: ``data`` cut to COMPILE_DATA, the global batch with it. ``data`` replicas hold
+# the same parameters, optimizer state and rows each (``data_ways`` and the rows per
+# device are unchanged); only the gradient reduction's group spans them, so the
+# program's memory and FLOPs per device are the same and the collectives whose group
+# spans ``data`` are rescaled to the full group (``rescaled``). 2 keeps those
+# collectives in the program (their kinds and counts as compiled); ``fsdp``, ``seq``,
+# ``tensor``, ``pipe`` and ``expert`` shard parameters or activations, so their sizes
+# change the per-device program and stay.
+COMPILE_DATA = 2
 
 
 class PlanError(InputError):
@@ -98,7 +120,9 @@ class Plan:
     cached: int
     seconds: float
     compile_limit: int = 0  # the most programs compile_figures would take (0: analytic only)
-    unverified: int = 0  # candidates that could still rank first when compile_limit stopped the search
+    unverified: int = 0  # candidates that could still rank first when the search stopped
+    stopped_by: str = ""  # why: "limit" (compile_limit) or "devices" (compile_devices)
+    compile_devices: int | None = None  # the most devices a program could be compiled for
     advice: str | None = None  # advice.diagnose's line: the question is wrong
 
     def compile_note(self) -> str:
@@ -107,12 +131,17 @@ class Plan:
             return "nothing compiled (analytic only): the first line is an estimate"
         why = (f"every candidate that could rank first (an estimate within {TIME_MARGIN:.0%} of the best "
                f"fitting step, its memory estimate / {MEMORY_HIGH} within device memory)")
+        done = f"{self.compiled + self.cached} compiled ({self.cached} from the cache)"
+        if self.unverified and self.stopped_by == "devices":
+            return (f"{done}, {why}, but {self.unverified} estimated candidates could still rank first and need "
+                    f"more than plan.compile_devices={self.compile_devices} devices compiled (data cut to "
+                    f"{COMPILE_DATA}), so the compiled ones are ranked before them")
         if self.unverified:
-            return (f"{self.compiled + self.cached} compiled ({self.cached} from the cache), stopped at "
-                    f"plan.compile_top's limit of {self.compile_limit} (3 x compile_top): {self.unverified} estimated "
-                    "candidates could still rank first, so the compiled ones are ranked before them; raise "
-                    "plan.compile_top to verify them")
-        return f"{self.compiled + self.cached} compiled ({self.cached} from the cache): {why}"
+            return (f"{done}, stopped at plan.compile_top's limit of {self.compile_limit} (3 x compile_top): "
+                    f"{self.unverified} estimated candidates could still rank first, so the compiled ones are ranked "
+                    "before them; raise plan.compile_top to verify them")
+        return (f"{done}: {why}; each with data cut to {COMPILE_DATA} and the batch with it "
+                "(the same program per device on fewer devices)")
 
     @property
     def best(self) -> Candidate:
@@ -213,6 +242,48 @@ def could_rank_first(c: Candidate, bound: float, device_memory: int) -> bool:
     return c.time.total * (1 - TIME_MARGIN) < bound and c.memory["device"] / MEMORY_HIGH <= device_memory
 
 
+def compiled_shape(work: Workload, layout: Layout) -> tuple[Workload, Layout]:
+    """The workload and layout compiled for ``layout``: ``data`` cut to COMPILE_DATA and
+    the batch with it (the same per-device program on fewer devices)."""
+    data = layout.data or 1
+    if data <= COMPILE_DATA:
+        return work, layout
+    return (dataclasses.replace(work, batch_size=work.batch_size * COMPILE_DATA // data),
+            dataclasses.replace(layout, data=COMPILE_DATA))
+
+
+def _ring_factor(kind: str, n: int) -> float:
+    """The ring model's bytes per device of a collective over ``n`` devices, per byte
+    of its operand (``jaxpar.profiler``)."""
+    if kind == "all-gather":
+        return n - 1
+    if kind == "collective-permute":
+        return 1.0  # a shift: every device sends its operand, whatever the group
+    return (n - 1) / n
+
+
+def rescaled(figures: dict, compiled: Layout, layout: Layout) -> dict:
+    """``figures`` of ``compiled`` (``compiled_shape``'s) for ``layout``: each collective
+    whose group spans ``data`` scaled by its kind's ring factor from the compiled group
+    size to the full one (counts unchanged); memory and FLOPs per device as compiled."""
+    if compiled == layout or "collective_kinds_by_axes" not in figures:
+        return figures
+    small, full = compiled.mesh_sizes, layout.mesh_sizes
+    by_axes, kinds, totals = dict(figures["collectives_by_axes"]), {}, dict(figures.get("collectives", {}))
+    for key, by_kind in figures["collective_kinds_by_axes"].items():
+        axes = key.split("+")
+        if "data" not in axes:
+            kinds[key] = by_kind
+            continue
+        n, m = math.prod(full[a] for a in axes), math.prod(small[a] for a in axes)
+        kinds[key] = {kind: b * _ring_factor(kind, n) / _ring_factor(kind, m) for kind, b in by_kind.items()}
+        by_axes[key] = sum(kinds[key].values())
+        for kind, b in kinds[key].items():
+            totals[kind] = totals.get(kind, 0) + b - by_kind[kind]
+    return {**figures, "collectives_by_axes": by_axes, "collective_kinds_by_axes": kinds, "collectives": totals,
+            "collective_bytes": sum(totals.values())}
+
+
 def _on_device(layout: Layout) -> Layout:
     return dataclasses.replace(layout, offload_params="device", offload_optimizer="device")
 
@@ -220,33 +291,41 @@ def _on_device(layout: Layout) -> Layout:
 @dataclasses.dataclass
 class _Compiler:
     """Compiled figures for candidates: each layout's program (its state on the device:
-    offload variants share it) taken from the disk cache, else compiled and cached."""
+    offload variants share it; ``compiled_shape``: on the fewest devices that give the
+    same per-device program) taken from the disk cache, else compiled and cached."""
 
     work: Workload
     hw: Hardware
     devices_per_node: int
-    compile: Callable[[Layout], dict]
+    compile: Callable[[Layout, int], dict]
     cache: FigureCache
     backend: str
     progress: Callable[[str], None] | None
+    max_devices: int | None = None  # the most devices a program may be compiled for
     figures: dict = dataclasses.field(default_factory=dict)  # on-device layout -> figures
     compiled: int = 0
     cached: int = 0
+
+    def can_compile(self, layout: Layout) -> bool:
+        return self.max_devices is None or compiled_shape(self.work, layout)[1].devices <= self.max_devices
 
     def apply(self, candidate: Candidate, device_memory: int) -> None:
         """Replaces ``candidate``'s estimates by its compiled figures."""
         layout = _on_device(candidate.layout)
         if layout not in self.figures:
-            key = cache_key(self.work, layout, self.backend)
+            work, small = compiled_shape(self.work, layout)
+            key = cache_key(work, small, self.backend)
             found = self.cache.get(key)
             if found is None:
                 if self.progress:
-                    self.progress(f"compiling {layout.describe()}")
-                found = self.cache.put(key, self.compile(layout))
+                    self.progress(f"compiling {layout.describe()}" + (
+                        "" if small == layout else f" as {small.describe()} on {small.devices} devices "
+                                                   f"(batch_size={work.batch_size}: the same program per device)"))
+                found = self.cache.put(key, self.compile(small, work.batch_size))
                 self.compiled += 1
             else:
                 self.cached += 1
-            self.figures[layout] = found
+            self.figures[layout] = rescaled(found, small, layout)
         figures = self.figures[layout]
         candidate.memory = {**candidate.memory, **_compiled_memory(self.work, candidate.layout, figures)}
         candidate.source = "compiled"
@@ -254,13 +333,14 @@ class _Compiler:
                                         compiled=figures, compiled_backend=self.backend)
         candidate.fits = candidate.memory["device"] <= device_memory
 
-    def refine(self, candidates: list[Candidate], device_memory: int, limit: int) -> int:
+    def refine(self, candidates: list[Candidate], device_memory: int, limit: int) -> tuple[int, str]:
         """Compiles, fastest estimate first, every candidate that could still rank first
         (``could_rank_first``) until none is left or ``limit`` were compiled (from the
         cache or not); each compile gives every offload variant of its layout the same
         figures. With nothing that fits or could fit, the smallest is compiled (the
         refusal names its compiled size). Returns how many could still rank first when
-        ``limit`` stopped it (0: the bound holds)."""
+        it stopped (0: the bound holds) and why: ``limit`` reached, or ``devices`` (the
+        rest need more than ``max_devices`` even with ``data`` cut)."""
         siblings = collections.defaultdict(list)
         for c in candidates:
             siblings[_on_device(c.layout)].append(c)
@@ -273,22 +353,43 @@ class _Compiler:
                 smallest = min(candidates, key=lambda c: c.memory["device"])
                 open_ = [smallest] if smallest.source != "compiled" else []
             if not open_:
-                return 0
+                return 0, ""
+            compilable = [c for c in open_ if self.can_compile(c.layout)]
+            if not compilable:
+                return len(open_), "devices"
             if done >= limit:
-                return len(open_)
-            chosen = min(open_, key=lambda c: c.time.total)
+                return len(open_), "limit"
+            chosen = min(compilable, key=lambda c: c.time.total)
             for c in siblings[_on_device(chosen.layout)]:
                 self.apply(c, device_memory)
             done += 1
 
 
 def _estimates(work, devices, hw, *, device_memory, devices_per_node, space, backend):
-    """Every candidate with its analytic figures, and the pruning counts."""
-    layouts, pruned = enumerate_layouts(devices, work.model, work.batch_size, work.seq_len, space=space)
-    candidates = []
-    for layout in layouts:
+    """Every candidate with its analytic figures, and the pruning counts. A layout whose
+    on-device estimate fits ``DOMINANT`` times over is not offloaded, nor (at
+    ``grad_accum=1``) accumulated further (rule ``dominated``): such a variant's step is
+    its own plus host transfers or more collectives (``cost``), never faster, and it
+    ranks after it (fitting first, then time, then fewer host transfers, less
+    accumulation); the margin keeps the layout fitting once compiled."""
+    estimated: dict[int, tuple[Layout, dict]] = {}
+
+    def roomy(layout: Layout) -> bool:
         try:
             mem = memory.estimate(work, layout, backend=backend)
+        except LayoutError:
+            return False  # pruned with its variants below (rule shape)
+        estimated[id(layout)] = (layout, mem)
+        return mem["device"] * DOMINANT <= device_memory
+
+    layouts, pruned = enumerate_layouts(devices, work.model, work.batch_size, work.seq_len, space=space,
+                                        roomy=roomy)
+    candidates = []
+    for layout in layouts:
+        known = estimated.pop(id(layout), None)
+        try:
+            mem = known[1] if known is not None and known[0] is layout else memory.estimate(work, layout,
+                                                                                            backend=backend)
         except LayoutError:
             pruned["shape"] += 1
             continue
@@ -313,14 +414,16 @@ def _refuse(candidates: list[Candidate], pruned, devices: int, device_memory: in
 
 
 def search(work: Workload, devices: int, hw: Hardware, *, device_memory: int, devices_per_node: int,
-           space: Space = Space(), compile: Callable[[Layout], dict] | None = None, compile_top: int = 8,
+           space: Space = Space(), compile: Callable[[Layout, int], dict] | None = None, compile_top: int = 8,
            cache: FigureCache | None = None, backend: str = "cpu", progress: Callable[[str], None] | None = None,
-           ) -> Plan:
+           compile_devices: int | None = None) -> Plan:
     """The ranked ``Plan`` of ``work`` on ``devices`` devices of ``hw``.
 
-    ``compile(layout) -> figures`` (the profiler's, with ``collectives_by_axes``) for
-    the candidates that could rank first, ``backend`` naming what it compiles for, at
-    most ``3 x compile_top`` of them; None (or ``compile_top=0``): analytic only.
+    ``compile(layout, batch_size) -> figures`` (the profiler's, with
+    ``collectives_by_axes`` and ``collective_kinds_by_axes``) for the candidates that
+    could rank first, each as ``compiled_shape`` gives it, ``backend`` naming what it
+    compiles for, at most ``3 x compile_top`` of them and none on more than
+    ``compile_devices`` devices; None (or ``compile_top=0``): analytic only.
 
     Raises:
       PlanError: no candidate fits ``device_memory`` (naming the smallest that would).
@@ -333,16 +436,17 @@ def search(work: Workload, devices: int, hw: Hardware, *, device_memory: int, de
     candidates, considered, pruned = _estimates(work, devices, hw, device_memory=device_memory,
                                                 devices_per_node=devices_per_node, space=space,
                                                 backend=estimate_for)
-    compiler, limit, unverified = None, 0, 0
+    compiler, limit, unverified, stopped_by = None, 0, 0, ""
     if compile is not None and candidates and compile_top > 0:
-        compiler = _Compiler(work, hw, devices_per_node, compile, cache or FigureCache(None), backend, progress)
+        compiler = _Compiler(work, hw, devices_per_node, compile, cache or FigureCache(None), backend, progress,
+                             max_devices=compile_devices)
         limit = 3 * compile_top
-        unverified = compiler.refine(candidates, device_memory, limit)
+        unverified, stopped_by = compiler.refine(candidates, device_memory, limit)
     candidates.sort(key=lambda c: _rank_key(c, compiled_first=unverified > 0))
     _refuse(candidates, pruned, devices, device_memory)
     plan = Plan(work, hw, devices, devices_per_node, device_memory, candidates, considered, pruned,
                 compiler.compiled if compiler else 0, compiler.cached if compiler else 0, 0.0,
-                compile_limit=limit, unverified=unverified)
+                compile_limit=limit, unverified=unverified, stopped_by=stopped_by, compile_devices=compile_devices)
     plan.advice = advice.diagnose(plan, MEMORY_LOW)
     plan.seconds = time.perf_counter() - began
     return plan

@@ -29,6 +29,14 @@ class Workload:
     batch_size: int  # global, in sequences
     seq_len: int
 
+    def __hash__(self) -> int:  # computed once: the planner's caches hash it per candidate
+        try:
+            return self.__dict__["_hash"]
+        except KeyError:
+            h = hash((self.model, self.batch_size, self.seq_len))
+            object.__setattr__(self, "_hash", h)
+            return h
+
     @property
     def tokens(self) -> int:
         return self.batch_size * self.seq_len
@@ -74,8 +82,11 @@ def _shards(work: Workload, sizes: tuple[tuple[str, int], ...], sequence_paralle
     mesh = abstract_mesh(dict(sizes))
     rules = sharding_rules(work.model, mesh, sequence_parallel=sequence_parallel)
     out = {"params": 0, "layer_params": 0, "replicated_params": 0, "elements": 0}
+    specs: dict = {}  # logical axes -> spec: the parameters share a few
     for path, shape, itemsize, names in work.abstract_params:
-        spec = rules_lib.logical_to_spec(names, rules) if names else (None,) * len(shape)
+        if names and names not in specs:
+            specs[names] = rules_lib.logical_to_spec(names, rules)
+        spec = specs[names] if names else (None,) * len(shape)
         local = []
         for dim, axes in zip(shape, spec):
             ways = math.prod(mesh.shape[a] for a in rules_lib.as_tuple(axes))

@@ -92,7 +92,8 @@ floats otherwise (``2 * 7/8 * 12`` bytes is 21, ``2 * 7/8 * 20`` is 35.0).
 Given the mesh the program was partitioned over (``profile(compiled, mesh)``,
 ``collective_stats(text, mesh)``), the same bytes are also split by mesh axes:
 ``collectives_by_axes`` maps a key naming the axes a collective's group spans to bytes,
-and ``collective_counts_by_axes`` the key to executions. The key joins with ``+``, in
+``collective_counts_by_axes`` the key to executions and ``collective_kinds_by_axes`` the key
+to bytes by kind (what the planner needs to rescale a group of another size). The key joins with ``+``, in
 mesh order, the axes of size > 1 whose coordinate varies within the op's first group
 (``"fsdp"``, ``"data+fsdp"``); a collective-permute's names the axes that differ between
 source and target in any pair. A logical device id ``i`` (the partition id, or with
@@ -133,7 +134,8 @@ def profile(compiled: jax.stages.Compiled, mesh=None) -> dict[str, Any]:
     See the module docstring for what each figure means and how it is counted.
     Memory and FLOP fields are None where the backend gives no such analysis. With the
     ``mesh`` (``jax.sharding.Mesh`` or ``AbstractMesh``) ``compiled`` was partitioned
-    over, the result also has ``collectives_by_axes`` and ``collective_counts_by_axes``.
+    over, the result also has ``collectives_by_axes``, ``collective_counts_by_axes`` and
+    ``collective_kinds_by_axes``.
     """
     module = _parse_module(compiled.as_text())
     memory = compiled.memory_analysis()

@@ -107,8 +107,9 @@ def collective_stats(hlo_text: str, mesh=None) -> dict[str, Any]:
     Returns:
       ``collective_bytes`` (total), ``collectives`` (kind -> bytes),
       ``collective_counts`` (kind -> executions) and ``loops_without_trip_count``;
-      with a ``mesh`` also ``collectives_by_axes`` (axes key -> bytes) and
-      ``collective_counts_by_axes`` (axes key -> executions).
+      with a ``mesh`` also ``collectives_by_axes`` (axes key -> bytes),
+      ``collective_counts_by_axes`` (axes key -> executions) and
+      ``collective_kinds_by_axes`` (axes key -> kind -> bytes).
     """
     return _collective_stats(_parse_module(hlo_text), mesh)
 
@@ -120,6 +121,7 @@ def _collective_stats(module: _Module, mesh=None) -> dict[str, Any]:
     executions = {kind: 0 for kind in COLLECTIVE_KINDS}
     sent_by_axes: dict[str, Fraction] = {}
     executions_by_axes: dict[str, int] = {}
+    kinds_by_axes: dict[str, dict[str, Fraction]] = {}
     for comp in module.computations.values():
         runs = counts[comp.name]
         for inst in comp.instructions:
@@ -138,6 +140,8 @@ def _collective_stats(module: _Module, mesh=None) -> dict[str, Any]:
                 key = "unknown"
             sent_by_axes[key] = sent_by_axes.get(key, Fraction(0)) + nbytes
             executions_by_axes[key] = executions_by_axes.get(key, 0) + runs
+            by_kind = kinds_by_axes.setdefault(key, {})
+            by_kind[kind] = by_kind.get(kind, Fraction(0)) + nbytes
     result = {
         "collective_bytes": _number(sum(sent.values())),
         "collectives": {kind: _number(b) for kind, b in sent.items()},
@@ -148,6 +152,8 @@ def _collective_stats(module: _Module, mesh=None) -> dict[str, Any]:
         result["collectives_by_axes"] = {k: _number(sent_by_axes[k]) for k in sorted(sent_by_axes)}
         result["collective_counts_by_axes"] = {k: executions_by_axes[k]
                                                for k in sorted(executions_by_axes)}
+        result["collective_kinds_by_axes"] = {k: {kind: _number(b) for kind, b in sorted(kinds_by_axes[k].items())}
+                                              for k in sorted(kinds_by_axes)}
     return result
 
 
