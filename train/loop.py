@@ -12,20 +12,21 @@ run dir is made only once the run can start. The tokenizer/packed-data cache is
 ``cache_dir``, by default the per-user ``jaxpar.train.data.default_cache_dir()`` that
 every run dir shares.
 
-``train`` is a short sequence of named steps: the task (``jaxpar.train.tasks``: a
-language model, or with ``task: glide`` a GliDe draft for the frozen target in
-``target_run_dir``, whose batches carry the target's keys/values and whose run dir also
-holds ``draft_vocab.npy``), ``build`` (mesh, optimizer, the compiled step and its
-offload plan), the checkpoint to resume, ``batches``, ``write_run_dir``,
-``initial_state``, then the ``Trainer`` (``jaxpar.train.trainer``: one step and the hooks
-after it, evaluation and MFU among them) under ``run_steps`` (``jaxpar.train.stepping``:
-metrics, checkpoints, stop signals, a non-finite loss), which every task shares. What
-changes the compiled step is an option of ``make_train_step``; what runs beside it, a
-hook.
+``train`` is one short sequence of named steps for every task (``task_of``: a
+``TransformerTask`` over ``jaxpar.train.tasks``' language model or GliDe draft, or a
+``jaxpar.train.recsys.DLRMTask``): ``build`` (mesh, optimizer, step; the offload plan,
+the embedding tables), the dry run, the model check and the checkpoint to resume, the
+task's ``start`` (batches, state, a ``Trainer`` with its hooks: evaluation at
+``eval.every``, MFU, the noise scale), ``write_run_dir``, then ``run_steps``
+(``jaxpar.train.stepping``: metrics, checkpoints, stop signals, a non-finite loss).
+A trainer's ``checkpoint_state`` is what a save holds (a DLRM's flushes its cache).
+What changes a transformer's compiled step is an option of ``make_train_step``; what
+runs beside it, a hook.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -51,44 +52,19 @@ from jaxpar.planning import hardware as hardware_lib
 from jaxpar.train import data as data_lib
 from jaxpar.train import noise_scale as noise_lib
 from jaxpar.train import offload as offload_lib
-from jaxpar.train import tasks, weighted
-from jaxpar.train.checkpoints import CheckpointError, Checkpoints
+from jaxpar.train import recsys, tasks, weighted
+from jaxpar.train.checkpoints import Checkpoints
 from jaxpar.train.data import file_in_the_way
-from jaxpar.train.config import Config, ConfigError, OptimizerConfig, to_dict
+from jaxpar.train.config import Config, ConfigError, to_dict
 from jaxpar.train.loader import Loader
 from jaxpar.train.step import make_train_step
-from jaxpar.train.stepping import Recorder, TrainingError, finished, run_steps
+from jaxpar.train.stepping import (Recorder, TrainingError, build_mesh, finished, make_optimizer, run_steps,
+                                   save)
 from jaxpar.train.trainer import Batches, Trainer, evaluation, utilisation
 
 log = logging.getLogger(__name__)
 
 build_model, load_data = tasks.build_model, tasks.load_data  # the loop's names, as callers know them
-
-
-def build_mesh(cfg: Config, devices=None) -> jax.sharding.Mesh:
-    """The mesh of ``cfg.layout`` (``cfg.mesh.axis_types``); ``data`` None takes the
-    devices the other axes leave. Sizes that ask for fewer devices than one process has
-    take its first ones (a job given part of a host, as an elastic job resized to fewer
-    devices is)."""
-    devices = jax.devices() if devices is None else devices
-    layout = cfg.layout
-    others = layout.fsdp * layout.expert * layout.pipe * layout.seq * layout.tensor_ways
-    data = layout.data
-    if data is not None and jax.process_count() == 1 and data * others < len(devices):
-        devices = devices[:data * others]
-    if data is None:
-        if others < 1 or len(devices) % others:
-            raise ConfigError(
-                f"mesh fsdp={layout.fsdp} expert={layout.expert} pipe={layout.pipe} seq={layout.seq} "
-                f"tensor={layout.tensor} ({others} devices) does not divide {len(devices)} devices"
-            )
-        data = len(devices) // others
-    try:
-        return jaxpar.make_mesh(data=data, fsdp=layout.fsdp, expert=layout.expert, pipe=layout.pipe,
-                                seq=layout.seq, tensor=layout.tensor, devices=devices,
-                                axis_types=cfg.mesh.axis_types)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
 
 
 def describe_mesh(mesh) -> str:
@@ -105,31 +81,6 @@ def batch_scale(rule: str, batch: int, base: int) -> float:
     measured in the step, ``make_optimizer``)."""
     ratio = batch / base
     return {"none": 1.0, "adascale": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[rule]
-
-
-def make_optimizer(opt: OptimizerConfig, steps: int, scale: float = 1.0, *,
-                   adascale: tuple[int, int, int] | None = None):
-    """``(tx, schedule)``: clipped AdamW with warmup and cosine decay, its peak ``opt.lr``
-    times ``scale`` (``batch_scale``'s), on the step clock whatever the batch; the
-    ``schedule`` returned (what the step records log) is compiled as one program
-    (called outside a step, optax's schedule runs op by op, a dozen programs compiled in
-    every process).
-    ``adascale``: ``(base, batch, replicas)``: AdamW's learning rate scaled by AdaScale's
-    gain instead (``jaxpar.elastic.adascale``: the schedule read at the gain's progress;
-    the step passes the noise scale's norms to ``tx.update``)."""
-    warmup = min(opt.warmup_steps, steps)
-    peak = opt.lr * scale
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, peak, warmup_steps=warmup, decay_steps=max(steps, warmup + 1),
-        end_value=peak * opt.min_lr_ratio,
-    )
-    if adascale is None:
-        adamw = optax.adamw(schedule, b1=opt.b1, b2=opt.b2, weight_decay=opt.weight_decay)
-    else:  # optax.adamw with its last part, the learning rate, AdaScale's
-        base, batch, replicas = adascale
-        adamw = optax.chain(optax.scale_by_adam(b1=opt.b1, b2=opt.b2), optax.add_decayed_weights(opt.weight_decay),
-                            adascale_lib.scale_by_adascale(schedule, base=base, batch=batch, replicas=replicas))
-    return optax.chain(optax.clip_by_global_norm(opt.clip_norm), adamw), jax.jit(schedule)
 
 
 def flops_per_token(cfg) -> float:
@@ -201,9 +152,12 @@ def _check_batch(cfg: Config, mesh, rules) -> None:
 SHAPE_KEYS = ModelConfig.fields_tagged(WEIGHTS)
 
 
-def _check_same_model(checkpoints: Checkpoints, cfg: Config) -> None:
-    """Refuses a run dir whose newest readable checkpoint holds another model shape
-    (rather than letting the restore fail on it and start afresh over it)."""
+def check_same_model(checkpoints: Checkpoints, cfg: Config, model_keys, other_keys=()) -> None:
+    """Refuses a run dir whose newest readable checkpoint holds another task or model
+    shape (rather than letting the restore fail on it and start afresh over it):
+    ``model_keys``, the ``model.*`` fields the arrays depend on; ``other_keys``,
+    ``(section, key)`` pairs of the shape the arrays alone do not show (a GliDe draft's
+    layers, a DLRM table's optimizer)."""
     for step in reversed(checkpoints.steps()):
         try:
             saved_cfg = checkpoints.read_meta(step).get("config", {})
@@ -214,15 +168,15 @@ def _check_same_model(checkpoints: Checkpoints, cfg: Config) -> None:
         return
     saved = saved_cfg.get("model", {})
     current = json.loads(json.dumps(dataclasses.asdict(cfg.model)))
-    diffs = [f"model.{k}: {saved.get(k)!r} there, {v!r} here" for k, v in current.items()
-             if k in SHAPE_KEYS and saved.get(k) != v]
     if saved_cfg.get("task", "lm") != cfg.task:
-        diffs.append(f"task: {saved_cfg.get('task', 'lm')!r} there, {cfg.task!r} here")
-    elif cfg.task == "glide":
-        for key in ("layers", "draft_vocab"):  # the draft's shape, which its arrays alone do not show
-            if saved_cfg.get("glide", {}).get(key) != getattr(cfg.glide, key):
-                diffs.append(f"glide.{key}: {saved_cfg.get('glide', {}).get(key)!r} there, "
-                             f"{getattr(cfg.glide, key)!r} here")
+        diffs = [f"task: {saved_cfg.get('task', 'lm')!r} there, {cfg.task!r} here"]
+    else:
+        diffs = [f"model.{k}: {saved.get(k)!r} there, {v!r} here" for k, v in current.items()
+                 if k in model_keys and saved.get(k) != v]
+        for section, key in other_keys:
+            there, here = saved_cfg.get(section, {}).get(key), getattr(getattr(cfg, section), key)
+            if there != here:
+                diffs.append(f"{section}.{key}: {there!r} there, {here!r} here")
     if diffs:
         raise TrainingError(
             f"{checkpoints.directory} holds a checkpoint of a different model ({'; '.join(diffs)}); "
@@ -380,13 +334,14 @@ def build(cfg: Config, task, base_batch: int | None = None) -> Setup:
     return dataclasses.replace(setup, offload_plan=plan, profile=profile)
 
 
-def print_dry_run(cfg: Config, setup: Setup) -> None:
-    """Prints the step's compile-only profile as one JSON line (``dry_run=true``)."""
+def dry_run_fields(cfg: Config, setup: Setup) -> dict:
+    """The step's compile-only profile (``dry_run=true`` prints it as one JSON line),
+    with the offload plan's figures."""
     profile = setup.profile or dry_run_profile(cfg, setup.step_fn, setup.abstract_model, setup.mesh,
                                                setup.rules, setup.stages)
     if setup.offload_plan is not None:
         profile.update(offload_lib.dry_run_fields(setup.offload_plan))
-    print(json.dumps(profile, separators=(",", ":")))
+    return profile
 
 
 def batches(cfg: Config, task, setup: Setup) -> tuple:
@@ -399,26 +354,22 @@ def batches(cfg: Config, task, setup: Setup) -> tuple:
                               [(rows, data_lib.batch_of_rows(val_rows, rows)) for rows in val_rows_of])
 
 
-def write_run_dir(cfg: Config, task, tokenizer) -> None:
+def write_run_dir(cfg: Config, task) -> None:
     """The run dir's files besides checkpoints (process 0 writes them): the resolved
-    config, the tokenizer (``jaxpar-generate`` needs only the run dir), the task's own."""
+    config and the task's own (``save_files``)."""
     if jax.process_index() != 0:
         return
     run_dir = pathlib.Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    tokenizer.save(str(run_dir / "tokenizer.json"))
     task.save_files(run_dir)
 
 
-def initial_state(task, setup: Setup, restored, loader: Loader, where: pathlib.Path) -> tuple:
+def initial_state(task, setup: Setup, restored, loader: Loader) -> tuple:
     """``(params, opt_state)``: fresh, or the checkpoint's (saved in model order, so
-    put in the step's storage order, ``where`` their directory), with the loader
-    moved to its step."""
+    put in the step's storage order), with the loader moved to its step."""
     step_fn = setup.step_fn
     if restored is None:
-        log.info("starting at step 0 on %s", describe_mesh(setup.mesh))
-
         create = setup.programs.get("create")
         if create is None:
             @nnx.jit
@@ -428,8 +379,7 @@ def initial_state(task, setup: Setup, restored, loader: Loader, where: pathlib.P
             setup.programs["create"] = create
         with jax.set_mesh(setup.mesh):  # where JAX traces Explicit axes' shardings (axis_types)
             return step_fn.init(create(setup.frozen))
-    step, state, meta = restored
-    log.info("resuming from step %d (checkpoint %s) on %s", step, where / str(step), describe_mesh(setup.mesh))
+    _, state, meta = restored
     state = step_fn.in_storage_order(state)
     loader.restore(meta["loader"])
     return state["params"], state["opt_state"]
@@ -470,66 +420,35 @@ def rescaled(cfg: Config, task, setup: Setup, base_batch: int) -> Setup:
     return build(cfg, task, base_batch)
 
 
-def saver(cfg: Config, checkpoints: Checkpoints, trainer: Trainer, loader: Loader,
-          base_batch: int) -> Callable[[int], None]:
-    """``save(step)``: the trainer's state in model order, with the loader's position,
-    the run's first global batch and the config."""
+class TransformerTask:
+    """A transformer's run (``task: lm`` or ``glide``: ``jaxpar.train.tasks``) as the
+    loop's task: ``build``'s step, its batches, state and hooks."""
 
-    def save(step):
-        state = {"params": trainer.params, "opt_state": trainer.opt_state}
-        try:
-            checkpoints.save(step, trainer.step_fn.in_model_order(state),
-                             {"step": step, "loader": loader.state(), "base_batch": base_batch,
-                              "config": to_dict(cfg)})
-        except CheckpointError as e:
-            raise TrainingError(str(e)) from None
+    def __init__(self, model_task):
+        self.model_task, self.cfg = model_task, model_task.cfg
+        # a draft's shape, which its arrays alone do not show
+        glide = (("glide", "layers"), ("glide", "draft_vocab")) if self.cfg.task == "glide" else ()
+        self.same_model = (SHAPE_KEYS, glide)
 
-    return save
+    def build(self) -> None:
+        self.setup = setup = build(self.cfg, self.model_task)
+        self.mesh = setup.mesh
+        host_state = setup.offload_plan is not None and setup.offload_plan.options.state_on_host
+        self.replica_parallel = False if host_state else None  # Checkpoints': the state in host memory
 
+    def dry_run(self) -> dict:
+        return dry_run_fields(self.cfg, self.setup)
 
-def train(cfg: Config, *, progress: bool = True) -> list[dict]:
-    """Runs (or resumes) the training ``cfg`` describes; returns the per-step metrics
-    (none, with one log line, when the run dir's checkpoint is at ``cfg.steps`` already).
+    def restore_target(self):
+        return self.setup.step_fn.abstract_state(self.setup.abstract_model)
 
-    In the main thread, SIGINT or SIGTERM stops the run at the next step boundary with
-    that step saved and raises ``jaxpar.train.stopping.Stopped`` (a second signal acts
-    at once); several processes stop at the same step (``stopping``)."""
-    check_output_dirs(cfg)
-    if cfg.task == "dlrm":  # a recommendation model (jaxpar.train.recsys)
-        from jaxpar.train import recsys
-
-        return recsys.train(cfg, progress=progress)
-    if cfg.auto_mesh:  # the planner's best layout for the devices present (jaxpar.train.plan)
-        from jaxpar.train.plan import auto
-
-        cfg = auto(cfg)
-    if cfg.pipeline.stage_layers == "auto":  # solved from pipeline.device_profile (jaxpar.planning.stages)
-        from jaxpar.train.plan import auto_stage_layers
-
-        cfg = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, stage_layers=auto_stage_layers(cfg)))
-    task = tasks.of(cfg, progress=progress)
-    cfg = task.cfg
-    setup = build(cfg, task)
-    if cfg.dry_run:
-        print_dry_run(cfg, setup)
-        return []
-    host_state = setup.offload_plan is not None and setup.offload_plan.options.state_on_host
-    with Checkpoints(pathlib.Path(cfg.run_dir), keep=cfg.checkpoint.keep,  # closed on every way out
-                     replica_parallel=False if host_state else None) as checkpoints:
-        _check_same_model(checkpoints, cfg)
-        restored = checkpoints.restore_latest(setup.step_fn.abstract_state(setup.abstract_model))
-        position = position_of(restored)
-        start, done = position["step"], position.get("adascale_progress")
-        if finished(position, cfg.steps):
-            log.warning("%s is already at step %d%s (steps=%d): nothing to do; raise steps= to continue "
-                        "or choose another run_dir", cfg.run_dir, start,
-                        "" if done is None else f", progress {done:.1f}", cfg.steps)
-            return []
-        base_batch = base_batch_of(cfg, restored)
-        setup = rescaled(cfg, task, setup, base_batch)
-        tokenizer, data = batches(cfg, task, setup)
-        write_run_dir(cfg, task, tokenizer)  # only now: a run refused above leaves no run dir
-        params, opt_state = initial_state(task, setup, restored, data.loader, checkpoints.directory)
+    def start(self, restored, base_batch: int) -> Trainer:
+        """The trainer: the step for ``base_batch``, the batches, the state (fresh or
+        ``restored``) and the hooks (MFU, evaluation, the noise scale, batch weights)."""
+        cfg, task = self.cfg, self.model_task
+        setup = self.setup = rescaled(cfg, task, self.setup, base_batch)
+        self.tokenizer, data = batches(cfg, task, setup)
+        params, opt_state = initial_state(task, setup, restored, data.loader)
         trainer = Trainer(setup.step_fn, params, opt_state, data, lr=setup.lr, frozen=setup.frozen,
                           tokens_per_step=cfg.batch_size * cfg.seq_len, steps=cfg.steps)
         peak = peak_flops()
@@ -544,12 +463,80 @@ def train(cfg: Config, *, progress: bool = True) -> list[dict]:
             if cfg.data.rebalance_every:
                 trainer.add_hook(weighted.rebalancing(cfg, setup.step_fn, setup.row_split, data),
                                  every=cfg.data.rebalance_every)
-        recorder = Recorder(pathlib.Path(cfg.run_dir), start, cfg.steps, lead=jax.process_index() == 0,
-                            progress=progress, done=done)
-        log.info("compiling the train step (the first step waits for it)")
-        with setup.step_fn.context():
-            return run_steps(start, cfg.steps, cfg.checkpoint.every, one_step=trainer.step,
-                             save=saver(cfg, checkpoints, trainer, data.loader, base_batch),
-                             recorder=recorder,
-                             where=str(checkpoints.directory))
+        return trainer
+
+    def save_files(self, run_dir: pathlib.Path) -> None:
+        """The tokenizer (``jaxpar-generate`` needs only the run dir) and the task's own."""
+        self.tokenizer.save(str(run_dir / "tokenizer.json"))
+        self.model_task.save_files(run_dir)
+
+    def close(self) -> None:
+        pass
+
+
+def task_of(cfg: Config, *, progress: bool = False) -> TransformerTask | recsys.DLRMTask:
+    """The loop's task for ``cfg.task``: a DLRM (``jaxpar.train.recsys``), or a
+    transformer's, its layout resolved first where the config leaves it to the planner
+    (``mesh=auto``, ``pipeline.stage_layers=auto``: ``jaxpar.train.plan``)."""
+    if cfg.task == "dlrm":
+        return recsys.DLRMTask(cfg)
+    if cfg.auto_mesh:  # the planner's best layout for the devices present
+        from jaxpar.train.plan import auto
+
+        cfg = auto(cfg)
+    if cfg.pipeline.stage_layers == "auto":  # solved from pipeline.device_profile (jaxpar.planning.stages)
+        from jaxpar.train.plan import auto_stage_layers
+
+        cfg = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, stage_layers=auto_stage_layers(cfg)))
+    return TransformerTask(tasks.of(cfg, progress=progress))
+
+
+def train(cfg: Config, *, progress: bool = True) -> list[dict]:
+    """Runs (or resumes) the training ``cfg`` describes; returns the per-step metrics
+    (none, with one log line, when the run dir's checkpoint is at ``cfg.steps`` already).
+
+    In the main thread, SIGINT or SIGTERM stops the run at the next step boundary with
+    that step saved and raises ``jaxpar.train.stopping.Stopped`` (a second signal acts
+    at once); several processes stop at the same step (``stopping``)."""
+    check_output_dirs(cfg)
+    task = task_of(cfg, progress=progress)
+    cfg = task.cfg
+    with contextlib.closing(task):  # a DLRM's cache and prefetch thread, on every way out
+        task.build()
+        if cfg.dry_run:
+            print(json.dumps(task.dry_run(), separators=(",", ":")))
+            return []
+        with Checkpoints(pathlib.Path(cfg.run_dir), keep=cfg.checkpoint.keep,  # closed on every way out
+                         replica_parallel=task.replica_parallel) as checkpoints:
+            return _run(cfg, task, checkpoints, progress)
         # leaving the Checkpoints block waits for the last save
+
+
+def _run(cfg: Config, task, checkpoints: Checkpoints, progress: bool) -> list[dict]:
+    """``train``'s steps from the newest checkpoint in ``checkpoints`` (or step 0)."""
+    check_same_model(checkpoints, cfg, *task.same_model)
+    restored = checkpoints.restore_latest(task.restore_target())
+    position = position_of(restored)
+    start, done = position["step"], position.get("adascale_progress")
+    if finished(position, cfg.steps):
+        log.warning("%s is already at step %d%s (steps=%d): nothing to do; raise steps= to continue "
+                    "or choose another run_dir", cfg.run_dir, start,
+                    "" if done is None else f", progress {done:.1f}", cfg.steps)
+        return []
+    base_batch = base_batch_of(cfg, restored)
+    trainer = task.start(restored, base_batch)  # its data read: a run it refuses says nothing of starting
+    if restored is None:
+        log.info("starting at step 0 on %s", describe_mesh(task.mesh))
+    else:
+        log.info("resuming from step %d (checkpoint %s) on %s", start, checkpoints.directory / str(start),
+                 describe_mesh(task.mesh))
+    write_run_dir(cfg, task)  # only now: a run refused above leaves no run dir
+    recorder = Recorder(pathlib.Path(cfg.run_dir), start, cfg.steps, lead=jax.process_index() == 0,
+                        progress=progress, done=done)
+    log.info("compiling the train step (the first step waits for it)")
+    with trainer.context():
+        return run_steps(start, cfg.steps, cfg.checkpoint.every, one_step=trainer.step,
+                         save=lambda step: save(checkpoints, step, trainer.checkpoint_state(), trainer.loader, cfg,
+                                                base_batch=base_batch),  # a DLRM's with its cache flushed
+                         recorder=recorder,
+                         where=str(checkpoints.directory))

@@ -15,14 +15,16 @@ step serves both:
    the gathered rows, and updates only the touched rows (``embedding.optimizer``:
    row-wise Adagrad or SGD at ``embedding.lr``; ``jaxpar.embedding.sparse_update``).
 
-The steps, metrics, checkpoints and stop signals are the language models'
-(``jaxpar.train.stepping``). ``metrics.jsonl`` has ``loss``, ``lr``, ``grad_norm``,
-``samples_per_s``, ``step_time_s``, the cache's ``hit_rate`` (unique ids of the batch
-found on the device), ``h2d_bytes`` / ``d2h_bytes`` and ``evictions`` per step, and
-``val_loss`` and ``val_auc`` at eval steps (the held-out batches' rows read exactly,
-without disturbing the cache). A checkpoint holds the dense state and the exact table
-and its optimizer state (the cache is flushed first), so a resumed run, on a cache of
-any size or none, continues exactly; the table is written from the live host table a
+DLRM is a task of the shared loop (``jaxpar.train.loop.train``), which gives it the run
+dir, ``config.yaml``, dry run, resume, evaluation cadence, metrics, checkpoints and stop
+signals. Its own parts are here: ``DLRMTask`` (loader, tables, step; on resume the
+checkpoint's table written back into the host table), ``DLRMTrainer`` (a step through
+the cache; a checkpoint's state with the cache flushed) and ``evaluation``.
+``metrics.jsonl`` adds ``samples_per_s``, the cache's ``hit_rate`` (unique ids of the
+batch found on the device), ``h2d_bytes`` / ``d2h_bytes`` and ``evictions`` per step, and
+``val_auc`` at eval steps (the held-out rows read exactly, without disturbing the
+cache). A checkpoint holds the exact table and its optimizer state, so a run resumes
+exactly on a cache of any size or none; the table is written from the live host table a
 block at a time, never copied whole, while the run waits (``save_checkpoint``).
 
 Several processes (JAX's distributed runtime, ``JAXPAR_COORDINATOR`` ...: see
@@ -46,24 +48,23 @@ gradients' all-reduce (2 processes x 2 CPU devices against 1 x 4: within 2e-7):
   table by each process for its own shards' rows (``table_leaves``;
   ``jaxpar.train.row_blocks``), a replicated one by process 0 (with an orbax the block
   writer cannot use, the split table is gathered a block at a time and process 0 writes
-  it whole: ``RowBlocks.whole``); on restore each process
-  reads the table and keeps its shards' rows. Only process 0 writes ``config.yaml``,
-  ``metrics.jsonl`` and TensorBoard's events.
+  it whole: ``RowBlocks.whole``); on restore each process reads the table and keeps
+  its shards' rows.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-import json
 import logging
+import math
 import pathlib
 import time
 
 import jax
 import numpy as np
 import optax
-import yaml
 from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -74,12 +75,12 @@ from jaxpar.models.dlrm import DLRM, DLRMConfig, bce_loss
 from jaxpar.offload.budget import parse_bytes
 from jaxpar.train import data as data_lib
 from jaxpar.train.auc import auc
-from jaxpar.train.checkpoints import CheckpointError, Checkpoints
-from jaxpar.train.config import Config, load_config, to_dict
-from jaxpar.train.loop import build_mesh, describe_mesh, make_optimizer
+from jaxpar.train.checkpoints import Checkpoints
+from jaxpar.train.config import Config, load_config
 from jaxpar.train.recsys_data import recsys_loader
 from jaxpar.train.row_blocks import RowBlocks
-from jaxpar.train.stepping import Recorder, TrainingError, run_steps
+from jaxpar.train.stepping import build_mesh, make_optimizer, save
+from jaxpar.train.trainer import Hook, StepInfo, Trainer
 
 log = logging.getLogger(__name__)
 
@@ -203,104 +204,118 @@ def load_run(run_dir) -> tuple[Config, int, dict]:
     return cfg, restored[0], restored[1]
 
 
-def _check_same_model(checkpoints: Checkpoints, cfg: Config) -> None:
-    """Refuses a run dir whose checkpoints hold another task or DLRM shape."""
-    steps = checkpoints.steps()
-    if not steps:
-        return
-    try:
-        saved = checkpoints.read_meta(steps[-1]).get("config", {})
-    except Exception:  # noqa: BLE001 - unreadable; restore_latest says so
-        return
-    if saved.get("task", "lm") != "dlrm":
-        raise TrainingError(f"{checkpoints.directory} holds a checkpoint of task {saved.get('task', 'lm')!r}, "
-                            "not dlrm; use another run_dir")
-    here = json.loads(json.dumps(dataclasses.asdict(cfg.model)))
-    diffs = [f"model.{k}: {saved['model'].get(k)!r} there, {v!r} here" for k, v in here.items()
-             if saved.get("model", {}).get(k) != v]
-    if saved.get("embedding", {}).get("optimizer") != cfg.embedding.optimizer:
-        diffs.append(f"embedding.optimizer: {saved.get('embedding', {}).get('optimizer')!r} there, "
-                     f"{cfg.embedding.optimizer!r} here")
-    if diffs:
-        raise TrainingError(f"{checkpoints.directory} holds a checkpoint of a different model "
-                            f"({'; '.join(diffs)}); use another run_dir")
+class DLRMTask:
+    """``task: dlrm`` as the shared loop's task (``jaxpar.train.loop``): ``build`` makes
+    the mesh, the loader and its held-out batches, the dense state, the table's home
+    (``build_tables``) and the step; ``start`` loads a checkpoint's table into it and
+    warms the cache up; its ``DLRMTrainer`` steps through the cache and flushes it into
+    each checkpoint; ``close`` stops the cache's prefetch thread."""
 
+    replica_parallel = None  # Checkpoints' default
+    tables = None
 
-def train(cfg: Config, *, progress: bool = True) -> list[dict]:
-    """Runs (or resumes) the DLRM training ``cfg`` describes; returns the per-step metrics."""
-    m: DLRMConfig = cfg.model
-    run_dir = pathlib.Path(cfg.run_dir)
-    mesh = build_mesh(cfg)
-    replicated, by_batch = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
-    if cfg.batch_size % mesh.shape["data"]:
-        raise ValueError(f"batch_size={cfg.batch_size} must be a multiple of mesh.data={mesh.shape['data']}")
-    loader, val_batches = recsys_loader(cfg.data.format, m.table_rows, cfg.batch_size, seed=cfg.seed,
-                                        path=cfg.data.path, zipf_alpha=cfg.data.zipf_alpha,
-                                        cache_dir=data_lib.cache_dir_of(cfg.cache_dir),
-                                        eval_steps=cfg.eval.batches, dense_features=m.dense_features)
-    # every process's eval rows, the same on each (the loaders give each process its slice)
-    val_batches = [jax.tree.map(whole_batch, b) for b in val_batches[: cfg.eval.batches]] if cfg.eval.every else []
-    graphdef, stub, state, tx, schedule = initial_state(cfg, replicated)
-    table = state["table"]
-    tables = build_tables(cfg, table, mesh)
-    # The table lives in `tables` now; a checkpoint's restore needs only its shape (np.empty
-    # touches no memory until orbax fills it).
-    state["table"] = np.empty_like(table)
-    del table
-    step_fn = make_step(graphdef, stub, tx, tables.lookup, tables.update)
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        # every model field shapes the arrays; the table's optimizer its state's
+        self.same_model = ([f.name for f in dataclasses.fields(cfg.model)], (("embedding", "optimizer"),))
 
-    rows_of = functools.partial(np.add, m.offsets)  # per-feature ids [B, F] -> rows of the concatenated table
-    placed = placer(tables, by_batch, rows_of)
+    def build(self) -> None:
+        cfg, m = self.cfg, self.cfg.model
+        self.mesh = mesh = build_mesh(cfg)
+        replicated, by_batch = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+        if cfg.batch_size % mesh.shape["data"]:
+            raise ValueError(f"batch_size={cfg.batch_size} must be a multiple of mesh.data={mesh.shape['data']}")
+        self.loader, val_batches = recsys_loader(
+            cfg.data.format, m.table_rows, cfg.batch_size, seed=cfg.seed, path=cfg.data.path,
+            zipf_alpha=cfg.data.zipf_alpha, cache_dir=data_lib.cache_dir_of(cfg.cache_dir),
+            eval_steps=cfg.eval.batches, dense_features=m.dense_features)
+        # every process's eval rows, the same on each (the loaders give each process its slice)
+        self.validation = [jax.tree.map(whole_batch, b) for b in val_batches[: cfg.eval.batches]
+                           ] if cfg.eval.every else []
+        self.graphdef, self.stub, state, tx, self.schedule = initial_state(cfg, replicated)
+        table = state["table"]
+        self.tables = build_tables(cfg, table, mesh)
+        # The table lives in `tables` now; a checkpoint's restore needs only its shape (np.empty
+        # touches no memory until orbax fills it).
+        state["table"] = np.empty_like(table)
+        del table
+        self.state = state
+        self.step_fn = make_step(self.graphdef, self.stub, tx, self.tables.lookup, self.tables.update)
+        self.rows_of = functools.partial(np.add, m.offsets)  # per-feature ids [B, F] -> rows of the concatenated table
+        self.placed = placer(self.tables, by_batch, self.rows_of)
+        if not cfg.dry_run:  # one line before anything is written
+            self.tables.check_fits(self.rows_of(whole_batch(self.loader.batch(0)["sparse"])))
 
-    if cfg.dry_run:
+    def dry_run(self) -> dict:
         from jaxpar.profiler import profile
 
-        slots, batch = placed(loader.batch(0))
-        print(json.dumps(profile(step_fn.lower(state["params"], state["opt_state"], tables.arrays, slots, batch,
-                                               cfg.embedding.lr).compile()), separators=(",", ":")))
-        return []
-    tables.check_fits(rows_of(whole_batch(loader.batch(0)["sparse"])))  # one line before anything is written
+        slots, batch = self.placed(self.loader.batch(0))
+        return profile(self.step_fn.lower(self.state["params"], self.state["opt_state"], self.tables.arrays, slots,
+                                          batch, self.cfg.embedding.lr).compile())
 
-    with Checkpoints(run_dir, keep=cfg.checkpoint.keep) as checkpoints:
-        start, params, opt_state = restore(cfg, checkpoints, state, tables, loader, mesh)
-        if start >= cfg.steps:
-            return []
+    def restore_target(self) -> dict:
+        return self.state
+
+    def start(self, restored, base_batch: int) -> DLRMTrainer:
+        """The trainer: the state fresh, or ``restored``'s (its table written back into
+        the cache's host table, the loader moved to its step); the cache warmed up with
+        the next batches' ids (Colossal-AI's sample); evaluation at ``eval.every``."""
+        cfg, tables, loader = self.cfg, self.tables, self.loader
+        state = self.state
+        if restored is not None:
+            state, meta = restored[1], restored[2]
+            tables.load(np.asarray(state["table"]), state.get("table_state"))
+            loader.restore(meta["loader"])
         cached = not isinstance(tables, DeviceTable)
-        if cached and cfg.embedding.warmup_ratio:  # the ids of the next batches, Colossal-AI's sample
-            sample = whole_batch(np.stack([rows_of(loader.batch(loader.step + k)["sparse"])
+        if cached and cfg.embedding.warmup_ratio:
+            sample = whole_batch(np.stack([self.rows_of(loader.batch(loader.step + k)["sparse"])
                                            for k in range(WARMUP_BATCHES)]), axis=1)
             tables.warmup(sample, ratio=cfg.embedding.warmup_ratio)
+        trainer = DLRMTrainer(self, state["params"], state["opt_state"], ahead=cfg.embedding.prefetch if cached else 0)
+        if self.validation:
+            forward = jax.jit(lambda params, dense, emb: nnx.merge(self.graphdef, self.stub, params)(dense, emb))
+            trainer.add_hook(evaluation(forward, tables, self.validation, self.rows_of), every=cfg.eval.every)
+        return trainer
 
-        lead = jax.process_index() == 0
-        if lead:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-        forward = jax.jit(lambda params, dense, emb: nnx.merge(graphdef, stub, params)(dense, emb))
-        ahead = cfg.embedding.prefetch if cached else 0
+    def save_files(self, run_dir: pathlib.Path) -> None:
+        pass  # config.yaml alone
 
-        def one_step(step):
-            nonlocal params, opt_state
-            upcoming = [loader.batch(loader.step + k)["sparse"] for k in range(1, ahead + 1)]
-            began = time.perf_counter()
-            slots, batch = placed(next(loader), upcoming)
-            params, opt_state, tables.arrays, out = step_fn(params, opt_state, tables.arrays, slots, batch,
-                                                            cfg.embedding.lr)
-            loss = float(out["loss"])  # waits for the step
-            record = _record(step, loss, out, time.perf_counter() - began, tables.last_step, cfg, schedule)
-            if val_batches and (step % cfg.eval.every == 0 or step == cfg.steps):
-                record.update(evaluate(forward, params, tables, val_batches, rows_of))
-            return record, _postfix(record)
+    def close(self) -> None:
+        if self.tables is not None:
+            self.tables.close()
 
-        def save(step):
-            save_checkpoint(checkpoints, step, params, opt_state, tables, loader, cfg)
 
-        recorder = Recorder(run_dir, start, cfg.steps, lead=lead, progress=progress)
-        log.info("compiling the train step (the first step waits for it)")
-        try:
-            return run_steps(start, cfg.steps, cfg.checkpoint.every, one_step=one_step, save=save,
-                             recorder=recorder, where=str(checkpoints.directory))
-        finally:
-            tables.close()
+class DLRMTrainer(Trainer):
+    """The shared ``Trainer``'s hooks over a DLRM's step: each step makes its batch's
+    rows resident in the cache (the next ``ahead`` batches' prefetched meanwhile), and a
+    checkpoint's state is the dense state and the flushed table (``table_leaves``)."""
+
+    def __init__(self, task: DLRMTask, params, opt_state, *, ahead: int):
+        self.task, self.params, self.opt_state, self.ahead = task, params, opt_state, ahead
+        self.loader, self.tables, self.steps = task.loader, task.tables, task.cfg.steps
+        self.hooks = []
+
+    def run(self, step: int) -> tuple[dict, dict]:
+        task, loader, tables = self.task, self.loader, self.tables
+        upcoming = [loader.batch(loader.step + k)["sparse"] for k in range(1, self.ahead + 1)]
+        began = time.perf_counter()
+        slots, batch = task.placed(next(loader), upcoming)
+        self.params, self.opt_state, tables.arrays, out = task.step_fn(self.params, self.opt_state, tables.arrays,
+                                                                       slots, batch, task.cfg.embedding.lr)
+        loss = float(out["loss"])  # waits for the step
+        elapsed, stats = time.perf_counter() - began, tables.last_step  # the cache's hits, transfers, evictions
+        record = {"step": step, "loss": loss, "lr": float(task.schedule(step - 1)),
+                  "grad_norm": float(out["grad_norm"]), "samples_per_s": task.cfg.batch_size / elapsed,
+                  "step_time_s": elapsed, "hit_rate": stats.hit_rate, "h2d_bytes": stats.h2d_bytes,
+                  "d2h_bytes": stats.d2h_bytes, "evictions": stats.evictions}
+        return record, {"loss": f"{loss:.4f}", "samples/s": f"{record['samples_per_s']:.0f}",
+                        "hits": f"{stats.hit_rate:.1%}"}
+
+    def checkpoint_state(self) -> dict:
+        return {"params": self.params, "opt_state": self.opt_state, **table_leaves(self.tables)}
+
+    def context(self):
+        return contextlib.nullcontext()
 
 
 def whole_batch(local: np.ndarray, axis: int = 0) -> np.ndarray:
@@ -337,43 +352,6 @@ def placer(tables, sharding, rows_of):
     return placed
 
 
-def _record(step: int, loss: float, out: dict, elapsed: float, stats, cfg: Config, schedule) -> dict:
-    """A step's metrics: its loss, learning rate, gradient norm and speed, and the
-    embedding cache's hits, transfers and evictions (``stats``)."""
-    return {"step": step, "loss": loss, "lr": float(schedule(step - 1)), "grad_norm": float(out["grad_norm"]),
-            "samples_per_s": cfg.batch_size / elapsed, "step_time_s": elapsed, "hit_rate": stats.hit_rate,
-            "h2d_bytes": stats.h2d_bytes, "d2h_bytes": stats.d2h_bytes, "evictions": stats.evictions}
-
-
-def _postfix(record: dict) -> dict:
-    """The progress bar's figures of a step's ``record``."""
-    postfix = {"loss": f"{record['loss']:.4f}", "samples/s": f"{record['samples_per_s']:.0f}",
-               "hits": f"{record['hit_rate']:.1%}"}
-    if "val_auc" in record:
-        postfix["auc"] = f"{record['val_auc']:.4f}"
-    return postfix
-
-
-def restore(cfg: Config, checkpoints: Checkpoints, state: dict, tables, loader, mesh):
-    """``(start step, params, opt_state)``: the newest checkpoint's, its table loaded into
-    ``tables`` and its data position into ``loader``; else step 0 and ``state``'s."""
-    _check_same_model(checkpoints, cfg)
-    restored = checkpoints.restore_latest(state)
-    if restored is None:
-        log.info("starting at step 0 on %s", describe_mesh(mesh))
-        return 0, state["params"], state["opt_state"]
-    start, state, meta = restored
-    if start >= cfg.steps:
-        log.warning("%s is already at step %d (steps=%d): nothing to do; raise steps= to continue "
-                    "or choose another run_dir", cfg.run_dir, start, cfg.steps)
-        return start, None, None
-    log.info("resuming from step %d (checkpoint %s) on %s", start, checkpoints.directory / str(start),
-             describe_mesh(mesh))
-    tables.load(np.asarray(state["table"]), state.get("table_state"))
-    loader.restore(meta["loader"])
-    return start, state["params"], state["opt_state"]
-
-
 def table_leaves(tables) -> dict:
     """A checkpoint's ``table`` and (row-wise Adagrad) ``table_state``: ``RowBlocks``
     read from the live host table, flushed first (a cache's table: views of it; a split
@@ -398,8 +376,9 @@ def table_leaves(tables) -> dict:
 
 
 def save_checkpoint(checkpoints: Checkpoints, step: int, params, opt_state, tables, loader, cfg: Config) -> None:
-    """The dense state, the exact table and its optimizer state, the data position and
-    the config; returns once written.
+    """The dense state, the exact table and its optimizer state (a ``DLRMTrainer``'s
+    ``checkpoint_state``, which the loop saves), the data position and the config;
+    returns once written.
 
     The table is not copied: a host table can be most of the host's memory, and copies
     (ours of the live table, then orbax's of that numpy leaf) held three. It is written
@@ -408,24 +387,30 @@ def save_checkpoint(checkpoints: Checkpoints, step: int, params, opt_state, tabl
     later steps change it in place, the step waits until the save is written (the dense
     state with it: its write overlaps the table's; on the dlrm preset's 12 MiB table a
     save holds the run 0.12 s, 0.08 s more than the copies did)."""
-    state = {"params": params, "opt_state": opt_state, **table_leaves(tables)}
-    try:
-        checkpoints.save(step, state, {"step": step, "loader": loader.state(), "config": to_dict(cfg)})
-    except CheckpointError as e:
-        raise TrainingError(str(e)) from None
+    save(checkpoints, step, {"params": params, "opt_state": opt_state, **table_leaves(tables)}, loader, cfg)
 
 
 _bce_loss = jax.jit(bce_loss)  # one program (op by op: one per operation)
 
 
-def evaluate(forward, params, tables, batches, rows_of) -> dict:
-    """``val_loss`` and ``val_auc`` over the held-out ``batches``, their rows read exactly
-    (in one read: a cache flushes once, a split table is gathered once)."""
-    embs = tables.rows_of(np.stack([rows_of(batch["sparse"]) for batch in batches]))  # [n, B, F, D]
-    logits = np.concatenate([np.asarray(forward(params, batch["dense"], emb)) for batch, emb in zip(batches, embs)])
-    labels = np.concatenate([batch["labels"] for batch in batches])
-    loss = float(_bce_loss(logits, labels))
-    try:
-        return {"val_loss": loss, "val_auc": auc(logits, labels)}
-    except ValueError:  # one class only among the held-out labels: AUC undefined
-        return {"val_loss": loss}
+def evaluation(forward, tables, batches, rows_of) -> Hook:
+    """A ``Trainer`` hook adding ``val_loss`` and ``val_auc`` over the held-out
+    ``batches``, their rows read exactly (in one read: a cache flushes once, a split
+    table is gathered once), and the AUC to the progress bar; skipped after a non-finite
+    training loss, which stops the run anyway."""
+
+    def hook(info: StepInfo) -> None:
+        if not math.isfinite(info.record["loss"]):
+            return
+        embs = tables.rows_of(np.stack([rows_of(batch["sparse"]) for batch in batches]))  # [n, B, F, D]
+        logits = np.concatenate([np.asarray(forward(info.params, batch["dense"], emb))
+                                 for batch, emb in zip(batches, embs)])
+        labels = np.concatenate([batch["labels"] for batch in batches])
+        info.record["val_loss"] = float(_bce_loss(logits, labels))
+        try:
+            info.record["val_auc"] = auc(logits, labels)
+        except ValueError:  # one class only among the held-out labels: AUC undefined
+            return
+        info.postfix["auc"] = f"{info.record['val_auc']:.4f}"
+
+    return hook

@@ -8,6 +8,9 @@ TensorBoard (process 0) and moves the bar; a checkpoint is saved every
 ``checkpoint.every`` steps and at the last; SIGINT / SIGTERM stop the run at the next
 step boundary with that step saved (``jaxpar.train.stopping``); a non-finite loss stops
 it with the last good checkpoint named.
+
+What every task builds alike is here too: the mesh (``build_mesh``), the dense
+parameters' optimizer (``make_optimizer``) and a checkpoint's write (``save``).
 """
 
 from __future__ import annotations
@@ -26,7 +29,14 @@ if importlib.util.find_spec("ipywidgets") is None:
 else:
     from tqdm.auto import tqdm
 
+import jax
+import optax
+
+import jaxpar
+from jaxpar.elastic import adascale as adascale_lib
 from jaxpar.train import tensorboard
+from jaxpar.train.checkpoints import CheckpointError, Checkpoints
+from jaxpar.train.config import Config, ConfigError, OptimizerConfig, to_dict
 from jaxpar.train.stopping import Stopped, stop_on_signals
 
 
@@ -119,3 +129,63 @@ def run_steps(start: int, steps: int, every: int, *, one_step: Callable[[int], t
     finally:
         recorder.close()
     return history
+
+
+def build_mesh(cfg: Config, devices=None) -> jax.sharding.Mesh:
+    """The mesh of ``cfg.layout`` (``cfg.mesh.axis_types``); ``data`` None takes the
+    devices the other axes leave. Sizes that ask for fewer devices than one process has
+    take its first ones (a job given part of a host, as an elastic job resized to fewer
+    devices is)."""
+    devices = jax.devices() if devices is None else devices
+    layout = cfg.layout
+    others = layout.fsdp * layout.expert * layout.pipe * layout.seq * layout.tensor_ways
+    data = layout.data
+    if data is not None and jax.process_count() == 1 and data * others < len(devices):
+        devices = devices[:data * others]
+    if data is None:
+        if others < 1 or len(devices) % others:
+            raise ConfigError(
+                f"mesh fsdp={layout.fsdp} expert={layout.expert} pipe={layout.pipe} seq={layout.seq} "
+                f"tensor={layout.tensor} ({others} devices) does not divide {len(devices)} devices"
+            )
+        data = len(devices) // others
+    try:
+        return jaxpar.make_mesh(data=data, fsdp=layout.fsdp, expert=layout.expert, pipe=layout.pipe,
+                                seq=layout.seq, tensor=layout.tensor, devices=devices,
+                                axis_types=cfg.mesh.axis_types)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def make_optimizer(opt: OptimizerConfig, steps: int, scale: float = 1.0, *,
+                   adascale: tuple[int, int, int] | None = None):
+    """``(tx, schedule)``: clipped AdamW with warmup and cosine decay, its peak ``opt.lr``
+    times ``scale`` (``batch_scale``'s), on the step clock whatever the batch; the
+    ``schedule`` returned (what the step records log) is compiled as one program
+    (called outside a step, optax's schedule runs op by op, a dozen programs compiled in
+    every process).
+    ``adascale``: ``(base, batch, replicas)``: AdamW's learning rate scaled by AdaScale's
+    gain instead (``jaxpar.elastic.adascale``: the schedule read at the gain's progress;
+    the step passes the noise scale's norms to ``tx.update``)."""
+    warmup = min(opt.warmup_steps, steps)
+    peak = opt.lr * scale
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, peak, warmup_steps=warmup, decay_steps=max(steps, warmup + 1),
+        end_value=peak * opt.min_lr_ratio,
+    )
+    if adascale is None:
+        adamw = optax.adamw(schedule, b1=opt.b1, b2=opt.b2, weight_decay=opt.weight_decay)
+    else:  # optax.adamw with its last part, the learning rate, AdaScale's
+        base, batch, replicas = adascale
+        adamw = optax.chain(optax.scale_by_adam(b1=opt.b1, b2=opt.b2), optax.add_decayed_weights(opt.weight_decay),
+                            adascale_lib.scale_by_adascale(schedule, base=base, batch=batch, replicas=replicas))
+    return optax.chain(optax.clip_by_global_norm(opt.clip_norm), adamw), jax.jit(schedule)
+
+
+def save(checkpoints: Checkpoints, step: int, state: dict, loader, cfg: Config, **meta) -> None:
+    """Checkpoints ``state`` at ``step`` with the ``loader``'s position, the config and
+    ``meta``; a save that does not happen is a ``TrainingError``."""
+    try:
+        checkpoints.save(step, state, {"step": step, "loader": loader.state(), **meta, "config": to_dict(cfg)})
+    except CheckpointError as e:
+        raise TrainingError(str(e)) from None

@@ -1,6 +1,6 @@
-"""What a transformer run trains, as one interface the loop (``jaxpar.train.loop``) calls
-without asking which: ``LanguageModel`` (``task: lm``) and ``GlideDraft`` (``task:
-glide``, a draft for a frozen target, ``jaxpar.train.glide``).
+"""What a transformer run trains, as one interface the loop's ``TransformerTask``
+(``jaxpar.train.loop``) calls without asking which: ``LanguageModel`` (``task: lm``)
+and ``GlideDraft`` (``task: glide``, a draft for a frozen target, ``jaxpar.train.glide``).
 
 A task gives the loop:
 
@@ -140,5 +140,5 @@ class GlideDraft:
 
 
 def of(cfg: Config, *, progress: bool = False) -> LanguageModel | GlideDraft:
-    """The task ``cfg.task`` names (``lm`` or ``glide``; ``dlrm`` has a loop of its own)."""
+    """The task ``cfg.task`` names: ``lm`` or ``glide`` (``dlrm``'s is ``jaxpar.train.recsys``'s)."""
     return GlideDraft(cfg, progress=progress) if cfg.task == "glide" else LanguageModel(cfg)

@@ -69,12 +69,16 @@ Hook = Callable[[StepInfo], None]
 
 
 class Trainer:
-    """The state between steps (``params``, ``opt_state``) and what runs each step."""
+    """The state between steps (``params``, ``opt_state``) and what runs each step: the
+    step itself (``run``, a transformer's compiled step on ``Batches``' next batch), then
+    the hooks due. Another task's trainer (``jaxpar.train.recsys.DLRMTrainer``) keeps
+    ``step``'s hooks and gives its own ``run``, ``checkpoint_state`` and ``context``."""
 
     def __init__(self, step_fn, params, opt_state, batches: Batches, *, lr: Callable[[int], float],
                  tokens_per_step: int, steps: int, frozen: tuple = ()):
         self.step_fn, self.params, self.opt_state, self.batches = step_fn, params, opt_state, batches
         self.lr, self.tokens_per_step, self.steps, self.frozen = lr, tokens_per_step, steps, frozen
+        self.loader = batches.loader  # whose position a checkpoint holds
         self.hooks: list[tuple[Hook, int]] = []
 
     def add_hook(self, hook: Hook, every: int = 1) -> None:
@@ -82,7 +86,17 @@ class Trainer:
         self.hooks.append((hook, every))
 
     def step(self, step: int) -> tuple[dict, dict]:
-        """Runs step ``step``; returns its record and the progress bar's figures."""
+        """Runs step ``step`` and the hooks due; returns its record and the progress
+        bar's figures."""
+        record, postfix = self.run(step)
+        info = StepInfo(step, self.params, self.opt_state, record, postfix, last=finished(record, self.steps))
+        for hook, every in self.hooks:
+            if step % every == 0 or info.last:
+                hook(info)
+        return record, postfix
+
+    def run(self, step: int) -> tuple[dict, dict]:
+        """The step alone: its record and the progress bar's figures."""
         batch = self.batches.next_train()
         began = time.perf_counter()
         self.params, self.opt_state, out = self.step_fn(self.params, self.opt_state, batch, *self.frozen)
@@ -93,11 +107,16 @@ class Trainer:
                   "device_live_bytes": offload_lib.device_live_bytes()}
         record.update({k: float(v) for k, v in out.items() if k not in ("loss", "grad_norm")})  # a step option's
         postfix = {"loss": f"{loss:.3f}", "tok/s": f"{record['tokens_per_s']:.0f}", "step": f"{elapsed * 1e3:.0f}ms"}
-        info = StepInfo(step, self.params, self.opt_state, record, postfix, last=finished(record, self.steps))
-        for hook, every in self.hooks:
-            if step % every == 0 or info.last:
-                hook(info)
         return record, postfix
+
+    def checkpoint_state(self) -> dict:
+        """What a checkpoint holds: the state in model order (the step may store it
+        otherwise)."""
+        return self.step_fn.in_model_order({"params": self.params, "opt_state": self.opt_state})
+
+    def context(self):
+        """The context the steps run in: the step's mesh, rules and execution."""
+        return self.step_fn.context()
 
 
 def evaluation(step_fn, batches: Batches, frozen: tuple, programs: dict | None = None) -> Hook:
