@@ -64,6 +64,13 @@ targets table last; ``--json`` gets every figure and error):
   shuffled pool moves 16-slot blocks of ``K H`` values, each as contiguous). Up to 8
   input sets are chained in one jit (``optimization_barrier`` between calls) and the
   time divided, so that microsecond kernels are not timed as dispatch. ``err`` against float32 XLA attention.
+* ``gmm``: ``jaxpar.kernels.grouped_matmul`` (the MoE layer's grouped matmul on GPU)
+  beside ``jax.lax.ragged_dot``'s default lowering, bf16 ``[M, K] x [G, K, N]``, by default
+  Mixtral 8x7B's up projection over 8192 tokens x 2 experts (16384 x 4096 x 14336, G=8),
+  skewed group sizes (Dirichlet(0.5) shares) with one group empty; forward, and forward +
+  backward (input and weight gradients). FLOPs ``2 M K N`` (x3 forward + backward), the
+  useful work whatever an implementation computes. ``err`` against float32 ``ragged_dot``
+  at highest precision. Left out of ``--smoke`` unless ``--parts`` names it.
 * ``train``: the ``1b`` training step with ``execution.attention=pallas``, ``xla`` and ``cudnn``
   (``jaxpar-train`` in child processes, after the kernels, which also run in a child so
   that the GPU memory is free again): median step time of the steps after
@@ -85,11 +92,12 @@ kernel not there: ``missing``) shows briefly in its cell and the run goes on. Pa
 "skipped: time limit" (``--train-reserve-s`` of it kept for the training runs); run
 those again with ``--parts``.
 
-Options: [--parts ceilings norms ce attention decode train] [--skip-train] [--smoke]
+Options: [--parts ceilings norms ce attention decode gmm train] [--skip-train] [--smoke]
 [--attention-shapes BxNxTxH[:causal|:noncausal] ...] [--attention-impls jaxpar cudnn xla
 jax-triton jax-mgpu] [--decode-batches 1 8] [--decode-lengths 4096 16384 32768]
 [--decode-new-tokens 1 5] [--decode-heads 32 8 128] [--norm-shape 16384 4096]
-[--ce-shape 8192 2048 128256] [--train-config 1b] [--train-impls pallas xla cudnn]
+[--ce-shape 8192 2048 128256] [--gmm-shape 16384 4096 14336 8] [--train-config 1b]
+[--train-impls pallas xla cudnn]
 [--train-steps 7] [--train-warmup 2] [--train-batch 8] [--train-overrides k=v ...]
 [--train-timeout 180] [--warmup 2] [--repeats 20] [--budget-s 0.3] [--min-sample-ms 2]
 [--time-limit-s 560] [--train-reserve-s 200] [--json PATH]
@@ -118,7 +126,7 @@ import jax
 import jax.numpy as jnp
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PARTS = ("ceilings", "norms", "ce", "attention", "decode", "train")
+PARTS = ("ceilings", "norms", "ce", "attention", "decode", "gmm", "train")
 ATTENTION_IMPLS = ("jaxpar", "cudnn", "xla", "jax-triton", "jax-mgpu")
 NOMINAL_PEAK = 989e12  # H100 / H200 SXM dense bf16, for the MFU beside the measured one
 ROTATE_BYTES = 256 * 2**20  # input sets in rotation hold at least this much (L2: 50-60 MB)
@@ -776,6 +784,84 @@ def ce_table(rows: list[dict], peak: float | None, copy_bw: float | None) -> str
                   "temp GB (compiled)", "err"], out)
 
 
+# ------------------------------------------------------------------ grouped matmul
+
+
+def gmm_sizes(key, M: int, G: int):
+    """``[G]`` int32 group sizes summing to ``M``, skewed (Dirichlet(0.5) shares, as a
+    router's uneven load) with group 1 empty."""
+    share = jax.random.dirichlet(key, jnp.full((G,), 0.5)).at[1 % G].set(0.0)
+    sizes = jnp.floor(share / share.sum() * M).astype(jnp.int32)
+    return sizes.at[0].add(M - sizes.sum())
+
+
+def gmm_part(args, s: Settings) -> list[dict]:
+    """``jaxpar.kernels.grouped_matmul`` against ``jax.lax.ragged_dot``'s default lowering
+    (``grouped_matmul_reference``), bf16 ``[M, K] x [G, K, N]``, forward and forward +
+    backward; FLOPs ``2 M K N`` (x3 forward + backward), whatever an implementation
+    computes beyond (the dense rewrite: G times). ``err`` against float32 ``ragged_dot``
+    at highest precision."""
+    M, K, N, G = args.gmm_shape
+    try:
+        gmm, reference_fn = jaxpar_kernel("grouped_matmul"), jaxpar_kernel("grouped_matmul_reference")
+    except Unavailable as e:
+        gmm = reference_fn = e
+    sets = []
+    for i in range(n_sets((M * K + G * K * N + M * N) * 2, s)):
+        kx, kw, ks, kg = jax.random.split(jax.random.fold_in(jax.random.key(29), i), 4)
+        sets.append((normal(kx, (M, K), jnp.bfloat16), normal(kw, (G, K, N), jnp.bfloat16, K**-0.5),
+                     gmm_sizes(ks, M, G), normal(kg, (M, N), jnp.bfloat16)))
+    ref_out = ref_grads = None
+    if not isinstance(reference_fn, Exception):
+        def ref(x, w, sizes, g):
+            with highest():
+                out, pull = jax.vjp(lambda x, w: reference_fn(x, w, sizes), x, w)
+                return out, pull(g)
+        x, w, sizes, g = sets[0]
+        ref_out, ref_grads = expected_value(ref, x.astype(jnp.float32), w.astype(jnp.float32), sizes,
+                                            g.astype(jnp.float32)) or (None, None)
+    impls = [("jaxpar", None if isinstance(gmm, Exception) else
+              (lambda x, w, sizes: gmm(x, w, sizes, interpret=s.interpret)), gmm),
+             ("ragged_dot", None if isinstance(reference_fn, Exception) else reference_fn, reference_fn)]
+    results = []
+    for name, fn, missing in impls:
+        for mode in ("fwd", "fwdbwd"):
+            row = {"mode": mode, "impl": name, "M": M, "K": K, "N": N, "G": G,
+                   "flops": (1 if mode == "fwd" else 3) * 2 * M * K * N}
+            if fn is None:
+                row["r"] = {"error": short(missing)}
+            else:
+                def run(fn=fn, mode=mode, row=row):
+                    if mode == "fwd":
+                        call, call_sets = fn, [x[:3] for x in sets]
+                    else:
+                        def call(x, w, sizes, g):
+                            out, pull = jax.vjp(lambda x, w: fn(x, w, sizes), x, w)
+                            return out, pull(g)
+                        call_sets = sets
+                    r = measure(call, call_sets, s)
+                    out = r.pop("out")
+                    r["err"] = (rel_err(out, ref_out) if mode == "fwd" else
+                                worst(rel_err(out[0], ref_out), max_err(out[1], ref_grads)))
+                    r["tflops"] = row["flops"] / r["s"] / 1e12
+                    return r
+                row["r"] = attempt(run)
+            results.append(row)
+            print(f"  grouped matmul {mode} {name}: {outcome(row['r'])}", flush=True)
+    return results
+
+
+def gmm_table(rows: list[dict], peak: float | None) -> str:
+    out = []
+    for r in rows:
+        x = r["r"]
+        ok = "error" not in x
+        out.append([f"{r['M']}x{r['K']}x{r['N']} G{r['G']}", "fwd" if r["mode"] == "fwd" else "fwd+bwd", r["impl"],
+                    ms_or_error(x), cell(x, "tflops"),
+                    f"{x['tflops'] * 1e12 / peak * 100:.0f}%" if ok and peak else "-", err_cell(x)])
+    return table(["MxKxN G", "mode", "impl", "ms", "TFLOP/s (2MKN)", "% peak", "err"], out)
+
+
 # -------------------------------------------------------------------------- train
 
 
@@ -967,6 +1053,7 @@ def parse_args(argv=None):
     p.add_argument("--decode-heads", type=int, nargs=3, default=[32, 8, 128], metavar=("N", "K", "H"))
     p.add_argument("--norm-shape", type=int, nargs=2, default=[16384, 4096], metavar=("ROWS", "D"))
     p.add_argument("--ce-shape", type=int, nargs=3, default=[8192, 2048, 128256], metavar=("N", "D", "V"))
+    p.add_argument("--gmm-shape", type=int, nargs=4, default=[16384, 4096, 14336, 8], metavar=("M", "K", "N", "G"))
     p.add_argument("--train-config", default="1b")
     p.add_argument("--train-impls", nargs="+", default=["pallas", "xla", "cudnn"])
     p.add_argument("--train-steps", type=int, default=7)
@@ -988,13 +1075,16 @@ def parse_args(argv=None):
         given = set(a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:]))
         smoke = {"--attention-shapes": ["1x2x256x64"], "--decode-batches": [2], "--decode-lengths": [256],
                  "--decode-new-tokens": [1, 3], "--decode-heads": [4, 2, 64], "--norm-shape": [64, 256],
-                 "--ce-shape": [64, 128, 512], "--train-config": "tiny", "--train-impls": ["xla"], "--train-steps": 3,
+                 "--ce-shape": [64, 128, 512], "--gmm-shape": [64, 32, 48, 4], "--train-config": "tiny",
+                 "--train-impls": ["xla"], "--train-steps": 3,
                  "--train-warmup": 1, "--train-batch": 2,
                  "--train-overrides": ["seq_len=64", "data.max_files=30"],
                  "--warmup": 1, "--repeats": 2, "--budget-s": 0.0, "--min-sample-ms": 0.0}
         for flag, value in smoke.items():
             if flag not in given:
                 setattr(args, flag[2:].replace("-", "_"), value)
+        if "--parts" not in given and "gmm" in args.parts:  # its interpret-mode compiles are
+            args.parts.remove("gmm")  # tests/test_kernels_grouped_matmul.py's; --parts gmm runs it
     if args.skip_train and "train" in args.parts:
         args.parts.remove("train")
     return args
@@ -1032,7 +1122,9 @@ def kernels_main(args) -> dict:
              ("attention", attention_part, lambda r: attention_table(r, peak),
               "Attention (bf16, [B, T, N, H]; FLOPs 4BNT^2H forward, halved if causal, x3.5 forward + backward)"),
              ("decode", decode_part, lambda r: decode_table(r, copy_bw),
-              "Decode attention (bf16 KV cache filled to S; GB/s of K and V read)")]
+              "Decode attention (bf16 KV cache filled to S; GB/s of K and V read)"),
+             ("gmm", gmm_part, lambda r: gmm_table(r, peak),
+              "Grouped matmul (bf16, [M, K] x [G, K, N], skewed groups, one empty; FLOPs 2MKN, x3 fwd+bwd)")]
     for name, run, render, title in parts:
         if name not in args.parts:
             continue

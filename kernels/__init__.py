@@ -12,11 +12,13 @@ from jaxpar.kernels.decode_attention import (decode_attention, decode_attention_
                                              paged_decode_attention, paged_decode_attention_reference)
 from jaxpar.kernels.dispatch import KernelOptions, use_pallas
 from jaxpar.kernels.flash_attention import flash_attention, flash_attention_reference
+from jaxpar.kernels.grouped_matmul import grouped_matmul, grouped_matmul_reference
 from jaxpar.kernels.norms import layer_norm, norm, norm_reference, rms_norm
 from jaxpar.kernels.ragged_paged_attention import ragged_paged_attention, ragged_paged_attention_reference
 
 __all__ = ["KernelOptions", "decode_attention", "decode_attention_reference", "flash_attention",
-           "flash_attention_reference", "layer_norm", "linear_cross_entropy",
+           "flash_attention_reference", "grouped_matmul", "grouped_matmul_reference", "layer_norm",
+           "linear_cross_entropy",
            "linear_cross_entropy_reference", "log_sum_exp_and_target_logit", "norm",
            "norm_reference", "paged_decode_attention", "paged_decode_attention_reference",
            "ragged_paged_attention", "ragged_paged_attention_reference", "rms_norm", "use_pallas"]

@@ -57,8 +57,8 @@ def _version(capability: tuple[int, int]) -> str:
 
 def choose(op: str, choice: str, backend: str, capability: tuple[int, int] | None) -> tuple[str, str | None]:
     """``(implementation, reason)``: what runs ``op`` (``"attention"``, ``"norm"``,
-    ``"loss"``; ``"kernels"`` for a ``jaxpar.kernels`` entry point's ``interpret=None``)
-    when the user chose ``choice`` (one of ``IMPLS[op]``), JAX's backend is ``backend``
+    ``"loss"``, ``"moe"``; ``"kernels"`` for a ``jaxpar.kernels`` entry point's
+    ``interpret=None``) when the user chose ``choice`` (one of ``IMPLS[op]``), JAX's backend is ``backend``
     (``"cpu"``, ``"gpu"``, ``"tpu"``) and the GPU's compute capability ``capability``
     (``(major, minor)``, None off CUDA). ``reason`` says why ``"auto"`` did not get the
     Pallas kernels on a GPU, else None. Raises ``ValueError`` (one line) for an explicit
@@ -99,15 +99,17 @@ IMPLS = {
     "attention": ("auto", "xla", "cudnn", "pallas"),
     "norm": ("auto", "xla", "pallas"),
     "loss": ("auto", "xla", "pallas"),
+    "moe": ("auto", "xla", "pallas"),
 }
 
 
 @dataclasses.dataclass(frozen=True)
 class KernelOptions:
-    """How the model's attention, norms and loss run (``jaxpar-train``'s
-    ``execution.attention``, ``execution.norm``, ``execution.loss``): ``"xla"`` the plain-``jnp``
-    computation; ``"pallas"`` the ``jaxpar.kernels`` kernel (compiled on GPU, interpret
-    mode elsewhere: slow, for tests); ``"cudnn"`` (attention only, GPU only) cuDNN's
+    """How the model's attention, norms, loss and mixture-of-experts grouped matmuls run
+    (``jaxpar-train``'s ``execution.attention``, ``execution.norm``, ``execution.loss``,
+    ``execution.moe``): ``"xla"`` the plain-``jnp`` computation (for ``moe``,
+    ``jax.lax.ragged_dot``); ``"pallas"`` the ``jaxpar.kernels`` kernel (compiled on GPU,
+    interpret mode elsewhere: slow, for tests); ``"cudnn"`` (attention only, GPU only) cuDNN's
     fused attention through ``jax.nn.dot_product_attention``; ``"auto"`` Pallas on a GPU
     of compute capability 8.0 or newer and XLA elsewhere (``choose``). What is computed
     is the same whichever runs. ``"pallas"`` and ``"cudnn"`` on a GPU older than 8.0, and
@@ -116,6 +118,7 @@ class KernelOptions:
     attention: str = "auto"
     norm: str = "auto"
     loss: str = "auto"
+    moe: str = "auto"
 
     def __post_init__(self):
         for op, allowed in IMPLS.items():

@@ -63,11 +63,13 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from jaxpar import kernels
+from jaxpar.kernels.dispatch import pallas_interpret
 from jaxpar.models.config import ModelConfig, MoEConfig
 from jaxpar.models.params import param as _param
 from jaxpar.placement import rules as rules_lib
 from jaxpar.placement.axes import local_axes
-from jaxpar.placement.execution import rules_for
+from jaxpar.placement.execution import implementation, rules_for
 
 BIAS = "router_bias"
 # The logical axes of the router, its bias, gate, up and down (MaxText's names).
@@ -157,13 +159,20 @@ def expert_mlp(xs: jax.Array, group_sizes: jax.Array, gate: jax.Array | None, up
                down: jax.Array) -> jax.Array:
     """The grouped matmul: rows ``xs [M, D]`` sorted by expert (``group_sizes [E]`` each)
     through their expert's SwiGLU (``gate`` given) or GELU MLP, ``gate, up [E, D, F]``,
-    ``down [E, F, D]`` -> ``[M, D]``; rows past ``sum(group_sizes)`` give zeros."""
-    h = jax.lax.ragged_dot(xs, up, group_sizes)
+    ``down [E, F, D]`` -> ``[M, D]``; rows past ``sum(group_sizes)`` give zeros.
+
+    Each grouped matmul is ``jax.lax.ragged_dot``, or with ``execution.moe`` resolving to
+    ``"pallas"`` (``auto`` on a GPU of compute capability 8.0 or newer) the
+    ``jaxpar.kernels.grouped_matmul`` kernel, which computes the same."""
+    dot = jax.lax.ragged_dot
+    if implementation("moe") == "pallas":
+        dot = functools.partial(kernels.grouped_matmul, interpret=pallas_interpret())
+    h = dot(xs, up, group_sizes)
     if gate is not None:
-        h = jax.nn.silu(jax.lax.ragged_dot(xs, gate, group_sizes)) * h
+        h = jax.nn.silu(dot(xs, gate, group_sizes)) * h
     else:
         h = jax.nn.gelu(h, approximate=True)
-    return jax.lax.ragged_dot(h, down, group_sizes)
+    return dot(h, down, group_sizes)
 
 
 def combine(ys: jax.Array, order: jax.Array, gates: jax.Array) -> jax.Array:

@@ -151,3 +151,25 @@ def test_linear_cross_entropy(rng, D):
         return kernels.linear_cross_entropy(x, w, targets, interpret=False).sum()
 
     lowers_for_cuda(jax.grad(loss, (0, 1)), x, w)
+
+
+@pytest.mark.parametrize("M,K,N,dtype", [(200, 96, 72, jnp.bfloat16), (37, 256, 512, jnp.float32)])
+def test_grouped_matmul(rng, M, K, N, dtype):
+    """Forward, input gradient (the transposed kernel) and weight gradient: K and N not
+    powers of two, an empty group, rows past the groups' total."""
+    lhs, rhs = normal(rng, (M, K), dtype), normal(rng, (5, K, N), dtype)
+    sizes = np.asarray([M // 3, 0, M // 4, 7, M // 5], np.int32)
+
+    def loss(lhs, rhs):
+        return kernels.grouped_matmul(lhs, rhs, sizes, interpret=False).astype(jnp.float32).sum()
+
+    lowers_for_cuda(jax.grad(loss, (0, 1)), lhs, rhs)
+
+
+def test_grouped_matmul_over_more_rows_than_int32_counts(rng):
+    """Weights of 2**31 rows (shapes only): the XLA reference runs instead."""
+    rhs = jax.ShapeDtypeStruct((2**16, 2**15, 16), jnp.bfloat16)
+    lhs, sizes = normal(rng, (4, 2**15)), np.full(2**16, 0, np.int32)
+    text = jax.jit(lambda lhs, rhs: kernels.grouped_matmul(lhs, rhs, sizes, interpret=False)) \
+        .trace(lhs, rhs).lower(lowering_platforms=("cuda",)).as_text()
+    assert "triton" not in text

@@ -181,7 +181,8 @@ class ExecutionConfig:
     Who computes each fused operation (``jaxpar.kernels.KernelOptions``): "auto" (the
     Pallas kernels on GPU, XLA elsewhere), "xla", "pallas" (on CPU in interpret mode:
     slow, for tests), and for attention "cudnn" (GPU only). ``loss`` "pallas" is the
-    fused vocabulary projection + cross-entropy that never stores the logits.
+    fused vocabulary projection + cross-entropy that never stores the logits; ``moe``
+    "pallas" the grouped-matmul kernel for the experts' MLPs ("xla": ``jax.lax.ragged_dot``).
 
     With ``mesh.seq`` > 1, how attention runs over the split length
     (``jaxpar.ring_attention``): ``execution.seq_impl`` (``Config.layout``'s) the blockwise
@@ -198,6 +199,7 @@ class ExecutionConfig:
     attention: Literal[KERNEL_IMPLS["attention"]] = "auto"
     norm: Literal[KERNEL_IMPLS["norm"]] = "auto"
     loss: Literal[KERNEL_IMPLS["loss"]] = "auto"
+    moe: Literal[KERNEL_IMPLS["moe"]] = "auto"
     seq_layout: Literal[SEQUENCE_LAYOUTS] = "zigzag"
 
     @property
@@ -205,7 +207,7 @@ class ExecutionConfig:
         """The kernels chosen; ``ConfigError`` (one line) for one this device cannot run
         (``cudnn`` without a GPU, ``pallas`` or ``cudnn`` on a GPU older than 8.0)."""
         try:
-            return KernelOptions(self.attention, self.norm, self.loss)
+            return KernelOptions(self.attention, self.norm, self.loss, self.moe)
         except ValueError as e:
             raise ConfigError(str(e)) from None
 

@@ -8,7 +8,8 @@ poisoned past the lengths), paged decode attention (NaN in the slots no sequence
 ragged paged attention (one flat batch mixing decode tokens, a prompt chunk over a cached
 prefix, a one-token prompt, a sequence's tokens not contiguous, padding; NaN in the slots
 no token may read), RMSNorm and LayerNorm (widths 576, 768, 2048, 4096), linear + cross-entropy (V not a
-multiple of the chunk). Error: max |got - want| / max |want| (the tests'); within 2e-2
+multiple of the chunk), the MoE grouped matmul (skewed groups, empty ones, rows past the
+groups' total; GPU cases only: its interpret-mode check is tests/test_kernels_grouped_matmul.py). Error: max |got - want| / max |want| (the tests'); within 2e-2
 for bf16/fp16 (the tests' tolerance), 1e-4 for fp32 at ``highest`` matmul precision,
 1e-2 for fp32 at the default (TF32 on a GPU). A case not started by the part's deadline
 is ``skipped: time limit`` and fails the part.
@@ -247,6 +248,28 @@ def check_ce(interpret, *, N, D, V, dtype="bfloat16", precision="highest", seed=
             "dw": rel_err(got[1][1], want[1][1])}
 
 
+def check_gmm(interpret, *, M, K, N, G, past=0, dtype="bfloat16", precision="highest", seed=0) -> dict:
+    """``grouped_matmul`` forward and both gradients: skewed group sizes (Dirichlet(0.5)
+    shares), group 1 empty, the last ``past`` rows past the groups' total."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxpar.kernels import grouped_matmul, grouped_matmul_reference
+
+    rng = np.random.default_rng(seed)
+    share = rng.dirichlet(np.full(G, 0.5))
+    share[1 % G] = 0.0
+    sizes = np.floor(share / share.sum() * (M - past)).astype(np.int32)
+    sizes[0] += M - past - sizes.sum()
+    x, w, g = _normal(rng, (M, K), dtype), _normal(rng, (G, K, N), dtype, K ** -0.5), _normal(rng, (M, N), dtype)
+    sizes = jnp.asarray(sizes)
+    with matmul_precision(precision):
+        got = _fwd_bwd(lambda x, w: grouped_matmul(x, w, sizes, interpret=interpret), (x, w), g)
+        want = _fwd_bwd(lambda x, w: grouped_matmul_reference(x, w, sizes), (x, w), g)
+    (o, (dx, dw)), (ro, (rx, rw)) = got, want
+    return {"out": rel_err(o, ro), "dlhs": rel_err(dx, rx), "drhs": rel_err(dw, rw)}
+
+
 @dataclasses.dataclass
 class Case:
     kernel: str
@@ -318,6 +341,12 @@ def correctness_cases(smoke: bool) -> list[Case]:
         Case("norm", "layer [1000, 2048] bf16", P(check_norm, shape=(1000, 2048), kind="layer")),
         Case("linear_cross_entropy", "N1000 D576 V5000 bf16", P(check_ce, N=1000, D=576, V=5000)),
         Case("linear_cross_entropy", "N100 D256 V1000 f32 highest", P(check_ce, N=100, D=256, V=1000, dtype="float32")),
+        Case("grouped_matmul", "M1000 K512 N768 G8 bf16 (skewed, one group empty, 24 rows past the total)",
+             P(check_gmm, M=1000, K=512, N=768, G=8, past=24)),
+        Case("grouped_matmul", "M2048 K512 N256 G64 bf16 (many experts, skewed: some nearly empty)",
+             P(check_gmm, M=2048, K=512, N=256, G=64)),
+        Case("grouped_matmul", "M300 K200 N136 G5 f32 highest", P(check_gmm, M=300, K=200, N=136, G=5, past=7,
+                                                                    dtype="float32")),
     ]
 
 

@@ -2,9 +2,10 @@
 
 ``bench/kernels.py --skip-train`` with ``KERNEL_ARGS``: the ceilings (bf16 matmul peak,
 copy bandwidth), norms, cross-entropy, attention 4x32x4096x128 causal and not and
-2x32x8192x128 not causal for jaxpar / cuDNN / XLA, decode at S=16384 for batch 1 and 8
-(``--smoke``: its own smoke of the ceilings, norms and cross-entropy). It stops starting
-measurements at its own time limit, 25 s before the part's bound, and is killed 10 s
+2x32x8192x128 not causal for jaxpar / cuDNN / XLA, decode at S=16384 for batch 1 and 8,
+the MoE grouped matmul (Mixtral 8x7B's up projection, 16384 x 4096 x 14336, 8 experts)
+against ``jax.lax.ragged_dot`` (``--smoke``: its own smoke of the ceilings, norms and
+cross-entropy). It stops starting measurements at its own time limit, 25 s before the part's bound, and is killed 10 s
 before it. Its figures go to results.json, its tables (as BENCHMARKS.md's "Kernels"
 section prints them) and targets to summary.txt; the train part reads the measured
 matmul peak (``measured_peak``).
@@ -58,7 +59,7 @@ def part_kernels(ns, rec: Record) -> None:
         rec["reason"] = "bench/kernels.py " + ("ran out of time" if code is None else f"ended with {code}") + \
             ("" if res else ", no figures")
     rec["details"] = tables(res, rec)
-    errors = [r for key in ("norms", "ce", "attention", "decode") for r in res.get(key) or []
+    errors = [r for key in ("norms", "ce", "attention", "decode", "gmm") for r in res.get(key) or []
               if any(isinstance(v, dict) and "error" in v and not str(v["error"]).startswith(("needs GPU", "skipped"))
                      for v in r.values())]
     c = res.get("ceilings") or {}
@@ -89,7 +90,8 @@ def tables(res: dict, rec: Record) -> list[str]:
                 ("norms", lambda r: kb.norms_table(r, copy_bw), "Norms"),
                 ("ce", lambda r: kb.ce_table(r, peak, copy_bw), "Linear + cross-entropy"),
                 ("attention", lambda r: kb.attention_table(r, peak), "Attention"),
-                ("decode", lambda r: kb.decode_table(r, copy_bw), "Decode attention")):
+                ("decode", lambda r: kb.decode_table(r, copy_bw), "Decode attention"),
+                ("gmm", lambda r: kb.gmm_table(r, peak), "Grouped matmul (MoE) against ragged_dot")):
             if res.get(key):
                 details += [f"{title}:", render(res[key]), ""]
         rec["targets"] = kb._targets(res)
