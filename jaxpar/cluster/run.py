@@ -82,6 +82,10 @@ from jaxpar.elastic.scheduler import Allocation, JobView, Scheduler, check
 
 CONNECT_TIMEOUT_S = 10.0
 STOP_GRACE_S = 60.0  # SIGTERM, then SIGKILL: a step and its save on a loaded machine
+# How long a poll waits for a job's actors to answer before the job counts as lost: an actor
+# answers once its process is up, and on a loaded 2-core machine (load 10) starting one
+# took over 60 s (2026-11-29).
+POLL_TIMEOUT_S = 300
 
 
 class RunError(RuntimeError):
@@ -346,7 +350,7 @@ class Cluster:
         import ray
 
         try:
-            return combined_status(ray.get([p.poll.remote() for p in job.processes], timeout=60))
+            return combined_status(ray.get([p.poll.remote() for p in job.processes], timeout=POLL_TIMEOUT_S))
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
             raise RunError(f"job {job.spec.id}: lost its process ({type(e).__name__})") from None
 
