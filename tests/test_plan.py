@@ -88,6 +88,19 @@ def test_dominated_variants_change_no_ranking(tiny, h100, monkeypatch):
         assert best(pruned) == best(whole)
 
 
+def test_candidates_too_large_to_compile_stay_estimated_and_said(tiny, figures, h100):
+    """``compile_devices=1``: every tiny layout on 8 devices needs at least 2 even with
+    ``data`` cut, so nothing compiles and the plan says how many could still rank first
+    and that its first line is an estimate."""
+    plan = search.search(work_of(tiny), 8, h100, device_memory=80 * GIB, devices_per_node=8, compile=figures,
+                         compile_top=1, compile_devices=1)
+    assert plan.compiled == plan.cached == 0 and plan.best.source == "analytic"
+    assert plan.unverified > 0 and plan.stopped_by == "devices"
+    note = plan.compile_note()
+    assert f"{plan.unverified} estimated candidates could still rank first" in note
+    assert "plan.compile_devices=1 devices" in note and note.endswith("the first line is an estimate")
+
+
 def test_overrides_select_the_layout(tiny):
     layout = Layout(data=2, pipe=2, tensor=2, schedule="interleaved", microbatches=4, virtual_stages=1,
                     remat="full", sequence_parallel=True)

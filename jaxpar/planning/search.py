@@ -133,9 +133,11 @@ class Plan:
                f"fitting step, its memory estimate / {MEMORY_HIGH} within device memory)")
         done = f"{self.compiled + self.cached} compiled ({self.cached} from the cache)"
         if self.unverified and self.stopped_by == "devices":
-            return (f"{done}, {why}, but {self.unverified} estimated candidates could still rank first and need "
-                    f"more than plan.compile_devices={self.compile_devices} devices compiled (data cut to "
-                    f"{COMPILE_DATA}), so the compiled ones are ranked before them")
+            return (f"{done}; {self.unverified} estimated candidates could still rank first (an estimate within "
+                    f"{TIME_MARGIN:.0%} of the best fitting step) but need more than plan.compile_devices="
+                    f"{self.compile_devices} devices even with data cut to {COMPILE_DATA}, so they stay estimated"
+                    + (", ranked after the compiled ones" if self.compiled + self.cached else
+                       ": the first line is an estimate"))
         if self.unverified:
             return (f"{done}, stopped at plan.compile_top's limit of {self.compile_limit} (3 x compile_top): "
                     f"{self.unverified} estimated candidates could still rank first, so the compiled ones are ranked "
