@@ -338,20 +338,21 @@ def test_a_map_limit_too_small_for_the_programs_is_one_line_and_exit_2(hf_dir, m
 
 
 @pytest.mark.slow
-def test_concurrent_requests_on_tensor_parallel_replicas_with_a_glide_draft(hf_dir):
+def test_concurrent_requests_on_a_tensor_parallel_replica_with_a_glide_draft(hf_dir):
     """The 48 requests again (other lengths), one with ``n=2`` and one with logprobs, on a
-    server of two replicas (mesh.data=2), each tensor-parallel (mesh.tensor=2: model and
-    draft split) with a GliDe draft (random: some of its proposals accepted, most not,
-    which is what tests the rounds): each request its tokens decoded alone, no compiles,
-    every page free; /metrics
-    counts the rounds. Prefill rows of 16 tokens, one bucket (the served fixture's two
-    are tested above): each bucket costs a warm-up compile per replica, most of this
-    test's time."""
+    tensor-parallel replica (mesh.tensor=2: model and draft split, behind ``Replicas``)
+    with a GliDe draft (random: some of its proposals accepted, most not, which is what
+    tests the rounds): each request its tokens decoded alone, no compiles, every page
+    free; /metrics counts the rounds. Prefill rows of 16 tokens, one bucket (the served
+    fixture's two are tested above): the bucket's warm-up compiles are most of this
+    test's time, so one replica: two (mesh.data=2) compiled each program twice, on
+    their own devices (speculative decoding on two replicas:
+    test_command_line_serves_speculatively_on_replicas)."""
     tokenizer = load_tokenizer(hf_dir)
     replicas = Replicas([Engine(load_model(hf_dir), tokenizer=tokenizer, eos_ids=eos_ids(hf_dir, tokenizer),
                                 max_batch=4, page_size=32, max_num_batched_tokens=16, kv_memory=KV_MEMORY,
                                 mesh=mesh, gamma=3,
-                                draft=GlideDraft(CFG, 1, rngs=nnx.Rngs(3))) for mesh in serve.meshes(2, 2)])
+                                draft=GlideDraft(CFG, 1, rngs=nnx.Rngs(3))) for mesh in serve.meshes(1, 2)])
     for served in serving(hf_dir, engine=replicas):
         mixed = cases(1)
         twins = dict(model=NAME, prompt=PROMPTS[9], max_tokens=30, n=2, temperature=0)
@@ -367,8 +368,8 @@ def test_concurrent_requests_on_tensor_parallel_replicas_with_a_glide_draft(hf_d
         assert len(logprobs_out.choices[0].logprobs.token_logprobs) == logprobs_out.usage.completion_tokens
         pages_all_free(served)
         metrics = served.metrics()
-    assert [e.mesh.shape for e in replicas.engines] == [{"tensor": 2}] * 2
-    assert all(0 < e.accepted < e.rounds for e in replicas.engines)  # both replicas served
+    assert [e.mesh.shape for e in replicas.engines] == [{"tensor": 2}]
+    assert all(0 < e.accepted < e.rounds for e in replicas.engines)  # some proposals accepted, most not
     assert (metrics["jaxpar_speculative_rounds_total"], metrics["jaxpar_speculative_accepted_drafts_total"]) \
         == (replicas.rounds, replicas.accepted)
     assert metrics["jaxpar_speculative_accepted_per_round"] == pytest.approx(1 + replicas.accepted / replicas.rounds)
