@@ -53,8 +53,8 @@ import functools
 
 from jaxpar.planning.hardware import Hardware
 from jaxpar.planning.layout import Layout
-from jaxpar.planning.memory import local_sizes, schedule_figures
-from jaxpar.planning.workload import Workload, shards
+from jaxpar.planning.memory import layout_shards, local_sizes, schedule_figures
+from jaxpar.planning.workload import Workload
 
 AXIS_ORDER = ("data", "fsdp", "expert", "pipe", "seq", "tensor", "tensor_row", "tensor_col")
 CRITICAL = ("tensor", "tensor_row", "tensor_col", "pipe")  # exposed, whatever the overlap
@@ -109,7 +109,7 @@ def elementwise_bytes(work: Workload, layout: Layout) -> float:
     split = layout.microbatches if layout.pipe > 1 else layout.grad_accum
     per_layer = (10 * x["norm"] + 4 * x["btf"]) * c * passes
     layers = m.layers / layout.pipe
-    s = shards(work, layout.mesh_sizes, layout.sequence_parallel)
+    s = layout_shards(work, layout)
     return split * (per_layer * layers + 4 * 4 * x["logits"]) + 7 * 4 * s["elements"]
 
 
@@ -118,7 +118,7 @@ def comm_bytes(work: Workload, layout: Layout) -> tuple[dict[str, float], dict[s
     m = work.model
     c = m.compute_dtype.itemsize
     x = local_sizes(work, layout)
-    s = shards(work, layout.mesh_sizes, layout.sequence_parallel)
+    s = layout_shards(work, layout)
     params, grads = s["params"], s["elements"] * 4
     split = layout.microbatches if layout.pipe > 1 else layout.grad_accum
     layers = m.layers / layout.pipe
@@ -186,7 +186,7 @@ def _within_node(key: str, sizes: tuple[tuple[str, int], ...], devices_per_node:
 
 
 def offload_bytes(work: Workload, layout: Layout) -> float:
-    s = shards(work, layout.mesh_sizes, layout.sequence_parallel)
+    s = layout_shards(work, layout)
     moved = 0.0
     if layout.offload_params == "host":
         moved += (2 + (1 if layout.remat == "full" else 0)) * layout.grad_accum * s["params"]

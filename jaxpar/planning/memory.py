@@ -63,8 +63,31 @@ from jaxpar.planning.workload import Workload, shards
 PARTS = ("params", "optimizer", "batch", "gradients", "activations", "workspace")
 
 
+_LAST: dict[str, tuple] = {}  # the last (work, layout) of each helper: the cost model asks again at once
+
+
+def layout_shards(work: Workload, layout: Layout) -> dict[str, int]:
+    """``shards`` of ``layout``'s mesh (``LayoutError`` where a dimension does not divide)."""
+    last = _LAST.get("shards")
+    if last is not None and last[0] is work and last[1] is layout:
+        return last[2]
+    out = shards(work, layout.mesh_sizes, layout.sequence_parallel)
+    _LAST["shards"] = (work, layout, out)
+    return out
+
+
 def local_sizes(work: Workload, layout: Layout) -> dict[str, float]:
-    """Local activation sizes (elements) of one layer for one microbatch."""
+    """Local activation sizes (elements) of one layer for one microbatch (not to be
+    modified: the last one is handed out again)."""
+    last = _LAST.get("sizes")
+    if last is not None and last[0] is work and last[1] is layout:
+        return last[2]
+    out = _local_sizes(work, layout)
+    _LAST["sizes"] = (work, layout, out)
+    return out
+
+
+def _local_sizes(work: Workload, layout: Layout) -> dict[str, float]:
     m = work.model
     q = layout.tensor[0] if isinstance(layout.tensor, tuple) else 1
     tp = layout.tensor_ways if not isinstance(layout.tensor, tuple) else q
@@ -135,7 +158,7 @@ def estimate(work: Workload, layout: Layout, *, backend: str = "gpu", prefetch: 
     """Bytes per device by ``PARTS``, plus ``host`` (state in host memory) and
     ``device`` (the sum of the parts: the step's peak on the device)."""
     m = work.model
-    s = shards(work, layout.mesh_sizes, layout.sequence_parallel)
+    s = layout_shards(work, layout)
     layers_here = m.layers / layout.pipe
     per_layer = s["layer_params"] / layers_here  # one stacked layer's parameter shard
     params_dev = s["params"]
