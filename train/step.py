@@ -417,8 +417,9 @@ def _step(source: gradients.GradFn, replicas: gradients.Replicas, tx, mesh, offl
                 opt_state = (jax.tree.map(to_host, state) if carried_on_host else state, *opt_state[1:])
         else:
             value, grads, stats = source(params, batch, *frozen)
-        if "moe" in stats:  # a MoE model's (none through a loss of the caller's own)
-            measured |= moe_lib.step_metrics(stats["moe"], moe)
+        # a MoE model's metrics (none through a loss of the caller's own); not the
+        # optimizer's extra arguments, as the noise scale's norms in `measured` are
+        routing = moe_lib.step_metrics(stats["moe"], moe) if "moe" in stats else {}
         if bias_rate is not None and "moe" in stats:
             grads, biases = moe_lib.update_router_biases(params, grads, stats["moe"], bias_rate)
         if replicas.measure:
@@ -435,7 +436,7 @@ def _step(source: gradients.GradFn, replicas: gradients.Replicas, tx, mesh, offl
         if adascale is not None:  # scalars, on the host with offload.optimizer=host
             measured |= {"lr": to_device(adascale.rate), "adascale_gain": to_device(adascale.gain),
                          "adascale_progress": to_device(adascale.progress)}
-        return params, opt_state, {"loss": value, "grad_norm": norm, **measured}
+        return params, opt_state, {"loss": value, "grad_norm": norm, **measured, **routing}
 
     return step
 
