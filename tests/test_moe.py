@@ -259,6 +259,10 @@ def test_moe_config_bad_input_is_one_line():
             load_config("moe_tiny", [override])
     with pytest.raises(ConfigError, match=r"^mesh.expert=2 splits a MoE model's experts: give model.moe"):
         load_config("tiny", ["mesh.expert=2"])
+    # a MoE key on a dense preset is refused; model.moe.experts turns MoE on
+    with pytest.raises(ConfigError, match=r"^model.moe.router='softmax': model 'tiny' has no model.moe; use a MoE"):
+        load_config("tiny", ["model.moe.router=softmax"])
+    assert load_config("tiny", ["model.moe.experts=4"]).model.moe == MoEConfig(experts=4)
     # a key set over the preset keeps its other moe keys
     assert load_config("moe_tiny", ["model.moe.experts=4"]).model.moe == dataclasses.replace(
         PRESETS["moe_tiny"].moe, experts=4)

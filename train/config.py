@@ -496,6 +496,12 @@ def _from_preset(model: Any) -> Any:
     if name not in presets:
         raise ConfigError(f"model.preset={name!r} is not one of {sorted(presets)}")
     values = dataclasses.asdict(presets[name])
+    own_moe = model.get("moe")
+    if values.get("moe", 0) is None and isinstance(own_moe, dict) and "experts" not in own_moe:
+        # a MoE key on a dense model is a mistake, not a request for 8 default experts
+        key, value = next(iter(own_moe.items()), ("experts", None))
+        raise ConfigError(f"model.moe.{key}={value!r}: model {name!r} has no model.moe; use a MoE preset "
+                          "(model=moe_tiny) or give model.moe.experts to make its MLPs mixtures of experts")
     _merge(values, model)  # section by section: model.moe.experts=4 keeps the preset's other moe keys
     return values
 
