@@ -706,6 +706,56 @@ def norms_table(rows: list[dict], copy_bw: float | None) -> str:
     return table(["norm", "mode", "impl", "ms", "GB/s", "% copy", "err"], out)
 
 
+# ------------------------------------------------------------------ two-operand kernels
+
+
+def fwd_bwd_rows(label: str, impls, sets, s: Settings, ref_out, ref_grads, shape: dict, flops: float, *,
+                 nbytes: float | None = None, temp: bool = False) -> list[dict]:
+    """Rows of ``fn(a, b, c)`` per implementation ``(name, fn or None, why missing)``,
+    forward and forward + backward (``jax.vjp`` through ``a`` and ``b``, the cotangent
+    each set's fourth array): median time, ``tflops`` of ``flops`` (x3 with the
+    backward), ``gbs`` of ``nbytes`` where given, the error against ``ref_out`` /
+    ``ref_grads``, and with ``temp`` the compiled program's temporary bytes."""
+    results = []
+    for name, fn, missing in impls:
+        for mode in ("fwd", "fwdbwd"):
+            times = 1 if mode == "fwd" else 3
+            row = {"mode": mode, "impl": name, **shape, "flops": times * flops}
+            if nbytes is not None:
+                row["bytes"] = times * nbytes
+            if fn is None:
+                row["r"] = {"error": short(missing)}
+            else:
+                row["r"] = attempt(lambda fn=fn, row=row: _fwd_bwd_run(fn, row, sets, s, ref_out, ref_grads, temp))
+            results.append(row)
+            print(f"  {label} {mode} {name}: {outcome(row['r'])}", flush=True)
+    return results
+
+
+def _fwd_bwd_run(fn, row: dict, sets, s: Settings, ref_out, ref_grads, temp: bool) -> dict:
+    if row["mode"] == "fwd":
+        call, call_sets = fn, [x[:3] for x in sets]
+    else:
+        def call(a, b, c, g):
+            out, pull = jax.vjp(lambda a, b: fn(a, b, c), a, b)
+            return out, pull(g)
+        call_sets = sets
+    r = measure(call, call_sets, s)
+    out = r.pop("out")
+    r["err"] = (rel_err(out, ref_out) if row["mode"] == "fwd" else
+                worst(rel_err(out[0], ref_out), max_err(out[1], ref_grads)))
+    r["tflops"] = row["flops"] / r["s"] / 1e12
+    if "bytes" in row:
+        r["gbs"] = row["bytes"] / r["s"] / 1e9
+    if temp:
+        try:
+            analysis = jax.jit(call).lower(*call_sets[0]).compile().memory_analysis()
+            r["temp_bytes"] = int(analysis.temp_size_in_bytes)
+        except Exception:  # noqa: BLE001 - a figure some backends do not give
+            r["temp_bytes"] = None
+    return r
+
+
 # ------------------------------------------------------------------ cross-entropy
 
 
@@ -722,7 +772,6 @@ def ce_part(args, s: Settings) -> list[dict]:
                      jax.random.randint(kt, (N,), 0, V, jnp.int32),
                      jax.random.uniform(kg, (N,), jnp.float32, 0.5, 1.5) / N))
     fwd_bytes = (N * D + D * V) * 2
-    results = []
     if not isinstance(reference_fn, Exception):
         def ref(x, w, t, g):
             with highest():
@@ -735,38 +784,8 @@ def ce_part(args, s: Settings) -> list[dict]:
     impls = [("jaxpar", None if isinstance(ce, Exception) else
               (lambda x, w, t: ce(x, w, t, interpret=s.interpret)), ce),
              ("xla", None if isinstance(reference_fn, Exception) else reference_fn, reference_fn)]
-    for name, fn, missing in impls:
-        for mode in ("fwd", "fwdbwd"):
-            row = {"mode": mode, "impl": name, "N": N, "D": D, "V": V,
-                   "flops": (1 if mode == "fwd" else 3) * 2 * N * D * V,
-                   "bytes": (1 if mode == "fwd" else 3) * fwd_bytes}
-            if fn is None:
-                row["r"] = {"error": short(missing)}
-            else:
-                def run(fn=fn, mode=mode, row=row):
-                    if mode == "fwd":
-                        call, call_sets = fn, [x[:3] for x in sets]
-                    else:
-                        def call(x, w, t, g):
-                            loss, pull = jax.vjp(lambda x, w: fn(x, w, t), x, w)
-                            return loss, pull(g)
-                        call_sets = sets
-                    r = measure(call, call_sets, s)
-                    out = r.pop("out")
-                    r["err"] = (rel_err(out, ref_loss) if mode == "fwd" else
-                                worst(rel_err(out[0], ref_loss), max_err(out[1], ref_grads)))
-                    r["tflops"] = row["flops"] / r["s"] / 1e12
-                    r["gbs"] = row["bytes"] / r["s"] / 1e9
-                    try:
-                        analysis = jax.jit(call).lower(*call_sets[0]).compile().memory_analysis()
-                        r["temp_bytes"] = int(analysis.temp_size_in_bytes)
-                    except Exception:  # noqa: BLE001 - a figure some backends do not give
-                        r["temp_bytes"] = None
-                    return r
-                row["r"] = attempt(run)
-            results.append(row)
-            print(f"  cross-entropy {mode} {name}: {outcome(row['r'])}", flush=True)
-    return results
+    return fwd_bwd_rows("cross-entropy", impls, sets, s, ref_loss, ref_grads, {"N": N, "D": D, "V": V},
+                        2 * N * D * V, nbytes=fwd_bytes, temp=True)
 
 
 def ce_table(rows: list[dict], peak: float | None, copy_bw: float | None) -> str:
@@ -823,32 +842,8 @@ def gmm_part(args, s: Settings) -> list[dict]:
     impls = [("jaxpar", None if isinstance(gmm, Exception) else
               (lambda x, w, sizes: gmm(x, w, sizes, interpret=s.interpret)), gmm),
              ("ragged_dot", None if isinstance(reference_fn, Exception) else reference_fn, reference_fn)]
-    results = []
-    for name, fn, missing in impls:
-        for mode in ("fwd", "fwdbwd"):
-            row = {"mode": mode, "impl": name, "M": M, "K": K, "N": N, "G": G,
-                   "flops": (1 if mode == "fwd" else 3) * 2 * M * K * N}
-            if fn is None:
-                row["r"] = {"error": short(missing)}
-            else:
-                def run(fn=fn, mode=mode, row=row):
-                    if mode == "fwd":
-                        call, call_sets = fn, [x[:3] for x in sets]
-                    else:
-                        def call(x, w, sizes, g):
-                            out, pull = jax.vjp(lambda x, w: fn(x, w, sizes), x, w)
-                            return out, pull(g)
-                        call_sets = sets
-                    r = measure(call, call_sets, s)
-                    out = r.pop("out")
-                    r["err"] = (rel_err(out, ref_out) if mode == "fwd" else
-                                worst(rel_err(out[0], ref_out), max_err(out[1], ref_grads)))
-                    r["tflops"] = row["flops"] / r["s"] / 1e12
-                    return r
-                row["r"] = attempt(run)
-            results.append(row)
-            print(f"  grouped matmul {mode} {name}: {outcome(row['r'])}", flush=True)
-    return results
+    return fwd_bwd_rows("grouped matmul", impls, sets, s, ref_out, ref_grads, {"M": M, "K": K, "N": N, "G": G},
+                        2 * M * K * N)
 
 
 def gmm_table(rows: list[dict], peak: float | None) -> str:
