@@ -10,7 +10,6 @@ import importlib.util
 import json
 import pathlib
 import sysconfig
-import time
 
 import gguf
 import jax.numpy as jnp
@@ -213,11 +212,8 @@ def test_serve_reads_a_gguf_file(bpe, tmp_path):
     in the cache (``jaxpar.train.runs.as_hf``; a later start reads that directory), the
     model is listed under its ``--model-name``, and a greedy completion over HTTP (the
     official openai client) is what ``jaxpar-generate`` gives for the same file."""
-    import socket
-    import threading
-
     import openai
-    import uvicorn
+    from test_serve import start
 
     from jaxpar.commands import serve
     from jaxpar.commands.generate import main as generate
@@ -233,16 +229,9 @@ def test_serve_reads_a_gguf_file(bpe, tmp_path):
     written = (converted / "model.safetensors").stat().st_mtime_ns
     assert converted.parent.name == "gguf" and as_hf(path) == converted
     assert (converted / "model.safetensors").stat().st_mtime_ns == written  # read, not converted again
-    sock = socket.create_server(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
+    server, thread, url = start(app)
     try:
-        while not server.started:
-            assert thread.is_alive()
-            time.sleep(0.01)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}/v1", api_key="unused",
-                               max_retries=0)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         assert [m.id for m in client.models.list().data] == ["smollm2"]
         out = client.completions.create(model="smollm2", prompt="def f(x):", max_tokens=10, temperature=0)
         assert out.choices[0].text == want["text"] and out.usage.completion_tokens == len(want["tokens"])

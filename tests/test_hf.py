@@ -368,13 +368,9 @@ def test_serve_mixtral_tensor_parallel_matches_transformers(moe_checkpoint, tmp_
     tensor rule) answers the official openai client with transformers' greedy generate's
     tokens, cut at Mixtral's end token (id 2) where generate stops. One program (steps of
     8 tokens): a word-level tokenizer ``t0`` ... ``t63`` is added to the saved directory."""
-    import socket
-    import threading
-    import time
-
     import openai
     import tokenizers
-    import uvicorn
+    from test_serve import start
 
     from jaxpar.commands import serve
 
@@ -389,16 +385,9 @@ def test_serve_mixtral_tensor_parallel_matches_transformers(moe_checkpoint, tmp_
                                        "--kv-memory", str(16 * 2 * 2 * 8 * 2 * 8 * 4), "--wait-for-programs"])
     async_engine, app, engine = serve.build(args)
     assert dict(engine.mesh.shape) == {"tensor": 2} and len(engine.compiled_programs) == 2
-    sock = socket.create_server(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
+    server, thread, url = start(app)
     try:
-        while not server.started:
-            assert thread.is_alive()
-            time.sleep(0.01)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}/v1", api_key="unused",
-                               max_retries=0)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         for prompt in MOE_TOKENS[:, :6].tolist():
             out = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0)
             want = out[0, len(prompt):].tolist()
