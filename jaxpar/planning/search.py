@@ -49,6 +49,7 @@ from jaxpar.planning.cache import FigureCache, key as cache_key
 from jaxpar.planning.hardware import Hardware
 from jaxpar.planning.layout import BOUNDS, RULES, Layout, Space, enumerate_layouts
 from jaxpar.planning.workload import LayoutError, Workload, shards
+from jaxpar.profiler.collectives import ring_factor
 
 GIB = 2 ** 30
 
@@ -254,16 +255,6 @@ def compiled_shape(work: Workload, layout: Layout) -> tuple[Workload, Layout]:
             dataclasses.replace(layout, data=COMPILE_DATA))
 
 
-def _ring_factor(kind: str, n: int) -> float:
-    """The ring model's bytes per device of a collective over ``n`` devices, per byte
-    of its operand (``jaxpar.profiler``)."""
-    if kind == "all-gather":
-        return n - 1
-    if kind == "collective-permute":
-        return 1.0  # a shift: every device sends its operand, whatever the group
-    return (n - 1) / n
-
-
 def rescaled(figures: dict, compiled: Layout, layout: Layout) -> dict:
     """``figures`` of ``compiled`` (``compiled_shape``'s) for ``layout``: each collective
     whose group spans ``data`` scaled by its kind's ring factor from the compiled group
@@ -278,7 +269,9 @@ def rescaled(figures: dict, compiled: Layout, layout: Layout) -> dict:
             kinds[key] = by_kind
             continue
         n, m = math.prod(full[a] for a in axes), math.prod(small[a] for a in axes)
-        kinds[key] = {kind: b * _ring_factor(kind, n) / _ring_factor(kind, m) for kind, b in by_kind.items()}
+        # a collective-permute (a shift) sends its operand whatever the group: unscaled
+        kinds[key] = {kind: b if kind == "collective-permute" else
+                      b * float(ring_factor(kind, n) / ring_factor(kind, m)) for kind, b in by_kind.items()}
         by_axes[key] = sum(kinds[key].values())
         for kind, b in kinds[key].items():
             totals[kind] = totals.get(kind, 0) + b - by_kind[kind]

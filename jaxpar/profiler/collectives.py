@@ -80,14 +80,19 @@ def _sent_bytes(inst: _Instruction, kind: str, module: _Module) -> Fraction:
         senders = sum(a != b for a, b in found)
         # Averaged over the devices: a broadcast tree's round has only some senders.
         return Fraction(size * senders, module.replica_count * module.num_partitions)
-    n = _group_size(inst, module)
-    factor = {
+    return ring_factor(kind, _group_size(inst, module)) * size
+
+
+def ring_factor(kind: str, n: int) -> Fraction:
+    """Bytes one device sends per byte of operand in a collective of ``kind`` over a
+    group of ``n`` devices, under the ring model (a collective-permute's depend on its
+    pairs, not on a group: ``_sent_bytes``)."""
+    return {
         "all-reduce": Fraction(2 * (n - 1), n),
         "all-gather": Fraction(n - 1),
         "reduce-scatter": Fraction(n - 1, n),
         "all-to-all": Fraction(n - 1, n),
     }[kind]
-    return factor * size
 
 
 def _number(x: Fraction) -> int | float:
