@@ -202,9 +202,12 @@ def exchange(grads, state: ResidualState, reduction: Reduction, n: int):
     fresh = state.count % reduction.threshold_every == 0
 
     def leaf(g, residual, threshold):
-        total = g + residual[0].astype(g.dtype)
+        # The selection whole within the replica (its top-k reads every entry anyway):
+        # XLA's SPMD partitioner aborts on its gather from a leaf split over two auto
+        # axes (fsdp x tensor, JAX 0.10).
+        total = jax.lax.with_sharding_constraint(g + residual[0].astype(g.dtype), PartitionSpec())
         t = jnp.where(fresh, threshold_of(total, reduction.ratio), threshold[0])
-        values, indices, left = select(total, t, reduction.ratio)
+        values, indices, left = jax.lax.with_sharding_constraint(select(total, t, reduction.ratio), PartitionSpec())
         gathered = jax.lax.all_gather(values, AXIS), jax.lax.all_gather(indices, AXIS)  # [n, k] each
         combine = sparse_mean if reduction.kind == "mean" else sparse_adasum
         return combine(*gathered, g.shape).astype(g.dtype), left[None], t[None]
