@@ -2,7 +2,8 @@
 profile, split into compute, exposed communication, pipeline bubble and offload.
 
 Compute
-    FLOPs per device, counted (``6 x matmul parameters x tokens`` plus attention's
+    FLOPs per device, counted (``6 x matmul parameters x tokens``, a MoE layer's routed
+    experts as their grouped matmuls run, ``expert_rows``, plus attention's
     ``12 L N H T`` per token; a compiled program's own count adds XLA's elementwise
     FLOPs, which run at memory speed, so it is not used here), plus
     what the remat policy recomputes: ``full`` one more forward of everything,
@@ -23,7 +24,10 @@ Communication
     all-gathers) a ``[b, t, D]`` activation twice per layer forward and twice backward;
     the 2D grid broadcasts blocks of both operands of every projection (SUMMA); ``seq``
     passes key/value blocks round the ring (Ulysses: four all-to-alls); ``pipe`` sends
-    a stage's output forward and its gradient back per microbatch.
+    a stage's output forward and its gradient back per microbatch; ``expert`` sends a
+    MoE layer's fixed buffers out and back forward and backward (``expert_rows``), and
+    there the experts' gradients all-reduce over ``data`` and the rest over ``data x
+    expert``, and ``tensor`` gathers the experts' weights whole.
 Overlap (stated, one rule per kind of traffic, each compute second hides at most once)
     the ring's key/value passing (traffic keyed ``seq`` alone, ring or RSA) runs under
     attention's own compute: exposed ``t - comm_overlap x min(t, attention)``; weight
@@ -57,7 +61,7 @@ from jaxpar.planning.memory import layout_shards, local_sizes, schedule_figures
 from jaxpar.planning.workload import Workload
 
 AXIS_ORDER = ("data", "fsdp", "expert", "pipe", "seq", "tensor", "tensor_row", "tensor_col")
-CRITICAL = ("tensor", "tensor_row", "tensor_col", "pipe")  # exposed, whatever the overlap
+CRITICAL = ("tensor", "tensor_row", "tensor_col", "pipe", "expert")  # exposed, whatever the overlap
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,12 +93,29 @@ def recompute_flops(work: Workload, remat: str) -> tuple[float, float]:
     return 0.0, 0.0
 
 
+def expert_rows(work: Workload, layout: Layout) -> float:
+    """Rows one device's grouped matmuls run over per MoE layer per step, all
+    microbatches: its own tokens (the batch split over data, fsdp and expert; whole over
+    ``seq`` and ``tensor``, which repeat the experts' work) times ``k``; with expert
+    parallelism the fixed per-destination buffers' ``W x min(k, E / W)`` rows a token
+    (``jaxpar.models.moe.exchange``)."""
+    e, w = work.model.moe, layout.expert
+    rows = work.tokens / layout.data_ways
+    return rows * (w * min(e.experts_per_token, e.experts // w) if w > 1 else e.experts_per_token)
+
+
 def flops(work: Workload, layout: Layout) -> tuple[float, float]:
-    """``(matmul, attention)`` FLOPs per device per step, recompute included."""
+    """``(matmul, attention)`` FLOPs per device per step, recompute included; a MoE
+    layer's routed experts as built (``expert_rows``), not an even share of the batch."""
     extra_mm, extra_att = recompute_flops(work, layout.remat)
     matmul = work.model_flops() - work.attention_flops() + extra_mm
     attention = work.attention_flops() + extra_att
-    return matmul / layout.devices, attention / layout.devices
+    if not work.moe_layers:
+        return matmul / layout.devices, attention / layout.devices
+    passes = 6 + (2 if layout.remat == "full" else 0)  # a matmul's forward is 2 FLOPs a weight a row
+    per_row = passes * work.expert_params * work.moe_layers
+    routed = work.tokens * work.model.moe.experts_per_token * per_row
+    return (matmul - routed) / layout.devices + expert_rows(work, layout) * per_row, attention / layout.devices
 
 
 def elementwise_bytes(work: Workload, layout: Layout) -> float:
@@ -131,9 +152,14 @@ def comm_bytes(work: Workload, layout: Layout) -> tuple[dict[str, float], dict[s
             sent[key] = sent.get(key, 0.0) + nbytes
             count[key] = count.get(key, 0) + int(n)
 
-    d, f, sq = layout.data, layout.fsdp, layout.seq
-    if d > 1:
-        add("data", 2 * (d - 1) / d * grads, 1)
+    d, f, sq, w = layout.data, layout.fsdp, layout.seq, layout.expert
+    # the experts' gradients all-reduce over data; the rest over data x expert, which
+    # splits the batch too
+    experts = 4 * work.moe_layers * work.expert_params * (m.moe.experts if work.moe_layers else 0) / (
+        w * f * layout.tensor_ways)
+    for key, n, nbytes in (("data", d, experts), ("data+expert" if w > 1 else "data", d * w, grads - experts)):
+        if n > 1:
+            add(key, 2 * (n - 1) / n * nbytes, 1)
     for axis, n in (("fsdp", f), ("seq", sq)):
         if n > 1:
             gathers = 2 + (1 if full else 0)
@@ -160,6 +186,15 @@ def comm_bytes(work: Workload, layout: Layout) -> tuple[dict[str, float], dict[s
     if layout.pipe > 1:
         add("pipe", 2 * layout.microbatches * layout.virtual_stages * x["btd"] * c,
             2 * layout.microbatches * layout.virtual_stages)
+    if work.moe_layers and layout.expert > 1:  # each buffer out and back, forward and backward
+        w, exchanges = layout.expert, 4 + (2 if full else 0)
+        add("expert", exchanges * (w - 1) / w * expert_rows(work, layout) * m.dim * c * work.moe_layers,
+            split * work.moe_layers * (exchanges + 1 + (1 if full else 0)))
+    if work.moe_layers and layout.tensor_ways > 1:  # the experts' weights whole over tensor inside
+        tp, experts = layout.tensor_ways, work.expert_params * m.moe.experts / layout.expert / layout.fsdp
+        gathers = 2 + (1 if full else 0)
+        add("tensor", split * work.moe_layers * (tp - 1) / tp * experts * (gathers * c + 4),
+            split * work.moe_layers * (gathers + 1) * 3)
     return sent, count
 
 

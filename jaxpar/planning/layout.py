@@ -53,6 +53,9 @@ RULES = {
     "offload": "offload with the interleaved schedule (its layers are stored reordered; not yet)",
     "dominated": "host offload or more grad_accum where the layout fits on the device with room to spare "
                  "(never faster, never ranked first)",
+    "experts": "model.moe.experts not divisible by expert",
+    "moe_pipe": "MoE layers in a pipeline (training refuses it: the pipelined loss has no MoE terms yet)",
+    "moe_offload": "MoE with host offload (training refuses it: experts in host memory are not built yet)",
 }
 
 
@@ -87,8 +90,18 @@ class Space:
 
 def _meshes(devices: int, model: ModelConfig, batch_size: int, seq_len: int, tensor_2d: bool,
             expert: int = 1) -> Iterator[dict]:
-    """Every mesh within the BOUNDS. ``expert`` (the config's ``mesh.expert``) is kept as
-    given, not enumerated: the others share the ``devices / expert`` left."""
+    """Every mesh within the BOUNDS. ``expert``: the config's ``mesh.expert`` where above
+    1, kept as given; else, for a MoE model, every ``expert`` that divides its experts and
+    the devices (1 for a dense one). The other axes share the devices it leaves."""
+    if expert == 1 and model.moe is not None:
+        for e in divisors(math.gcd(devices, model.moe.experts)):
+            yield from _meshes_beside(devices, model, batch_size, seq_len, tensor_2d, e)
+    else:
+        yield from _meshes_beside(devices, model, batch_size, seq_len, tensor_2d, expert)
+
+
+def _meshes_beside(devices: int, model: ModelConfig, batch_size: int, seq_len: int, tensor_2d: bool,
+                   expert: int) -> Iterator[dict]:
     devices //= expert
     tensors: list = [t for t in divisors(devices) if t <= model.heads]
     if tensor_2d:
@@ -124,6 +137,10 @@ def mesh_rule(mesh: dict, model: ModelConfig, seq_len: int) -> str | None:
             return "vocab"
     if mesh["seq"] > 1 and seq_len % (2 * mesh["seq"]):
         return "seq_len"
+    if model.moe is not None and model.moe.experts % mesh["expert"]:
+        return "experts"
+    if model.moe is not None and mesh["pipe"] > 1:
+        return "moe_pipe"
     return None
 
 
@@ -201,7 +218,9 @@ def _options(mesh: dict, model: ModelConfig, batch_size: int, space: Space,
                         fits_well = roomy is not None and roomy(layout)
                         if fits_well and accum == 1:
                             spacious.add((sp, remat))
-                        if hosts and schedule == "interleaved" and mesh["pipe"] > 1:
+                        if hosts and model.moe is not None:
+                            yield from ((None, "moe_offload") for _ in hosts)
+                        elif hosts and schedule == "interleaved" and mesh["pipe"] > 1:
                             yield from ((None, "offload") for _ in hosts)
                         elif fits_well:
                             yield from ((None, "dominated") for _ in hosts)

@@ -105,16 +105,26 @@ def _local_sizes(work: Workload, layout: Layout) -> dict[str, float]:
         scores = b * heads * t * t
     else:
         scores = b * heads * t * work.seq_len
-    return {"ring_scores": b * heads * t * work.seq_len, "btd": b * t * width, "norm": norm_tokens * width,
-            "q": b * t * heads * m.head_dim,
-            "kv": b * t * kv * m.head_dim, "btf": b * t * mlp, "scores": scores,
-            "logits": b * t * m.vocab_size / tp}
+    out = {"ring_scores": b * heads * t * work.seq_len, "btd": b * t * width, "norm": norm_tokens * width,
+           "q": b * t * heads * m.head_dim,
+           "kv": b * t * kv * m.head_dim, "btf": b * t * mlp, "scores": scores,
+           "logits": b * t * m.vocab_size / tp}
+    if work.moe_layers:  # a MoE layer's rows: the device's tokens whole over seq and tensor
+        e, w = m.moe, layout.expert
+        rows = b * work.seq_len
+        out["moe_tokens"] = rows * e.experts_per_token  # the permuted copies
+        out["moe_rows"] = rows * (w * min(e.experts_per_token, e.experts // w) if w > 1 else e.experts_per_token)
+        # the dense MLP's width, the layers' mean (a MoE layer's is its shared experts')
+        width = (m.layers - work.moe_layers) * m.mlp_dim + work.moe_layers * e.shared_experts * e.expert_width
+        out["btf"] = b * t * width / m.layers / tp
+    return out
 
 
 def layer_saved(work: Workload, layout: Layout, *, backend: str = "gpu", remat: str | None = None,
                 x: dict[str, float] | None = None) -> float:
     """Bytes one layer keeps for its backward pass for one microbatch (``remat``: in
-    place of the layout's; ``x``: its ``local_sizes``, where known)."""
+    place of the layout's; ``x``: its ``local_sizes``, where known); a MoE model's
+    layers' mean (``moe_saved``)."""
     m = work.model
     remat = remat or layout.remat
     c = m.compute_dtype.itemsize
@@ -124,6 +134,8 @@ def layer_saved(work: Workload, layout: Layout, *, backend: str = "gpu", remat: 
     saved = x["norm"] * c  # the layer's input (the scan's carry; split over tensor with SP)
     if remat == "full":
         return saved
+    if work.moe_layers:
+        saved += moe_saved(work, layout, x, c, mm, backend) * work.moe_layers / m.layers
     # q, k, v, the attention output projection's result (after SP's reduce-scatter), the
     # MLP's gate and up; the down projection's result is the next layer's input.
     saved += (x["q"] + 2 * x["kv"] + gates * x["btf"]) * mm + x["norm"] * mm
@@ -138,6 +150,21 @@ def layer_saved(work: Workload, layout: Layout, *, backend: str = "gpu", remat: 
     probabilities = x["scores"] * 4 if layout.seq == 1 else 0.0  # Ulysses' attention keeps its scores only
     return (saved + 2 * x["norm"] * (4 + c) + (x["q"] + x["kv"]) * c + probabilities
             + 2 * x["btf"] * c + (4 * x["btf"] * 4 if mm > c else 0))
+
+
+def moe_saved(work: Workload, layout: Layout, x: dict[str, float], c: int, mm: int, backend: str) -> float:
+    """Bytes a MoE layer's routed experts keep for the backward pass (any remat policy
+    but ``full``: a grouped matmul is no dot the ``dots`` policies save, so they keep
+    what ``none`` does): the permuted copies, the buffers sent and received and the rows'
+    output (``D`` each), the gate and up results (``F`` each, matmul results). XLA:CPU
+    has no grouped matmul: ``jax.lax.ragged_dot``'s generic form masks the rows into one
+    dense ``[E / expert, rows, D]`` operand (``F`` for the down projection) and keeps it."""
+    m = work.model
+    gates = 2 if m.mlp == "swiglu" else 1
+    saved = x["moe_tokens"] * m.dim * c + x["moe_rows"] * (3 * m.dim * c + gates * m.moe.expert_width * mm)
+    if backend == "cpu":
+        saved += m.moe.experts / layout.expert * x["moe_rows"] * (m.dim + m.moe.expert_width) * c
+    return saved
 
 
 @functools.lru_cache(maxsize=4096)

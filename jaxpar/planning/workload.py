@@ -43,11 +43,33 @@ class Workload:
 
     @functools.cached_property
     def matmul_params(self) -> int:
-        """Parameters of the matmuls a token runs through (the head, not the lookup)."""
+        """Parameters of the matmuls a token runs through (the head, not the lookup; in a
+        MoE layer the router, its ``k`` experts and the shared ones: active parameters)."""
         m = self.model
-        per_layer = (m.dim * (m.heads + 2 * m.kv_heads) * m.head_dim + m.heads * m.head_dim * m.dim
-                     + m.dim * m.mlp_dim * (3 if m.mlp == "swiglu" else 2))
-        return m.vocab_size * m.dim + m.layers * per_layer
+        attention = m.dim * (m.heads + 2 * m.kv_heads) * m.head_dim + m.heads * m.head_dim * m.dim
+        dense = m.layers - self.moe_layers
+        moe_mlp = 0
+        if self.moe_layers:
+            e = m.moe
+            moe_mlp = m.dim * e.experts + (e.experts_per_token + e.shared_experts) * self.expert_params
+        return (m.vocab_size * m.dim + m.layers * attention + dense * m.dim * m.mlp_dim * self.gates
+                + self.moe_layers * moe_mlp)
+
+    @property
+    def gates(self) -> int:
+        """Weight matrices of an MLP (SwiGLU's gate, up and down; GELU's up and down)."""
+        return 3 if self.model.mlp == "swiglu" else 2
+
+    @property
+    def moe_layers(self) -> int:
+        m = self.model
+        return 0 if m.moe is None else m.layers // m.moe.every
+
+    @property
+    def expert_params(self) -> int:
+        """One expert's weights (0 for a dense model)."""
+        m = self.model
+        return 0 if m.moe is None else self.gates * m.dim * m.moe.expert_width
 
     def model_flops(self) -> float:
         """Training FLOPs of one step as MFU counts them (PaLM's: 6 per matmul parameter
