@@ -218,9 +218,12 @@ class MoE(nnx.Module):
         under ``shard_map`` over the axes the rules split ``activation_batch`` over), and
         the balance statistics are summed over the devices after. Where the rules split
         the experts (``exp``) over axes the batch is split over too (``expert``), the
-        expert weights stay split and the tokens travel (``exchange``). The weights enter as
-        they are stored (``embed_moe`` over ``fsdp``, ``mlp_moe`` over ``tensor``) and are
-        all-gathered whole inside (``_gathered``), so their gradients leave
+        expert weights stay split and the tokens travel (``exchange``); where they split the
+        experts' width (``mlp_moe``) over axes the batch is not split over (``tensor``), it
+        stays split, each device computes its slice of every row and the outputs are
+        summed over those axes (``psum``: tensor parallelism within an expert). The other
+        splits of the weights as stored (``embed_moe`` over ``fsdp``) are all-gathered
+        whole inside (``_gathered``), so their gradients leave
         reduce-scattered onto their shards, as ZeRO-3 keeps them, rather than all-reduced
         whole. Without ``model.remat`` the backward pass keeps the gathered weights from
         the forward's (Mixtral's shape, 2 layers, fsdp=8, 8 x 1024 tokens, compiled for
@@ -241,9 +244,12 @@ class MoE(nnx.Module):
             specs = tuple(rules_lib.logical_to_spec(names, rules) for names in NAMES)
             experts = tuple(a for a in rules_lib.as_tuple(specs[3][0]) if mesh.shape[a] > 1)
             experts = experts if experts and set(experts) <= set(rows) else ()
-            local = functools.partial(dispatch, moe=moe, expert_axes=experts)
+            # the experts' width stays split over the axes that do not split the rows
+            # (tensor): each of those devices computes its slice of every row's experts
+            width = tuple(a for a in rules_lib.as_tuple(specs[3][2]) if mesh.shape[a] > 1 and a not in rows)
+            local = functools.partial(dispatch, moe=moe, expert_axes=experts, width_axes=width)
             split = PartitionSpec(rows)
-            local = jax.shard_map(_gathered(local, specs, experts), mesh=mesh, in_specs=(split, *specs),
+            local = jax.shard_map(_gathered(local, specs, experts, width), mesh=mesh, in_specs=(split, *specs),
                                   out_specs=(split, split), check_vma=False)
         y, stats = local(x, *weights)
         stats = stats.sum(0)
@@ -261,27 +267,31 @@ class MoE(nnx.Module):
         return moe.balance_loss * moe.experts * jnp.sum(counts / counts.sum() * prob_sums / tokens)
 
 
-def _gathered(fn, specs, experts=()):
+def _gathered(fn, specs, experts=(), width=()):
     """``fn(x, *weights)`` on one device (inside ``shard_map``) with each weight first
     all-gathered whole along the mesh axes its ``specs`` entry splits it over (but the
-    expert weights' experts over the ``experts`` axes, which stay split); the gather's
-    transpose is a reduce-scatter of the gradient onto the weight's shards."""
-    def gather(w, spec, expert_weight):
+    expert weights' experts over the ``experts`` axes and their width over the ``width``
+    axes, which stay split); the gather's transpose is a reduce-scatter of the gradient
+    onto the weight's shards."""
+    kept = {"exp": experts, "mlp_moe": width}
+
+    def gather(w, spec, names):
         if w is None:
             return None
-        for dim, axes in enumerate(spec):
-            axes = tuple(a for a in rules_lib.as_tuple(axes) if not (expert_weight and dim == 0 and a in experts))
+        for dim, (axes, name) in enumerate(zip(spec, names)):
+            axes = tuple(a for a in rules_lib.as_tuple(axes) if a not in kept.get(name, ()))
             if axes:
                 w = jax.lax.all_gather(w, axes, axis=dim, tiled=True)
         return w
 
     def run(x, *weights):
-        return fn(x, *(gather(w, spec, i >= 2) for i, (w, spec) in enumerate(zip(weights, specs))))
+        return fn(x, *(gather(w, spec, names) for w, spec, names in zip(weights, specs, NAMES)))
 
     return run
 
 
-def dispatch(x, router, bias, gate, up, down, *, moe: MoEConfig, expert_axes: tuple[str, ...] = ()):
+def dispatch(x, router, bias, gate, up, down, *, moe: MoEConfig, expert_axes: tuple[str, ...] = (),
+             width_axes: tuple[str, ...] = ()):
     """The routed experts of ``x [B, T, D]`` (one device's rows): ``route -> permute ->
     expert_mlp -> combine``, with ``exchange`` around ``expert_mlp`` where the experts
     are split over ``expert_axes`` (``gate, up, down`` then this device's experts).
@@ -298,6 +308,8 @@ def dispatch(x, router, bias, gate, up, down, *, moe: MoEConfig, expert_axes: tu
         ys = exchange(mlp, xs, group_sizes, expert_axes, moe.experts_per_token) if expert_axes else mlp(
             xs, group_sizes)
         y = combine(ys, order, routing.gates)
+        if width_axes:  # each device's slice of the experts' width: its part of every row's output
+            y = jax.lax.psum(y, width_axes)
     flat = routing.experts.reshape(-1)
     counts = jnp.bincount(flat, length=moe.experts).astype(jnp.float32)
     kept = jnp.bincount(flat, routing.kept.reshape(-1).astype(jnp.float32), length=moe.experts)

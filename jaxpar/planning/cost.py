@@ -27,7 +27,8 @@ Communication
     a stage's output forward and its gradient back per microbatch; ``expert`` sends a
     MoE layer's fixed buffers out and back forward and backward (``expert_rows``), and
     there the experts' gradients all-reduce over ``data`` and the rest over ``data x
-    expert``, and ``tensor`` gathers the experts' weights whole.
+    expert``, and ``tensor`` all-reduces the rows' outputs (each device computes a
+    slice of the experts' width) forward and their gradient backward.
 Overlap (stated, one rule per kind of traffic, each compute second hides at most once)
     the ring's key/value passing (traffic keyed ``seq`` alone, ring or RSA) runs under
     attention's own compute: exposed ``t - comm_overlap x min(t, attention)``; weight
@@ -96,8 +97,9 @@ def recompute_flops(work: Workload, remat: str) -> tuple[float, float]:
 def expert_rows(work: Workload, layout: Layout) -> float:
     """Rows one device's grouped matmuls run over per MoE layer per step, all
     microbatches: its own tokens (the batch split over data, fsdp and expert; whole over
-    ``seq`` and ``tensor``, which repeat the experts' work) times ``k``; with expert
-    parallelism the fixed per-destination buffers' ``W x min(k, E / W)`` rows a token
+    ``seq``, which repeats the experts' work, and over ``tensor``, whose devices each
+    take a slice of the experts' width) times ``k``; with expert parallelism the fixed
+    per-destination buffers' ``W x min(k, E / W)`` rows a token
     (``jaxpar.models.moe.exchange``)."""
     e, w = work.model.moe, layout.expert
     rows = work.tokens / layout.data_ways
@@ -115,7 +117,8 @@ def flops(work: Workload, layout: Layout) -> tuple[float, float]:
     passes = 6 + (2 if layout.remat == "full" else 0)  # a matmul's forward is 2 FLOPs a weight a row
     per_row = passes * work.expert_params * work.moe_layers
     routed = work.tokens * work.model.moe.experts_per_token * per_row
-    return (matmul - routed) / layout.devices + expert_rows(work, layout) * per_row, attention / layout.devices
+    return ((matmul - routed) / layout.devices + expert_rows(work, layout) * per_row / layout.tensor_ways,
+            attention / layout.devices)
 
 
 def elementwise_bytes(work: Workload, layout: Layout) -> float:
@@ -157,7 +160,8 @@ def comm_bytes(work: Workload, layout: Layout) -> tuple[dict[str, float], dict[s
     # splits the batch too
     experts = 4 * work.moe_layers * work.expert_params * (m.moe.experts if work.moe_layers else 0) / (
         w * f * layout.tensor_ways)
-    for key, n, nbytes in (("data", d, experts), ("data+expert" if w > 1 else "data", d * w, grads - experts)):
+    rest = "+".join(a for a, n in (("data", d), ("expert", w)) if n > 1)  # the profiler's key: axes above 1
+    for key, n, nbytes in (("data", d, experts), (rest, d * w, grads - experts)):
         if n > 1:
             add(key, 2 * (n - 1) / n * nbytes, 1)
     for axis, n in (("fsdp", f), ("seq", sq)):
@@ -190,11 +194,11 @@ def comm_bytes(work: Workload, layout: Layout) -> tuple[dict[str, float], dict[s
         w, exchanges = layout.expert, 4 + (2 if full else 0)
         add("expert", exchanges * (w - 1) / w * expert_rows(work, layout) * m.dim * c * work.moe_layers,
             split * work.moe_layers * (exchanges + 1 + (1 if full else 0)))
-    if work.moe_layers and layout.tensor_ways > 1:  # the experts' weights whole over tensor inside
-        tp, experts = layout.tensor_ways, work.expert_params * m.moe.experts / layout.expert / layout.fsdp
-        gathers = 2 + (1 if full else 0)
-        add("tensor", split * work.moe_layers * (tp - 1) / tp * experts * (gathers * c + 4),
-            split * work.moe_layers * (gathers + 1) * 3)
+    if work.moe_layers and layout.tensor_ways > 1:  # the rows' outputs summed over the width's slices
+        tp, rows = layout.tensor_ways, work.tokens / layout.data_ways
+        passes = 2 + (1 if full else 0)  # the output forward, the input's gradient backward
+        add("tensor", passes * 2 * (tp - 1) / tp * rows * m.dim * c * work.moe_layers,
+            split * work.moe_layers * passes)
     return sent, count
 
 

@@ -156,14 +156,15 @@ def moe_saved(work: Workload, layout: Layout, x: dict[str, float], c: int, mm: i
     """Bytes a MoE layer's routed experts keep for the backward pass (any remat policy
     but ``full``: a grouped matmul is no dot the ``dots`` policies save, so they keep
     what ``none`` does): the permuted copies, the buffers sent and received and the rows'
-    output (``D`` each), the gate and up results (``F`` each, matmul results). XLA:CPU
+    output (``D`` each), the gate and up results (``F / tensor`` each, matmul results). XLA:CPU
     has no grouped matmul: ``jax.lax.ragged_dot``'s generic form masks the rows into one
     dense ``[E / expert, rows, D]`` operand (``F`` for the down projection) and keeps it."""
     m = work.model
     gates = 2 if m.mlp == "swiglu" else 1
-    saved = x["moe_tokens"] * m.dim * c + x["moe_rows"] * (3 * m.dim * c + gates * m.moe.expert_width * mm)
+    width = m.moe.expert_width / layout.tensor_ways  # each tensor device's slice
+    saved = x["moe_tokens"] * m.dim * c + x["moe_rows"] * (3 * m.dim * c + gates * width * mm)
     if backend == "cpu":
-        saved += m.moe.experts / layout.expert * x["moe_rows"] * (m.dim + m.moe.expert_width) * c
+        saved += m.moe.experts / layout.expert * x["moe_rows"] * (m.dim + width) * c
     return saved
 
 
