@@ -163,16 +163,23 @@ def wait_for_steps(proc, run, steps: int) -> None:
     assert proc.poll() is None, "the run finished before it could be stopped"
 
 
-def test_sigint_sigterm_and_sigkill_stop_and_resume_to_the_same_losses(tmp_path, cache, reference, capfd):
-    """One run dir through three stops (a process each; a last start finishes it):
-    SIGINT, then SIGTERM, each sent while the run saves every step: one line, exit
-    130 / 143, the step it stopped at saved and no half-written checkpoint. Then SIGKILL
-    while it saves every 4 steps (nothing flushed): restarted, it resumes from its last
+def test_sigint_sigterm_and_sigkill_stop_and_resume_to_the_same_losses(tmp_path, cache, reference, capfd,
+                                                                       monkeypatch):
+    """One run dir through three stops (a last start finishes it): SIGINT, then SIGTERM,
+    each sent while the run saves every step: one line, exit 130 / 143, the step it
+    stopped at saved and no half-written checkpoint. Then SIGKILL while it saves every 4
+    steps (nothing flushed), in a process of its own: restarted, it resumes from its last
     checkpoint, behind its last logged step, and drops the save the kill cut short.
     Throughout, the losses are the uninterrupted run's. Each start says where it starts
     (a resumed run: from which step and checkpoint) and that the step compiles.
     (SIGKILL once had a test of its own, from step 0; one run dir saves a process. The
-    last start is jaxpar-train's main in this process: a fresh one spent its time importing.)"""
+    SIGINT and SIGTERM starts and the last are jaxpar-train's main in this process, each
+    signal sent to this process by the run itself once a step is logged (a process of
+    their own spent its time importing; test_a_second_ctrl_c_ends_jaxpar_train_at_once
+    sends Ctrl-C to a fresh one).)"""
+    from jaxpar.commands.train import main
+    from jaxpar.train.stepping import Recorder
+
     run = tmp_path / "stopped"
     command = [sys.executable, "-m", "jaxpar.commands.train", "tiny", *resumable(cache), f"run_dir={run}", "--no-progress"]
     starts = "jaxpar-train: starting at step 0 on mesh data=8 (8 cpu devices)"
@@ -184,15 +191,22 @@ def test_sigint_sigterm_and_sigkill_stop_and_resume_to_the_same_losses(tmp_path,
     def saved():
         return max(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
 
+    write = Recorder.write
     for signum, after in ((signal.SIGINT, 3), (signal.SIGTERM, 7)):
-        proc = subprocess.Popen([*command, "checkpoint.every=1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                text=True)
-        wait_for_steps(proc, run, after)
-        proc.send_signal(signum)
-        _, err = proc.communicate(timeout=300)
-        assert proc.returncode == 128 + signum, err
+        def write_then_signal(self, record, postfix, signum=signum, after=after):
+            write(self, record, postfix)
+            if record["step"] == after:
+                handler = signal.getsignal(signum)  # the loop's, which puts the previous one back
+                os.kill(os.getpid(), signum)
+                wait_for_handlers(lambda: signal.getsignal(signum) is not handler)
+
+        monkeypatch.setattr(Recorder, "write", write_then_signal)
+        capfd.readouterr()
+        code = main([*command[3:], "checkpoint.every=1"])
+        err = capfd.readouterr().err
+        assert code == 128 + signum, err
         step = len(metrics(run))
-        assert step < 16
+        assert step == after
         # orbax's own advice, when a loaded machine makes a save wait for the last one
         # ("WARNING:absl:Waiting for previous save to complete took 1.4 seconds"), is not ours
         lines = [line for line in err.strip().splitlines() if not line.startswith("WARNING:absl:")]
@@ -203,6 +217,7 @@ def test_sigint_sigterm_and_sigkill_stop_and_resume_to_the_same_losses(tmp_path,
         starts = resumes(step)
         assert saved() == step
         assert not list((run / "checkpoints").glob("*tmp*"))
+    monkeypatch.setattr(Recorder, "write", write)
 
     # SIGKILL at step 10 or later: checkpoint.every=4 leaves step 8's (or the stop's) behind it
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -214,8 +229,6 @@ def test_sigint_sigterm_and_sigkill_stop_and_resume_to_the_same_losses(tmp_path,
     starts = resumes(saved())
 
     # The last start in this process (as test_bad_input_is_one_line_and_writes_nothing)
-    from jaxpar.commands.train import main
-
     capfd.readouterr()
     assert main(command[3:]) == 0
     err = capfd.readouterr().err
