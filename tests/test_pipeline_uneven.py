@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 import jaxpar
-from conftest import rel_err, train_steps, tree_rel_err
+from conftest import random_init, rel_err, train_steps, tree_rel_err
 from jaxpar.models import ModelConfig, Transformer
 from jaxpar.models.transformer import run_layers, sharding_rules
 from jaxpar.parallel.pipeline_schedule import build
@@ -24,9 +24,11 @@ from jaxpar.train.step import loss_fn, make_train_step
 
 # 8 layers: pipe=4 with a stage of one layer (3, 1, 2, 2), and pipe=2 x V=2 interleaved.
 CFG = ModelConfig(vocab_size=64, dim=32, layers=8, heads=2, kv_heads=1, head_dim=16, mlp_dim=32)
+# 1F1B on pipe=4 with (3, 1, 2, 2): test_a_state_resumes_under_another_split's first step,
+# its loss and gradients against one device's (the train step's padding holds zeros; the
+# padding filled with ones is gpipe's and 1f1b-lockstep's check, the same masked layers).
 CASES = {  # name: (schedule kind, P, M, V, stage_layers, other mesh axes)
     "gpipe": ("gpipe", 4, 4, 1, (3, 1, 2, 2), {}),
-    "1f1b": ("1f1b", 4, 4, 1, (3, 1, 2, 2), {}),
     "interleaved": ("interleaved", 2, 2, 2, (1, 3, 2, 2), {}),
     # ring attention over seq: the pipeline in lockstep, a padded layer run and discarded
     "1f1b-lockstep": ("1f1b", 2, 2, 1, (5, 3), {"seq": 2}),
@@ -101,7 +103,9 @@ def test_the_stored_layout_is_device_major_and_padded():
 def test_masked_layers_run_the_first_count(lockstep):
     """A stage of 3 stored layers told to run 2: the first two layers' output; the
     third's gradients zero, by cond (branching) or where (lockstep)."""
-    model = Transformer(dataclasses.replace(CFG, layers=3), rngs=nnx.Rngs(1))
+    # numpy's draws (conftest.random_init): no random-number program per stacked shape
+    model = random_init(lambda: Transformer(dataclasses.replace(CFG, layers=3), rngs=nnx.Rngs(1)),
+                        np.random.default_rng(1))
     layers_def, layer_state = nnx.split(model.layers)
     x = jnp.asarray(np.random.default_rng(2).standard_normal((2, 8, CFG.dim)), jnp.float32)
     positions = jnp.broadcast_to(jnp.arange(8), (2, 8))
@@ -122,18 +126,29 @@ def test_masked_layers_run_the_first_count(lockstep):
         assert np.all(np.asarray(leaf)[2] == 0) and np.any(np.asarray(leaf)[:2] != 0)
 
 
+def keeping_gradients(tx):
+    """``tx`` with the gradient it is given kept in its state (first): the step's
+    gradients, as the pipeline computed them, read back after the step."""
+    keep = optax.GradientTransformation(lambda params: jax.tree.map(jnp.zeros_like, params),
+                                        lambda grads, state, params=None: (grads, grads))
+    return optax.chain(keep, tx)
+
+
 @pytest.mark.slow
-def test_a_state_resumes_under_another_split():
-    """Two AdamW steps under (3, 1, 2, 2), the state put in model order (what a
-    checkpoint keeps), then a third under (2, 2, 1, 3): the losses of one device's run."""
+def test_a_state_resumes_under_another_split(model_and_reference):
+    """Two AdamW steps under (3, 1, 2, 2) (1F1B on pipe=4), the state put in model order
+    (what a checkpoint keeps), then a third under (2, 2, 1, 3): the losses of one device's
+    run. The first step's loss and gradients are one device's (float32, 1e-5), the
+    padded layers' gradients exactly zero."""
+    _, _, want_loss, want_grads = model_and_reference
     mesh = jaxpar.make_mesh(pipe=4, devices=jax.devices()[:4])
     rules = sharding_rules(CFG, mesh)
-    data = [a_batch(seed) for seed in range(3)]
+    data = [a_batch(seed) for seed in range(3)]  # a_batch(0): model_and_reference's batch
 
     def step_for(stage_layers):
         model = Transformer(CFG, rngs=nnx.Rngs(0))
-        return model, make_train_step(model, optax.adamw(1e-3, weight_decay=0.1), mesh, rules,
-                                      pipeline=build("1f1b", 4, 4), stage_layers=stage_layers, donate=False)
+        return model, make_train_step(model, keeping_gradients(optax.adamw(1e-3, weight_decay=0.1)), mesh,
+                                      rules, pipeline=build("1f1b", 4, 4), stage_layers=stage_layers, donate=False)
 
     want, _, _ = train_steps(CFG, data)  # one device: cheaper to compile than an even pipeline
 
@@ -143,6 +158,12 @@ def test_a_state_resumes_under_another_split():
     for batch in data[:2]:
         params, opt_state, metrics = first(params, opt_state, batch)
         got.append(float(metrics["loss"]))
+        if len(got) == 1:
+            grads, order = opt_state[0], first.layer_order
+            assert rel_err(got[0], want_loss) < 1e-5
+            assert tree_rel_err(jax.jit(lambda g: pipelined.to_model(g, order))(grads), want_grads) < 1e-5
+            for leaf in jax.tree.leaves(grads["layers"]):
+                assert np.all(np.asarray(leaf)[np.asarray(order) < 0] == 0)
     padding = np.asarray(first.layer_order) < 0  # zero gradients: AdamW leaves the padding zero
     assert all(np.all(np.asarray(w)[padding] == 0) for w in jax.tree.leaves(params["layers"]))
     saved = first.in_model_order({"params": params, "opt_state": opt_state})
@@ -207,7 +228,9 @@ def test_the_profile_prices_the_padding():
 def test_auto_stage_layers_follow_the_device_profile(tmp_path, capsys):
     """``pipeline.stage_layers=auto`` with rank 1 at half speed: the run's step is
     compiled with more layers on rank 0 (the planner's split, jaxpar.planning.stages),
-    and the profile shows it."""
+    and the profile shows it. The config and split (4 layers: [3, 1]) of
+    test_train_parallel.py's test_a_run_resumes_under_uneven_stages, whose train step is
+    this dry run's program: one compile in a test run for both (the persistent cache)."""
     import json
 
     from jaxpar.train.data import default_cache_dir
@@ -217,10 +240,11 @@ def test_auto_stage_layers_follow_the_device_profile(tmp_path, capsys):
 
     profile = tmp_path / "devices.yaml"
     profile.write_text("ranks: [{speed: 1.0}, {speed: 0.5}]\n")
-    cfg = config(tmp_path / "run", default_cache_dir(), "dry_run=true", "mesh.pipe=2", "model.layers=8",
-                 "batch_size=16", "pipeline.stage_layers=auto", f"pipeline.device_profile={profile}")
+    cfg = config(tmp_path / "run", default_cache_dir(), "dry_run=true", "steps=2", "mesh.pipe=2", "model.layers=4",
+                 "batch_size=16", "pipeline.schedule=1f1b", "pipeline.stage_layers=auto",
+                 f"pipeline.device_profile={profile}")
     split = auto_stage_layers(cfg)
-    assert sum(split) == 8 and split[0] > split[1], split
+    assert sum(split) == 4 and split[0] > split[1], split
     train(cfg, progress=False)
     fields = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert fields["pipeline_stage_layers"] == list(split)
