@@ -48,15 +48,16 @@ def reference(params, outer, tokens, side):
 reference_value_and_grad = jax.jit(jax.value_and_grad(reference, argnums=(0, 1)))
 
 
-# M = P at P = 2 and 4, then M = 2P and odd M at P = 4, V = 2 for interleaved (whose M is
-# a multiple of P); then one case of each schedule in lockstep. (M = 2P and odd M at P = 2,
+# M = P at P = 2, then M = 2P and odd M at P = 4, V = 2 for interleaved (whose M is a
+# multiple of P); then one case of each schedule in lockstep. (M = 2P and odd M at P = 2,
 # P, M = (2, 4) and (2, 3), and interleaved (2, 4, 2) check what (4, 8), (4, 5) / (4, 7)
-# and (4, 8, 2) check: more microbatches than stages, in whole and in ragged rounds; each
-# case compiles a pipeline and its reference.)
+# and (4, 8, 2) check: more microbatches than stages, in whole and in ragged rounds; M = P
+# at P = 4, (4, 4) and (4, 4, 2), what (2, 2) and (2, 2, 2) check, one microbatch per
+# stage; each case compiles a pipeline and its reference.)
 SCHEDULES = [
-    ("gpipe", 2, 2, 1), ("gpipe", 4, 4, 1), ("gpipe", 4, 8, 1), ("gpipe", 4, 5, 1),
-    ("1f1b", 2, 2, 1), ("1f1b", 4, 4, 1), ("1f1b", 4, 8, 1), ("1f1b", 4, 7, 1),
-    ("interleaved", 2, 2, 2), ("interleaved", 4, 4, 2), ("interleaved", 4, 8, 2),
+    ("gpipe", 2, 2, 1), ("gpipe", 4, 8, 1), ("gpipe", 4, 5, 1),
+    ("1f1b", 2, 2, 1), ("1f1b", 4, 8, 1), ("1f1b", 4, 7, 1),
+    ("interleaved", 2, 2, 2), ("interleaved", 4, 8, 2),
 ]
 LOCKSTEP = [("gpipe", 4, 5, 1), ("1f1b", 4, 7, 1), ("interleaved", 4, 8, 2)]
 
@@ -212,9 +213,15 @@ def single_device_run():
 @pytest.mark.slow
 @pytest.mark.parametrize("kind,P,M,V,others", [
     # GPipe through the transformer: ("gpipe", 2, 4, 1, fsdp=2 x tensor=2) below (a pipe-only
-    # GPipe case checked the same; its schedule against autodiff: SCHEDULES)
-    ("1f1b", 2, 4, 1, {}), ("1f1b", 4, 4, 1, {}),
-    ("interleaved", 2, 4, 2, {}),
+    # GPipe case checked the same; its schedule against autodiff: SCHEDULES). Pipe-only 1F1B
+    # at P = 2, M = 4: test_microbatches_weight_the_loss_by_tokens's pipeline, its loss and
+    # gradients against one device's (1F1B at P = 2 with AdamW: data=2 x tensor=2 below).
+    # Middle stages (P = 4, ("1f1b", 4, 4, 1) was a case here): the P = 4 SCHEDULES against
+    # autodiff, and through the transformer test_pipeline_uneven.py's pipe=4 runs (GPipe, and
+    # 1F1B trained three AdamW steps). Interleaved stages through the transformer branching
+    # (("interleaved", 2, 4, 2) was a pipe-only case here): test_pipeline_uneven.py's
+    # interleaved pipe=2 x V=2 case, its loss and gradients against one device's; the even
+    # device-major layout: test_interleaved_layers_are_stored_device_major.
     ("1f1b", 2, 2, 1, dict(data=2, tensor=2)), ("gpipe", 2, 4, 1, dict(fsdp=2, tensor=2)),
     ("1f1b", 2, 2, 1, dict(seq=2, tensor=2)),  # pipe x seq (Ulysses) x tensor
     # ring attention in lockstep: the 4D run in test_train (pipe x seq x tensor 2D)
