@@ -5,6 +5,9 @@
 GSPMD guide. On fsdp=8, data=2 x fsdp=4 and fsdp=4 x tensor=2, each parameter holds
 exactly its share per device (the shares are written out by hand below, not derived
 from jaxpar's rules), and three training steps equal the same steps on one device.
+(lm1b on data=2 x fsdp=4 is not among them: what that mesh adds to fsdp=8, the batch
+over two axes and the parameters over fsdp alone, is the guide's case on it, through the
+same rules; lm1b's parameters split 8 ways and over tensor are its other two meshes.)
 """
 
 import flax.linen as nn
@@ -89,7 +92,7 @@ def lm1b_reference():
     return tokens, _lm1b_train(variables, tokens)
 
 
-@pytest.mark.parametrize("mesh_name", MESHES)
+@pytest.mark.parametrize("mesh_name", ["fsdp=8", "fsdp=4,tensor=2"])
 @pytest.mark.slow
 def test_flax_lm1b_shards_and_trains_as_one_device(mesh_name, lm1b_reference):
     """The README's Linen recipe, unedited model: strict shardings, then jit."""
