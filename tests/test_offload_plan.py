@@ -352,9 +352,12 @@ def test_plan_is_what_the_step_places_and_moves(tied):
     mesh = jaxpar.make_mesh(data=8)
     rules, tx = sharding_rules(cfg, mesh), optax.adamw(1e-2)
     abstract = make_train_step(model, tx, mesh, rules).abstract_state(model)
-    for resident, optimizer, prefetch, k in [(0, "device", 1, 1), (1, "host", 2, 1), (3, "host", 1, 1),
-                                             (2, "device", 3, 1), (None, "host", 1, 1), (1, "host", 1, 2),
-                                             (0, "device", 2, 4)]:
+    placements = [(0, "device", 1, 1), (1, "host", 2, 1), (3, "host", 1, 1), (2, "device", 3, 1),
+                  (None, "host", 1, 1), (1, "host", 1, 2), (0, "device", 2, 4)]
+    if tied:  # what a tied embedding changes, its host chunk's fetches and gradients: with
+        # the parameters on the host, both optimizer placements, with and without accumulation
+        placements = [(0, "device", 1, 1), (1, "host", 2, 1), (1, "host", 1, 2), (0, "device", 2, 4)]
+    for resident, optimizer, prefetch, k in placements:
         where = dict(params="device") if resident is None else dict(params="host", resident_layers=resident)
         p = plan(abstract, mesh, {}, None, optimizer=optimizer, prefetch=prefetch, grad_accum=k, **where)
         step = make_train_step(model, tx, mesh, rules, offload=p.options, grad_accum=k)
