@@ -95,7 +95,7 @@ those again with ``--parts``.
 Options: [--parts ceilings norms ce attention decode gmm train] [--skip-train] [--smoke]
 [--attention-shapes BxNxTxH[:causal|:noncausal] ...] [--attention-impls jaxpar cudnn xla
 jax-triton jax-mgpu] [--decode-batches 1 8] [--decode-lengths 4096 16384 32768]
-[--decode-new-tokens 1 5] [--decode-heads 32 8 128] [--norm-shape 16384 4096]
+[--decode-new-tokens 1 5] [--decode-heads 32 8 128] [--norm-kinds rms layer] [--norm-shape 16384 4096]
 [--ce-shape 8192 2048 128256] [--gmm-shape 16384 4096 14336 8] [--train-config 1b]
 [--train-impls pallas xla cudnn]
 [--train-steps 7] [--train-warmup 2] [--train-batch 8] [--train-overrides k=v ...]
@@ -646,7 +646,7 @@ def norms_part(args, s: Settings) -> list[dict]:
         norm, reference_fn = jaxpar_kernel("norm"), jaxpar_kernel("norm_reference")
     except Unavailable as e:
         norm = reference_fn = e
-    for kind in ("rms", "layer"):
+    for kind in args.norm_kinds:
         count = n_sets(3 * R * D * 2, s)
         base = jax.random.key(17 if kind == "rms" else 18)
         sets = []
@@ -1046,6 +1046,8 @@ def parse_args(argv=None):
     p.add_argument("--decode-lengths", type=int, nargs="+", default=[4096, 16384, 32768])
     p.add_argument("--decode-new-tokens", type=int, nargs="+", default=[1, 5])
     p.add_argument("--decode-heads", type=int, nargs=3, default=[32, 8, 128], metavar=("N", "K", "H"))
+    p.add_argument("--norm-kinds", nargs="+", choices=("rms", "layer"), default=["rms", "layer"],
+                   help="the norms part's RMSNorm and LayerNorm (both)")
     p.add_argument("--norm-shape", type=int, nargs=2, default=[16384, 4096], metavar=("ROWS", "D"))
     p.add_argument("--ce-shape", type=int, nargs=3, default=[8192, 2048, 128256], metavar=("N", "D", "V"))
     p.add_argument("--gmm-shape", type=int, nargs=4, default=[16384, 4096, 14336, 8], metavar=("M", "K", "N", "G"))

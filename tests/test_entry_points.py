@@ -92,11 +92,13 @@ def test_kernels_benchmark_smoke(monkeypatch, capsys):
     the kernel at T > 1). The causal shape only: the rows read are causal ones (cuDNN's
     refusal is the same cell either way), and the non-causal kernels' interpret-mode
     compiles checked nothing here (tests/test_kernels_flash_attention.py checks both).
-    In this process: without the training part the script runs its kernels in its own
-    process, on its first device."""
+    The norms part's LayerNorm only (its bias is the one input RMSNorm lacks): RMSNorm's
+    four interpret-mode programs checked nothing here (tests/test_kernels_norms.py checks
+    both kinds). In this process: without the training part the script runs its kernels
+    in its own process, on its first device."""
     stdout = run_here(monkeypatch, capsys, "bench/kernels.py", "--smoke", "--skip-train", "--attention-impls",
                       "jaxpar", "xla", "cudnn", "--attention-shapes", "1x2x256x64:causal",
-                      "--decode-new-tokens", "1")
+                      "--decode-new-tokens", "1", "--norm-kinds", "layer")
     assert "| BxNxTxH | causal | impl | fwd ms | fwd TFLOP/s |" in stdout
     xla = [line.split("|") for line in stdout.splitlines() if line.startswith("| 1x2x256x64 | yes | xla |")]
     assert xla and float(xla[0][4]) > 0 and float(xla[0][7]) < 1e-2  # timed, and close to float32
