@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 from jax.sharding import reshard
 
 import jaxpar
+import test_parallel
 from conftest import rel_err, train_steps
 from jaxpar.models import ModelConfig, Transformer
 from jaxpar.models.transformer import sharding_rules
@@ -22,6 +23,7 @@ B, T, D, F, V = 8, 4, 16, 32, 16
 BATCH = ("data", "fsdp")  # the mesh axes make_train_step splits the batch over
 # jaxpar's model, tiny: every dimension the fsdp=4 x tensor=2 mesh splits divides.
 TINY = ModelConfig(vocab_size=64, dim=32, layers=2, heads=4, kv_heads=2, head_dim=8, mlp_dim=64)
+SHARED = test_parallel.CFG  # the training tests' (below)
 
 
 class ExplicitMLP(nnx.Module):
@@ -124,24 +126,27 @@ def test_constrain_reshards_on_an_explicit_mesh(rng):
     assert rel_err(y, 2 * np.asarray(x)) == 0
 
 
+# The training tests below train test_parallel.py's model on its batches' shapes and keys
+# (fresh draws): their one-device and Auto fsdp=2 x tensor=4 steps are the programs it
+# compiles (test_training_matches_single_device), one compile in a test run for both.
 @pytest.fixture(scope="module")
 def tiny_data():
-    tokens = np.random.default_rng(2).integers(0, TINY.vocab_size, (3, 8, 17))
-    return [{"inputs": jnp.asarray(t[:, :-1]), "targets": jnp.asarray(t[:, 1:])} for t in tokens]
+    return test_parallel.batches(np.random.default_rng(2), 3)
 
 
 @pytest.fixture(scope="module")
 def tiny_one_device(tiny_data):
-    return train_steps(TINY, tiny_data)[0]
+    return train_steps(SHARED, tiny_data)[0]
 
 
 @pytest.mark.slow
 def test_jaxpar_model_trains_alike_on_auto_and_explicit_meshes(tiny_data, tiny_one_device):
     """jaxpar's Transformer (written for Auto axes; its loss runs under
-    ``jaxpar.auto_axes``) on fsdp=4 x tensor=2: 3 steps' losses on the Explicit mesh
-    equal the Auto mesh's and one device's; its parameters keep their Explicit types."""
-    auto, _, _ = train_steps(TINY, tiny_data, jaxpar.make_mesh(fsdp=4, tensor=2))
-    explicit, params, _ = train_steps(TINY, tiny_data, jaxpar.make_mesh(fsdp=4, tensor=2, axis_types="explicit"))
+    ``jaxpar.auto_axes``) on fsdp=2 x tensor=4 (its 2 kv heads whole on each device): 3
+    steps' losses on the Explicit mesh equal the Auto mesh's and one device's; its
+    parameters keep their Explicit types."""
+    auto, _, _ = train_steps(SHARED, tiny_data, jaxpar.make_mesh(fsdp=2, tensor=4))
+    explicit, params, _ = train_steps(SHARED, tiny_data, jaxpar.make_mesh(fsdp=2, tensor=4, axis_types="explicit"))
     assert rel_err(auto, tiny_one_device) < 1e-5 and rel_err(explicit, tiny_one_device) < 1e-5
     assert rel_err(explicit, auto) < 1e-5
     q = jax.typeof(params["layers"]["attn"]["q"][...]).sharding
@@ -155,5 +160,5 @@ def test_jaxpar_pipeline_trains_on_an_explicit_mesh(tiny_data, tiny_one_device):
     Explicit mesh: one device's losses."""
     schedule = pipeline_schedule.build("1f1b", 2, 4, 1)
     mesh = jaxpar.make_mesh(data=2, pipe=2, tensor=2, axis_types="explicit")
-    losses, _, _ = train_steps(TINY, tiny_data, mesh, pipeline=schedule)
+    losses, _, _ = train_steps(SHARED, tiny_data, mesh, pipeline=schedule)
     assert rel_err(losses, tiny_one_device) < 1e-5
