@@ -95,7 +95,8 @@ those again with ``--parts``.
 Options: [--parts ceilings norms ce attention decode gmm train] [--skip-train] [--smoke]
 [--attention-shapes BxNxTxH[:causal|:noncausal] ...] [--attention-impls jaxpar cudnn xla
 jax-triton jax-mgpu] [--decode-batches 1 8] [--decode-lengths 4096 16384 32768]
-[--decode-new-tokens 1 5] [--decode-heads 32 8 128] [--norm-kinds rms layer] [--norm-shape 16384 4096]
+[--decode-new-tokens 1 5] [--decode-impls jaxpar jaxpar-paged xla cudnn jax-pallas-gqa]
+[--decode-heads 32 8 128] [--norm-kinds rms layer] [--norm-shape 16384 4096]
 [--ce-shape 8192 2048 128256] [--gmm-shape 16384 4096 14336 8] [--train-config 1b]
 [--train-impls pallas xla cudnn]
 [--train-steps 7] [--train-warmup 2] [--train-batch 8] [--train-overrides k=v ...]
@@ -128,6 +129,7 @@ import jax.numpy as jnp
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PARTS = ("ceilings", "norms", "ce", "attention", "decode", "gmm", "train")
 ATTENTION_IMPLS = ("jaxpar", "cudnn", "xla", "jax-triton", "jax-mgpu")
+DECODE_IMPLS = ("jaxpar", "jaxpar-paged", "xla", "cudnn", "jax-pallas-gqa")
 NOMINAL_PEAK = 989e12  # H100 / H200 SXM dense bf16, for the MFU beside the measured one
 ROTATE_BYTES = 256 * 2**20  # input sets in rotation hold at least this much (L2: 50-60 MB)
 
@@ -542,7 +544,7 @@ def decode_part(args, s: Settings) -> list[dict]:
                 if time.time() > DEADLINE:
                     results += [{"B": B, "S": S, "T": T, "N": N, "K": K, "H": H, "impl": name, "kv_bytes": kv_bytes,
                                  "r": {"error": SKIPPED}}
-                                for name in ("jaxpar", "jaxpar-paged", "xla", "cudnn", "jax-pallas-gqa")]
+                                for name in args.decode_impls]
                     continue
                 count = n_sets(kv_bytes, s)
                 base = jax.random.key(7919 * B + 31 * S + T)
@@ -607,7 +609,7 @@ def decode_part(args, s: Settings) -> list[dict]:
                     return o.reshape(B, K, T, G, H).transpose(0, 2, 1, 3, 4).reshape(B, T, N, H)
                 impls.append(("jax-pallas-gqa", gqa, T == 1))
 
-                for name, fn, causal in impls:
+                for name, fn, causal in (impl for impl in impls if impl[0] in args.decode_impls):
                     row = {"B": B, "S": S, "T": T, "N": N, "K": K, "H": H, "impl": name, "kv_bytes": kv_bytes}
                     if isinstance(fn, Exception):
                         row["r"] = {"error": short(fn)}
@@ -1045,6 +1047,7 @@ def parse_args(argv=None):
     p.add_argument("--decode-batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--decode-lengths", type=int, nargs="+", default=[4096, 16384, 32768])
     p.add_argument("--decode-new-tokens", type=int, nargs="+", default=[1, 5])
+    p.add_argument("--decode-impls", nargs="+", choices=DECODE_IMPLS, default=list(DECODE_IMPLS))
     p.add_argument("--decode-heads", type=int, nargs=3, default=[32, 8, 128], metavar=("N", "K", "H"))
     p.add_argument("--norm-kinds", nargs="+", choices=("rms", "layer"), default=["rms", "layer"],
                    help="the norms part's RMSNorm and LayerNorm (both)")

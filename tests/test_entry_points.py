@@ -89,16 +89,19 @@ def test_kernels_benchmark_smoke(monkeypatch, capsys):
     test reads, and decode of one new token (a failed measurement is a table cell, not
     an exit: jax-triton's and T=3's interpret-mode compiles checked nothing here, and
     took a third of those parts' time; tests/test_kernels_decode_attention.py checks
-    the kernel at T > 1). The causal shape only: the rows read are causal ones (cuDNN's
-    refusal is the same cell either way), and the non-causal kernels' interpret-mode
-    compiles checked nothing here (tests/test_kernels_flash_attention.py checks both).
+    the kernel at T > 1), and not JAX's own Pallas GQA decode kernel (its interpret-mode
+    compile checked nothing here either). The causal shape only: the rows read are causal
+    ones (cuDNN's refusal is the same cell either way), and the non-causal kernels'
+    interpret-mode compiles checked nothing here (tests/test_kernels_flash_attention.py
+    checks both).
     The norms part's LayerNorm only (its bias is the one input RMSNorm lacks): RMSNorm's
     four interpret-mode programs checked nothing here (tests/test_kernels_norms.py checks
     both kinds). In this process: without the training part the script runs its kernels
     in its own process, on its first device."""
     stdout = run_here(monkeypatch, capsys, "bench/kernels.py", "--smoke", "--skip-train", "--attention-impls",
                       "jaxpar", "xla", "cudnn", "--attention-shapes", "1x2x256x64:causal",
-                      "--decode-new-tokens", "1", "--norm-kinds", "layer")
+                      "--decode-new-tokens", "1", "--decode-impls", "jaxpar", "jaxpar-paged", "xla", "cudnn",
+                      "--norm-kinds", "layer")
     assert "| BxNxTxH | causal | impl | fwd ms | fwd TFLOP/s |" in stdout
     xla = [line.split("|") for line in stdout.splitlines() if line.startswith("| 1x2x256x64 | yes | xla |")]
     assert xla and float(xla[0][4]) > 0 and float(xla[0][7]) < 1e-2  # timed, and close to float32
