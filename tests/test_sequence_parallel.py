@@ -274,8 +274,10 @@ def test_bad_input_names_the_sizes(rng, call, message):
 CFG = ModelConfig(vocab_size=128, dim=64, layers=2, heads=4, kv_heads=2, head_dim=16, mlp_dim=96)
 
 
-def batches(rng, steps=3, B=8, T=32):
-    """Packed rows: several documents per row, positions restarting at each."""
+def batches(rng, steps=3, B=8, T=16):
+    """Packed rows: several documents per row, positions restarting at each. Every key
+    the loader gives, in test_parallel.py's shapes: the one-device step is its
+    single_device_run's program (CFG is its model), one compile in a test run for both."""
     out = []
     for _ in range(steps):
         tokens = rng.integers(0, CFG.vocab_size, (B, T + 1)).astype(np.int32)
