@@ -43,6 +43,7 @@ from conftest import adasum_reference, random_init, tree_rel_err
 from jaxpar.hetero.reduction import Reduction
 from jaxpar.models import GlideDraft, ModelConfig, Transformer
 from jaxpar.models.config import MoEConfig
+from jaxpar.models.transformer import sharding_rules
 from jaxpar.parallel.pipeline_schedule import build
 from jaxpar.placement.execution import OffloadOptions, SequenceOptions
 from jaxpar.train import combinations, glide
@@ -219,6 +220,8 @@ def test_a_run_of_features_that_work_trains_as_one_device(tasks, run):
     options = options_of(*run)
     if run == RUNS[0]:  # the experts split over expert, the batch over data x expert
         options["axes"] = {**options["axes"], "expert": 2}
+    if {"mesh.tensor", "mesh.seq"} <= set(run):  # Megatron SP too: the residual stream over seq x tensor
+        options["sequence_parallel"] = True
     train_cell(tasks, options)
 
 
@@ -227,7 +230,9 @@ def train_cell(tasks, options: dict) -> None:
     task = tasks[options.pop("task")]
     axes, rows = options.pop("axes"), options.pop("rows")
     mesh = jaxpar.make_mesh(**axes, devices=jax.devices()[:int(np.prod(list(axes.values())))], axis_types="auto")
-    step = make_train_step(task.model, record_then_sgd(), mesh, donate=False,
+    sp = options.pop("sequence_parallel", False)
+    rules = sharding_rules(task.model.cfg, mesh, sequence_parallel=True) if sp else None
+    step = make_train_step(task.model, record_then_sgd(), mesh, rules, donate=False,
                            **({"loss": task.loss, "frozen": task.frozen[0]} if task.frozen else {}), **options)
     params, opt_state = step.init(task.model)
     for seed in range(2):

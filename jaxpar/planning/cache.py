@@ -15,9 +15,11 @@ import pathlib
 
 # Bumped whenever what the figures mean changes (the profiler's counting, the compiled
 # step), so an older entry is never read.
+# 5: MoE within an expert over tensor (jaxpar.models.moe), Megatron SP with seq gathers
+# the residual stream over tensor before and after each projection (models.transformer);
 # 4: collective_kinds_by_axes (a compile with data cut is rescaled by kind); 3: 2D + FSDP
 # gathers one layer at a time (jaxpar.ops.linear)
-VERSION = 4
+VERSION = 5
 # The profiler's figures the planner reads; the cache keeps only these.
 FIELDS = ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "peak_bytes", "flops",
           "collective_bytes", "collectives", "collectives_by_axes", "collective_counts_by_axes",
