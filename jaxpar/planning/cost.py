@@ -238,14 +238,18 @@ def step_time(work: Workload, layout: Layout, hw: Hardware, *, devices_per_node:
               compiled: dict | None = None, compiled_backend: str = "cpu") -> StepTime:
     """The predicted ``StepTime`` of ``layout``; ``compiled``: the profiler's figures of
     its program, whose ``collectives_by_axes`` and ``collective_counts_by_axes`` replace
-    the counted traffic."""
+    the counted traffic, but for a pipeline (``pipe > 1``): its tick loop holds each
+    device's forward, backward and head as branches of conditionals, which the profiler
+    counts as if every branch ran at every tick (its stated upper bound: 10-20x the
+    traffic of ``pipe=2`` programs on 16 devices, BENCHMARKS "Planning"), so there the
+    count stands."""
     m = work.model
     matmul, attention = flops(work, layout)
     peak = hw.peak(m.dtype)
     t_matmul = matmul / (peak * hw.efficiency["matmul"])
     t_attention = attention / (peak * hw.efficiency["attention"])
     compute = t_matmul + t_attention + elementwise_bytes(work, layout) / hw.hbm_bandwidth
-    if compiled and "collectives_by_axes" in compiled:
+    if compiled and "collectives_by_axes" in compiled and layout.pipe == 1:
         sent = dict(compiled["collectives_by_axes"])
         count = dict(compiled.get("collective_counts_by_axes", {}))
         if compiled_backend == "cpu" and hw.name != "cpu" and m.dtype != "float32":

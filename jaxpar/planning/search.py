@@ -60,7 +60,8 @@ GIB = 2 ** 30
 MEMORY_LOW = 1.5   # an estimated candidate fits when estimate x MEMORY_LOW <= device_memory
 MEMORY_HIGH = 1.14  # it could fit (and is compiled if it could rank first) when estimate / MEMORY_HIGH does
 # Step time: compiling replaces the counted collectives (bytes and counts by axis) with
-# the program's own; compute is the same model either way. Measured by
+# the program's own (but for pipe > 1, whose profiled collectives are an upper bound:
+# cost.step_time); compute is the same model either way. Measured by
 # bench/plan_margin.py (BENCHMARKS.md, "Planning", the ranking's margin): over 58
 # compiled candidates (34 programs) of tiny, small (h100) and tiny at seq_len 512 (a100) on 8 devices,
 # compiled within a 10% margin, the compiled prediction was never below the estimate
