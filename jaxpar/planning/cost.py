@@ -101,9 +101,7 @@ def expert_rows(work: Workload, layout: Layout) -> float:
     take a slice of the experts' width) times ``k``; with expert parallelism the fixed
     per-destination buffers' ``W x min(k, E / W)`` rows a token
     (``jaxpar.models.moe.exchange``)."""
-    e, w = work.model.moe, layout.expert
-    rows = work.tokens / layout.data_ways
-    return rows * (w * min(e.experts_per_token, e.experts // w) if w > 1 else e.experts_per_token)
+    return work.tokens / layout.data_ways * work.routed_rows(layout.expert)
 
 
 def flops(work: Workload, layout: Layout) -> tuple[float, float]:

@@ -110,10 +110,9 @@ def _local_sizes(work: Workload, layout: Layout) -> dict[str, float]:
            "kv": b * t * kv * m.head_dim, "btf": b * t * mlp, "scores": scores,
            "logits": b * t * m.vocab_size / tp}
     if work.moe_layers:  # a MoE layer's rows: the device's tokens whole over seq and tensor
-        e, w = m.moe, layout.expert
-        rows = b * work.seq_len
+        e, rows = m.moe, b * work.seq_len
         out["moe_tokens"] = rows * e.experts_per_token  # the permuted copies
-        out["moe_rows"] = rows * (w * min(e.experts_per_token, e.experts // w) if w > 1 else e.experts_per_token)
+        out["moe_rows"] = rows * work.routed_rows(layout.expert)
         # the dense MLP's width, the layers' mean (a MoE layer's is its shared experts')
         width = (m.layers - work.moe_layers) * m.mlp_dim + work.moe_layers * e.shared_experts * e.expert_width
         out["btf"] = b * t * width / m.layers / tp

@@ -65,6 +65,13 @@ class Workload:
         m = self.model
         return 0 if m.moe is None else m.layers // m.moe.every
 
+    def routed_rows(self, expert: int) -> int:
+        """Rows a token puts through a MoE layer's grouped matmuls on ``expert`` devices:
+        its ``k`` copies, or with expert parallelism the fixed per-destination buffers'
+        ``W x min(k, E / W)`` (``jaxpar.models.moe.exchange``)."""
+        e = self.model.moe
+        return expert * min(e.experts_per_token, e.experts // expert) if expert > 1 else e.experts_per_token
+
     @property
     def expert_params(self) -> int:
         """One expert's weights (0 for a dense model)."""
