@@ -43,6 +43,8 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jaxpar.models.config import literal_choices
+
 INTERACTIONS = ("dot", "dcn")
 DTYPES = ("float32", "bfloat16", "float16")
 TABLE_AXES = ("table_rows", "table_embed")
@@ -109,9 +111,7 @@ class DLRMConfig:
             raise ValueError(f"model.bottom={self.bottom!r} must end in model.embed_dim={self.embed_dim}")
         if self.top[-1] != 1:
             raise ValueError(f"model.top={self.top!r} must end in 1 (the logit)")
-        hints = typing.get_type_hints(DLRMConfig)
-        for name in ("interaction", "dtype", "param_dtype"):
-            allowed = typing.get_args(hints[name])
+        for name, allowed in literal_choices(DLRMConfig).items():  # interaction, dtype, param_dtype
             if getattr(self, name) not in allowed:
                 raise ValueError(f"model.{name}={getattr(self, name)!r} must be one of {allowed}")
 

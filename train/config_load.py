@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import pathlib
 import types
 import typing
@@ -33,7 +34,7 @@ def _keys(cls, prefix="") -> list[str]:
         if "keys" in field.metadata:
             keys += list(field.metadata["keys"])
             continue
-        hint = typing.get_type_hints(cls)[field.name]
+        hint = _hints(cls)[field.name]
         inner = _dataclass_in(hint)
         keys += _keys(inner, f"{prefix}{field.name}.") if inner else [prefix + field.name]
     return keys
@@ -118,8 +119,14 @@ def _near(key: str, valid: list[str]) -> list[str]:
     return near[:3]
 
 
+@functools.cache
+def _hints(cls) -> dict:
+    """``cls``'s field annotations, evaluated once per class."""
+    return typing.get_type_hints(cls)
+
+
 def _build(cls, values: dict, prefix: str = ""):
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     for name in values:
         if name not in names:
