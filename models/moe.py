@@ -72,6 +72,10 @@ from jaxpar.placement.axes import local_axes
 from jaxpar.placement.execution import implementation, rules_for
 
 BIAS = "router_bias"
+# Why a pipeline takes a MoE model only with ``every=1``: its stages hold whole stacked
+# units, and ``every = n > 1`` stacks groups of n layers (``ModelConfig.stacked_layers``).
+PIPE_GROUPS = ("a pipeline stage holds whole stacked layers, and model.moe.every > 1 stacks groups of that "
+               "many; give model.moe.every=1 or no mesh.pipe")
 # The logical axes of the router, its bias, gate, up and down (MaxText's names).
 NAMES = (("embed", None), (None,), ("exp", "embed_moe", "mlp_moe"), ("exp", "embed_moe", "mlp_moe"),
          ("exp", "mlp_moe", "embed_moe"))
@@ -399,13 +403,17 @@ def step_metrics(stats: jax.Array, moe: MoEConfig) -> dict[str, jax.Array]:
       ``data.batch_weights`` the loss adds each microbatch's own, the module docstring);
     * ``moe_load_max``: the most assignments any expert of any layer was chosen for, over
       an even share (``N k / E``): 1 when balanced, ``E / k`` at worst;
-    * ``moe_dropped``: the fraction of assignments a capacity dropped (0 dropless)."""
+    * ``moe_dropped``: the fraction of assignments a capacity dropped (0 dropless).
+
+    A layer that saw no tokens (a pipeline stage's padding, ``jaxpar.train.pipelined``:
+    zeros) adds nothing to any of them."""
     counts, prob_sums, kept = stats[:, 0], stats[:, 1], stats[:, 2]
-    assigned = counts.sum(-1)  # [L]: N k each
-    tokens = assigned / moe.experts_per_token
-    balance = moe.experts * jnp.sum(counts / assigned[:, None] * prob_sums / tokens[:, None])
+    assigned = counts.sum(-1)  # [L]: N k each, 0 where a layer saw no tokens
+    per_layer = jnp.maximum(assigned, 1.0)[:, None]  # N k >= 1 unchanged; a tokenless layer's 0 / 1
+    tokens = per_layer / moe.experts_per_token
+    balance = moe.experts * jnp.sum(counts / per_layer * prob_sums / tokens)
     return {"moe_balance_loss": moe.balance_loss * balance,
-            "moe_load_max": jnp.max(counts * moe.experts / assigned[:, None]),
+            "moe_load_max": jnp.max(counts * moe.experts / per_layer),
             "moe_dropped": 1 - kept.sum() / assigned.sum()}
 
 

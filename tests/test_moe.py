@@ -251,12 +251,13 @@ def test_moe_config_bad_input_is_one_line():
         ("model.moe.capacity_factor=0", "model.moe.capacity_factor=0.0 must be positive"),
         ("model.moe.every=3", "model.layers=4 must be a multiple of model.moe.every=3"),
         ("model.moe.router=top1", "model.moe.router='top1' must be one of"),
-        ("mesh.pipe=2", "model.moe with mesh.pipe=2 is not supported yet"),
         ("mesh.expert=3", r"^mesh.expert=3 must divide model.moe.experts=8$"),
         ("mesh.expert=0", r"^mesh.expert=0 must be at least 1$"),
     ]:
         with pytest.raises(ConfigError, match=message):
             load_config("moe_tiny", [override])
+    with pytest.raises(ConfigError, match=r"^model.moe.every=2 with mesh.pipe=2 is not supported yet: a pipeline "):
+        load_config("moe_tiny", ["model.moe.every=2", "mesh.pipe=2"])
     with pytest.raises(ConfigError, match=r"^mesh.expert=2 splits a MoE model's experts: give model.moe"):
         load_config("tiny", ["mesh.expert=2"])
     # a MoE key on a dense preset is refused; model.moe.experts turns MoE on
@@ -326,6 +327,49 @@ def test_expert_parallel_training_steps_equal_one_device(rng):
         assert 0 < float(metrics["moe_dropped"]) < 1 and float(metrics["moe_load_max"]) > 1
     assert tree_rel_err(runs["split"][2], runs["one"][2]) < 1e-5
     moved = np.asarray(runs["split"][2]["layers"]["moe"]["router_bias"][...] - model.layers.moe.router_bias[...])
+    assert np.abs(moved).max() == pytest.approx(0.02)  # two sign steps of bias_rate
+
+
+@pytest.mark.slow
+def test_pipelined_moe_steps_equal_one_device_accumulating_the_same_microbatches(rng):
+    """A 4-layer MoE model (the sigmoid_bias router, the balance loss, a capacity) on
+    data=2 x pipe=2, 1F1B over 2 microbatches, stages of 3 and 1 layers (the second
+    stage's two padding layers see no token): two train steps equal one device's with
+    grad_accum=2, the same microbatches of 4 rows (each microbatch's balance loss is its
+    own, over its rows on both replicas, weighted by its tokens, as under grad_accum): each step's loss, MoE metrics and
+    gradient (1e-5), and the parameters after, the router bias's sign steps (from the
+    stages' statistics, in the stored layers' order) included."""
+    from conftest import tree_rel_err
+    import jaxpar
+    from jaxpar.models.transformer import sharding_rules
+    from jaxpar.parallel.pipeline_schedule import build
+    from jaxpar.train.step import make_train_step
+
+    moe = MoEConfig(experts=4, experts_per_token=2, expert_width=8, router="sigmoid_bias", capacity_factor=1.0,
+                    bias_rate=0.01, balance_loss=0.1)
+    cfg = dataclasses.replace(SMALL, kv_heads=2, layers=4, moe=moe)
+    model = random_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), rng)
+    record = optax.GradientTransformation(lambda p: jax.tree.map(jnp.zeros_like, p), lambda g, s, p=None: (g, g))
+    mesh = jaxpar.make_mesh(data=2, pipe=2, devices=jax.devices()[:4])
+    options = {"one": dict(grad_accum=2),
+               "pipe": dict(mesh=mesh, rules=sharding_rules(cfg, mesh), pipeline=build("1f1b", 2, 2),
+                            stage_layers=(3, 1))}
+    runs = {}
+    for key, kwargs in options.items():
+        step = make_train_step(model, optax.chain(record, optax.sgd(0.5)), donate=False, **kwargs)
+        params, opt_state = step.init(model)
+        for seed in range(2):
+            tokens = np.random.default_rng(seed).integers(0, 64, (8, 17)).astype(np.int32)
+            params, opt_state, metrics = step(params, opt_state, {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]})
+            runs.setdefault(key, []).append((metrics, _no_bias(step.in_model_order(opt_state)[0])))
+        runs[key].append(step.in_model_order(params))
+    for (metrics_one, grads_one), (metrics, grads) in zip(runs["one"][:2], runs["pipe"][:2]):
+        assert tree_rel_err(grads, grads_one) < 1e-5 and set(metrics) == set(metrics_one)
+        for key in metrics:  # the loss, and moe_balance_loss, moe_load_max, moe_dropped
+            np.testing.assert_allclose(metrics[key], metrics_one[key], rtol=1e-5, err_msg=key)
+        assert float(metrics["moe_balance_loss"]) > 0 and float(metrics["moe_load_max"]) > 1
+    assert tree_rel_err(runs["pipe"][2], runs["one"][2]) < 1e-5
+    moved = np.asarray(runs["pipe"][2]["layers"]["moe"]["router_bias"][...] - model.layers.moe.router_bias[...])
     assert np.abs(moved).max() == pytest.approx(0.02)  # two sign steps of bias_rate
 
 

@@ -23,8 +23,12 @@ def embed_fn(outer, tokens, side):
 
 
 def stage_fn(w, a, side):
-    """A small residual MLP block: a [mb, D] -> [mb, D], shifted by the microbatch's side input."""
-    return a + jnp.tanh(a @ w["in"] + w["bias"] + side["shift"]) @ w["out"]
+    """A small residual MLP block: a [mb, D] -> [mb, D], shifted by the microbatch's side
+    input; with a term of the loss of its own (a penalty on its output, as a MoE layer's
+    balance loss) and a statistic (its output summed over the rows, as a MoE layer's
+    routing counts)."""
+    out = a + jnp.tanh(a @ w["in"] + w["bias"] + side["shift"]) @ w["out"]
+    return out, 0.1 * jnp.mean(out ** 2), {"sum": out.sum(0)}
 
 
 def head_fn(outer, a, side):
@@ -32,20 +36,24 @@ def head_fn(outer, a, side):
 
 
 def reference(params, outer, tokens, side):
+    """The loss summed over microbatches (each stage's term with the head's) and each
+    stage's statistic summed over them, ``[S, D]``."""
     S = params["in"].shape[0]
 
     def one(tokens, side):
-        a = embed_fn(outer, tokens, side)
+        a, terms, sums = embed_fn(outer, tokens, side), 0.0, []
         for s in range(S):
-            a = stage_fn(jax.tree.map(lambda w: w[s], params), a, side)
-        return head_fn(outer, a, side)
+            a, term, stats = stage_fn(jax.tree.map(lambda w: w[s], params), a, side)
+            terms, sums = terms + term, sums + [stats["sum"]]
+        return head_fn(outer, a, side) + terms, jnp.stack(sums)
 
-    return jnp.sum(jax.vmap(one)(tokens, side))
+    losses, sums = jax.vmap(one)(tokens, side)
+    return jnp.sum(losses), {"sum": sums.sum(0)}
 
 
 # Plain autodiff on one device: one compiled program per (S, M) rather than every op of
 # the forward and backward compiled eagerly for each new shape.
-reference_value_and_grad = jax.jit(jax.value_and_grad(reference, argnums=(0, 1)))
+reference_value_and_grad = jax.jit(jax.value_and_grad(reference, argnums=(0, 1), has_aux=True))
 
 
 # M = P at P = 2, then M = 2P and odd M at P = 4, V = 2 for interleaved (whose M is a
@@ -84,11 +92,12 @@ def test_every_schedule_matches_autodiff(rng, kind, P, M, V, lockstep):
     run = jax.jit(lambda params, outer, tokens, side: pipeline.value_and_grad(
         embed_fn, stage_fn, head_fn, device_major(params), outer, tokens, side, schedule, mesh=mesh,
         lockstep=lockstep))
-    loss, (stage_grads, outer_grads) = run(params, outer, tokens, side)
-    ref_loss, (ref_stage, ref_outer) = reference_value_and_grad(params, outer, tokens, side)
+    loss, (stage_grads, outer_grads), stats = run(params, outer, tokens, side)
+    (ref_loss, ref_stats), (ref_stage, ref_outer) = reference_value_and_grad(params, outer, tokens, side)
     assert rel_err(loss, ref_loss) < 1e-5
     assert tree_rel_err(stage_grads, device_major(ref_stage)) < 1e-5
     assert tree_rel_err(outer_grads, ref_outer) < 1e-5
+    assert tree_rel_err(stats, device_major(ref_stats)) < 1e-5
 
 
 # One tick on one device, against the stage computed by hand ------------------------------
@@ -105,27 +114,31 @@ TICK_CASES = {  # name: (op, microbatch, virtual, first, last, slot, read)
 
 
 def expected_tick(local, state, op, m, v, first, last, slot, read):
-    """``(state, out_f, out_b)`` of one tick, by hand: plain jax.vjp of the stage (and
-    of the head on the last stage) on the buffers the op names."""
+    """``(state, out_f, out_b)`` of one tick, by hand: plain jax.vjp of the stage and its
+    term (and of the head on the last stage) on the buffers the op names."""
     w, side_m, zeros = jax.tree.map(lambda x: x[v], local.params), jax.tree.map(lambda x: x[m], local.side), \
         jnp.zeros_like(local.x[0])
     state = dict(state)
     if op == FORWARD:
         a = local.x[m] if first else state["recv_f"][read]
         state["stash"] = state["stash"].at[slot].set(a)
-        out = stage_fn(w, a, side_m)
-        if last:
-            state["loss"] = state["loss"] + head_fn(local.outer, out, side_m)
+        out, term, stats = stage_fn(w, a, side_m)
+        state["loss"] = state["loss"] + term + (head_fn(local.outer, out, side_m) if last else 0.0)
+        state["stats"] = {"sum": state["stats"]["sum"].at[v].add(stats["sum"])}
         return state, out, zeros
     if op == BACKWARD:
         a = state["stash"][slot]
         if last:
-            loss, vjp = jax.vjp(lambda w, h, a: head_fn(h, stage_fn(w, a, side_m), side_m), w, local.outer, a)
+            def total(w, h, a):
+                out, term, _ = stage_fn(w, a, side_m)
+                return head_fn(h, out, side_m) + term
+
+            loss, vjp = jax.vjp(total, w, local.outer, a)
             g_w, g_outer, g_a = vjp(jnp.ones_like(loss))
             state["outer_grads"] = jax.tree.map(jnp.add, state["outer_grads"], g_outer)
         else:
-            _, vjp = jax.vjp(lambda w, a: stage_fn(w, a, side_m), w, a)
-            g_w, g_a = vjp(state["recv_b"][read])
+            (_, term), vjp = jax.vjp(lambda w, a: stage_fn(w, a, side_m)[:2], w, a)
+            g_w, g_a = vjp((state["recv_b"][read], jnp.ones_like(term)))
         state["grads"] = jax.tree.map(lambda acc, g: acc.at[v].add(g), state["grads"], g_w)
         if first:
             state["dx"] = state["dx"].at[m].set(g_a)
@@ -147,7 +160,8 @@ def tick_setup():
         outer={"table": normal(11, D), "proj": normal(D, 4)},
         x=normal(M, mb, D), side={"shift": normal(M, 1, F), "target": normal(M, mb, 4)})
     sizes = pipeline.plan(build("gpipe", 2, 2))  # buffers of 2, 1, 1 slots: made 2 each below
-    state = jax.tree.map(lambda x: normal(*x.shape), pipeline.init_state(local, sizes))
+    one_stage = {"sum": jax.ShapeDtypeStruct((D,), jnp.float32)}  # stage_fn's statistics
+    state = jax.tree.map(lambda x: normal(*x.shape), pipeline.init_state(local, sizes, one_stage))
     state.update(recv_f=normal(2, mb, D), recv_b=normal(2, mb, D))
     ticks = {name: jax.jit(lambda state, op, tick=tick: tick(local, state, op))
              for name, tick in (("branching", pipeline.branching_tick), ("lockstep", pipeline.lockstep_tick))}

@@ -67,8 +67,9 @@ def pipelined_loss_and_grads(graphdef, state, kind, P, M, V, stage_layers, other
     stored = stored_with_padding(state)
     assert padding.any() and pipelined.needs_lockstep(mesh) == ("seq" in others)
     with jaxpar.use_mesh(mesh, sharding_rules(CFG, mesh)):
-        loss, grads = jax.jit(lambda s, b: pipelined.loss_and_grads(graphdef, s, b, schedule, mesh, stage_layers))(
-            stored, a_batch())
+        loss, grads, stats = jax.jit(
+            lambda s, b: pipelined.loss_and_grads(graphdef, s, b, schedule, mesh, stage_layers))(stored, a_batch())
+    assert stats == {}  # a dense model's
     return loss, grads, order
 
 
@@ -111,7 +112,10 @@ def test_masked_layers_run_the_first_count(lockstep):
     positions = jnp.broadcast_to(jnp.arange(8), (2, 8))
 
     def masked(w, x):
-        return pipelined.masked_layers(CFG, layers_def, w, x, positions, None, jnp.int32(2), lockstep=lockstep)
+        out, term, stats = pipelined.masked_layers(CFG, layers_def, w, x, positions, None, jnp.int32(2),
+                                                   lockstep=lockstep)
+        assert stats == () and term.shape == ()  # a dense model's: nothing beside the output
+        return out
 
     @jax.jit  # the output and its VJP in one program (eagerly, every op compiles apart)
     def output_and_grads(w, x):

@@ -28,6 +28,7 @@ from jaxpar.kernels.dispatch import IMPLS as KERNEL_IMPLS
 from jaxpar.layout import FIELD_OF as LAYOUT_FIELD_OF, KEYS as LAYOUT_KEYS, Layout
 from jaxpar.models.config import CHECKPOINT_NAMES, PRESETS, ModelConfig, check_expert_ways
 from jaxpar.models.dlrm import DLRM_PRESETS, DLRMConfig
+from jaxpar.models.moe import PIPE_GROUPS
 from jaxpar.offload.budget import parse_bytes
 from jaxpar.offload.planner import PCIE5_X16_BANDWIDTH, REORDERED_STAGES, WHOLE_STAGES
 from jaxpar.placement.mesh import AXIS_TYPES
@@ -356,6 +357,9 @@ class Config:
         for key in ("checkpoint.every", "eval.every", "optimizer.warmup_steps"):
             if _get(self, key) < 0:
                 raise ValueError(f"{key}={_get(self, key)!r} must not be negative")
+        if self.model.moe is not None and self.model.moe.every > 1 and self.layout.pipe > 1:
+            raise ValueError(f"model.moe.every={self.model.moe.every} with mesh.pipe={self.layout.pipe} is not "
+                             f"supported yet: {PIPE_GROUPS}")
         if isinstance(self.pipeline.stage_layers, tuple):  # its count is checked with the mesh (loop)
             check_stage_layers(self.pipeline.stage_layers, self.model.layers)
         # 256 byte symbols plus EOS is the smallest byte-level vocabulary.

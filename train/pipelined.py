@@ -56,7 +56,7 @@ from flax import nnx
 from jaxpar.offload.fetch import to_device
 from jaxpar.parallel import pipeline
 from jaxpar.placement import rules as rules_lib
-from jaxpar.models.transformer import ACT_BTD, Remat, run_layers
+from jaxpar.models.transformer import ACT_BTD, Remat, run_layers, run_layers_and_aux
 from jaxpar.parallel.pipeline_schedule import Schedule
 from jaxpar.placement.execution import current
 from jaxpar.placement.sharding import auto_axes
@@ -162,7 +162,8 @@ def masked_layers(cfg, layers_def, layer_state, x, positions, segment_ids, count
                   remat: Remat = Remat()):
     """The first ``count`` (an int32 scalar, traced) of a stage's stacked layers
     (``layer_state`` leaves ``[Lmax, ...]``) over ``x [B, T, D]``; the others pass ``x``
-    through unchanged, and their parameters get zero gradients.
+    through unchanged, and their parameters get zero gradients. ``(x, term, stats)`` as
+    ``run_stage`` returns them, a skipped layer's statistics zeros.
 
     A skipped layer is a ``lax.cond``: it is not computed (the point of giving a stage
     fewer layers), and the cond's VJP gives its parameters exact zeros. In ``lockstep``
@@ -172,24 +173,48 @@ def masked_layers(cfg, layers_def, layer_state, x, positions, segment_ids, count
     gives the layer makes zero gradients too (a NaN there would not: ``0 * NaN``).
     """
     def run(layer, x):  # one layer, remat as every stacked layer (run_layers)
-        return run_layers(cfg, layers_def, jax.tree.map(lambda w: w[None], layer), x, positions, segment_ids,
-                          remat=remat)
+        x, term, stats = run_stage(cfg, layers_def, jax.tree.map(lambda w: w[None], layer), x, positions,
+                                   segment_ids, remat)
+        return x, term, jax.tree.map(lambda s: s[0], stats)
 
-    def body(x, scanned):
-        layer, i = scanned
+    def skip(layer, x):
+        return x, jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, stats_shape)
+
+    def body(carry, scanned):
+        (x, total), (layer, i) = carry, scanned
         if lockstep:
-            return jnp.where(i < count, run(layer, x), x), None
-        return jax.lax.cond(i < count, run, lambda layer, x: x, layer, x), None
+            y, term, stats = run(layer, x)
+            kept = i < count
+            return (jnp.where(kept, y, x), total + jnp.where(kept, term, 0.0)), \
+                jax.tree.map(lambda s: jnp.where(kept, s, 0), stats)
+        y, term, stats = jax.lax.cond(i < count, run, skip, layer, x)
+        return (y, total + term), stats
 
+    first = jax.tree.map(lambda w: w[0], layer_state)
+    stats_shape = jax.eval_shape(run, first, x)[2]
     Lmax = jax.tree.leaves(layer_state)[0].shape[0]
-    return jax.lax.scan(body, x, (layer_state, jnp.arange(Lmax)))[0]
+    (x, term), stats = jax.lax.scan(body, (x, jnp.zeros((), jnp.float32)), (layer_state, jnp.arange(Lmax)))
+    return x, term, stats
+
+
+def run_stage(cfg, layers_def, layer_state, x, positions, segment_ids, remat: Remat = Remat()):
+    """A stage's stacked layers over ``x``: ``(x, term, stats)``, a MoE model's loss term
+    and routing statistics ``[L, 3, E]`` (``run_layers_and_aux``), a dense model's
+    ``0.0`` and ``()``."""
+    if cfg.moe is None:
+        return run_layers(cfg, layers_def, layer_state, x, positions, segment_ids, remat=remat), \
+            jnp.zeros((), jnp.float32), ()
+    x, aux = run_layers_and_aux(cfg, layers_def, layer_state, x, positions, segment_ids, remat=remat)
+    return x, aux.loss, aux.stats
 
 
 def loss_and_grads(graphdef, params, batch: dict, schedule: Schedule, mesh, stage_layers=None):
-    """``(loss, grads)`` of the model ``nnx.merge(graphdef, params)`` on ``batch`` (the
-    train step's keys, each ``[B, T]``), ``grads`` shaped like ``params``. The stacked
-    layers of ``params`` (and of ``grads``) are in ``storage_order`` for
-    ``stage_layers`` (None: even stages), padded where those are uneven."""
+    """``(loss, grads, stats)`` of the model ``nnx.merge(graphdef, params)`` on ``batch``
+    (the train step's keys, each ``[B, T]``), ``grads`` shaped like ``params``, ``stats``
+    as ``jaxpar.train.losses.loss_and_stats``'s summed over the microbatches (a MoE
+    model's ``{"moe": [L, 3, E]}``, ``{}``). The stacked layers of ``params`` (and of
+    ``grads`` and ``stats``) are in ``storage_order`` for ``stage_layers`` (None: even
+    stages), padded where those are uneven (a padding layer's statistics zeros)."""
     model = nnx.merge(graphdef, params)
     cfg, M = model.cfg, schedule.microbatches
     layout = stored_layout(schedule, cfg.layers, stage_layers)  # [P, V, Lmax]
@@ -218,9 +243,12 @@ def loss_and_grads(graphdef, params, batch: dict, schedule: Schedule, mesh, stag
 
     def stage(w, x, side, count=None):
         if count is None:
-            return run_layers(cfg, layers_def, w, x, side["positions"], side.get("segment_ids"), remat=model.remat)
-        return masked_layers(cfg, layers_def, w, x, side["positions"], side.get("segment_ids"), count,
-                             lockstep=lockstep, remat=model.remat)
+            x, term, stats = run_stage(cfg, layers_def, w, x, side["positions"], side.get("segment_ids"),
+                                       model.remat)
+        else:
+            x, term, stats = masked_layers(cfg, layers_def, w, x, side["positions"], side.get("segment_ids"),
+                                           count, lockstep=lockstep, remat=model.remat)
+        return x, side["share"] * term, stats  # the term weighted as the head's loss
 
     def head(rest, x, side):
         return side["share"] * head_loss(shell(rest), x, side["targets"], side["mask"])
@@ -233,25 +261,26 @@ def loss_and_grads(graphdef, params, batch: dict, schedule: Schedule, mesh, stag
     # Stored device-major: [P V Lmax, ...] -> [P, V, Lmax, ...] moves nothing between devices.
     stages = jax.tree.map(lambda w: w.reshape(*layout.shape, *w.shape[1:]), layer_state)
     even = bool((counts == layout.shape[-1]).all())
-    loss, (g_stages, g_rest) = pipeline.value_and_grad(
+    loss, (g_stages, g_rest), stats = pipeline.value_and_grad(
         embed, stage, head, stages, rest, microbatches(batch["inputs"], M), side, schedule, mesh=mesh,
         lockstep=lockstep, stage_consts=None if even else jnp.asarray(counts, jnp.int32))
     g_layers = jax.tree.map(lambda g: g.reshape(layout.size, *g.shape[3:]), g_stages)
     _, grads = nnx.split(nnx.merge(split_def, g_layers, g_rest))
-    return loss, grads
+    # [P, V, Lmax, 3, E] -> [P V Lmax, 3, E]: in the stored layers' order, padding (zeros) and all
+    stats = jax.tree.map(lambda s: s.reshape(layout.size, *s.shape[3:]), stats)
+    return loss, grads, ({} if cfg.moe is None else {"moe": stats})
 
 
 def source(graphdef, schedule: Schedule, mesh, stage_layers, params_sharding) -> GradFn:
     """The step's gradient source through ``schedule`` (``jaxpar.train.gradients``):
-    ``loss_and_grads`` of jaxpar's own model (no statistics: a MoE model is refused),
-    which, as ``loss_fn`` does, runs on an Explicit mesh with the axes made Auto, its
-    ``shard_map`` on the mesh in force there."""
+    ``loss_and_grads`` of jaxpar's own model, which, as ``loss_fn`` does, runs on an
+    Explicit mesh with the axes made Auto, its ``shard_map`` on the mesh in force there."""
     def run(params, batch):
         context = jax.sharding.get_abstract_mesh()
         # inside another shard_map (a data replica's, jaxpar.train.gradients.over_replicas)
         # or on Explicit axes, the schedule's shard_map runs on the mesh in force there
         on = context if mesh.explicit_axes or (not context.empty and context.manual_axes) else mesh
-        return (*loss_and_grads(graphdef, params, batch, schedule, on, stage_layers), {})
+        return loss_and_grads(graphdef, params, batch, schedule, on, stage_layers)
 
     return auto_axes(run, out_sharding=(jax.sharding.PartitionSpec(), params_sharding, jax.sharding.PartitionSpec()))
 

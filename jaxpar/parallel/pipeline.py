@@ -172,8 +172,9 @@ class Local:
     side: object
     consts: object = None
 
-    def stage(self, v, w, a, side_m) -> jax.Array:
-        """The device's virtual stage ``v`` (traced) with parameters ``w`` on ``a``."""
+    def stage(self, v, w, a, side_m) -> tuple[jax.Array, jax.Array, object]:
+        """The device's virtual stage ``v`` (traced) with parameters ``w`` on ``a``:
+        ``(out, term, stats)`` as ``stage_fn`` returns them."""
         if self.consts is None:
             return self.stage_fn(w, a, side_m)
         return self.stage_fn(w, a, side_m, _at(self.consts, v))
@@ -183,13 +184,17 @@ class Local:
         return jnp.zeros(self.x.shape[1:], self.x.dtype)
 
 
-def init_state(local: Local, sizes: Plan) -> dict:
+def init_state(local: Local, sizes: Plan, stats) -> dict:
     """A device's loop state: the stash of stage inputs ``[stash_size, *A]``, the receive
     buffers ``recv_f [recv_f_size, *A]`` (activations) and ``recv_b [recv_b_size, *A]``
     (output gradients), the gradients of its stages ``grads`` (``[V, ...]``) and of the
-    outer parameters, the first stage's input gradients ``dx [M, *A]``, and ``loss``."""
+    outer parameters, the first stage's input gradients ``dx [M, *A]``, ``loss``, and
+    ``stats``: zeros shaped as one stage's statistics, for each of its stages
+    (``[V, ...]``)."""
     a = local.x.shape[1:]
+    V = jax.tree.leaves(local.params)[0].shape[0]
     return dict(
+        stats=jax.tree.map(lambda s: jnp.zeros((V, *s.shape), s.dtype), stats),
         stash=jnp.zeros((sizes.stash_size, *a), local.x.dtype),
         recv_f=jnp.zeros((sizes.recv_f_size, *a), local.x.dtype),
         recv_b=jnp.zeros((sizes.recv_b_size, *a), local.x.dtype),
@@ -202,6 +207,11 @@ def init_state(local: Local, sizes: Plan) -> dict:
 
 def _at(tree, i):
     return jax.tree.map(lambda w: w[i], tree)
+
+
+def _add_at(tree, v, values, keep=True):
+    """``tree`` (leaves ``[V, ...]``) with ``values`` added at ``v`` where ``keep``."""
+    return jax.tree.map(lambda acc, x: jnp.where(keep, acc.at[v].add(x), acc), tree, values)
 
 
 def _stage_input(local: Local, state: dict, op: dict) -> jax.Array:
@@ -220,25 +230,29 @@ def branching_tick(local: Local, state: dict, op: dict) -> tuple[dict, jax.Array
         v, slot, side_m = op["virtual"], op["slot"], _at(local.side, op["microbatch"])
         a = _stage_input(local, state, op)
         state = dict(state, stash=state["stash"].at[slot].set(a))
-        out = local.stage(v, _at(local.params, v), a, side_m)
+        out, term, stats = local.stage(v, _at(local.params, v), a, side_m)
         loss = jax.lax.cond(op["last"] == 1,
                             lambda: local.head_fn(local.outer, out, side_m).astype(jnp.float32),
                             lambda: jnp.zeros((), jnp.float32))
-        return dict(state, loss=state["loss"] + loss), out, zeros_a
+        return dict(state, loss=state["loss"] + term.astype(jnp.float32) + loss,
+                    stats=_add_at(state["stats"], v, stats)), out, zeros_a
 
     def backward(state):
         m, v = op["microbatch"], op["virtual"]
         w, a, side_m = _at(local.params, v), state["stash"][op["slot"]], _at(local.side, m)
         g_out = state["recv_b"][jnp.maximum(op["read"], 0)]
 
-        def through_head():  # the last stage: loss -> head -> stage
-            loss, vjp = jax.vjp(lambda w, h, a: local.head_fn(h, local.stage(v, w, a, side_m), side_m),
-                                w, local.outer, a)
+        def through_head():  # the last stage: loss -> head -> stage, and the stage's term
+            def total(w, h, a):
+                out, term, _ = local.stage(v, w, a, side_m)
+                return local.head_fn(h, out, side_m).astype(jnp.float32) + term.astype(jnp.float32)
+
+            loss, vjp = jax.vjp(total, w, local.outer, a)
             return vjp(jnp.ones_like(loss))
 
         def through_stage():
-            _, vjp = jax.vjp(lambda w, a: local.stage(v, w, a, side_m), w, a)
-            g_w, g_a = vjp(g_out)
+            (_, term), vjp = jax.vjp(lambda w, a: local.stage(v, w, a, side_m)[:2], w, a)
+            g_w, g_a = vjp((g_out, jnp.ones_like(term)))
             return g_w, jax.tree.map(jnp.zeros_like, local.outer), g_a
 
         g_w, g_outer, g_a = jax.lax.cond(op["last"] == 1, through_head, through_stage)
@@ -279,19 +293,21 @@ def lockstep_tick(local: Local, state: dict, op: dict) -> tuple[dict, jax.Array,
         m, v, slot = op["microbatch"], op["virtual"], jnp.maximum(op["slot"], 0)
         is_f, side_m = op["op"] == FORWARD, _at(local.side, m)
         a = _stage_input(local, state, op)
-        out = local.stage(v, _at(local.params, v), a, side_m)
+        out, term, stats = local.stage(v, _at(local.params, v), a, side_m)
         loss = jax.lax.cond(op["head_forward"],
                             lambda: local.head_fn(local.outer, out, side_m).astype(jnp.float32), no_loss)
         keep = is_f & (op["last"] == 1)
+        loss = jnp.where(keep, loss, 0.0) + jnp.where(is_f, term.astype(jnp.float32), 0.0)
         return dict(state, stash=jnp.where(is_f, state["stash"].at[slot].set(a), state["stash"]),
-                    loss=state["loss"] + jnp.where(keep, loss, 0.0)), jnp.where(is_f, out, zeros_a)
+                    loss=state["loss"] + loss, stats=_add_at(state["stats"], v, stats, is_f)), \
+            jnp.where(is_f, out, zeros_a)
 
     def backward(state):
         """The stage's VJP, its output gradient the head's on the last stage and the
-        received one elsewhere."""
+        received one elsewhere (and its term's 1)."""
         m, v, is_b, last = op["microbatch"], op["virtual"], op["op"] == BACKWARD, op["last"] == 1
         a, side_m = state["stash"][jnp.maximum(op["slot"], 0)], _at(local.side, m)
-        out, stage_vjp = jax.vjp(lambda w, a: local.stage(v, w, a, side_m), _at(local.params, v), a)
+        (out, term), stage_vjp = jax.vjp(lambda w, a: local.stage(v, w, a, side_m)[:2], _at(local.params, v), a)
 
         def through_head():
             loss, head_vjp = jax.vjp(lambda h, out: local.head_fn(h, out, side_m), local.outer, out)
@@ -301,7 +317,8 @@ def lockstep_tick(local: Local, state: dict, op: dict) -> tuple[dict, jax.Array,
             return jax.tree.map(jnp.zeros_like, local.outer), jnp.zeros_like(out)
 
         g_outer, g_head = jax.lax.cond(op["head_backward"], through_head, no_head)
-        g_w, g_a = stage_vjp(jnp.where(last, g_head, state["recv_b"][jnp.maximum(op["read"], 0)]))
+        g_w, g_a = stage_vjp((jnp.where(last, g_head, state["recv_b"][jnp.maximum(op["read"], 0)]),
+                              jnp.ones_like(term)))
         keep = functools.partial(jnp.where, is_b)
         grads = jax.tree.map(lambda acc, g: keep(acc.at[v].add(g), acc), state["grads"], g_w)
         outer_grads = jax.tree.map(lambda acc, g: jnp.where(is_b & last, acc + g, acc),
@@ -347,9 +364,11 @@ def value_and_grad(
     stage_consts=None,
 ):
     """Runs ``schedule``: the sum over microbatches ``m`` of ``head_fn(outer_params,
-    stage_{S-1}(... stage_0(embed_fn(outer_params, inputs[m], side[m]))), side[m])``,
-    and its gradients (``head_fn`` weights its microbatch: by ``1 / M`` for the mean,
-    by its share of the tokens for a token-weighted mean).
+    stage_{S-1}(... stage_0(embed_fn(outer_params, inputs[m], side[m]))), side[m])``
+    and of every stage's own term of the loss on ``m`` (a MoE layer's balance loss), and
+    its gradients (``head_fn`` and the terms weight their microbatch: by ``1 / M`` for
+    the mean, by its share of the tokens for a token-weighted mean); and the stages'
+    statistics summed over the microbatches.
 
     The head runs on the device of stage ``S - 1``, inside the schedule. The embedding
     runs before the schedule, for all microbatches, outside the ``shard_map`` (so
@@ -361,8 +380,11 @@ def value_and_grad(
     Args:
       embed_fn: ``(outer_params, inputs_m, side_m) -> a``, before the first stage (the
         token embedding), ``a`` of shape ``A``.
-      stage_fn: ``(stage_params_s, a, side_m) -> a``, one stage (a chunk of layers);
-        ``side_m`` is microbatch ``m``'s slice of ``side``.
+      stage_fn: ``(stage_params_s, a, side_m) -> (a, term, stats)``, one stage (a chunk
+        of layers); ``side_m`` is microbatch ``m``'s slice of ``side``; ``term`` a scalar
+        the stage adds to the loss (differentiated; ``0.0`` where it adds none);
+        ``stats`` a pytree of arrays (``()`` for none), summed over microbatches, not
+        differentiated (a MoE stage's routing counts).
       head_fn: ``(outer_params, a, side_m) -> scalar``, after the last stage (the loss).
       stage_params: pytree of arrays with leading ``[P, V, ...]``, device-major:
         ``[p, v]`` holds stage ``v P + p``'s parameters (device ``p``'s ``v``-th).
@@ -388,7 +410,7 @@ def value_and_grad(
     it costs).
 
     Returns:
-      ``(loss, (stage_grads [P, V, ...], outer_grads))``.
+      ``(loss, (stage_grads [P, V, ...], outer_grads), stage_stats [P, V, ...])``.
     """
     P = schedule.devices
     if mesh.shape[axis] != P:
@@ -400,18 +422,19 @@ def value_and_grad(
     device = _on_device(stage_fn, head_fn, stage_consts is not None, p_plan, tick, axis, P)
 
     spec, whole = PartitionSpec(axis), PartitionSpec()
-    loss, grads, outer_grads, dx = jax.shard_map(
+    loss, grads, outer_grads, dx, stats = jax.shard_map(
         device, mesh=mesh, in_specs=(spec, spec, whole, whole, whole, whole), axis_names={axis},
-        out_specs=(whole, spec, whole, whole), check_vma=False,
+        out_specs=(whole, spec, whole, whole, spec), check_vma=False,
     )(stage_params, () if stage_consts is None else stage_consts, outer_params, x, side, tables)
     outer_grads = jax.tree.map(jnp.add, outer_grads, embed_vjp(dx)[0])
-    return loss, (grads, outer_grads)
+    return loss, (grads, outer_grads), stats
 
 
 def _on_device(stage_fn, head_fn, has_consts: bool, p_plan, tick, axis: str, P: int):
     """``value_and_grad``'s ``shard_map`` body: the schedule's ticks on one device of
-    ``axis``; returns its loss, stage gradients, outer gradients and the first stage's
-    input gradients, summed over ``axis`` where every device holds them."""
+    ``axis``; returns its loss, stage gradients, outer gradients, the first stage's
+    input gradients (summed over ``axis`` where every device holds them) and its stages'
+    statistics."""
 
     def device(params, consts, outer, x, side, tables):
         first = functools.partial(jax.tree.map, lambda a: a[0])  # this device's block of [P, ...]
@@ -425,13 +448,14 @@ def _on_device(stage_fn, head_fn, has_consts: bool, p_plan, tick, axis: str, P: 
             state, out_f, out_b = tick(local, state, op)
             return _send(state, op, out_f, out_b, axis, P), None
 
-        state, _ = jax.lax.scan(step, init_state(local, p_plan), rows)
+        one = jax.eval_shape(lambda: local.stage(0, _at(local.params, 0), local.zeros_a(), _at(side, 0))[2])
+        state, _ = jax.lax.scan(step, init_state(local, p_plan, one), rows)
         total = functools.partial(jax.lax.psum, axis_name=axis)
         loss = total(state["loss"])
         outer_grads = jax.tree.map(total, state["outer_grads"])
         # In float32: XLA:CPU (jax 0.10.2) aborts promoting a bf16 all-reduce here.
         dx = total(state["dx"].astype(jnp.float32)).astype(x.dtype)
-        grads = jax.tree.map(lambda g: g[None], state["grads"])
-        return loss, grads, outer_grads, dx
+        grads, stats = jax.tree.map(lambda g: g[None], (state["grads"], state["stats"]))
+        return loss, grads, outer_grads, dx, stats
 
     return device

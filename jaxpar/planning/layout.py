@@ -54,7 +54,8 @@ RULES = {
     "dominated": "host offload or more grad_accum where the layout fits on the device with room to spare "
                  "(never faster, never ranked first)",
     "experts": "model.moe.experts not divisible by expert",
-    "moe_pipe": "MoE layers in a pipeline (training refuses it: the pipelined loss has no MoE terms yet)",
+    "moe_pipe": "MoE layers stacked in groups (model.moe.every > 1) in a pipeline (training refuses it: a "
+                "stage holds whole stacked layers)",
     "moe_offload": "MoE with host offload (training refuses it: experts in host memory are not built yet)",
 }
 
@@ -139,7 +140,7 @@ def mesh_rule(mesh: dict, model: ModelConfig, seq_len: int) -> str | None:
         return "seq_len"
     if model.moe is not None and model.moe.experts % mesh["expert"]:
         return "experts"
-    if model.moe is not None and mesh["pipe"] > 1:
+    if model.moe is not None and model.moe.every > 1 and mesh["pipe"] > 1:
         return "moe_pipe"
     return None
 
