@@ -115,7 +115,7 @@ def check_expert_ways(moe: MoEConfig | None, ways: int) -> None:
 def literal_choices(cls) -> dict[str, tuple]:
     """The allowed values of each ``Literal`` field of the dataclass ``cls``, from its
     annotations, read once per class (``typing.get_type_hints`` evaluates every string
-    annotation again on each call: 1 ms a ``ModelConfig``, made thousands of times)."""
+    annotation again on each call: 16 ms a ``ModelConfig``, made thousands of times)."""
     hints = typing.get_type_hints(cls)
     return {name: typing.get_args(hint) for name, hint in hints.items() if typing.get_origin(hint) is Literal}
 
