@@ -333,7 +333,8 @@ def test_expert_parallel_training_steps_equal_one_device(rng):
 @pytest.mark.slow
 def test_pipelined_moe_steps_equal_one_device_accumulating_the_same_microbatches(rng):
     """A 4-layer MoE model (the sigmoid_bias router, the balance loss, a capacity) on
-    data=2 x pipe=2, 1F1B over 2 microbatches, stages of 3 and 1 layers (the second
+    data=2 x expert=2 x pipe=2 (the experts split within each stage, their all-to-alls
+    inside the schedule's ticks), 1F1B over 2 microbatches, stages of 3 and 1 layers (the second
     stage's two padding layers see no token): two train steps equal one device's with
     grad_accum=2, the same microbatches of 4 rows (each microbatch's balance loss is its
     own, over its rows on both replicas, weighted by its tokens, as under grad_accum): each step's loss, MoE metrics and
@@ -350,7 +351,7 @@ def test_pipelined_moe_steps_equal_one_device_accumulating_the_same_microbatches
     cfg = dataclasses.replace(SMALL, kv_heads=2, layers=4, moe=moe)
     model = random_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), rng)
     record = optax.GradientTransformation(lambda p: jax.tree.map(jnp.zeros_like, p), lambda g, s, p=None: (g, g))
-    mesh = jaxpar.make_mesh(data=2, pipe=2, devices=jax.devices()[:4])
+    mesh = jaxpar.make_mesh(data=2, expert=2, pipe=2)
     options = {"one": dict(grad_accum=2),
                "pipe": dict(mesh=mesh, rules=sharding_rules(cfg, mesh), pipeline=build("1f1b", 2, 2),
                             stage_layers=(3, 1))}
