@@ -295,6 +295,36 @@ def test_moe_tiny_trains_and_resumes_to_the_same_losses(tmp_path):
 
 
 
+def _two_steps_equal_one_device(model, one: dict, other: dict) -> list:
+    """Two train steps of ``model`` (each step's gradient recorded, then SGD 0.5) under
+    ``make_train_step(**one)`` and ``make_train_step(**other)`` on the same fresh random
+    tokens: each step's loss, MoE metrics and gradient equal (1e-5; the router bias's,
+    zeroed for the optimizer, aside), and so do the parameters after, the router bias's
+    two sign steps of ``bias_rate`` (0.01) included. Returns ``other``'s metrics of each
+    step."""
+    from conftest import tree_rel_err
+    from jaxpar.train.step import make_train_step
+
+    record = optax.GradientTransformation(lambda p: jax.tree.map(jnp.zeros_like, p), lambda g, s, p=None: (g, g))
+    runs = {}
+    for key, kwargs in (("one", one), ("other", other)):
+        step = make_train_step(model, optax.chain(record, optax.sgd(0.5)), donate=False, **kwargs)
+        params, opt_state = step.init(model)
+        for seed in range(2):
+            tokens = np.random.default_rng(seed).integers(0, 64, (8, 17)).astype(np.int32)
+            params, opt_state, metrics = step(params, opt_state, {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]})
+            runs.setdefault(key, []).append((metrics, _no_bias(step.in_model_order(opt_state)[0])))
+        runs[key].append(step.in_model_order(params))
+    for (metrics_one, grads_one), (metrics, grads) in zip(runs["one"][:2], runs["other"][:2]):
+        assert tree_rel_err(grads, grads_one) < 1e-5 and set(metrics) == set(metrics_one)
+        for key in metrics:  # the loss, and moe_balance_loss, moe_load_max, moe_dropped
+            np.testing.assert_allclose(metrics[key], metrics_one[key], rtol=1e-5, err_msg=key)
+    assert tree_rel_err(runs["other"][2], runs["one"][2]) < 1e-5
+    moved = np.asarray(runs["other"][2]["layers"]["moe"]["router_bias"][...] - model.layers.moe.router_bias[...])
+    assert np.abs(moved).max() == pytest.approx(0.02)  # two sign steps of bias_rate
+    return [metrics for metrics, _ in runs["other"][:2]]
+
+
 def test_expert_parallel_training_steps_equal_one_device(rng):
     """Two train steps of a MoE model (the sigmoid_bias router, a capacity, a shared
     expert, the balance loss) with its experts split over ``expert=2`` beside data=2 and
@@ -303,75 +333,38 @@ def test_expert_parallel_training_steps_equal_one_device(rng):
     gradient (1e-5), the parameters after (the router bias's sign step included), on
     fresh random tokens.
     The block alone on other meshes and routers: test_each_device_routes_its_rows..."""
-    from conftest import tree_rel_err
     import jaxpar
-    from jaxpar.train.step import make_train_step
 
     moe = MoEConfig(experts=4, experts_per_token=2, expert_width=8, router="sigmoid_bias", capacity_factor=1.0,
                     bias_rate=0.01, shared_experts=1)
     model = random_init(lambda: Transformer(dataclasses.replace(SMALL, kv_heads=2, moe=moe), rngs=nnx.Rngs(0)), rng)
-    record = optax.GradientTransformation(lambda p: jax.tree.map(jnp.zeros_like, p), lambda g, s, p=None: (g, g))
-    runs = {}
-    for key, mesh in (("one", None), ("split", jaxpar.make_mesh(expert=2, data=2, tensor=2))):
-        step = make_train_step(model, optax.chain(record, optax.sgd(0.5)), mesh, donate=False)
-        params, opt_state = step.init(model)
-        for seed in range(2):
-            tokens = np.random.default_rng(seed).integers(0, 64, (8, 17)).astype(np.int32)
-            params, opt_state, metrics = step(params, opt_state, {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]})
-            runs.setdefault(key, []).append((metrics, _no_bias(step.in_model_order(opt_state)[0])))
-        runs[key].append(step.in_model_order(params))
-    for (metrics_one, grads_one), (metrics, grads) in zip(runs["one"][:2], runs["split"][:2]):
-        assert tree_rel_err(grads, grads_one) < 1e-5 and set(metrics) == set(metrics_one)
-        for key in metrics:  # the loss, and moe_balance_loss, moe_load_max, moe_dropped
-            np.testing.assert_allclose(metrics[key], metrics_one[key], rtol=1e-5, err_msg=key)
+    for metrics in _two_steps_equal_one_device(model, {}, dict(mesh=jaxpar.make_mesh(expert=2, data=2, tensor=2))):
         assert 0 < float(metrics["moe_dropped"]) < 1 and float(metrics["moe_load_max"]) > 1
-    assert tree_rel_err(runs["split"][2], runs["one"][2]) < 1e-5
-    moved = np.asarray(runs["split"][2]["layers"]["moe"]["router_bias"][...] - model.layers.moe.router_bias[...])
-    assert np.abs(moved).max() == pytest.approx(0.02)  # two sign steps of bias_rate
 
 
 @pytest.mark.slow
 def test_pipelined_moe_steps_equal_one_device_accumulating_the_same_microbatches(rng):
     """A 4-layer MoE model (the sigmoid_bias router, the balance loss, a capacity) on
     data=2 x expert=2 x pipe=2 (the experts split within each stage, their all-to-alls
-    inside the schedule's ticks), 1F1B over 2 microbatches, stages of 3 and 1 layers (the second
-    stage's two padding layers see no token): two train steps equal one device's with
-    grad_accum=2, the same microbatches of 4 rows (each microbatch's balance loss is its
-    own, over its rows on both replicas, weighted by its tokens, as under grad_accum): each step's loss, MoE metrics and
-    gradient (1e-5), and the parameters after, the router bias's sign steps (from the
-    stages' statistics, in the stored layers' order) included."""
-    from conftest import tree_rel_err
+    inside the schedule's ticks), 1F1B over 2 microbatches, stages of 3 and 1 layers (the
+    second stage's two padding layers see no token): two train steps equal one device's
+    with grad_accum=2, the same microbatches of 4 rows (each microbatch's balance loss is
+    its own, over its rows on both replicas, weighted by its tokens, as under
+    grad_accum): each step's loss, MoE metrics and gradient (1e-5), and the parameters
+    after, the router bias's sign steps (from the stages' statistics, in the stored
+    layers' order) included."""
     import jaxpar
     from jaxpar.models.transformer import sharding_rules
     from jaxpar.parallel.pipeline_schedule import build
-    from jaxpar.train.step import make_train_step
 
     moe = MoEConfig(experts=4, experts_per_token=2, expert_width=8, router="sigmoid_bias", capacity_factor=1.0,
                     bias_rate=0.01, balance_loss=0.1)
     cfg = dataclasses.replace(SMALL, kv_heads=2, layers=4, moe=moe)
     model = random_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), rng)
-    record = optax.GradientTransformation(lambda p: jax.tree.map(jnp.zeros_like, p), lambda g, s, p=None: (g, g))
     mesh = jaxpar.make_mesh(data=2, expert=2, pipe=2)
-    options = {"one": dict(grad_accum=2),
-               "pipe": dict(mesh=mesh, rules=sharding_rules(cfg, mesh), pipeline=build("1f1b", 2, 2),
-                            stage_layers=(3, 1))}
-    runs = {}
-    for key, kwargs in options.items():
-        step = make_train_step(model, optax.chain(record, optax.sgd(0.5)), donate=False, **kwargs)
-        params, opt_state = step.init(model)
-        for seed in range(2):
-            tokens = np.random.default_rng(seed).integers(0, 64, (8, 17)).astype(np.int32)
-            params, opt_state, metrics = step(params, opt_state, {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]})
-            runs.setdefault(key, []).append((metrics, _no_bias(step.in_model_order(opt_state)[0])))
-        runs[key].append(step.in_model_order(params))
-    for (metrics_one, grads_one), (metrics, grads) in zip(runs["one"][:2], runs["pipe"][:2]):
-        assert tree_rel_err(grads, grads_one) < 1e-5 and set(metrics) == set(metrics_one)
-        for key in metrics:  # the loss, and moe_balance_loss, moe_load_max, moe_dropped
-            np.testing.assert_allclose(metrics[key], metrics_one[key], rtol=1e-5, err_msg=key)
+    pipelined = dict(mesh=mesh, rules=sharding_rules(cfg, mesh), pipeline=build("1f1b", 2, 2), stage_layers=(3, 1))
+    for metrics in _two_steps_equal_one_device(model, dict(grad_accum=2), pipelined):
         assert float(metrics["moe_balance_loss"]) > 0 and float(metrics["moe_load_max"]) > 1
-    assert tree_rel_err(runs["pipe"][2], runs["one"][2]) < 1e-5
-    moved = np.asarray(runs["pipe"][2]["layers"]["moe"]["router_bias"][...] - model.layers.moe.router_bias[...])
-    assert np.abs(moved).max() == pytest.approx(0.02)  # two sign steps of bias_rate
 
 
 def test_decoding_with_moe_every_2_equals_the_full_forward(rng):
