@@ -421,12 +421,12 @@ def test_generate_with_trained_drafts_gives_the_targets_tokens(target_run, glide
     code, ar, err = generate_cli(capsys, *common)
     assert code == 0, err
     assert "accepted_per_step" not in ar and len(ar["tokens"]) > 0
-    # Not (vanilla, "speculative", "--lookup", "select"): test_speculative_benchmark's
-    # speculative+lookup-select row checks that round lossless on these runs, and --lookup
-    # select reaches the rounds here with the runner-up (two programs fewer to compile).
-    for draft, method, *lookup in [(vanilla, "speculative"), (glide_run, "glide"), (glide_run, "cape"),
-                                   (vanilla, "cape"), (glide_run, "glide", "--lookup", "tree"),
-                                   (glide_run, "glide", "--lookup", "select", "--runner-up")]:
+    # Each method and each of --lookup's kinds and --runner-up once through the command
+    # line: test_speculative_benchmark's rows check the rest of their combinations
+    # lossless on these runs (plain speculative and glide, glide with select and the
+    # runner-up among them; each row here is a decoding loop more to compile).
+    for draft, method, *lookup in [(vanilla, "speculative", "--lookup", "select", "--runner-up"),
+                                   (glide_run, "cape"), (vanilla, "cape"), (glide_run, "glide", "--lookup", "tree")]:
         code, out, err = generate_cli(capsys, *common, "--draft", draft, "--method", method, *lookup)
         assert code == 0, err
         assert out["tokens"] == ar["tokens"] and out["text"] == ar["text"]

@@ -95,7 +95,11 @@ def test_twelve_and_four_rows_equal_sixteen_and_resume_after_sigkill(tmp_path, c
     devices (mesh.fsdp=2): process 0 reads 6 rows of each batch and process 1 reads 2
     (in microbatches of 2 rows, one per FSDP device); the losses equal one process
     reading all 8 (1e-5). Both are killed (SIGKILL) once a checkpoint exists; started
-    again, they resume from it and finish with the same losses."""
+    again, they resume from it and finish with the same losses.
+
+    The suite's language-model run over several processes with more than one device
+    each, evaluations included (test_cluster_ray's job b runs as two processes of one
+    device with plain batches, and resumes their checkpoint in one process)."""
     args = SMALL + ["steps=6", f"cache_dir={cache}"]
     single = train(load_config("tiny", args + [f"run_dir={tmp_path / 'single'}"]), progress=False)
     args = args + ["mesh.fsdp=2"]

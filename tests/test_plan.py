@@ -8,7 +8,6 @@ import json
 import pytest
 import yaml
 
-from conftest import run_python
 from jaxpar.planning import cost, hardware, memory, search
 from jaxpar.planning.cache import FigureCache
 from jaxpar.planning.layout import Layout, enumerate_layouts, from_overrides
@@ -273,36 +272,26 @@ def test_plan_is_deterministic_and_a_second_run_answers_from_the_cache(tiny, fig
     assert not first.unverified or "raise plan.compile_top" in first.compile_note()
 
 
-CANDIDATES = """
-    import json, sys
-    from jaxpar.planning.layout import Layout
-    from jaxpar.train.config import load_config
-    from jaxpar.train.plan import compiled_figures
-    cfg = load_config("tiny", ["model.layers=2"])
-    a = Layout(data=2, seq=2, tensor=2, seq_impl="ulysses", sequence_parallel=True, remat="dots")
-    b = Layout(data=2, seq=2, tensor=2, seq_impl="ring", sequence_parallel=False, remat="dots")
-    keys = ("argument_bytes", "temp_bytes", "flops", "collectives_by_axes")
-    print(json.dumps({l.describe(): {k: compiled_figures(cfg, l)[k] for k in keys} for l in (a, b)}))
-"""
-
-
 @pytest.mark.slow
-def test_candidates_compile_independently_of_each_other(figures):
+def test_candidates_compile_independently_of_each_other(tiny, figures):
     """Two candidates with different execution options compiled one after the other in
     one process give each one's own figures, in either order (nothing read from context
-    while tracing leaks from one into the other): b then a here (b is the analytic
-    test's seq layout, compiled there after three other layouts when that test ran first), a
-    then b in a fresh process."""
-    import textwrap
+    while tracing leaks from one into the other): b then a (b is the analytic test's seq
+    layout, compiled there after three other layouts when that test ran first), then,
+    with every trace and program this process holds dropped (``jax.clear_caches``, as a
+    fresh process starts; XLA's compiles come from the persistent cache, the traces are
+    new), a then b."""
+    import jax
+
+    from jaxpar.train.plan import compiled_figures
 
     a = Layout(data=2, seq=2, tensor=2, seq_impl="ulysses", sequence_parallel=True, remat="dots")
     b = Layout(data=2, seq=2, tensor=2, seq_impl="ring", sequence_parallel=False, remat="dots")
     keys = ("argument_bytes", "temp_bytes", "flops", "collectives_by_axes")
     here = {l.describe(): {k: figures(l)[k] for k in keys} for l in (b, a)}
-    out = run_python(textwrap.dedent(CANDIDATES))
-    assert out.returncode == 0, out.stderr[-2000:]
-    there = json.loads(out.stdout.strip().splitlines()[-1])
-    assert json.loads(json.dumps(here)) == there
+    jax.clear_caches()
+    again = {l.describe(): {k: compiled_figures(tiny, l)[k] for k in keys} for l in (a, b)}
+    assert again == here
     assert here[a.describe()] != here[b.describe()]  # the two programs differ
 
 

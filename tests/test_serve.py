@@ -23,11 +23,10 @@ import httpx
 import jax
 import jax.numpy as jnp
 import numpy as np
-import openai
 import pytest
 import tokenizers
 import uvicorn
-from conftest import dense_logits, random_init
+from conftest import dense_logits, lazy_module, random_init
 from flax import nnx
 from test_serving import compiles_during
 
@@ -41,6 +40,8 @@ from jaxpar.serving.replicas import Replicas
 from jaxpar.serving.server import create_app
 from jaxpar.commands import serve
 from jaxpar.train.runs import eos_ids, load_model, load_tokenizer
+
+openai = lazy_module("openai")  # the official client
 
 CFG = ModelConfig(vocab_size=128, dim=32, layers=2, heads=4, kv_heads=2, head_dim=8, mlp_dim=64,
                   max_position=512)
@@ -101,7 +102,7 @@ class Served:
         self.url, self.async_engine, self.engine, self.model, self.eos = url, async_engine, engine, model, eos
         self._references = REFERENCES  # every server of the module serves the same model
 
-    def client(self) -> openai.AsyncOpenAI:
+    def client(self) -> "openai.AsyncOpenAI":
         return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0)
 
     def reference(self, prompt, max_tokens) -> list[int]:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import finish, lowerings, rel_err, train_processes
+from conftest import lowerings, rel_err
 from jaxpar.train.checkpoints import Checkpoints
 from jaxpar.train.config import load_config
 from jaxpar.train.data import default_cache_dir
@@ -505,25 +505,6 @@ def test_dry_run_of_interleaved_stages_moves_no_layers(tmp_path, cache, capsys):
     profile = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert profile["pipeline_virtual_stages"] == 2
     assert profile["collective_counts"]["all-to-all"] == 0 and profile["collectives"]["all-to-all"] == 0
-
-
-def test_two_processes_match_one_and_share_checkpoints(tmp_path, cache, reference):
-    """2 processes x 4 CPU devices on jax.distributed (gloo) == 1 process x 8 devices (the reference).
-    They save at step 12 (the one this test resumes from) and 16 only: a save over two
-    processes is a collective of its own, and the reference's cadence is not in the
-    programs."""
-    args = resumable(cache) + ["eval.every=6", "checkpoint.every=12"]
-    run, logs = tmp_path / "two", tmp_path / "two.log"
-    finish(train_processes("tiny", [*args, f"run_dir={run}"], logs, devices=4), logs)
-    two, single = metrics(run), reference[1]
-    assert rel_err(losses(two), losses(single)) < 1e-5
-    assert rel_err(losses(two, "val_loss"), losses(single, "val_loss")) < 1e-5
-
-    # The 2-process checkpoint of step 12 restores in one process and continues the same.
-    shutil.rmtree(run / "checkpoints" / "16")
-    resumed = train(load_config("tiny", resumable(cache) + [f"run_dir={run}"]), progress=False)
-    assert [r["step"] for r in resumed] == [13, 14, 15, 16]
-    assert rel_err(losses(resumed), losses(single[12:])) < 1e-5
 
 
 def test_mfu_flops_per_token_matches_the_compiled_step():
