@@ -52,9 +52,9 @@ KEYS = {
 FIELD_OF = {key: name for name, key in KEYS.items()}
 MESH_FIELDS = ("data", "fsdp", "expert", "pipe", "seq", "tensor")
 # What the planner chooses, so what ``overrides()`` writes (pipeline keys only with
-# pipe > 1, ``seq_impl`` only with seq > 1: they change nothing otherwise). The planner
-# does not enumerate ``expert`` yet (a MoE model takes a given mesh, not ``mesh=auto``).
-PLANNED = ("data", "fsdp", "pipe", "seq", "tensor", "schedule", "microbatches", "virtual_stages", "seq_impl",
+# pipe > 1, ``seq_impl`` only with seq > 1, ``expert`` only above 1: they change nothing
+# otherwise). ``expert`` is enumerated for a MoE model only (``enumerate_layouts``).
+PLANNED = ("data", "fsdp", "expert", "pipe", "seq", "tensor", "schedule", "microbatches", "virtual_stages", "seq_impl",
            "sequence_parallel", "remat", "grad_accum", "offload_params", "offload_optimizer")
 
 
@@ -158,7 +158,7 @@ class Layout:
         """The dotted ``jaxpar-train`` settings that select this layout of the planner's:
         what ``jaxpar-plan --out`` writes and ``--json`` lists."""
         names = [n for n in PLANNED if (self.pipe > 1 or n not in ("schedule", "microbatches", "virtual_stages"))
-                 and (self.seq > 1 or n != "seq_impl")]
+                 and (self.seq > 1 or n != "seq_impl") and (self.expert > 1 or n != "expert")]
         return {KEYS[name]: _plain(getattr(self, name)) for name in names}
 
     def describe(self) -> str:

@@ -185,6 +185,28 @@ def test_a_moe_model_plans_the_expert_axis():
             assert nbytes == pytest.approx(fig["collectives_by_axes"][key], rel=0.01), (layout.describe(), key)
 
 
+def test_mesh_auto_plans_a_moe_model_and_its_expert_axis_reloads(tmp_path):
+    """``mesh=auto`` on ``moe_tiny`` (estimates only: ``plan.compile_top=0``) runs on the
+    plan's best layout, chosen among the expert splits too (on this small model none
+    wins: the experts' all-to-alls move fixed per-destination buffers, ``jaxpar.models.moe``).
+    A layout that splits the experts keeps ``mesh.expert`` in ``jaxpar-plan --out``'s
+    overlay and ``--json``'s overrides, and reloads to itself."""
+    from jaxpar.commands.plan import overlay
+    from jaxpar.train import plan as plan_lib
+
+    settings = ["model.layers=2", "plan.hardware=h100", "plan.compile_top=0", f"cache_dir={tmp_path}"]
+    cfg = load_config("moe_tiny", [*settings, "mesh=auto"])
+    best = plan_lib.run_plan(cfg, 8, hw=hardware.load("h100"), device_memory=80 * GIB, devices_per_node=8).best
+    assert plan_lib.auto(cfg).layout == best.layout
+
+    split = Layout(data=2, expert=4, remat="dots")
+    assert overlay(split)["mesh"]["expert"] == 4 and split.overrides()["mesh.expert"] == 4
+    assert from_overrides(split.overrides()) == split
+    items = [f"{k}={json.dumps(v)}" for k, v in split.overrides().items()]
+    assert load_config("moe_tiny", [*settings, *items]).layout == split
+    assert "mesh.expert" not in Layout(data=8).overrides()  # a dense layout's, as before
+
+
 @pytest.mark.slow
 def test_fsdp_on_a_2d_grid_gathers_one_layer_at_a_time():
     """FSDP's point is one layer's weights whole at a time. On a 2D grid SUMMA wants each

@@ -339,9 +339,6 @@ class Config:
                              f"takes a DLRM (model: {' or '.join(DLRM_PRESETS)}), the others a transformer")
         if self.task == "dlrm":
             return self._check_dlrm()
-        if self.auto_mesh and self.model.moe is not None:
-            raise ValueError("mesh=auto with model.moe is not supported yet: the planner does not count experts; "
-                             "give a mesh")
         if self.auto_mesh and self.task == "glide":
             raise ValueError("mesh=auto plans a language model's step; give task=glide a mesh")
         if self.task == "glide" and not self.target_run_dir:
