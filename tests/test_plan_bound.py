@@ -119,7 +119,9 @@ def test_hardware_cpu_calibrates_once(tmp_path, monkeypatch, capsys):
     """``hardware=cpu`` with no profile in the cache dir: the first plan calibrates (one
     line says so) and writes the profile; the second reads it and measures nothing.
     Rougher and faster than the real calibration (about 30 s of CPU): its timed runs
-    cut to 0.3 s, the reference step a one-layer tiny's."""
+    cut to 0.3 s, the reference step a one-layer tiny's. On this worker's 8 devices: a
+    plan for fewer would set ``jax_num_cpu_devices``, which only a process whose JAX has
+    not started can (the check ran in a fresh interpreter for that before)."""
     import jaxpar.planning.calibrate as calibrate
     import jaxpar.train.plan as plan
     from jaxpar.commands.plan import main
@@ -128,7 +130,7 @@ def test_hardware_cpu_calibrates_once(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(plan, "CALIBRATION_REFERENCE", ("tiny", ("model.layers=1", "seq_len=32", "batch_size=8")))
     monkeypatch.setattr(plan, "CALIBRATION_STEPS", 2)
     profile = tmp_path / "hardware" / "cpu.yaml"
-    args = ["tiny", "devices=4", "hardware=cpu", "plan.compile_top=0", "--json", "--cache-dir", str(tmp_path)]
+    args = ["tiny", "devices=8", "hardware=cpu", "plan.compile_top=0", "--json", "--cache-dir", str(tmp_path)]
     assert main(args) == 0
     first_run = capsys.readouterr()
     written = profile.stat().st_mtime_ns
