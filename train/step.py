@@ -309,7 +309,8 @@ def _storage_order(pipeline, model: nnx.Module, stage_layers, offload: OffloadOp
     if pipeline is None:  # any model: only jaxpar's own pipelines (model.cfg.layers)
         return None, stage_layers
     if model.cfg.moe is not None and model.cfg.moe.every > 1:
-        raise ValueError(f"model.moe.every={model.cfg.moe.every} with mesh.pipe is not supported yet: {moe_lib.PIPE_GROUPS}")
+        raise ValueError(f"model.moe.every={model.cfg.moe.every} with mesh.pipe is not supported yet: "
+                         f"{moe_lib.PIPE_GROUPS}")
     layer_order = pipelined.storage_order(pipeline, model.cfg.layers, stage_layers)
     if layer_order is not None and offload.state_on_host:
         raise ValueError(f"offload with pipeline {pipeline.kind!r} (stage_layers={stage_layers}) is not "

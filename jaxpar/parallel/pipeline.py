@@ -209,8 +209,11 @@ def _at(tree, i):
     return jax.tree.map(lambda w: w[i], tree)
 
 
-def _add_at(tree, v, values, keep=True):
-    """``tree`` (leaves ``[V, ...]``) with ``values`` added at ``v`` where ``keep``."""
+def _add_at(tree, v, values, keep=None):
+    """``tree`` (leaves ``[V, ...]``) with ``values`` added at ``v`` (where ``keep``, if
+    given: a lockstep tick computes every kind and keeps its own)."""
+    if keep is None:
+        return jax.tree.map(lambda acc, x: acc.at[v].add(x), tree, values)
     return jax.tree.map(lambda acc, x: jnp.where(keep, acc.at[v].add(x), acc), tree, values)
 
 
@@ -256,7 +259,7 @@ def branching_tick(local: Local, state: dict, op: dict) -> tuple[dict, jax.Array
             return g_w, jax.tree.map(jnp.zeros_like, local.outer), g_a
 
         g_w, g_outer, g_a = jax.lax.cond(op["last"] == 1, through_head, through_stage)
-        grads = jax.tree.map(lambda acc, g: acc.at[v].add(g), state["grads"], g_w)
+        grads = _add_at(state["grads"], v, g_w)
         outer_grads = jax.tree.map(jnp.add, state["outer_grads"], g_outer)
         dx = jnp.where(op["first"] == 1, state["dx"].at[m].set(g_a), state["dx"])
         return dict(state, grads=grads, outer_grads=outer_grads, dx=dx), zeros_a, g_a
@@ -319,8 +322,7 @@ def lockstep_tick(local: Local, state: dict, op: dict) -> tuple[dict, jax.Array,
         g_outer, g_head = jax.lax.cond(op["head_backward"], through_head, no_head)
         g_w, g_a = stage_vjp((jnp.where(last, g_head, state["recv_b"][jnp.maximum(op["read"], 0)]),
                               jnp.ones_like(term)))
-        keep = functools.partial(jnp.where, is_b)
-        grads = jax.tree.map(lambda acc, g: keep(acc.at[v].add(g), acc), state["grads"], g_w)
+        grads = _add_at(state["grads"], v, g_w, is_b)
         outer_grads = jax.tree.map(lambda acc, g: jnp.where(is_b & last, acc + g, acc),
                                    state["outer_grads"], g_outer)
         dx = jnp.where(is_b & (op["first"] == 1), state["dx"].at[m].set(g_a), state["dx"])
