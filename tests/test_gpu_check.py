@@ -192,7 +192,7 @@ def test_smoke_runs_the_kernel_and_model_checks(tmp_path):
     assert {c["kernel"] for c in cases} == {"flash_attention", "decode_attention", "paged_decode_attention",
                                             "ragged_paged_attention", "norm", "linear_cross_entropy"}
     assert all(c["worst"] <= c["tolerance"] for c in cases)
-    assert [r["status"] for r in parts["model"]["rows"]] == ["ok", "ok"]
+    assert [r["status"] for r in parts["model"]["rows"]] == ["ok"]  # the bfloat16 model alone in --smoke
     summary = (tmp_path / "summary.txt").read_text().splitlines()
     assert summary[0].startswith("gpu_check SMOKE") and any(l.startswith("correctness  ok") for l in summary)
     assert (tmp_path / "gpu_check.log").exists()

@@ -340,12 +340,13 @@ def test_a_map_limit_too_small_for_the_programs_is_one_line_and_exit_2(hf_dir, m
 
 @pytest.mark.slow
 def test_concurrent_requests_on_a_tensor_parallel_replica_with_a_glide_draft(hf_dir):
-    """The 48 requests again (other lengths), one with ``n=2`` and one with logprobs, on a
-    tensor-parallel replica (mesh.tensor=2: model and draft split, behind ``Replicas``)
-    with a GliDe draft (random: some of its proposals accepted, most not, which is what
-    tests the rounds): each request its tokens decoded alone, no compiles, every page
-    free; /metrics counts the rounds. Prefill rows of 16 tokens, one bucket (the served
-    fixture's two are tested above): the bucket's warm-up compiles are most of this
+    """Half the 48 requests again (other lengths; still a crowd for 4 batch slots, and all
+    48 cost 7 CPU-s more), one with ``n=2`` and one with logprobs, on a tensor-parallel
+    replica (mesh.tensor=2: model and draft split, behind ``Replicas``) with a GliDe
+    draft (random: some of its proposals accepted, most not, which is what tests the
+    rounds): each request its tokens decoded alone, no compiles, every page free;
+    /metrics counts the rounds. Prefill rows of 16 tokens, one bucket (the served
+    fixture's two are tested above): the bucket's warm-up compiles are much of this
     test's time, so one replica: two (mesh.data=2) compiled each program twice, on
     their own devices (speculative decoding on two replicas:
     test_command_line_serves_speculatively_on_replicas)."""
@@ -355,7 +356,7 @@ def test_concurrent_requests_on_a_tensor_parallel_replica_with_a_glide_draft(hf_
                                 mesh=mesh, gamma=3,
                                 draft=GlideDraft(CFG, 1, rngs=nnx.Rngs(3))) for mesh in serve.meshes(1, 2)])
     for served in serving(hf_dir, engine=replicas):
-        mixed = cases(1)
+        mixed = cases(1)[:24]
         twins = dict(model=NAME, prompt=PROMPTS[9], max_tokens=30, n=2, temperature=0)
         logprobs = dict(model=NAME, prompt=PROMPTS[10], max_tokens=30, logprobs=2, temperature=0)
         results, compiles = requests_at_once(served, mixed, lambda client: client.completions.create(**twins),

@@ -118,15 +118,16 @@ def restricted(vocab_size: int, n: int, rng) -> DraftVocab:
 @pytest.mark.slow
 @pytest.mark.parametrize("method,draft,batch", [
     ("ar", None, 4), ("speculative", "close", 4), ("glide", "glide", 4), ("cape", "glide", 4),
-    ("glide", "glide_vocab", 4), ("cape", "glide_vocab", 4), ("glide", "glide_features", 4),
-    ("cape", "glide_features", 4)])
+    ("glide", "glide_vocab", 4), ("cape", "glide_vocab", 4), ("glide", "glide_features", 4)])
 def test_greedy_methods_return_greedy_decoding(models, rng, method, draft, batch):
     """Batch 4 here; batch 1 where drafts are accepted often (a near copy):
     test_a_tied_targets_head_made_once_per_model's chain and tree, whose loops (a tied
     target's) are compiled anyway; GliDe drafts at batch 1 after training: test_glide's
     jaxpar-generate test, which also runs CaPE with a plain draft. ``glide_vocab``: a GliDe draft over 24 of the 64 tokens
     (glide.draft_vocab), whose proposals are only those; ``glide_features``: one that
-    reads the target's features (glide.features). GAMMA and TOKENS: the runner-up, lookup
+    reads the target's features (glide.features; greedy tokens do not depend on what a
+    draft reads, and CaPE's rounds carry the features as GliDe's do:
+    test_the_state_carries_the_targets_features_of_the_last_two_tokens). GAMMA and TOKENS: the runner-up, lookup
     and CaPE-vs-chain tests run the same loops and references, compiled once."""
     target = models["target"]
     prompt = rng.integers(0, CFG.vocab_size, (batch, 6))

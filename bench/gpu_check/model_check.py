@@ -3,7 +3,8 @@
 The ``tiny`` Transformer's loss and gradients with ``execution`` attention/norm/loss =
 ``pallas`` (and, on a GPU, attention = ``cudnn``) against ``xla``, on packed documents
 (two per row, B=4 T=256; B=2 T=32 and one layer in ``--smoke``, where Pallas runs in
-interpret mode): float32 at ``highest`` precision (loss within 1e-4, gradients 1e-3, as
+interpret mode and only the bfloat16 model does: the same code as the float32 one, with
+more of its options): float32 at ``highest`` precision (loss within 1e-4, gradients 1e-3, as
 relative errors), and bfloat16 with head dim 80, LayerNorm and GELU (1e-2, 5e-2). A run
 not started by the part's deadline is ``skipped: time limit`` and fails the part.
 """
@@ -92,6 +93,8 @@ def part_model(ns, rec: Record) -> None:
          "default", ("pallas", "cudnn") if gpu else ("pallas",), (1e-2, 5e-2)),
     ]
     B, T = (2, 32) if ns.smoke else (4, 256)
+    if ns.smoke:  # interpret mode's compiles are most of the smoke's time (the CI suite runs it)
+        variants = variants[1:]
     rng = np.random.default_rng(0)
     step = jaxpar.jit(lambda model, batch: nnx.value_and_grad(loss_fn)(model, batch), transform=nnx.jit)
     rec["rows"] = []
