@@ -123,7 +123,10 @@ def test_bce_loss_is_stable_and_exact():
     assert abs(float(bce_loss(logits, labels)) - expected) < 1e-4 * expected
 
 
-@pytest.mark.parametrize("interaction", ["dot", "dcn"])
+# "dot" (the preset's own interaction) learns the signal through jaxpar-train with its
+# embedding cache: test_recsys_train's test_trained_dlrm_learns_the_planted_signal
+# (here it was 8 CPU-s more).
+@pytest.mark.parametrize("interaction", ["dcn"])
 @pytest.mark.slow
 def test_trains_to_planted_signal(interaction):
     """100 Adam steps of the ``dlrm`` preset on Zipf(1.2) data with a planted signal.
