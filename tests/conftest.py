@@ -94,13 +94,13 @@ from flax import nnx  # noqa: E402
 # belongs here.
 SLOWEST_FIRST = (
     "test_glide.py", "test_speculative.py", "test_serving.py", "test_train.py",
-    "test_entry_points.py", "test_cluster_ray.py", "test_train_parallel.py", "test_plan.py", "test_serve.py",
+    "test_cluster_ray.py", "test_train_parallel.py", "test_plan.py", "test_serve.py",
     "test_combinations_train.py", "test_sequence_parallel.py", "test_recsys_train.py", "test_hetero_batches.py",
     "test_pipeline.py", "test_pipeline_uneven.py", "test_moe.py", "test_gpu_check.py", "test_offload_plan.py",
-    "test_parallel.py", "test_notebook.py", "test_bench_plan_ranking.py", "test_elastic_resize.py",
-    "test_plan_bound.py", "test_offload.py", "test_bench_embedding_cache.py", "test_gguf.py", "test_hf.py",
+    "test_parallel.py", "test_notebook.py", "test_elastic_resize.py",
+    "test_plan_bound.py", "test_offload.py", "test_gguf.py", "test_hf.py",
     "test_embedding_cache_training.py", "test_dlrm.py", "test_hetero_reduction.py", "test_offload_resume.py",
-    "test_elastic_adascale.py", "test_bench_plan.py", "test_explicit_sharding.py", "test_bench_layouts.py",
+    "test_elastic_adascale.py", "test_explicit_sharding.py",
     "test_external_models.py", "test_serve_structured.py",
 )
 

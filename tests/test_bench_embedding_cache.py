@@ -22,6 +22,7 @@ def bench_module():
 
 
 @pytest.mark.slow
+@pytest.mark.bench
 def test_hits_smoke(tmp_path, capsys):
     """Two Zipf streams and the Criteo-format sample (2 x 10^5 rows, 40 + 60 steps), the
     script's main in this process (as test_memory_smoke: no interpreter and JAX start)."""
@@ -76,6 +77,7 @@ def test_oracle_counts_brute_force():
 
 
 @pytest.mark.slow
+@pytest.mark.bench
 def test_throughput_smoke(tmp_path, capsys):
     """The cache at 1% against the device table, interleaved, on the dlrm preset: both
     sides timed, their split reported, the same losses (same weights, same batches). In
@@ -98,6 +100,7 @@ def test_throughput_smoke(tmp_path, capsys):
 
 
 @pytest.mark.slow  # a peer process
+@pytest.mark.bench
 def test_torchrec_smoke(tmp_path, capsys):
     """jaxpar (in this process) against the plain-PyTorch peer (a subprocess stepped
     window by window); TorchRec is not tried at the smoke scale, and the JSON says so."""
@@ -116,6 +119,7 @@ def test_torchrec_smoke(tmp_path, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.bench
 def test_memory_smoke(tmp_path, capsys):
     """Compile-only bytes on abstract inputs: the cache's device state is 1% of the
     table's, the device table's step holds the whole table, the swap program compiles."""

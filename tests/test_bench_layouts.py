@@ -13,6 +13,7 @@ pytestmark = pytest.mark.slow
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.bench
 def test_layouts_benchmark(tmp_path, capsys):
     """Every layout is profiled and printed; FSDP holds about an eighth of data
     parallelism's parameter and optimizer bytes; data parallelism only all-reduces

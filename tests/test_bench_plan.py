@@ -42,6 +42,7 @@ def finite(*values) -> bool:
 
 
 @pytest.mark.slow  # three candidates compiled in a subprocess: about 25 s on 2 cores
+@pytest.mark.bench
 def test_plan_memory_smoke(tmp_path, capsys):
     """Three sampled candidates of tiny (2 layers) on 8 simulated devices are compiled and
     compared with the analytic estimate; the parameters, optimizer state and batch (the

@@ -87,6 +87,7 @@ def test_setting(bench):
 
 
 @pytest.mark.slow
+@pytest.mark.bench
 def test_smoke(bench, tmp_path, capsys):
     """The smoke scale for real (64 tokens x 8 rows a step): jaxpar-plan ranks tiny's
     layouts, the top two and one sampled time three steps each; a layout that cannot

@@ -27,6 +27,7 @@ def run_here(monkeypatch, capsys, script, *args) -> str:
     return capsys.readouterr().out
 
 
+@pytest.mark.bench
 def test_fsdp_memory_benchmark(monkeypatch, capsys):
     out = run_here(monkeypatch, capsys, "bench/fsdp_memory.py", "--models", "tiny", "--seq-len", "32")
     ratio = [line.split("|")[5] for line in out.splitlines() if line.startswith("| tiny | 1.8M | 8 |")]
@@ -41,6 +42,7 @@ def test_ci_runs_the_readme_test_command():
     assert tests in (ROOT / ".ci/run").read_text().splitlines()
 
 
+@pytest.mark.bench
 def test_step_overhead_benchmark(monkeypatch, capsys):
     """In this process (a subprocess's JAX start-up saved): imported, the script's main()
     times both steps on the first of the suite's 8 devices; run as a script it asks JAX
@@ -52,6 +54,7 @@ def test_step_overhead_benchmark(monkeypatch, capsys):
     assert "jaxpar / plain = " in capsys.readouterr().out
 
 
+@pytest.mark.bench
 def test_tensor_parallel_benchmark(monkeypatch, capsys):
     """In this process: the script takes the first 4 of the suite's 8 devices."""
     jax.devices()  # JAX started: the script's device count is the suite's (never 16 for later tests)
@@ -61,6 +64,7 @@ def test_tensor_parallel_benchmark(monkeypatch, capsys):
     assert len(rows) == 3 and "1D + SP" in rows[1] and "2D SUMMA" in rows[2]
 
 
+@pytest.mark.bench
 def test_pipeline_benchmark(monkeypatch, capsys):
     """In this process: the script takes the first 2 of the suite's 8 devices."""
     jax.devices()  # JAX started: the script's device count is the suite's (never 2 for later tests)
@@ -70,6 +74,7 @@ def test_pipeline_benchmark(monkeypatch, capsys):
     assert "| 1f1b | 1 |" in out and "no-bubble step" in out
 
 
+@pytest.mark.bench
 def test_sequence_parallel_benchmark(monkeypatch, capsys):
     """A budget (0.09 GiB) whose longest lengths are fitted ones (512 at N=1, 1,024 at
     N=2): their confirming compiles are the fits' own, cached (0.1 GiB confirmed 1,536
@@ -82,6 +87,7 @@ def test_sequence_parallel_benchmark(monkeypatch, capsys):
     assert "ring, longest at N=2 / (N x longest at N=1)" in out
 
 
+@pytest.mark.bench
 def test_kernels_benchmark_smoke(monkeypatch, capsys):
     """bench/kernels.py --smoke: tiny shapes, Pallas interpret mode on CPU (a correctness
     smoke of the script, not a performance figure). The training part is skipped here:
@@ -112,6 +118,7 @@ def test_kernels_benchmark_smoke(monkeypatch, capsys):
     assert "| target (issue) | jaxpar measured | verdict |" in last[-7] and last[-1].startswith("| decode >= 70%")
 
 
+@pytest.mark.bench
 def test_offload_benchmark(tmp_path):
     """bench/offload.py in this process (the suite's 8 devices), small: its JSON's
     structure; the capacity search's offloaded model is one for which the planner
@@ -177,6 +184,7 @@ def test_offload_benchmark(tmp_path):
     assert [r["mode"] for r in rows] == ["none", "both"] and all(r["step_s"] > 0 for r in rows)
 
 
+@pytest.mark.bench
 def test_serving_benchmark(tmp_path):
     """bench/serve.py at a tiny scale: both batching modes serve every request, every
     request generates what it asked for (no end token), serving compiles nothing past

@@ -919,6 +919,7 @@ def test_sigterm_finishes_the_running_request_and_exits_0(hf_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.bench
 def test_step_benchmark_times_every_case(long_dir, tmp_path):
     """bench/serve_step.py at a tiny scale: every case (rows x greedy/sampled, rows x
     contexts, rows x an arrival with and without a cached prefix) timed, positive, in
