@@ -203,18 +203,19 @@ class TrainStep:
             return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), state)
         return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
 
-    def compile(self, model: nnx.Module, batch_size: int, seq_len: int):
+    def compile(self, model: nnx.Module, batch_size: int, seq_len: int, compiler_options: dict | None = None):
         """Compiles the step for ``model``'s shapes without running it.
 
         ``model`` may be abstract (``nnx.eval_shape``), so a 1B model compiles on a
         laptop; ``.memory_analysis()`` of the result gives exact per-device bytes.
+        ``compiler_options``: XLA's, for this compile only (``Lowered.compile``'s).
         """
         state = self.abstract_state(model, stored=True)
         params, opt_state = state["params"], state["opt_state"]
         token = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32, sharding=self.batch_sharding)
         batch = dict.fromkeys(BATCH_KEYS, token)
         with self.context():
-            return self.step.lower(params, opt_state, batch).compile()
+            return self.step.lower(params, opt_state, batch).compile(compiler_options)
 
     def __call__(self, params, opt_state, batch: Batch, *frozen):
         with self.context():
