@@ -116,13 +116,13 @@ def test_the_line_is_in_json(capsys, tmp_path):
 
 
 CALIBRATES = """
-    import json, pathlib, sys
+    import pathlib
     import jaxpar.planning.calibrate as calibrate
     import jaxpar.train.plan as plan
     calibrate.SECONDS = 0.3  # a rougher profile, faster (the real one: about 30 s of CPU)
     plan.CALIBRATION_REFERENCE, plan.CALIBRATION_STEPS = ("tiny", ("model.layers=1", "seq_len=32", "batch_size=8")), 2
     from jaxpar.commands.plan import main
-    cache = sys.argv[1] if len(sys.argv) > 1 else {cache!r}
+    cache = {cache!r}
     profile = pathlib.Path(cache) / "hardware" / "cpu.yaml"
     args = ["tiny", "devices=4", "hardware=cpu", "plan.compile_top=0", "--json", "--cache-dir", cache]
     assert main(args) == 0
