@@ -67,6 +67,7 @@ from jaxpar import kernels
 from jaxpar.kernels.dispatch import pallas_interpret
 from jaxpar.models.config import ModelConfig, MoEConfig
 from jaxpar.models.params import param as _param
+from jaxpar.offload import fetch
 from jaxpar.placement import rules as rules_lib
 from jaxpar.placement.axes import local_axes
 from jaxpar.placement.execution import implementation, rules_for
@@ -383,8 +384,18 @@ def update_router_biases(params, grads, stats: jax.Array, rate: float):
     sign(deviations(stats))`` (leaves of ``params``' structure, None where not a bias)
     for ``with_router_biases`` to put in after the optimizer's update."""
     step = rate * jnp.sign(deviations(stats))
-    biases = jax.tree.map_with_path(
-        lambda path, p: (p - step.reshape(p.shape)).astype(p.dtype) if _is_bias(path) else None, params)
+
+    def moved(path, p):
+        if not _is_bias(path):
+            return None
+        # with offloaded parameters (``jaxpar.offload``) a bias may lie in host memory, or
+        # in two parts: its first rows on the device, the rest on the host
+        first = any(getattr(key, "name", None) == "resident" for key in path)
+        rows = step[:p.shape[0]] if first else step[step.shape[0] - p.shape[0]:]
+        new = (fetch.to_device(p) - rows.reshape(p.shape)).astype(p.dtype)
+        return fetch.to_host(new) if fetch.on_host(p) else new
+
+    biases = jax.tree.map_with_path(moved, params)
     grads = jax.tree.map_with_path(lambda path, g: jnp.zeros_like(g) if _is_bias(path) else g, grads)
     return grads, biases
 

@@ -272,9 +272,10 @@ def test_moe_config_bad_input_is_one_line():
 def test_moe_tiny_trains_and_resumes_to_the_same_losses(tmp_path):
     """jaxpar-train's loop on moe_tiny (2 layers, the second MoE: ``every=2``; narrower
     experts, a small vocabulary; mesh.expert=2 x data=2): the loss is finite and falls;
-    stopped after its step-3 checkpoint and resumed on mesh.expert=4 (the orbax
-    checkpoint's expert weights read onto 4 shards), steps 4-6 repeat the uninterrupted
-    run's losses."""
+    stopped after its step-3 checkpoint and resumed on mesh.expert=4 with the parameters
+    and optimizer state in host memory (the orbax checkpoint's expert weights read onto 4
+    shards of pinned_host memory; the update on the host), steps 4-6 repeat the
+    uninterrupted run's losses."""
     import shutil
 
     from jaxpar.train.loop import train
@@ -288,8 +289,8 @@ def test_moe_tiny_trains_and_resumes_to_the_same_losses(tmp_path):
     losses = [r["loss"] for r in history]
     assert len(losses) == 6 and np.all(np.isfinite(losses)) and losses[-1] < losses[0] - 0.3
     shutil.rmtree(run / "checkpoints" / "6")
-    resumed = train(load_config("moe_tiny", [*args, "mesh.expert=4", "mesh.data=1", f"run_dir={run}"]),
-                    progress=False)
+    resumed = train(load_config("moe_tiny", [*args, "mesh.expert=4", "mesh.data=1", "offload.params=host",
+                                             "offload.optimizer=host", f"run_dir={run}"]), progress=False)
     assert [r["step"] for r in resumed] == [4, 5, 6]
     assert rel_err([r["loss"] for r in resumed], losses[3:]) < 1e-5
 

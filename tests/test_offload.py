@@ -19,6 +19,7 @@ from flax import nnx
 import jaxpar
 from conftest import rel_err, tree_rel_err
 from jaxpar.models import ModelConfig, Transformer
+from jaxpar.models.config import MoEConfig
 from jaxpar.models.transformer import sharding_rules
 from jaxpar.offload import OffloadOptions
 from jaxpar.offload import state as offload_state
@@ -172,11 +173,19 @@ def lowered_for_cuda(grad_accum=1, cfg=CFG, axes=(("data", 2), ("fsdp", 4)), res
     return text, state, loops
 
 
-def test_step_lowers_for_cuda_with_host_arguments_and_transfers():
+# A MoE model's experts (most of its parameters) with the rest, split over expert x fsdp
+# (Elixir's heterogeneous MoE; trained against one device in tests/test_combinations_train.py)
+MOE_CFG = dataclasses.replace(CFG, moe=MoEConfig(experts=4, experts_per_token=2, expert_width=16, shared_experts=1,
+                                                 router="sigmoid_bias", bias_rate=0.05))
+
+
+@pytest.mark.parametrize("cfg, axes", [(CFG, (("data", 2), ("fsdp", 4))),
+                                       (MOE_CFG, (("data", 2), ("expert", 2), ("fsdp", 2)))], ids=["dense", "moe"])
+def test_step_lowers_for_cuda_with_host_arguments_and_transfers(cfg, axes):
     """Every host-resident argument is ``pinned_host`` in the CUDA program, the layer
     scan fetches to the device inside its loop, and the optimizer update is host
     computation."""
-    text, state, loops = lowered_for_cuda()
+    text, state, loops = lowered_for_cuda(cfg=cfg, axes=axes)
     main = next(line for line in text.splitlines() if "func.func public @main" in line)
     args = re.findall(r"%arg\d+: tensor<[^>]*> \{([^}]*)\}", main)
     host_args = [a for a in args if 'mhlo.memory_kind = "pinned_host"' in a]
@@ -234,3 +243,21 @@ def test_host_optimizer_refuses_a_branching_transformation():
         jax.eval_shape(lambda g, s, p: offload_state.update(tx, OffloadOptions(optimizer="host"), g, s, p),
                        params, opt_state, params)
     assert "\n" not in str(info.value)
+
+
+def test_a_simulated_mesh_compiles_its_step_with_the_memory_optimized_scheduler(tmp_path):
+    """A train step with host-resident state on several CPU devices asks XLA:CPU for its
+    memory-optimized scheduler (``jaxpar.train.step.SIMULATED_DEVICES``): under the
+    concurrency-optimized default,
+    jaxpar-train moe_tiny with parameters and optimizer state on the host met two
+    all-reduces in different orders on different devices and XLA aborted the process
+    (every try; none since). The suite's own XLA flags happen to schedule that step
+    safely, so the check is what XLA was asked, read from its dump of the compile's
+    options."""
+    model = nnx.eval_shape(lambda: Transformer(MOE_CFG, rngs=nnx.Rngs(0)))
+    mesh = jaxpar.make_mesh(data=2, devices=jax.devices()[:2])
+    step = make_train_step(model, optax.adamw(1e-2), mesh, sharding_rules(MOE_CFG, mesh),
+                           offload=OffloadOptions(params="host", optimizer="host"))
+    step.compile(model, 8, 16, {"xla_dump_to": str(tmp_path)})
+    options = "".join(p.read_text() for p in tmp_path.glob("*jit_step.debug_options"))
+    assert "xla_cpu_scheduler_type: CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED" in options

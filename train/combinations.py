@@ -70,7 +70,6 @@ _ROWS_LOOP = ("each data replica runs its own count of microbatches (a loop of i
               "within a replica)")
 _NOISE_MEAN = "the noise scale's large batch is the plain mean's gradient, which {} replaces"
 REFUSED: dict[frozenset, str] = {frozenset(pair): why for pair, why in {
-    ("model.moe", "offload"): "experts in host memory are not built yet (issue 51, item 2)",
     ("model.moe", "task=glide"): "a GliDe draft reads a dense target's layers",
     ("data.batch_weights", "mesh.pipe"): _ROWS_LOOP,
     ("data.batch_weights", "mesh.seq"): _ROWS_LOOP,

@@ -56,7 +56,6 @@ RULES = {
     "experts": "model.moe.experts not divisible by expert",
     "moe_pipe": "MoE layers stacked in groups (model.moe.every > 1) in a pipeline (training refuses it: a "
                 "stage holds whole stacked layers)",
-    "moe_offload": "MoE with host offload (training refuses it: experts in host memory are not built yet)",
 }
 
 
@@ -219,9 +218,7 @@ def _options(mesh: dict, model: ModelConfig, batch_size: int, space: Space,
                         fits_well = roomy is not None and roomy(layout)
                         if fits_well and accum == 1:
                             spacious.add((sp, remat))
-                        if hosts and model.moe is not None:
-                            yield from ((None, "moe_offload") for _ in hosts)
-                        elif hosts and schedule == "interleaved" and mesh["pipe"] > 1:
+                        if hosts and schedule == "interleaved" and mesh["pipe"] > 1:
                             yield from ((None, "offload") for _ in hosts)
                         elif fits_well:
                             yield from ((None, "dominated") for _ in hosts)
