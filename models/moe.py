@@ -69,7 +69,7 @@ from jaxpar.models.config import ModelConfig, MoEConfig
 from jaxpar.models.params import param as _param
 from jaxpar.offload import fetch
 from jaxpar.placement import rules as rules_lib
-from jaxpar.placement.axes import local_axes
+from jaxpar.placement.axes import local_axes, shard_index
 from jaxpar.placement.execution import implementation, rules_for
 
 BIAS = "router_bias"
@@ -241,22 +241,9 @@ class MoE(nnx.Module):
                    self.router_bias[...].astype(jnp.float32) if moe.router == "sigmoid_bias" else None,
                    None if self.gate is None else self.gate[...].astype(dtype),
                    self.up[...].astype(dtype), self.down[...].astype(dtype))
-        local = functools.partial(dispatch, moe=moe)
         mesh = jax.sharding.get_abstract_mesh()
-        rows = () if mesh.empty else local_axes(mesh, "activation_batch", B)
-        if rows:
-            rules = rules_for(mesh, "jaxpar.models.moe")
-            specs = tuple(rules_lib.logical_to_spec(names, rules) for names in NAMES)
-            experts = tuple(a for a in rules_lib.as_tuple(specs[3][0]) if mesh.shape[a] > 1)
-            experts = experts if experts and set(experts) <= set(rows) else ()
-            # the experts' width stays split over the axes that do not split the rows
-            # (tensor): each of those devices computes its slice of every row's experts
-            width = tuple(a for a in rules_lib.as_tuple(specs[3][2]) if mesh.shape[a] > 1 and a not in rows)
-            local = functools.partial(dispatch, moe=moe, expert_axes=experts, width_axes=width)
-            split = PartitionSpec(rows)
-            local = jax.shard_map(_gathered(local, specs, experts, width), mesh=mesh, in_specs=(split, *specs),
-                                  out_specs=(split, split), check_vma=False)
-        y, stats = local(x, *weights)
+        local = None if mesh.empty else _on_mesh(mesh, moe, B)
+        y, stats = (local or functools.partial(dispatch, moe=moe))(x, *weights)
         stats = stats.sum(0)
         return y, Aux(self._balance(stats), jax.lax.stop_gradient(stats))
 
@@ -270,6 +257,31 @@ class MoE(nnx.Module):
         counts, prob_sums = jax.lax.stop_gradient(stats[0]), stats[1]
         tokens = counts.sum() / moe.experts_per_token
         return moe.balance_loss * moe.experts * jnp.sum(counts / counts.sum() * prob_sums / tokens)
+
+
+def _on_mesh(mesh, moe: MoEConfig, batch: int):
+    """``dispatch`` under ``shard_map`` on ``mesh`` (``MoE.__call__``), or None where the
+    rules split neither the rows nor the experts over it. Each device takes its rows
+    (the axes ``activation_batch`` is split over). Experts split over axes that split
+    the rows too (``expert`` in training) stay split and the tokens travel
+    (``exchange``); experts split over axes that do not (``rules.EXPERTS_OWNED``:
+    serving) stay split and each device runs its own experts over every row, the outputs
+    summed over those axes (``owned``); otherwise they are gathered whole. The experts'
+    width stays split over the axes that do not split the rows (``tensor``): each of
+    those devices computes its slice of every row's experts, summed over them after."""
+    rows = local_axes(mesh, "activation_batch", batch)
+    rules = rules_for(mesh, "jaxpar.models.moe")
+    specs = tuple(rules_lib.logical_to_spec(names, rules) for names in NAMES)
+    split_experts = tuple(a for a in rules_lib.as_tuple(specs[3][0]) if mesh.shape[a] > 1)
+    experts = split_experts if split_experts and set(split_experts) <= set(rows) else ()
+    owned = split_experts if split_experts and not set(split_experts) & set(rows) else ()
+    if not rows and not owned:
+        return None
+    width = tuple(a for a in rules_lib.as_tuple(specs[3][2]) if mesh.shape[a] > 1 and a not in rows)
+    local = functools.partial(dispatch, moe=moe, expert_axes=experts, owned_axes=owned, width_axes=width)
+    split = PartitionSpec(rows or None)
+    return jax.shard_map(_gathered(local, specs, experts + owned, width), mesh=mesh, in_specs=(split, *specs),
+                         out_specs=(split, split), check_vma=False)
 
 
 def _gathered(fn, specs, experts=(), width=()):
@@ -296,10 +308,11 @@ def _gathered(fn, specs, experts=(), width=()):
 
 
 def dispatch(x, router, bias, gate, up, down, *, moe: MoEConfig, expert_axes: tuple[str, ...] = (),
-             width_axes: tuple[str, ...] = ()):
+             owned_axes: tuple[str, ...] = (), width_axes: tuple[str, ...] = ()):
     """The routed experts of ``x [B, T, D]`` (one device's rows): ``route -> permute ->
     expert_mlp -> combine``, with ``exchange`` around ``expert_mlp`` where the experts
-    are split over ``expert_axes`` (``gate, up, down`` then this device's experts).
+    are split over ``expert_axes`` (``gate, up, down`` then this device's experts), or
+    ``owned`` where they are split over ``owned_axes`` and every device holds the rows.
     Returns ``(y [B, T, D], stats [1, 3, E])``: float32 each expert's assignment count
     (the router's choice, before any capacity), its router probabilities summed over
     the tokens, and its assignments kept, which ``MoE`` sums over devices."""
@@ -310,11 +323,15 @@ def dispatch(x, router, bias, gate, up, down, *, moe: MoEConfig, expert_axes: tu
     with jax.named_scope("experts"):
         xs, order, group_sizes = permute(tokens, routing.experts, moe.experts)
         mlp = functools.partial(expert_mlp, gate=gate, up=up, down=down)
-        ys = exchange(mlp, xs, group_sizes, expert_axes, moe.experts_per_token) if expert_axes else mlp(
-            xs, group_sizes)
+        if expert_axes:
+            ys = exchange(mlp, xs, group_sizes, expert_axes, moe.experts_per_token)
+        elif owned_axes:
+            ys = owned(mlp, xs, group_sizes, owned_axes)
+        else:
+            ys = mlp(xs, group_sizes)
         y = combine(ys, order, routing.gates)
-        if width_axes:  # each device's slice of the experts' width: its part of every row's output
-            y = jax.lax.psum(y, width_axes)
+        if width_axes or owned_axes:  # each device's part of every row's output
+            y = jax.lax.psum(y, (*width_axes, *owned_axes))
     flat = routing.experts.reshape(-1)
     counts = jnp.bincount(flat, length=moe.experts).astype(jnp.float32)
     kept = jnp.bincount(flat, routing.kept.reshape(-1).astype(jnp.float32), length=moe.experts)
@@ -352,6 +369,21 @@ def exchange(mlp, xs: jax.Array, group_sizes: jax.Array, axes: tuple[str, ...], 
     out = jnp.zeros_like(out).at[order].set(out).reshape(W, slots, -1)
     returned = jax.lax.all_to_all(out, axes, 0, 0, tiled=True)  # [W destinations, slots, D]
     return returned[dest, pos]
+
+
+def owned(mlp, xs: jax.Array, group_sizes: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """``mlp(rows, local_group_sizes)`` over this device's experts' rows of ``xs [N k, D]``
+    (every row, sorted by expert, ``group_sizes [E]`` each; the experts split in order
+    over the mesh ``axes``), zeros in the other rows (inside ``shard_map``): the rows are
+    rotated so this device's experts' come first, the grouped matmul runs over them
+    (rows past the groups give zeros), and they are rotated back. Summed over ``axes``
+    after ``combine``, every row has all its experts' outputs."""
+    mesh = jax.sharding.get_abstract_mesh()
+    local = group_sizes.shape[0] // math.prod(mesh.shape[a] for a in axes)
+    first = shard_index(mesh, axes) * local
+    start = jnp.sum(jnp.where(jnp.arange(group_sizes.shape[0]) < first, group_sizes, 0))
+    out = mlp(jnp.roll(xs, -start, axis=0), jax.lax.dynamic_slice_in_dim(group_sizes, first, local))
+    return jnp.roll(out, start, axis=0)
 
 
 def send_buffers(xs: jax.Array, per_dest: jax.Array, slots: int):

@@ -363,9 +363,10 @@ def test_qwen3_moe_greedy_decode_matches_transformers(moe_checkpoint):
 
 
 @pytest.mark.slow
-def test_serve_mixtral_tensor_parallel_matches_transformers(moe_checkpoint, tmp_path):
-    """``jaxpar-serve MIXTRAL_DIR mesh.tensor=2`` (paged KV cache, experts split by the
-    tensor rule) answers the official openai client with transformers' greedy generate's
+def test_serve_mixtral_expert_and_tensor_parallel_matches_transformers(moe_checkpoint, tmp_path):
+    """``jaxpar-serve MIXTRAL_DIR mesh.expert=2 mesh.tensor=2`` (paged KV cache; the
+    experts split over ``expert``, each device running its own over every token, their
+    width and attention's heads over ``tensor``) answers the official openai client with transformers' greedy generate's
     tokens, cut at Mixtral's end token (id 2) where generate stops. One program (steps of
     8 tokens): a word-level tokenizer ``t0`` ... ``t63`` is added to the saved directory."""
     import openai
@@ -380,11 +381,12 @@ def test_serve_mixtral_tensor_parallel_matches_transformers(moe_checkpoint, tmp_
     words = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"t{i}": i for i in range(64)}, "t0"))
     words.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
     words.save(str(path / "tokenizer.json"))
-    args = serve._parser().parse_args([str(path), "mesh.tensor=2", "--max-batch", "2", "--page-size", "8",
+    args = serve._parser().parse_args([str(path), "mesh.expert=2", "mesh.tensor=2", "--max-batch", "2", "--page-size", "8",
                                        "--max-num-batched-tokens", "8", "--max-context", "32",
                                        "--kv-memory", str(16 * 2 * 2 * 8 * 2 * 8 * 4), "--wait-for-programs"])
     async_engine, app, engine = serve.build(args)
-    assert dict(engine.mesh.shape) == {"tensor": 2} and len(engine.compiled_programs) == 2
+    assert dict(engine.mesh.shape) == {"expert": 2, "tensor": 2} and len(engine.compiled_programs) == 2
+    assert engine.params["layers"]["moe"]["up"].sharding.spec[1] == "expert"  # [L, E, D, F]: E split
     server, thread, url = start(app)
     try:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)

@@ -4,6 +4,7 @@ published ones; moe_tiny through jaxpar-train."""
 
 import dataclasses
 import math
+import re
 import types
 
 import jax
@@ -17,6 +18,7 @@ from conftest import random_init, rel_err
 from jaxpar.models import moe as moe_lib
 from jaxpar.models.config import PRESETS, ModelConfig, MoEConfig
 from jaxpar.models.transformer import MLP, Transformer
+from jaxpar.placement import rules as rules_lib
 from jaxpar.train.config import ConfigError, load_config
 
 SMALL = ModelConfig(vocab_size=64, dim=16, layers=1, heads=2, kv_heads=1, head_dim=8, mlp_dim=32)
@@ -174,6 +176,10 @@ MESH_CASES = {  # model.moe, the mesh: with `expert`, the tokens travel to their
         {"expert": 2, "fsdp": 2, "seq": 2}),
     "sigmoid_bias-expert8": (MoEConfig(experts=8, experts_per_token=3, expert_width=8, router="sigmoid_bias"),
                              {"expert": 8}),
+    # serving's rules (EXPERTS_OWNED): the rows whole on each expert device, its own experts run over all of them
+    "owned-softmax-capacity-expert2xtensor2": (
+        MoEConfig(experts=4, experts_per_token=2, expert_width=8, capacity_factor=1.0),
+        {"data": 2, "expert": 2, "tensor": 2}),
 }
 
 
@@ -181,8 +187,9 @@ MESH_CASES = {  # model.moe, the mesh: with `expert`, the tokens travel to their
 def test_each_device_routes_its_rows_and_the_balance_statistics_are_the_batchs(name, rng):
     """The MoE block on a mesh (each device dispatches its own rows under shard_map; with
     ``expert``, the experts split and each assignment sent to its expert's device and
-    back, fewer local experts than ``k`` included; the statistics summed over devices
-    after) against one device: the output, the balance loss, the statistics and the
+    back, fewer local experts than ``k`` included; with serving's ``EXPERTS_OWNED``
+    rules each device's own experts over every row, summed over ``expert``; the
+    statistics summed over devices after) against one device: the output, the balance loss, the statistics and the
     gradients of every weight (1e-5). Training on meshes: test_combinations_train.py's model.moe cells,
     test_expert_parallel_training_steps_equal_one_device."""
     import jaxpar
@@ -205,7 +212,13 @@ def test_each_device_routes_its_rows_and_the_balance_statistics_are_the_batchs(n
 
     grads_one, (y_one, aux_one) = run(block, x)
     mesh = jaxpar.make_mesh(**axes)
-    with use_mesh(mesh, sharding_rules(cfg, mesh)):
+    owned = name.startswith("owned")
+    rules = rules_lib.override(rules_lib.DEFAULT_RULES, rules_lib.EXPERTS_OWNED) if owned else None
+    with use_mesh(mesh, sharding_rules(cfg, mesh, rules)):
+        if owned:  # the experts neither travel nor gathered: each device's outputs summed over expert
+            program = str(jax.make_jaxpr(run)(block, x)).replace("\n", " ")
+            assert "all_to_all" not in program and not re.search(r"all_gather\[[^\]]*'expert'", program)
+            assert re.search(r"psum\[[^\]]*'expert'", program)
         grads, (y, aux) = run(block, x)
     assert rel_err(y, y_one) < 1e-5 and abs(float(aux.loss) - float(aux_one.loss)) < 1e-6
     assert rel_err(aux.stats, aux_one.stats) < 1e-6 and float(aux.stats[0].sum()) == 64 * moe.experts_per_token

@@ -798,11 +798,12 @@ def test_a_body_over_the_limit_is_413_before_it_is_read(served, guarded):
 
 
 def test_command_line_refuses_what_is_not_supported_yet(hf_dir, capsys):
-    """Bad CaPE bins and mesh sizes, overrides other than mesh.tensor and mesh.data: one
-    line, exit 2, before loading."""
+    """Bad CaPE bins and mesh sizes, overrides other than mesh.tensor, mesh.expert and
+    mesh.data: one line, exit 2, before loading; mesh.expert on a model without experts:
+    one line, exit 2, once it is loaded."""
     for argv, words in [([str(hf_dir), "--draft", str(hf_dir), "--method", "cape", "--bins", "3"],
                          "--bins: bins=[3] must be 11 positive integers"),
-                        ([str(hf_dir), "mesh.seq=2"], "mesh.seq=2: only mesh.tensor=K and mesh.data=R are supported"),
+                        ([str(hf_dir), "mesh.seq=2"], "mesh.seq=2: only mesh.tensor=K, mesh.expert=E and mesh.data=R are"),
                         ([str(hf_dir), "mesh.data=0"], "mesh.data=0: mesh.data must be a positive integer"),
                         ([str(hf_dir), "mesh.tensor=x"], "mesh.tensor=x: mesh.tensor must be a positive integer"),
                         ([str(hf_dir), "--method", "speculative"], "--method speculative needs --draft"),
@@ -812,6 +813,9 @@ def test_command_line_refuses_what_is_not_supported_yet(hf_dir, capsys):
             serve.main(argv)
         err = capsys.readouterr().err
         assert exit_.value.code == 2 and words in err and len(err.strip().splitlines()) == 1, err
+    assert serve.main([str(hf_dir), "mesh.expert=2", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == "jaxpar-serve: error: mesh.expert=2 splits a MoE model's experts, and this model has none"
 
 
 def test_command_line_reads_the_api_key_from_the_environment(hf_dir, monkeypatch, capsys):

@@ -33,10 +33,14 @@ model's own paged cache); ``--method cape`` widens either draft's proposals into
 token trees for greedy requests (``--bins``).
 
 ``mesh.tensor=K`` serves tensor-parallel over ``K`` devices (``Engine(mesh=)``: weights,
-a draft's too, and KV heads split by the training rules); ``mesh.data=R`` serves ``R``
-replicas, each on ``K`` devices of its own with its own pages and batch slots
-(``jaxpar.serving.replicas``: each request goes to the least busy one; ``--max-batch``
-and ``--kv-memory`` are per replica). Other overrides are refused in one line.
+a draft's too, and KV heads split by the training rules); ``mesh.expert=E`` splits a MoE
+model's experts over ``E`` devices (times ``K``), each running its own experts over every
+token of the batch and the outputs summed over them (``jaxpar.placement.rules.EXPERTS_OWNED``:
+vLLM's expert parallelism without data-parallel attention; attention as with
+``mesh.tensor`` alone); ``mesh.data=R`` serves ``R`` replicas, each on ``E x K``
+devices of its own with its own pages and batch slots (``jaxpar.serving.replicas``: each
+request goes to the least busy one; ``--max-batch`` and ``--kv-memory`` are per
+replica). Other overrides are refused in one line.
 """
 
 from __future__ import annotations
@@ -65,7 +69,8 @@ def _parser() -> CommandParser:
     parser.add_argument("run_dir", type=pathlib.Path, metavar="PATH",
                         help="a jaxpar-train run directory or a Hugging Face directory")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                        help="mesh.tensor=K: tensor-parallel serving over K devices")
+                        help="mesh.tensor=K: tensor-parallel serving over K devices; mesh.expert=E: a MoE "
+                             "model's experts split over E devices; mesh.data=R: R replicas")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="0: any free port (the log line says which)")
     parser.add_argument("--max-queue", type=int, default=256,
@@ -103,8 +108,9 @@ def check_args(args, parser: CommandParser) -> None:
         parser.error(f"--bins: {e}")
     for override in args.overrides:
         key, _, value = override.partition("=")
-        if key not in ("mesh.tensor", "mesh.data"):
-            parser.error(f"{override}: only mesh.tensor=K and mesh.data=R are supported by jaxpar-serve")
+        if key not in ("mesh.tensor", "mesh.data", "mesh.expert"):
+            parser.error(f"{override}: only mesh.tensor=K, mesh.expert=E and mesh.data=R are supported by "
+                         f"jaxpar-serve")
         if not value.isdigit() or int(value) < 1:
             parser.error(f"{override}: {key} must be a positive integer")
     try:
@@ -138,18 +144,37 @@ def mesh_size(args, axis: str) -> int:
     return values[-1] if values else 1
 
 
-def meshes(data: int, tensor: int) -> list:
-    """Each of ``data`` replicas' mesh: ``tensor`` devices of its own on one ``tensor``
-    axis (Auto), in device order; ``[None]`` for one replica on one device."""
-    if data == tensor == 1:
+def meshes(data: int, tensor: int, expert: int = 1) -> list:
+    """Each of ``data`` replicas' mesh: ``expert x tensor`` devices of its own on an
+    ``expert`` axis (where ``expert > 1``) and a ``tensor`` axis (Auto), in device order;
+    ``[None]`` for one replica on one device."""
+    if data == tensor == expert == 1:
         return [None]
     import jax
 
-    devices = jax.devices()
-    if data * tensor > len(devices):
-        raise ValueError(f"mesh.data={data} x mesh.tensor={tensor} is more than the {len(devices)} devices here")
-    return [jax.make_mesh((tensor,), ("tensor",), devices=devices[r * tensor:(r + 1) * tensor],
-                          axis_types=(jax.sharding.AxisType.Auto,)) for r in range(data)]
+    devices, each = jax.devices(), expert * tensor
+    if data * each > len(devices):
+        raise ValueError(f"mesh.data={data} x mesh.expert={expert} x mesh.tensor={tensor} is more than the "
+                         f"{len(devices)} devices here")
+    shape, names = ((expert, tensor), ("expert", "tensor")) if expert > 1 else ((tensor,), ("tensor",))
+    return [jax.make_mesh(shape, names, devices=devices[r * each:(r + 1) * each],
+                          axis_types=(jax.sharding.AxisType.Auto,) * len(names)) for r in range(data)]
+
+
+def serving_rules(model, expert: int):
+    """The rules a server's engines run with: the training rules (None), or with
+    ``mesh.expert`` the batch whole on every expert device (``EXPERTS_OWNED``), the
+    model's experts checked to split over it (``ValueError``: one line)."""
+    if expert == 1:
+        return None
+    from jaxpar.placement import rules as rules_lib
+
+    moe = model.cfg.moe
+    if moe is None:
+        raise ValueError(f"mesh.expert={expert} splits a MoE model's experts, and this model has none")
+    if moe.experts % expert:
+        raise ValueError(f"mesh.expert={expert} must divide the model's {moe.experts} experts")
+    return rules_lib.override(rules_lib.DEFAULT_RULES, rules_lib.EXPERTS_OWNED)
 
 
 def chat_template(run_dir: pathlib.Path) -> tuple[str | None, dict[str, str]]:
@@ -232,9 +257,11 @@ def build(args):
         draft = load_draft(draft_source)
     config = dataclasses.replace(from_args(args), max_context=_context(args, context_length(source, model)),
                                  bins=tuple(args.bins))
+    expert = mesh_size(args, "expert")
+    rules = serving_rules(model, expert)
     replicas = [Engine(model, config, tokenizer=tokenizer, eos_ids=eos_ids(source, tokenizer), draft=draft,
-                       mesh=mesh)
-                for mesh in meshes(mesh_size(args, "data"), mesh_size(args, "tensor"))]
+                       mesh=mesh, rules=rules)
+                for mesh in meshes(mesh_size(args, "data"), mesh_size(args, "tensor"), expert)]
     engine = replicas[0] if len(replicas) == 1 else Replicas(replicas)
     warm_up(engine, not args.no_progress, args.wait_for_programs)
     # What start-up made (the model, its programs, JAX's caches: some 270,000 objects)

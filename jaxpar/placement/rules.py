@@ -183,6 +183,15 @@ DEFAULT_RULES: tuple[tuple[str, MeshAxes], ...] = (
 SEQUENCE_PARALLEL: dict[str, MeshAxes] = {"activation_norm_length": ("seq", "tensor")}
 
 
+# Expert parallelism for serving (vLLM's, without data-parallel attention): the batch
+# whole on every `expert` device, so attention is computed (or tensor-split) as without
+# the axis, and in a MoE layer each device runs its own experts over every row and the
+# outputs are summed over `expert` (jaxpar.models.moe, "owned" experts). Apply with
+# ``override``.
+EXPERTS_OWNED: dict[str, MeshAxes] = {name: tuple(a for a in axes if a != "expert")
+                                      for name, axes in DEFAULT_RULES if axes == BATCH_AXES}
+
+
 # Optimus 2D tensor parallelism on a tensor_row x tensor_col grid: every weight matrix
 # is blocked with its model dimension D over tensor_row (and fsdp) and its other
 # dimension over tensor_col; every activation has its tokens (the batch) over
