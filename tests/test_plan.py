@@ -380,6 +380,7 @@ def test_jaxpar_plan_json_and_overlay(capsys, tmp_path):
     (["devices=8", "devices_per_node=3"], "devices_per_node=3 does not divide devices=8"),
     (["devices=8", "hardware=tpu9"], "hardware='tpu9' is not one of"),
     (["devices=8", "device_memory=1MiB", "plan.compile_top=0"], "no layout fits device_memory=1 MiB"),
+    (["devices=16384", "plan.compile_devices=16384"], "plan.compile_devices=16384 must be within 1 and 2048"),
 ])
 def test_jaxpar_plan_bad_input_is_one_line(capsys, tmp_path, args, message):
     out_file = tmp_path / "plan.yaml"
