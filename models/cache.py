@@ -156,6 +156,16 @@ class CacheView:
     lengths: jax.Array
     tree_mask: jax.Array | None = None
 
+    def member(self, j: int, state) -> CacheView:
+        """Layer ``j``'s view where this one holds a group's layers (``k``, ``v`` ``[n, B,
+        S_max, K, H]``; ``jaxpar.models.transformer.LayerGroup``); ``state``, what the
+        layer before returned, is not read: each layer has its own slots."""
+        return dataclasses.replace(self, k=self.k[j], v=self.v[j])
+
+    def joined(self, outputs) -> tuple:
+        """The group's new ``(k, v)``: its layers' stacked."""
+        return tuple(jnp.stack(parts) for parts in zip(*outputs))
+
     def attend(self, q, k, v):
         """``q [B, T, N, H]``, the new ``k``, ``v [B, T, K, H]`` -> (``[B, T, N, H]``, the
         layer's updated ``(k, v)``)."""

@@ -289,24 +289,22 @@ class LayerGroup(nnx.Module):
         return x if cache is None else (x, new_cache)
 
     def forward(self, x, positions, segment_ids, cache=None):
-        """``DecoderLayer.forward`` over the group's layers. A ``cache`` is the contiguous
-        cache's view of the group's ``n`` layers (``CacheView`` with ``k``, ``v`` ``[n, B,
-        S_max, K, H]``: ``KVCache.run``), and the new cache their updated keys and values
-        stacked; the paged caches of ``jaxpar.serving.pages`` are refused."""
+        """``DecoderLayer.forward`` over the group's layers. A ``cache`` is a view of the
+        group's ``n`` layers (``Cache.run``'s), which gives layer ``j``'s own view from
+        what the layers before it returned (``member(j, state)``) and the group's new
+        cache from what each returned (``joined``): the contiguous cache's view holds the
+        ``n`` layers' keys and values and stacks theirs (``CacheView``), a paged one
+        (``jaxpar.serving.pages.PagesView``) reads and writes the pages at the group's
+        first layer plus ``j``, each layer writing into the pages the one before wrote."""
         if cache is None:
             for layer in self.dense:
                 x = layer(x, positions, segment_ids)
             return self.sparse.forward(x, positions, segment_ids)
-        if not isinstance(cache, CacheView):
-            raise ValueError(f"decoding a model with model.moe.every={len(self.dense) + 1} over a paged cache "
-                             "(jaxpar-serve) is not supported yet")
-        keys, values = [], []
+        state, outputs = (cache.k, cache.v), []
         for j, layer in enumerate([*self.dense, self.sparse]):
-            view = dataclasses.replace(cache, k=cache.k[j], v=cache.v[j])
-            x, (k, v), aux = layer.forward(x, positions, segment_ids, view)
-            keys.append(k)
-            values.append(v)
-        return x, (jnp.stack(keys), jnp.stack(values)), aux
+            x, state, aux = layer.forward(x, positions, segment_ids, cache.member(j, state))
+            outputs.append(state)
+        return x, cache.joined(outputs), aux
 
 
 @dataclasses.dataclass(frozen=True)

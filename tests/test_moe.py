@@ -384,9 +384,12 @@ def test_pipelined_moe_steps_equal_one_device_accumulating_the_same_microbatches
 def test_decoding_with_moe_every_2_equals_the_full_forward(rng):
     """A 4-layer model with MoE in layers 1 and 3 (``every=2``: two stacked groups of a
     dense and a MoE layer): a 6-token prompt, then 3 tokens one at a time, through the
-    contiguous KV cache (each group's view holds its 2 layers), give the full forward's
-    logits (1e-5) on random weights and tokens, and fill every layer's cache."""
+    contiguous KV cache (each group's view holds its 2 layers) and through jaxpar-serve's
+    paged cache (each group's view the pages at its first layer, each layer writing in
+    turn), give the full forward's logits (1e-5) on random weights and tokens, and fill
+    every layer's cache."""
     from jaxpar.models.cache import init_cache
+    from jaxpar.serving.pages import PagedCache, init_pages
 
     moe = MoEConfig(experts=4, experts_per_token=2, expert_width=8, every=2)
     cfg = dataclasses.replace(SMALL, layers=4, moe=moe)
@@ -401,3 +404,14 @@ def test_decoding_with_moe_every_2_equals_the_full_forward(rng):
         stepped.append(logits)
     assert rel_err(jnp.concatenate(stepped, axis=1), full) < 1e-5
     assert np.asarray(cache.lengths).tolist() == [9, 9] and np.all(np.abs(np.asarray(cache.k[:, :, :9])).sum(-1) > 0)
+    # pages of 4 slots, page 0 the null page: sequence b's 9 tokens in pages 1 + 3b .. 3 + 3b
+    tables = jnp.asarray([[1, 2, 3], [4, 5, 6]], jnp.int32)
+    paged = PagedCache(init_pages(4, 7, 4, cfg.kv_heads, cfg.head_dim, jnp.float32), tables, jnp.zeros(2, jnp.int32))
+    first, paged = decode(model, tokens[:, :6], paged)
+    stepped = [first]
+    for i in range(6, 9):
+        logits, paged = decode(model, tokens[:, i:i + 1], paged)
+        stepped.append(logits)
+    assert rel_err(jnp.concatenate(stepped, axis=1), full) < 1e-5
+    written = np.asarray(paged.pages.k[:, 1:7]).reshape(4, 2, 12, -1)[:, :, :9]  # [L, B, slots, K H]
+    assert np.all(np.abs(written).sum(-1) > 0) and not np.any(np.asarray(paged.pages.k[:, 0]))

@@ -198,6 +198,16 @@ class PagesView:
     tables: jax.Array
     tree_mask: jax.Array | None = None
 
+    def member(self, j: int, pages) -> PagesView:
+        """Layer ``j`` of a group of layers whose first is ``layer``
+        (``jaxpar.models.transformer.LayerGroup``), over ``pages`` ``(k, v)``: those the
+        layer before it returned."""
+        return dataclasses.replace(self, k=pages[0], v=pages[1], layer=self.layer + j)
+
+    def joined(self, outputs) -> tuple:
+        """The group's pages: its last layer's (each wrote into the one before's)."""
+        return outputs[-1]
+
     def attend(self, q, k, v):
         """``q [B, T, N, H]``, the new ``k``, ``v [B, T, K, H]`` -> (``[B, T, N, H]``,
         the updated pages ``(k, v)``)."""
@@ -222,9 +232,10 @@ class PagesView:
 
 
 def _run(pages: KVPages, layers, x, call, view, xs):
-    """``Cache.run`` over pages: ``layers`` scanned over ``x``, layer ``i`` through
-    ``view(k, v, i)``; the pages ride in the scan's carry, whole, so each layer's writes
-    land in place. ``(x, pages)``."""
+    """``Cache.run`` over pages: ``layers`` scanned over ``x``, stacked unit ``i`` through
+    ``view(k, v, first)``, ``first`` its first layer (``i n`` where a unit holds ``n``
+    layers: a MoE model's ``model.moe.every = n`` groups); the pages ride in the scan's
+    carry, whole, so each layer's writes land in place. ``(x, pages)``."""
     graphdef, layer_state = nnx.split(layers)
 
     def layer(carry, inputs):
@@ -234,7 +245,8 @@ def _run(pages: KVPages, layers, x, call, view, xs):
         return (x, k, v), None
 
     count = jax.tree.leaves(layer_state)[0].shape[0]
-    (x, k, v), _ = jax.lax.scan(layer, (x, pages.k, pages.v), (layer_state, jnp.arange(count), xs))
+    firsts = jnp.arange(count) * (pages.k.shape[0] // count)
+    (x, k, v), _ = jax.lax.scan(layer, (x, pages.k, pages.v), (layer_state, firsts, xs))
     return x, KVPages(k, v)
 
 
