@@ -73,10 +73,11 @@ from jaxpar.placement.axes import local_axes, shard_index
 from jaxpar.placement.execution import implementation, rules_for
 
 BIAS = "router_bias"
-# Why a pipeline takes a MoE model only with ``every=1``: its stages hold whole stacked
-# units, and ``every = n > 1`` stacks groups of n layers (``ModelConfig.stacked_layers``).
-PIPE_GROUPS = ("a pipeline stage holds whole stacked layers, and model.moe.every > 1 stacks groups of that "
-               "many; give model.moe.every=1 or no mesh.pipe")
+# Why uneven pipeline stages take a MoE model only with ``every=1``: a stage holds whole
+# stacked units, ``every = n > 1`` stacks groups of n layers (``ModelConfig.stacked_layers``),
+# and pipeline.stage_layers counts layers.
+PIPE_GROUPS = ("pipeline.stage_layers counts layers, and model.moe.every > 1 stacks them in groups of that "
+               "many, which a stage holds whole; give even stages (no pipeline.stage_layers) or model.moe.every=1")
 # The logical axes of the router, its bias, gate, up and down (MaxText's names).
 NAMES = (("embed", None), (None,), ("exp", "embed_moe", "mlp_moe"), ("exp", "embed_moe", "mlp_moe"),
          ("exp", "mlp_moe", "embed_moe"))

@@ -225,6 +225,12 @@ def test_each_device_routes_its_rows_and_the_balance_statistics_are_the_batchs(n
     assert tree_rel_err(_no_bias(grads), _no_bias(grads_one)) < 1e-5
 
 
+def _bias(tree):
+    """The router bias (stacked) of a model's state or a tree shaped like it."""
+    (bias,) = [leaf for path, leaf in jax.tree.leaves_with_path(tree) if moe_lib._is_bias(path)]
+    return bias
+
+
 def _no_bias(tree):
     """``tree`` without the router bias (no gradient parameter: its gradient is zero)."""
     return jax.tree.map_with_path(lambda path, g: None if moe_lib._is_bias(path) else g, tree)
@@ -269,8 +275,8 @@ def test_moe_config_bad_input_is_one_line():
     ]:
         with pytest.raises(ConfigError, match=message):
             load_config("moe_tiny", [override])
-    with pytest.raises(ConfigError, match=r"^model.moe.every=2 with mesh.pipe=2 is not supported yet: a pipeline "):
-        load_config("moe_tiny", ["model.moe.every=2", "mesh.pipe=2"])
+    with pytest.raises(ConfigError, match=r"^pipeline.stage_layers with model.moe.every=2 is not supported yet: "):
+        load_config("moe_tiny", ["model.layers=4", "model.moe.every=2", "mesh.pipe=2", "pipeline.stage_layers=[3,1]"])
     with pytest.raises(ConfigError, match=r"^mesh.expert=2 splits a MoE model's experts: give model.moe"):
         load_config("tiny", ["mesh.expert=2"])
     # a MoE key on a dense preset is refused; model.moe.experts turns MoE on
@@ -334,7 +340,7 @@ def _two_steps_equal_one_device(model, one: dict, other: dict) -> list:
         for key in metrics:  # the loss, and moe_balance_loss, moe_load_max, moe_dropped
             np.testing.assert_allclose(metrics[key], metrics_one[key], rtol=1e-5, err_msg=key)
     assert tree_rel_err(runs["other"][2], runs["one"][2]) < 1e-5
-    moved = np.asarray(runs["other"][2]["layers"]["moe"]["router_bias"][...] - model.layers.moe.router_bias[...])
+    moved = np.asarray(_bias(runs["other"][2]) - _bias(nnx.state(model)))
     assert np.abs(moved).max() == pytest.approx(0.02)  # two sign steps of bias_rate
     return [metrics for metrics, _ in runs["other"][:2]]
 
@@ -357,11 +363,13 @@ def test_expert_parallel_training_steps_equal_one_device(rng):
 
 
 @pytest.mark.slow
-def test_pipelined_moe_steps_equal_one_device_accumulating_the_same_microbatches(rng):
+@pytest.mark.parametrize("every", [1, 2])
+def test_pipelined_moe_steps_equal_one_device_accumulating_the_same_microbatches(rng, every):
     """A 4-layer MoE model (the sigmoid_bias router, the balance loss, a capacity) on
     data=2 x expert=2 x pipe=2 (the experts split within each stage, their all-to-alls
     inside the schedule's ticks), 1F1B over 2 microbatches, stages of 3 and 1 layers (the
-    second stage's two padding layers see no token): two train steps equal one device's
+    second stage's two padding layers see no token), or with ``every=2`` even stages of
+    one group each (a dense and a MoE layer): two train steps equal one device's
     with grad_accum=2, the same microbatches of 4 rows (each microbatch's balance loss is
     its own, over its rows on both replicas, weighted by its tokens, as under
     grad_accum): each step's loss, MoE metrics and gradient (1e-5), and the parameters
@@ -372,11 +380,12 @@ def test_pipelined_moe_steps_equal_one_device_accumulating_the_same_microbatches
     from jaxpar.parallel.pipeline_schedule import build
 
     moe = MoEConfig(experts=4, experts_per_token=2, expert_width=8, router="sigmoid_bias", capacity_factor=1.0,
-                    bias_rate=0.01, balance_loss=0.1)
+                    bias_rate=0.01, balance_loss=0.1, every=every)
     cfg = dataclasses.replace(SMALL, kv_heads=2, layers=4, moe=moe)
     model = random_init(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), rng)
     mesh = jaxpar.make_mesh(data=2, expert=2, pipe=2)
-    pipelined = dict(mesh=mesh, rules=sharding_rules(cfg, mesh), pipeline=build("1f1b", 2, 2), stage_layers=(3, 1))
+    pipelined = dict(mesh=mesh, rules=sharding_rules(cfg, mesh), pipeline=build("1f1b", 2, 2),
+                     stage_layers=(3, 1) if every == 1 else None)
     for metrics in _two_steps_equal_one_device(model, dict(grad_accum=2), pipelined):
         assert float(metrics["moe_balance_loss"]) > 0 and float(metrics["moe_load_max"]) > 1
 

@@ -364,8 +364,9 @@ class Config:
         for key in ("checkpoint.every", "eval.every", "optimizer.warmup_steps"):
             if _get(self, key) < 0:
                 raise ValueError(f"{key}={_get(self, key)!r} must not be negative")
-        if self.model.moe is not None and self.model.moe.every > 1 and self.layout.pipe > 1:
-            raise ValueError(f"model.moe.every={self.model.moe.every} with mesh.pipe={self.layout.pipe} is not "
+        if self.model.moe is not None and self.model.moe.every > 1 and self.layout.pipe > 1 \
+                and self.pipeline.stage_layers is not None:
+            raise ValueError(f"pipeline.stage_layers with model.moe.every={self.model.moe.every} is not "
                              f"supported yet: {PIPE_GROUPS}")
         if isinstance(self.pipeline.stage_layers, tuple):  # its count is checked with the mesh (loop)
             check_stage_layers(self.pipeline.stage_layers, self.model.layers)

@@ -121,8 +121,10 @@ def pipeline_schedule(cfg: Config, mesh, rules) -> Schedule | None:
     if P == 1:
         return None
     M = layout.microbatches or 2 * P
-    if stage_layers is None and cfg.model.layers % (P * V):
-        raise ConfigError(f"model.layers={cfg.model.layers} is not divisible by mesh.pipe x "
+    units = cfg.model.stacked_layers  # a stage holds whole stacked units (MoE groups of model.moe.every)
+    if stage_layers is None and units % (P * V):
+        groups = "" if units == cfg.model.layers else f" in {units} groups of model.moe.every={cfg.model.moe.every}"
+        raise ConfigError(f"model.layers={cfg.model.layers}{groups} is not divisible by mesh.pipe x "
                             f"pipeline.virtual_stages = {P} x {V} = {P * V}")
     if layout.grad_accum != 1:
         raise ConfigError(f"optimizer.grad_accum={layout.grad_accum} with mesh.pipe={P}: "

@@ -217,7 +217,7 @@ def loss_and_grads(graphdef, params, batch: dict, schedule: Schedule, mesh, stag
     stages), padded where those are uneven (a padding layer's statistics zeros)."""
     model = nnx.merge(graphdef, params)
     cfg, M = model.cfg, schedule.microbatches
-    layout = stored_layout(schedule, cfg.layers, stage_layers)  # [P, V, Lmax]
+    layout = stored_layout(schedule, cfg.stacked_layers, stage_layers)  # [P, V, Lmax]
     counts = (layout >= 0).sum(axis=-1)  # [P, V]: each stage's real layers
     lockstep = needs_lockstep(mesh)
     split_def, layer_state, rest = nnx.split(model, nnx.PathContains("layers"), ...)
@@ -306,7 +306,7 @@ def profile_fields(schedule: Schedule, state, model_cfg, mesh, rules, batch_size
     uneven stages cost in memory over storing each stage's own layers only.
     """
     P, V, M = schedule.devices, schedule.virtual, schedule.microbatches
-    sizes = stage_sizes(schedule, model_cfg.layers, stage_layers)
+    sizes = stage_sizes(schedule, model_cfg.stacked_layers, stage_layers)
     held = V * max(sizes)  # stored layers per pipe device
     param_layer, opt_layer = _layer_bytes(state["params"]), _layer_bytes(state["opt_state"])
     spec = rules_lib.logical_to_spec(ACT_BTD, rules)
@@ -330,7 +330,7 @@ def profile_fields(schedule: Schedule, state, model_cfg, mesh, rules, batch_size
         "pipeline_stage_layers": list(sizes),
         "pipeline_bubble": schedule.bubble(),
         "pipeline_bubble_theory": schedule.bubble_theory(),
-        "pipeline_padding_bytes": (P * held - model_cfg.layers) * (param_layer + opt_layer),
+        "pipeline_padding_bytes": (P * held - model_cfg.stacked_layers) * (param_layer + opt_layer),
         "pipeline_stages": [device(p) for p in range(P)],
     }
 

@@ -325,12 +325,12 @@ def _storage_order(pipeline, model: nnx.Module, stage_layers, offload: OffloadOp
     """``(layer_order, stage_layers)``: how ``pipeline`` stores ``model``'s stacked layers
     (``TrainStep.layer_order``; None: in the model's order) and its stages' layer counts
     as ints; reordered storage is refused with host-resident state."""
-    if pipeline is None:  # any model: only jaxpar's own pipelines (model.cfg.layers)
+    if pipeline is None:  # any model: only jaxpar's own pipelines (model.cfg.stacked_layers)
         return None, stage_layers
-    if model.cfg.moe is not None and model.cfg.moe.every > 1:
-        raise ValueError(f"model.moe.every={model.cfg.moe.every} with mesh.pipe is not supported yet: "
+    if model.cfg.moe is not None and model.cfg.moe.every > 1 and stage_layers is not None:
+        raise ValueError(f"pipeline.stage_layers with model.moe.every={model.cfg.moe.every} is not supported yet: "
                          f"{moe_lib.PIPE_GROUPS}")
-    layer_order = pipelined.storage_order(pipeline, model.cfg.layers, stage_layers)
+    layer_order = pipelined.storage_order(pipeline, model.cfg.stacked_layers, stage_layers)
     if layer_order is not None and offload.state_on_host:
         raise ValueError(f"offload with pipeline {pipeline.kind!r} (stage_layers={stage_layers}) is not "
                          f"supported yet: {offload_planner.REORDERED_STAGES}")

@@ -33,7 +33,7 @@ PLACES = ("device", "host")
 
 BOUNDS = (
     "tensor <= heads (1D), q <= heads (2D q x q)",
-    "pipe <= layers, and pipe x virtual_stages divides layers",
+    "pipe <= layers, and pipe x virtual_stages divides layers (MoE groups of model.moe.every, with every > 1)",
     "seq <= seq_len / 2",
     "data x fsdp <= batch_size (every data-parallel rank gets a row)",
     "grad_accum and microbatches: powers of two that divide the rows of a data-parallel rank",
@@ -54,8 +54,6 @@ RULES = {
     "dominated": "host offload or more grad_accum where the layout fits on the device with room to spare "
                  "(never faster, never ranked first)",
     "experts": "model.moe.experts not divisible by expert",
-    "moe_pipe": "MoE layers stacked in groups (model.moe.every > 1) in a pipeline (training refuses it: a "
-                "stage holds whole stacked layers)",
 }
 
 
@@ -112,7 +110,7 @@ def _meshes_beside(devices: int, model: ModelConfig, batch_size: int, seq_len: i
             if seq > seq_len // 2:
                 break
             for pipe in divisors(rest // seq):
-                if pipe > model.layers:
+                if pipe > model.stacked_layers:  # a stage holds whole stacked units (MoE groups)
                     break
                 for fsdp in divisors(rest // seq // pipe):
                     data = rest // seq // pipe // fsdp
@@ -139,8 +137,6 @@ def mesh_rule(mesh: dict, model: ModelConfig, seq_len: int) -> str | None:
         return "seq_len"
     if model.moe is not None and model.moe.experts % mesh["expert"]:
         return "experts"
-    if model.moe is not None and model.moe.every > 1 and mesh["pipe"] > 1:
-        return "moe_pipe"
     return None
 
 
@@ -174,7 +170,7 @@ def _choices(mesh: dict, model: ModelConfig, batch_size: int, space: Space) -> t
     rows = batch_size // base.data_ways if batch_size % base.data_ways == 0 else 0
     if mesh["pipe"] > 1:
         pipes = [(s, m, v) for s in space.schedules for v in ((2, 4) if s == "interleaved" else (1,))
-                 if model.layers % (mesh["pipe"] * v) == 0
+                 if model.stacked_layers % (mesh["pipe"] * v) == 0
                  for m in powers_of_two(min(max(rows, 1), 8 * mesh["pipe"]), max(rows, 1))]
         accums = [1]
     else:
