@@ -63,6 +63,11 @@ def choose(op: str, choice: str, backend: str, capability: tuple[int, int] | Non
     (``(major, minor)``, None off CUDA). ``reason`` says why ``"auto"`` did not get the
     Pallas kernels on a GPU, else None. Raises ``ValueError`` (one line) for an explicit
     choice this device cannot run."""
+    if op == "moe_exchange":  # a collective, not a kernel: the GPU's and TPU's XLA have the ragged one
+        if choice == "ragged" and backend == "cpu":
+            raise ValueError("execution.moe_exchange='ragged' needs a GPU or TPU: XLA:CPU has no "
+                             "jax.lax.ragged_all_to_all; use execution.moe_exchange=auto or padded")
+        return (choice if choice != "auto" else "padded" if backend == "cpu" else "ragged"), None
     if choice == "cudnn" and backend != "gpu":
         raise ValueError(f"execution.{op}='cudnn' needs a GPU; JAX's backend here is {backend!r}")
     too_old = backend == "gpu" and capability is not None and tuple(capability) < MIN_CAPABILITY
@@ -100,6 +105,7 @@ IMPLS = {
     "norm": ("auto", "xla", "pallas"),
     "loss": ("auto", "xla", "pallas"),
     "moe": ("auto", "xla", "pallas"),
+    "moe_exchange": ("auto", "padded", "ragged"),
 }
 
 
@@ -113,19 +119,24 @@ class KernelOptions:
     fused attention through ``jax.nn.dot_product_attention``; ``"auto"`` Pallas on a GPU
     of compute capability 8.0 or newer and XLA elsewhere (``choose``). What is computed
     is the same whichever runs. ``"pallas"`` and ``"cudnn"`` on a GPU older than 8.0, and
-    ``"cudnn"`` without a GPU, raise ``ValueError`` here."""
+    ``"cudnn"`` without a GPU, raise ``ValueError`` here. ``moe_exchange`` (``execution.moe_exchange``)
+    is how expert parallelism moves tokens (``jaxpar.models.moe.exchange``): ``"padded"``
+    all-to-alls of fixed per-destination buffers (any backend), ``"ragged"``
+    ``jax.lax.ragged_all_to_all`` of the real rows only (GPU and TPU; ``ValueError`` on a
+    CPU), ``"auto"`` ragged where the backend has it."""
 
     attention: str = "auto"
     norm: str = "auto"
     loss: str = "auto"
     moe: str = "auto"
+    moe_exchange: str = "auto"
 
     def __post_init__(self):
         for op, allowed in IMPLS.items():
             if getattr(self, op) not in allowed:
                 raise ValueError(f"execution.{op}={getattr(self, op)!r} must be one of {list(allowed)}")
         for op in IMPLS:  # only explicit choices look at the device: "auto" starts no backend
-            if getattr(self, op) in ("pallas", "cudnn"):
+            if getattr(self, op) in ("pallas", "cudnn", "ragged"):
                 choose(op, getattr(self, op), *device())
 
     def resolve(self, op: str) -> str:

@@ -279,7 +279,9 @@ def _on_mesh(mesh, moe: MoEConfig, batch: int):
     if not rows and not owned:
         return None
     width = tuple(a for a in rules_lib.as_tuple(specs[3][2]) if mesh.shape[a] > 1 and a not in rows)
-    local = functools.partial(dispatch, moe=moe, expert_axes=experts, owned_axes=owned, width_axes=width)
+    send = jax.lax.ragged_all_to_all if experts and implementation("moe_exchange") == "ragged" else None
+    local = functools.partial(dispatch, moe=moe, expert_axes=experts, owned_axes=owned, width_axes=width,
+                              ragged=send)
     split = PartitionSpec(rows or None)
     return jax.shard_map(_gathered(local, specs, experts + owned, width), mesh=mesh, in_specs=(split, *specs),
                          out_specs=(split, split), check_vma=False)
@@ -309,11 +311,13 @@ def _gathered(fn, specs, experts=(), width=()):
 
 
 def dispatch(x, router, bias, gate, up, down, *, moe: MoEConfig, expert_axes: tuple[str, ...] = (),
-             owned_axes: tuple[str, ...] = (), width_axes: tuple[str, ...] = ()):
+             owned_axes: tuple[str, ...] = (), width_axes: tuple[str, ...] = (), ragged=None):
     """The routed experts of ``x [B, T, D]`` (one device's rows): ``route -> permute ->
     expert_mlp -> combine``, with ``exchange`` around ``expert_mlp`` where the experts
     are split over ``expert_axes`` (``gate, up, down`` then this device's experts), or
-    ``owned`` where they are split over ``owned_axes`` and every device holds the rows.
+    ``owned`` where they are split over ``owned_axes`` and every device holds the rows;
+    ``ragged``: ``exchange_ragged``'s collective (``jax.lax.ragged_all_to_all``) to move
+    the rows with instead of ``exchange``'s fixed buffers.
     Returns ``(y [B, T, D], stats [1, 3, E])``: float32 each expert's assignment count
     (the router's choice, before any capacity), its router probabilities summed over
     the tokens, and its assignments kept, which ``MoE`` sums over devices."""
@@ -324,7 +328,9 @@ def dispatch(x, router, bias, gate, up, down, *, moe: MoEConfig, expert_axes: tu
     with jax.named_scope("experts"):
         xs, order, group_sizes = permute(tokens, routing.experts, moe.experts)
         mlp = functools.partial(expert_mlp, gate=gate, up=up, down=down)
-        if expert_axes:
+        if expert_axes and ragged is not None:
+            ys = exchange_ragged(mlp, xs, group_sizes, expert_axes, moe.experts_per_token, ragged)
+        elif expert_axes:
             ys = exchange(mlp, xs, group_sizes, expert_axes, moe.experts_per_token)
         elif owned_axes:
             ys = owned(mlp, xs, group_sizes, owned_axes)
@@ -370,6 +376,42 @@ def exchange(mlp, xs: jax.Array, group_sizes: jax.Array, axes: tuple[str, ...], 
     out = jnp.zeros_like(out).at[order].set(out).reshape(W, slots, -1)
     returned = jax.lax.all_to_all(out, axes, 0, 0, tiled=True)  # [W destinations, slots, D]
     return returned[dest, pos]
+
+
+def exchange_ragged(mlp, xs: jax.Array, group_sizes: jax.Array, axes: tuple[str, ...], k: int,
+                    send=jax.lax.ragged_all_to_all) -> jax.Array:
+    """``exchange`` with the real rows only (``execution.moe_exchange=ragged``: a GPU's or
+    TPU's ``jax.lax.ragged_all_to_all``, ``send``): each destination's rows of ``xs``
+    (contiguous, sorted by expert) go straight to the next free rows of its buffer, after
+    the rows of the sources before this one, so a device receives its rows packed at the
+    front of one ``[W * N * min(k, E / W), D]`` buffer (still sized for the worst case;
+    the bytes on the links are the real rows'); each received row's local expert follows
+    from the received counts, the rows are grouped by it for ``mlp``, and the outputs go
+    back the same way, each to where its row came from. The offsets: where a source's
+    rows land here is the running sum of the counts received; a sender learns where its
+    rows land at each destination (and, for the way back, where each source's rows
+    started there) by an all-to-all of those offsets."""
+    mesh = jax.sharding.get_abstract_mesh()
+    W = math.prod(mesh.shape[a] for a in axes)
+    name = axes[0] if len(axes) == 1 else axes
+    local = group_sizes.shape[0] // W
+    slots = xs.shape[0] // k * min(k, local)
+    a2a = lambda x: jax.lax.all_to_all(x, name, 0, 0, tiled=True)  # noqa: E731
+    sent = group_sizes.reshape(W, local).sum(1)  # rows for each destination, from xs[starts]
+    starts = jnp.cumsum(sent) - sent
+    counts = a2a(group_sizes.reshape(W, local))  # [W sources, E/W]
+    received = counts.sum(1)
+    landed = jnp.cumsum(received) - received  # where each source's rows start here
+    buffer = send(xs, jnp.zeros((W * slots, xs.shape[1]), xs.dtype), starts, sent, a2a(landed), received,
+                  axis_name=name)
+    # received rows in (source, local expert) segments, then padding: each row's expert
+    ends = jnp.cumsum(counts.reshape(-1))
+    segment = jnp.searchsorted(ends, jnp.arange(W * slots), side="right")
+    expert = jnp.where(segment < W * local, segment % local, local)
+    order = jnp.argsort(expert, stable=True)
+    out = mlp(jnp.take(buffer, order, axis=0), counts.sum(0))
+    out = jnp.zeros_like(out).at[order].set(out)
+    return send(out, jnp.zeros_like(xs), landed, received, a2a(starts), sent, axis_name=name)
 
 
 def owned(mlp, xs: jax.Array, group_sizes: jax.Array, axes: tuple[str, ...]) -> jax.Array:

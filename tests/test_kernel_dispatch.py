@@ -37,6 +37,26 @@ def test_auto_picks_pallas_only_on_a_gpu_that_runs_it(backend, capability, expec
             assert reason is None
 
 
+def test_the_moe_exchange_is_ragged_where_the_backend_has_a_ragged_all_to_all():
+    """``execution.moe_exchange``: auto is the padded buffers on a CPU (XLA:CPU has no
+    ``ragged_all_to_all``) and ragged on a GPU (any capability: a collective, not a
+    Pallas kernel) or TPU; ragged asked for on a CPU is one line, from the config too."""
+    from jaxpar.train.config import ConfigError, load_config
+
+    assert choose("moe_exchange", "auto", "cpu", None) == ("padded", None)
+    for backend, capability in (("gpu", T4), ("gpu", H100), ("tpu", None)):
+        assert choose("moe_exchange", "auto", backend, capability) == ("ragged", None)
+        assert choose("moe_exchange", "padded", backend, capability) == ("padded", None)
+    message = ("execution.moe_exchange='ragged' needs a GPU or TPU: XLA:CPU has no jax.lax.ragged_all_to_all; "
+               "use execution.moe_exchange=auto or padded")
+    with pytest.raises(ValueError) as e:
+        choose("moe_exchange", "ragged", "cpu", None)
+    assert str(e.value) == message
+    with pytest.raises(ConfigError) as e:
+        load_config("moe_tiny", ["execution.moe_exchange=ragged"]).execution.kernels
+    assert str(e.value) == message
+
+
 @pytest.mark.parametrize("capability", [A100, H100])
 def test_explicit_choices_run_as_asked_on_a_capable_gpu(capability):
     for choice in ("xla", "pallas", "cudnn"):

@@ -3,6 +3,7 @@ and the router bias against plain references; the presets' parameter counts agai
 published ones; moe_tiny through jaxpar-train."""
 
 import dataclasses
+import functools
 import math
 import re
 import types
@@ -14,7 +15,7 @@ import optax
 import pytest
 from flax import nnx
 
-from conftest import random_init, rel_err
+from conftest import random_init, rel_err, tree_rel_err
 from jaxpar.models import moe as moe_lib
 from jaxpar.models.config import PRESETS, ModelConfig, MoEConfig
 from jaxpar.models.transformer import MLP, Transformer
@@ -193,7 +194,6 @@ def test_each_device_routes_its_rows_and_the_balance_statistics_are_the_batchs(n
     gradients of every weight (1e-5). Training on meshes: test_combinations_train.py's model.moe cells,
     test_expert_parallel_training_steps_equal_one_device."""
     import jaxpar
-    from conftest import tree_rel_err
     from jaxpar.models.transformer import sharding_rules
     from jaxpar.placement.sharding import use_mesh
 
@@ -229,6 +229,52 @@ def _bias(tree):
     """The router bias (stacked) of a model's state or a tree shaped like it."""
     (bias,) = [leaf for path, leaf in jax.tree.leaves_with_path(tree) if moe_lib._is_bias(path)]
     return bias
+
+
+def _ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):
+    """``jax.lax.ragged_all_to_all``'s semantics written plainly (XLA:CPU cannot run it):
+    every device's operand and offsets gathered, each source's slice for this device
+    written at the offset the source gives."""
+    operands = jax.lax.all_gather(operand, axis_name)
+    starts, sizes, lands = (jax.lax.all_gather(a, axis_name) for a in (input_offsets, send_sizes, output_offsets))
+    me, rows = jax.lax.axis_index(axis_name), jnp.arange(operand.shape[0])
+    for source in range(operands.shape[0]):
+        taken = operands[source][jnp.clip(starts[source, me] + rows, 0, operand.shape[0] - 1)]
+        at = jnp.where(rows < sizes[source, me], lands[source, me] + rows, output.shape[0])
+        output = output.at[at].set(taken, mode="drop")
+    return output
+
+
+def test_the_ragged_exchange_equals_the_padded_one_and_lowers_for_cuda(rng):
+    """``execution.moe_exchange=ragged`` (``moe.exchange_ragged``: the real rows only,
+    packed by offsets the devices tell each other) against the padded buffers, 8 experts
+    on ``expert=4`` (2 local experts, k=2), random routing: with ``_ragged_all_to_all``
+    standing in for the collective XLA:CPU lacks, the same outputs and gradients of every
+    weight and the input; with the real ``jax.lax.ragged_all_to_all`` the step's forward
+    and backward lower for CUDA with it (two forward, two in the transpose)."""
+    from jax.sharding import PartitionSpec as P
+
+    moe, D = MoEConfig(experts=8, experts_per_token=2, expert_width=8), 16
+    x = jnp.asarray(rng.standard_normal((8, 4, D)), jnp.float32)
+    weights = (jnp.asarray(rng.standard_normal((D, 8)), jnp.float32),
+               *(jnp.asarray(rng.standard_normal(shape) * 0.3, jnp.float32) for shape in ((8, D, 8), (8, D, 8),
+                                                                                         (8, 8, D))))
+    mesh = jax.make_mesh((4,), ("expert",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:4])
+
+    def block(send):
+        local = functools.partial(moe_lib.dispatch, moe=moe, expert_axes=("expert",), ragged=send)
+        split = P("expert")
+        run = jax.shard_map(lambda x, r, g, u, d: local(x, r, None, g, u, d)[0], mesh=mesh,
+                            in_specs=(split, P(), split, split, split), out_specs=split, check_vma=False)
+        return jax.value_and_grad(lambda args: jnp.sum(jnp.sin(run(*args))))
+
+    with jax.set_mesh(mesh):
+        padded, ragged = (jax.jit(block(send))((x, *weights)) for send in (None, _ragged_all_to_all))
+        program = jax.jit(block(jax.lax.ragged_all_to_all)).trace((x, *weights)).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert abs(float(padded[0]) - float(ragged[0])) < 1e-5 * abs(float(padded[0]))
+    assert tree_rel_err(ragged[1], padded[1]) < 1e-6
+    assert program.count("ragged_all_to_all") == 4
 
 
 def _no_bias(tree):
@@ -322,7 +368,6 @@ def _two_steps_equal_one_device(model, one: dict, other: dict) -> list:
     zeroed for the optimizer, aside), and so do the parameters after, the router bias's
     two sign steps of ``bias_rate`` (0.01) included. Returns ``other``'s metrics of each
     step."""
-    from conftest import tree_rel_err
     from jaxpar.train.step import make_train_step
 
     record = optax.GradientTransformation(lambda p: jax.tree.map(jnp.zeros_like, p), lambda g, s, p=None: (g, g))

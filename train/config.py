@@ -193,7 +193,10 @@ class ExecutionConfig:
     Pallas kernels on GPU, XLA elsewhere), "xla", "pallas" (on CPU in interpret mode:
     slow, for tests), and for attention "cudnn" (GPU only). ``loss`` "pallas" is the
     fused vocabulary projection + cross-entropy that never stores the logits; ``moe``
-    "pallas" the grouped-matmul kernel for the experts' MLPs ("xla": ``jax.lax.ragged_dot``).
+    "pallas" the grouped-matmul kernel for the experts' MLPs ("xla": ``jax.lax.ragged_dot``);
+    ``moe_exchange`` how ``mesh.expert`` moves tokens: "padded" fixed per-destination
+    all-to-all buffers, "ragged" ``jax.lax.ragged_all_to_all`` (GPU and TPU), "auto"
+    ragged where the backend has it.
 
     With ``mesh.seq`` > 1, how attention runs over the split length
     (``jaxpar.ring_attention``): ``execution.seq_impl`` (``Config.layout``'s) the blockwise
@@ -211,6 +214,7 @@ class ExecutionConfig:
     norm: Literal[KERNEL_IMPLS["norm"]] = "auto"
     loss: Literal[KERNEL_IMPLS["loss"]] = "auto"
     moe: Literal[KERNEL_IMPLS["moe"]] = "auto"
+    moe_exchange: Literal[KERNEL_IMPLS["moe_exchange"]] = "auto"
     seq_layout: Literal[SEQUENCE_LAYOUTS] = "zigzag"
 
     @property
@@ -218,7 +222,7 @@ class ExecutionConfig:
         """The kernels chosen; ``ConfigError`` (one line) for one this device cannot run
         (``cudnn`` without a GPU, ``pallas`` or ``cudnn`` on a GPU older than 8.0)."""
         try:
-            return KernelOptions(self.attention, self.norm, self.loss, self.moe)
+            return KernelOptions(self.attention, self.norm, self.loss, self.moe, self.moe_exchange)
         except ValueError as e:
             raise ConfigError(str(e)) from None
 

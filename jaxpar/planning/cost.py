@@ -94,17 +94,18 @@ def recompute_flops(work: Workload, remat: str) -> tuple[float, float]:
     return 0.0, 0.0
 
 
-def expert_rows(work: Workload, layout: Layout) -> float:
+def expert_rows(work: Workload, layout: Layout, ragged: bool = False) -> float:
     """Rows one device's grouped matmuls run over per MoE layer per step, all
     microbatches: its own tokens (the batch split over data, fsdp and expert; whole over
     ``seq``, which repeats the experts' work, and over ``tensor``, whose devices each
     take a slice of the experts' width) times ``k``; with expert parallelism the fixed
     per-destination buffers' ``W x min(k, E / W)`` rows a token
-    (``jaxpar.models.moe.exchange``)."""
-    return work.tokens / layout.data_ways * work.routed_rows(layout.expert)
+    (``jaxpar.models.moe.exchange``), or with ``ragged`` (a GPU's or TPU's
+    ``exchange_ragged``) ``k`` rows a token, an even load."""
+    return work.tokens / layout.data_ways * work.routed_rows(layout.expert, ragged)
 
 
-def flops(work: Workload, layout: Layout) -> tuple[float, float]:
+def flops(work: Workload, layout: Layout, ragged: bool = False) -> tuple[float, float]:
     """``(matmul, attention)`` FLOPs per device per step, recompute included; a MoE
     layer's routed experts as built (``expert_rows``), not an even share of the batch."""
     extra_mm, extra_att = recompute_flops(work, layout.remat)
@@ -115,7 +116,7 @@ def flops(work: Workload, layout: Layout) -> tuple[float, float]:
     passes = 6 + (2 if layout.remat == "full" else 0)  # a matmul's forward is 2 FLOPs a weight a row
     per_row = passes * work.expert_params * work.moe_layers
     routed = work.tokens * work.model.moe.experts_per_token * per_row
-    return ((matmul - routed) / layout.devices + expert_rows(work, layout) * per_row / layout.tensor_ways,
+    return ((matmul - routed) / layout.devices + expert_rows(work, layout, ragged) * per_row / layout.tensor_ways,
             attention / layout.devices)
 
 
@@ -135,8 +136,9 @@ def elementwise_bytes(work: Workload, layout: Layout) -> float:
     return split * (per_layer * layers + 4 * 4 * x["logits"]) + 7 * 4 * s["elements"]
 
 
-def comm_bytes(work: Workload, layout: Layout) -> tuple[dict[str, float], dict[str, int]]:
-    """Counted bytes each device sends per step, and collectives, by mesh-axis key."""
+def comm_bytes(work: Workload, layout: Layout, ragged: bool = False) -> tuple[dict[str, float], dict[str, int]]:
+    """Counted bytes each device sends per step, and collectives, by mesh-axis key
+    (``ragged``: a MoE layer's exchange sends its real rows, ``expert_rows``)."""
     m = work.model
     c = m.compute_dtype.itemsize
     x = local_sizes(work, layout)
@@ -190,7 +192,7 @@ def comm_bytes(work: Workload, layout: Layout) -> tuple[dict[str, float], dict[s
             2 * layout.microbatches * layout.virtual_stages)
     if work.moe_layers and layout.expert > 1:  # each buffer out and back, forward and backward
         w, exchanges = layout.expert, 4 + (2 if full else 0)
-        add("expert", exchanges * (w - 1) / w * expert_rows(work, layout) * m.dim * c * work.moe_layers,
+        add("expert", exchanges * (w - 1) / w * expert_rows(work, layout, ragged) * m.dim * c * work.moe_layers,
             split * work.moe_layers * (exchanges + 1 + (1 if full else 0)))
     if work.moe_layers and layout.tensor_ways > 1:  # the rows' outputs summed over the width's slices
         tp, rows = layout.tensor_ways, work.tokens / layout.data_ways
@@ -242,7 +244,10 @@ def step_time(work: Workload, layout: Layout, hw: Hardware, *, devices_per_node:
     traffic of ``pipe=2`` programs on 16 devices, BENCHMARKS "Planning"), so there the
     count stands."""
     m = work.model
-    matmul, attention = flops(work, layout)
+    # off a CPU, expert parallelism exchanges real rows (jax.lax.ragged_all_to_all) and the
+    # grouped matmuls skip the buffers' empty rows: k rows a token
+    ragged = hw.name != "cpu"
+    matmul, attention = flops(work, layout, ragged)
     peak = hw.peak(m.dtype)
     t_matmul = matmul / (peak * hw.efficiency["matmul"])
     t_attention = attention / (peak * hw.efficiency["attention"])
@@ -252,8 +257,10 @@ def step_time(work: Workload, layout: Layout, hw: Hardware, *, devices_per_node:
         count = dict(compiled.get("collective_counts_by_axes", {}))
         if compiled_backend == "cpu" and hw.name != "cpu" and m.dtype != "float32":
             sent = {k: v / 2 if any(a in k for a in ("tensor", "seq", "pipe")) else v for k, v in sent.items()}
+        if ragged and compiled_backend == "cpu" and "expert" in sent:  # XLA:CPU's program sends padded buffers
+            sent["expert"] = comm_bytes(work, layout, ragged)[0].get("expert", 0.0)
     else:
-        sent, count = comm_bytes(work, layout)
+        sent, count = comm_bytes(work, layout, ragged)
     sizes = layout.mesh_sizes
     critical = ring = overlapped = 0.0
     for key, nbytes in sent.items():

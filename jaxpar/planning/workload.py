@@ -65,12 +65,16 @@ class Workload:
         m = self.model
         return 0 if m.moe is None else m.layers // m.moe.every
 
-    def routed_rows(self, expert: int) -> int:
+    def routed_rows(self, expert: int, ragged: bool = False) -> int:
         """Rows a token puts through a MoE layer's grouped matmuls on ``expert`` devices:
         its ``k`` copies, or with expert parallelism the fixed per-destination buffers'
-        ``W x min(k, E / W)`` (``jaxpar.models.moe.exchange``)."""
+        ``W x min(k, E / W)`` (``jaxpar.models.moe.exchange``); ``ragged``: its ``k``
+        copies whatever ``expert`` (``exchange_ragged`` on a GPU or TPU, whose grouped
+        matmuls read the group sizes and skip the buffers' empty rows)."""
         e = self.model.moe
-        return expert * min(e.experts_per_token, e.experts // expert) if expert > 1 else e.experts_per_token
+        if expert > 1 and not ragged:
+            return expert * min(e.experts_per_token, e.experts // expert)
+        return e.experts_per_token
 
     @property
     def expert_params(self) -> int:
