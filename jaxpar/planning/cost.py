@@ -116,8 +116,8 @@ def flops(work: Workload, layout: Layout, ragged: bool = False) -> tuple[float, 
     passes = 6 + (2 if layout.remat == "full" else 0)  # a matmul's forward is 2 FLOPs a weight a row
     per_row = passes * work.expert_params * work.moe_layers
     routed = work.tokens * work.model.moe.experts_per_token * per_row
-    return ((matmul - routed) / layout.devices + expert_rows(work, layout, ragged) * per_row / layout.tensor_ways,
-            attention / layout.devices)
+    mine = expert_rows(work, layout, ragged) * per_row / (layout.tensor_ways * layout.pipe)  # a stage's MoE layers
+    return (matmul - routed) / layout.devices + mine, attention / layout.devices
 
 
 def elementwise_bytes(work: Workload, layout: Layout) -> float:
@@ -190,15 +190,16 @@ def comm_bytes(work: Workload, layout: Layout, ragged: bool = False) -> tuple[di
     if layout.pipe > 1:
         add("pipe", 2 * layout.microbatches * layout.virtual_stages * x["btd"] * c,
             2 * layout.microbatches * layout.virtual_stages)
+    moe_here = work.moe_layers / layout.pipe  # the MoE layers of a device's stages
     if work.moe_layers and layout.expert > 1:  # each buffer out and back, forward and backward
         w, exchanges = layout.expert, 4 + (2 if full else 0)
-        add("expert", exchanges * (w - 1) / w * expert_rows(work, layout, ragged) * m.dim * c * work.moe_layers,
-            split * work.moe_layers * (exchanges + 1 + (1 if full else 0)))
+        add("expert", exchanges * (w - 1) / w * expert_rows(work, layout, ragged) * m.dim * c * moe_here,
+            split * moe_here * (exchanges + 1 + (1 if full else 0)))
     if work.moe_layers and layout.tensor_ways > 1:  # the rows' outputs summed over the width's slices
         tp, rows = layout.tensor_ways, work.tokens / layout.data_ways
         passes = 2 + (1 if full else 0)  # the output forward, the input's gradient backward
-        add("tensor", passes * 2 * (tp - 1) / tp * rows * m.dim * c * work.moe_layers,
-            split * work.moe_layers * passes)
+        add("tensor", passes * 2 * (tp - 1) / tp * rows * m.dim * c * moe_here,
+            split * moe_here * passes)
     return sent, count
 
 
