@@ -23,7 +23,8 @@ Parts (all per device):
     (``[b, t, V / tensor]`` in float32, three copies; on a q x q grid SUMMA's head also
     keeps its q block products, q + 2 copies), or a layer's own working set while it
     recomputes and differentiates (1.5 times the ``none`` policy's saved set: the factor
-    that fits the compiled ``1b`` programs best), whichever is larger; plus
+    that fits the compiled ``1b`` programs best), or RSA's backward over its float32
+    scores (``RSA_SCORE_COPIES`` of them), whichever is larger; plus
     one layer's gathered weights under FSDP or ``seq``, and a 2D grid's weight panels
     (twice: the next layer's gather overlaps), and
     float32 copies of the vocabulary table whole where ``fsdp`` or ``seq`` splits it
@@ -181,6 +182,15 @@ def in_flight(layout: Layout) -> int:
     return schedule_figures(layout.schedule, layout.pipe, layout.microbatches, layout.virtual_stages)[1]
 
 
+# RSA's backward holds its float32 scores [b, N, t, T] (the local queries against every
+# key) about six times at once on XLA:CPU (1b seq=2 tensor=4 rsa remat=full: a pad and a
+# convert of them, two copies each, and the softmax's div, sum and max; 28 GiB of a 32 GiB
+# peak, bench/plan_memory_explain.py). 6 fits the four 1b RSA rows of BENCHMARKS.md's
+# memory sample best (-14% to +7%, from -52% to -11%); the smaller configs' scores are
+# too small to matter.
+RSA_SCORE_COPIES = 6
+
+
 def estimate(work: Workload, layout: Layout, *, backend: str = "gpu", prefetch: int = 1) -> dict[str, float]:
     """Bytes per device by ``PARTS``, plus ``host`` (state in host memory) and
     ``device`` (the sum of the parts: the step's peak on the device)."""
@@ -222,7 +232,8 @@ def estimate(work: Workload, layout: Layout, *, backend: str = "gpu", prefetch: 
     # The logits, their exponentials and gradient; SUMMA's head keeps its q block
     # products and their sum (q + 2 in all).
     copies = layout.tensor[0] + 2 if isinstance(layout.tensor, tuple) else 3
-    workspace = max(copies * 4 * x["logits"], 1.5 * one_layer) + gathered + tables
+    rsa = RSA_SCORE_COPIES * 4 * x["ring_scores"] if layout.seq > 1 and layout.seq_impl == "rsa" else 0.0
+    workspace = max(copies * 4 * x["logits"], 1.5 * one_layer, rsa) + gathered + tables
     parts = {"params": params_dev, "optimizer": optimizer, "batch": batch, "gradients": grads,
              "activations": activations, "workspace": workspace}
     parts["device"] = sum(parts.values())
