@@ -143,7 +143,7 @@ def test_moe_published_mixtral_within_15_percent(tmp_path, capsys):
 
 
 @pytest.mark.bench
-def test_plan_memory_explain_names_the_peaks_buffers(tmp_path, capsys):
+def test_plan_memory_explain_names_the_peaks_buffers(tmp_path):
     """bench/plan_memory_explain.py on one tiny layout: the estimate's parts, the compiled
     peak and XLA's live values at the peak by operation, largest first."""
     out = run("plan_memory_explain.py", "tiny", "8", "data=2 seq=2 tensor=2 rsa sp remat=full ga=2",
