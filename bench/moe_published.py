@@ -24,7 +24,7 @@ import tempfile
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from plan_published import GIB, predict, rank  # noqa: E402  (bench/: this script's folder)
+from plan_published import predict, rank  # noqa: E402  (bench/: this script's folder)
 
 MEGATRON_MOE_README = ("NVIDIA/Megatron-LM megatron/core/transformer/moe/README.md at b97184d (2026-01-16): "
                        "'With MCore v0.9, we've achieved remarkable performance of 468 TFLOPS for Mixtral 8X7B "
