@@ -77,12 +77,13 @@ def test_a_checkpoint_restores_onto_another_placement(tmp_path, rng, mesh, saved
     assert jax.tree.structure(back) == jax.tree.structure(state)
 
 
-@pytest.mark.parametrize("replica_parallel", [False, True])
-def test_saving_replicated_host_state_makes_no_device_copies(tmp_path, rng, replica_parallel):
+def test_saving_replicated_host_state_makes_no_device_copies(tmp_path, rng):
     """Host-resident state replicated over a data axis (8 replicas): a save that is not
     replica-parallel (what a run with its state on the host opens) holds nothing in
-    device memory while in flight; orbax's replica-parallel save slices each array per
-    replica, and each slice of a host array is made in device memory."""
+    device memory while in flight. (Orbax's replica-parallel save slices each array per
+    replica, each slice of a host array made in device memory: seen while a save was in
+    flight on a slower machine, but whether the slices are still alive at the instant a
+    test looks is a race, which a 2.2x faster VM lost on 2026-11-30; so not held here.)"""
     from jaxpar.train.offload import live_bytes_per_device
 
     mesh = jax.make_mesh((8,), ("data",))
@@ -91,10 +92,10 @@ def test_saving_replicated_host_state_makes_no_device_copies(tmp_path, rng, repl
     host = NamedSharding(mesh, PartitionSpec(), memory_kind=HOST)
     placed = jax.device_put(state, jax.tree.map(lambda _: host, state))
     before = live_bytes_per_device()
-    with Checkpoints(tmp_path, keep=1, replica_parallel=replica_parallel) as checkpoints:
+    with Checkpoints(tmp_path, keep=1, replica_parallel=False) as checkpoints:
         checkpoints.save(1, placed, {})
         in_flight = live_bytes_per_device()
-    assert (in_flight != before) == replica_parallel
+    assert in_flight == before
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=host), state)
     with Checkpoints(tmp_path, keep=1) as checkpoints:
         _, back, _ = checkpoints.restore_latest(target)
