@@ -78,13 +78,13 @@ def main(argv: list[str] | None = None) -> None:
         work = Workload(staged, run["global_batch"], run["seq_len"])
         layout = Layout(**run["layout"])
         assert layout.devices == run["devices"], (run["name"], layout.devices)
-        reported_s = flops_work.model_flops() / (run["devices"] * run["tflops_per_gpu"] * 1e12)
+        flops = run["tflops_per_gpu"] * 1e12
+        reported = {"tflops_per_gpu": run["tflops_per_gpu"], "mfu": flops / peak,
+                    "step_s": flops_work.model_flops() / (run["devices"] * flops)}
         pred = predict(work, layout, hw, flops_work)
-        result = {**{k: run[k] for k in ("name", "source", "devices", "global_batch", "seq_len", "assumptions",
-                                         "differs")},
-                  "layout": layout.describe(), "reported": {"tflops_per_gpu": run["tflops_per_gpu"],
-                                                            "step_s": reported_s, "mfu": run["tflops_per_gpu"] * 1e12 / peak},
-                  "predicted": pred, "mfu_relative_error": pred["mfu"] / (run["tflops_per_gpu"] * 1e12 / peak) - 1}
+        keys = ("name", "source", "devices", "global_batch", "seq_len", "assumptions", "differs")
+        result = {**{k: run[k] for k in keys}, "layout": layout.describe(), "reported": reported,
+                  "predicted": pred, "mfu_relative_error": pred["mfu"] / reported["mfu"] - 1}
         if not args.no_rank:
             result["rank"] = rank(work, layout, hw, run["devices"], flops_work)
         result["seconds"] = round(time.perf_counter() - began, 1)

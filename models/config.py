@@ -102,11 +102,12 @@ class MoEConfig:
             raise ValueError(f"model.moe.bias_rate={self.bias_rate!r} must not be negative")
 
 
-def check_expert_ways(moe: MoEConfig | None, ways: int) -> None:
+def check_expert_ways(moe: MoEConfig | None, ways: int, missing: str = "give model.moe (e.g. model=moe_tiny)") -> None:
     """``mesh.expert=ways`` splits a MoE model's whole experts: ``ValueError`` naming the
-    key where the model has no ``model.moe`` or ``ways`` does not divide its experts."""
+    key where the model has no ``model.moe`` (``missing``: what the line says to do, a
+    config's or a loaded model's) or ``ways`` does not divide its experts."""
     if moe is None:
-        raise ValueError(f"mesh.expert={ways} splits a MoE model's experts: give model.moe (e.g. model=moe_tiny)")
+        raise ValueError(f"mesh.expert={ways} splits a MoE model's experts: {missing}")
     if moe.experts % ways:
         raise ValueError(f"mesh.expert={ways} must divide model.moe.experts={moe.experts}")
 

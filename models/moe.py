@@ -361,10 +361,7 @@ def exchange(mlp, xs: jax.Array, group_sizes: jax.Array, axes: tuple[str, ...], 
     received counts give zeros; a backend whose grouped matmul reads the group sizes
     skips them). ``ragged_all_to_all`` would send only the real rows: its offsets and
     sizes are ``send_buffers``' ``starts`` and ``per_dest`` and the received ``counts``."""
-    W = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in axes)
-    axes = axes[0] if len(axes) == 1 else axes
-    local = group_sizes.shape[0] // W
-    slots = xs.shape[0] // k * min(k, local)
+    W, axes, local, slots = _exchange_sizes(xs, group_sizes, axes, k)
     buffers, dest, pos = send_buffers(xs, group_sizes.reshape(W, local).sum(1), slots)
     received = jax.lax.all_to_all(buffers, axes, 0, 0, tiled=True)  # [W sources, slots, D]
     counts = jax.lax.all_to_all(group_sizes.reshape(W, local), axes, 0, 0, tiled=True)  # [W sources, E/W]
@@ -376,6 +373,15 @@ def exchange(mlp, xs: jax.Array, group_sizes: jax.Array, axes: tuple[str, ...], 
     out = jnp.zeros_like(out).at[order].set(out).reshape(W, slots, -1)
     returned = jax.lax.all_to_all(out, axes, 0, 0, tiled=True)  # [W destinations, slots, D]
     return returned[dest, pos]
+
+
+def _exchange_sizes(xs: jax.Array, group_sizes: jax.Array, axes: tuple[str, ...], k: int) -> tuple:
+    """``(W, axis name, E / W, slots)`` of an exchange over the mesh ``axes``: the devices,
+    the name a collective takes, each device's experts, and the most rows one device can
+    send another (``N * min(k, E / W)``: a token's k experts are distinct)."""
+    W = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in axes)
+    local = group_sizes.shape[0] // W
+    return W, axes[0] if len(axes) == 1 else axes, local, xs.shape[0] // k * min(k, local)
 
 
 def exchange_ragged(mlp, xs: jax.Array, group_sizes: jax.Array, axes: tuple[str, ...], k: int,
@@ -390,20 +396,18 @@ def exchange_ragged(mlp, xs: jax.Array, group_sizes: jax.Array, axes: tuple[str,
     back the same way, each to where its row came from. The offsets: where a source's
     rows land here is the running sum of the counts received; a sender learns where its
     rows land at each destination (and, for the way back, where each source's rows
-    started there) by an all-to-all of those offsets."""
-    mesh = jax.sharding.get_abstract_mesh()
-    W = math.prod(mesh.shape[a] for a in axes)
-    name = axes[0] if len(axes) == 1 else axes
-    local = group_sizes.shape[0] // W
-    slots = xs.shape[0] // k * min(k, local)
+    started there) by one all-to-all of those offsets."""
+    W, name, local, slots = _exchange_sizes(xs, group_sizes, axes, k)
     a2a = lambda x: jax.lax.all_to_all(x, name, 0, 0, tiled=True)  # noqa: E731
     sent = group_sizes.reshape(W, local).sum(1)  # rows for each destination, from xs[starts]
     starts = jnp.cumsum(sent) - sent
     counts = a2a(group_sizes.reshape(W, local))  # [W sources, E/W]
     received = counts.sum(1)
     landed = jnp.cumsum(received) - received  # where each source's rows start here
-    buffer = send(xs, jnp.zeros((W * slots, xs.shape[1]), xs.dtype), starts, sent, a2a(landed), received,
-                  axis_name=name)
+    # one all-to-all for both ways: where this device's rows land at each destination, and
+    # where each source's rows started in its xs (for the way back)
+    there, origins = a2a(jnp.stack([landed, starts], axis=1)).T
+    buffer = send(xs, jnp.zeros((W * slots, xs.shape[1]), xs.dtype), starts, sent, there, received, axis_name=name)
     # received rows in (source, local expert) segments, then padding: each row's expert
     ends = jnp.cumsum(counts.reshape(-1))
     segment = jnp.searchsorted(ends, jnp.arange(W * slots), side="right")
@@ -411,7 +415,7 @@ def exchange_ragged(mlp, xs: jax.Array, group_sizes: jax.Array, axes: tuple[str,
     order = jnp.argsort(expert, stable=True)
     out = mlp(jnp.take(buffer, order, axis=0), counts.sum(0))
     out = jnp.zeros_like(out).at[order].set(out)
-    return send(out, jnp.zeros_like(xs), landed, received, a2a(starts), sent, axis_name=name)
+    return send(out, jnp.zeros_like(xs), landed, received, origins, sent, axis_name=name)
 
 
 def owned(mlp, xs: jax.Array, group_sizes: jax.Array, axes: tuple[str, ...]) -> jax.Array:

@@ -815,7 +815,7 @@ def test_command_line_refuses_what_is_not_supported_yet(hf_dir, capsys):
         assert exit_.value.code == 2 and words in err and len(err.strip().splitlines()) == 1, err
     assert serve.main([str(hf_dir), "mesh.expert=2", "--no-progress"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1] == "jaxpar-serve: error: mesh.expert=2 splits a MoE model's experts, and this model has none"
+    assert err[-1] == "jaxpar-serve: error: mesh.expert=2 splits a MoE model's experts: this model has none"
 
 
 def test_command_line_reads_the_api_key_from_the_environment(hf_dir, monkeypatch, capsys):

@@ -167,13 +167,10 @@ def serving_rules(model, expert: int):
     model's experts checked to split over it (``ValueError``: one line)."""
     if expert == 1:
         return None
+    from jaxpar.models.config import check_expert_ways
     from jaxpar.placement import rules as rules_lib
 
-    moe = model.cfg.moe
-    if moe is None:
-        raise ValueError(f"mesh.expert={expert} splits a MoE model's experts, and this model has none")
-    if moe.experts % expert:
-        raise ValueError(f"mesh.expert={expert} must divide the model's {moe.experts} experts")
+    check_expert_ways(model.cfg.moe, expert, missing="this model has none")
     return rules_lib.override(rules_lib.DEFAULT_RULES, rules_lib.EXPERTS_OWNED)
 
 
