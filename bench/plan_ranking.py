@@ -2,7 +2,7 @@
 step times measured by training each layout on this machine.
 
     python bench/plan_ranking.py [--config tiny] [--set seq_len=512 ...] [--devices 8]
-        [--hardware cpu] [--top 5] [--sample 15] [--seed 0] [--steps 6] [--timeout 900]
+        [--hardware cpu] [--top 5] [--sample 15] [--seed 0] [--steps 6] [--repeat 1] [--timeout 900]
         [--json bench/results/plan_ranking.json] [--png bench/figures/plan_ranking.png]
     python bench/plan_ranking.py --smoke [--json PATH] [--png PATH]
         # tiny, model.layers=2 seq_len=64 batch_size=8: the top 2 + 1 sampled, 3 steps each
@@ -26,7 +26,11 @@ step times measured by training each layout on this machine.
    predicts it: a first version timed ``jaxpar-train``'s own ``step_time_s`` and, with
    its loader and per-step bookkeeping on this shared 2-core machine, two runs of the
    same 20 layouts agreed with each other at a rank correlation of 0.54. A layout that
-   fails is recorded with its error line and skipped.
+   fails is recorded with its error line and skipped. ``--repeat R`` measures the whole
+   set ``R`` times, pass after pass (each layout in a fresh process each time), takes
+   the median of a layout's passes as its measured time, and prints the rank
+   correlation of each later pass with the first: how well the measurement agrees with
+   itself, the ceiling for any prediction's Spearman on this machine.
 
 The batch is the config's (tiny: 16 rows, whatever ``seq_len``; ``--set batch_size=N``
 changes it for the plan and the runs alike). Wall-clock times on a shared machine are
@@ -156,6 +160,17 @@ def measure(config: str, sets: list[str], overrides: dict, steps: int, devices: 
     return {"measured_s": float(np.median(times)), "step_times_s": times, "seconds": seconds, "error": None}
 
 
+def combined(runs: list[dict]) -> dict:
+    """One layout's passes as one row: the median of their measured times (None if any
+    failed, with the first failure's line), every pass's (``passes_s``), their steps
+    and wall seconds."""
+    failed = next((r for r in runs if r["error"] is not None), None)
+    passes = [r["measured_s"] for r in runs]
+    return {"measured_s": None if failed else float(np.median(passes)), "passes_s": passes,
+            "step_times_s": [t for r in runs for t in r["step_times_s"]],
+            "seconds": round(sum(r["seconds"] for r in runs), 1), "error": failed["error"] if failed else None}
+
+
 def ranks(values) -> np.ndarray:
     """1-based ranks, ties sharing their average rank."""
     x = np.asarray(values, dtype=float)
@@ -175,6 +190,14 @@ def spearman(a, b) -> float | None:
     ra, rb = ra - ra.mean(), rb - rb.mean()
     norm = np.sqrt((ra ** 2).sum() * (rb ** 2).sum())
     return float((ra * rb).sum() / norm) if norm > 0 else None
+
+
+def repeatability(rows: list[dict]) -> list[float | None]:
+    """Spearman of each later pass's measured times against the first pass's, over
+    the rows every pass measured (``--repeat``)."""
+    done = [r for r in rows if r.get("passes_s") and None not in r["passes_s"]]
+    passes = len(done[0]["passes_s"]) if done else 0
+    return [spearman([r["passes_s"][0] for r in done], [r["passes_s"][k] for r in done]) for k in range(1, passes)]
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -200,6 +223,7 @@ def summarize(rows: list[dict]) -> dict:
         "top_choice_measured_rank": int(ranks(measured)[done.index(top)]) if trained else None,
         "mean_abs_rel_error": float(np.mean(np.abs(predicted - measured) / measured)) if done else None,
         "median_measured_over_predicted": float(np.median(measured / predicted)) if done else None,
+        "spearman_pass_vs_first": repeatability(rows),
     }
 
 
@@ -235,6 +259,9 @@ def summary_lines(s: dict, considered: int, kept: int, eligible: int) -> list[st
     if s["mean_abs_rel_error"] is not None:
         lines.append(f"Mean absolute relative error of the predicted step time: {s['mean_abs_rel_error']:.1%}; "
                      f"median measured / predicted: {s['median_measured_over_predicted']:.2f}.")
+    if s["spearman_pass_vs_first"]:
+        agree = ", ".join("n/a" if v is None else f"{v:.3f}" for v in s["spearman_pass_vs_first"])
+        lines.append(f"The measurement against itself (each later pass vs the first, Spearman): {agree}.")
     return lines
 
 
@@ -342,6 +369,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--sample", type=int, default=DEFAULT["sample"], help="others sampled over the ranking (15)")
     parser.add_argument("--seed", type=int, default=0, help="the sample's seed (0)")
     parser.add_argument("--steps", type=int, default=DEFAULT["steps"], help="timed steps per layout, after one that compiles (6)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="measure the whole set this many times, pass after pass (1); measured = the median")
     parser.add_argument("--timeout", type=float, default=900, help="seconds one run may take (900)")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny, model.layers=2 seq_len=64 batch_size=8, top 2 + 1 sampled, 3 steps: for the tests")
@@ -353,6 +382,8 @@ def main(argv: list[str] | None = None) -> dict:
             SMOKE["config"], list(SMOKE["set"]), SMOKE["top"], SMOKE["sample"], SMOKE["steps"])
     if args.steps < 1:
         parser.error("--steps must be 1 or more")
+    if args.repeat < 1:
+        parser.error(f"--repeat must be 1 or more, not {args.repeat}")
 
     from jaxpar.train.config import load_config
 
@@ -364,15 +395,17 @@ def main(argv: list[str] | None = None) -> dict:
     chosen = choose(result["candidates"], args.top, args.sample, args.seed)
     print(f"jaxpar-plan: {result['kept']:,} candidates ranked in {result['seconds']:.1f} s; measuring {len(chosen)}",
           file=sys.stderr, flush=True)
-    rows = []
-    for i, c in enumerate(chosen, 1):
-        run = measure(args.config, args.set, c["overrides"], args.steps, args.devices, args.timeout)
-        rows.append({"rank": c["rank"], "pick": c["pick"], "layout": c["layout"], "overrides": c["overrides"],
-                     "memory_bytes": c["memory_bytes"], "memory_source": c["memory_source"],
-                     "predicted_s": c["step_time_s"], "split": c["split"], **run})
-        said = f"{_ms(run['measured_s'])} ms" if run["error"] is None else f"failed: {run['error']}"
-        print(f"[{i}/{len(chosen)}] #{c['rank']} {c['layout']}: predicted {_ms(c['step_time_s'])} ms, "
-              f"measured {said} ({run['seconds']} s)", file=sys.stderr, flush=True)
+    runs: list[list[dict]] = [[] for _ in chosen]
+    for k in range(args.repeat):
+        for i, c in enumerate(chosen):
+            run = measure(args.config, args.set, c["overrides"], args.steps, args.devices, args.timeout)
+            runs[i].append(run)
+            said = f"{_ms(run['measured_s'])} ms" if run["error"] is None else f"failed: {run['error']}"
+            print(f"[pass {k + 1}, {i + 1}/{len(chosen)}] #{c['rank']} {c['layout']}: predicted "
+                  f"{_ms(c['step_time_s'])} ms, measured {said} ({run['seconds']} s)", file=sys.stderr, flush=True)
+    rows = [{"rank": c["rank"], "pick": c["pick"], "layout": c["layout"], "overrides": c["overrides"],
+             "memory_bytes": c["memory_bytes"], "memory_source": c["memory_source"],
+             "predicted_s": c["step_time_s"], "split": c["split"], **combined(r)} for c, r in zip(chosen, runs)]
     summary = summarize(rows)
     for line in table(rows):
         print(line)
@@ -385,7 +418,7 @@ def main(argv: list[str] | None = None) -> dict:
             "load_average_at_start": [round(v, 2) for v in load],
             "jax": importlib.metadata.version("jax"), "config": args.config, "set": args.set,
             "devices": f"{args.devices} simulated CPU devices", "batch_size": cfg.batch_size, "seq_len": cfg.seq_len,
-            "steps": args.steps, "timed_steps": f"{args.steps} after the compiling one (median)", "top": args.top, "sample": args.sample,
+            "steps": args.steps, "repeat": args.repeat, "timed_steps": f"{args.steps} after the compiling one (median)", "top": args.top, "sample": args.sample,
             "seed": args.seed, "hardware": args.hardware,
             "hardware_profile": _hardware_profile(args.hardware, cfg.cache_dir),
             "plan": {k: result.get(k) for k in ("considered", "pruned", "kept", "compiled", "from_cache", "seconds")},

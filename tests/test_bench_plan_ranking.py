@@ -118,3 +118,17 @@ def test_smoke(bench, tmp_path, capsys):
 
     bad = bench.measure("tiny", ["model.layers=2"], {"mesh.tensor": 3}, 3, 8)
     assert bad["measured_s"] is None and bad["error"].startswith("exit 1: ") and "divide" in bad["error"], bad
+
+
+def test_repeated_passes_combine_and_agree(bench):
+    """``--repeat``: a layout's passes become one row (their median; a failed pass
+    fails the row), and each later pass is ranked against the first."""
+    ok = lambda s: {"measured_s": s, "step_times_s": [s, s], "seconds": 2.0, "error": None}  # noqa: E731
+    row = bench.combined([ok(3.0), ok(1.0), ok(2.0)])
+    assert row["measured_s"] == 2.0 and row["passes_s"] == [3.0, 1.0, 2.0] and row["seconds"] == 6.0
+    failed = bench.combined([ok(1.0), {"measured_s": None, "step_times_s": [], "seconds": 1.0, "error": "exit 1: x"}])
+    assert failed["measured_s"] is None and failed["error"] == "exit 1: x"
+    rows = [{"passes_s": [1.0, 1.1, 3.0]}, {"passes_s": [2.0, 2.2, 2.0]}, {"passes_s": [3.0, 3.3, 1.0]},
+            {"passes_s": [4.0, None, 4.0]}]  # the last is left out: a pass failed
+    assert bench.repeatability(rows) == [pytest.approx(1.0), pytest.approx(-1.0)]
+    assert bench.repeatability([{"passes_s": [1.0]}]) == []
