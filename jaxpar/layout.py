@@ -143,6 +143,16 @@ class Layout:
         """Whether parameters or optimizer state may live in host memory (``auto`` may)."""
         return self.offload_params != "device" or self.offload_optimizer != "device"
 
+    @property
+    def lockstep(self) -> bool:
+        """Whether a pipeline of this layout runs in lockstep: its stages move data by
+        ``ppermute`` (ring or RSA attention over ``seq``, SUMMA over a 2D grid), which the
+        schedule's per-device branches cannot hold, so every device runs a forward part
+        and a backward part at each tick where any device has one
+        (``jaxpar.parallel.pipeline.lockstep_tick``; ``jaxpar.train.pipelined.needs_lockstep``
+        decides it from the mesh the same way)."""
+        return self.pipe > 1 and ((self.seq > 1 and self.seq_impl != "ulysses") or isinstance(self.tensor, tuple))
+
     def sequence(self, seq_layout: str = "natural") -> SequenceOptions:
         """How attention runs over a split length, tokens in ``seq_layout`` order."""
         return SequenceOptions(self.seq_impl, seq_layout)

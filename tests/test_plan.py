@@ -440,3 +440,40 @@ def test_the_planners_compiles_skip_llvms_optimisation_on_a_cpu(monkeypatch):
     with pytest.raises(RuntimeError, match="stopped"):
         plan_lib.compiled_figures(load_config("tiny", ["model.layers=1"]), Layout(data=2), batch_size=2)
     assert asked == [plan_lib.FIGURE_OPTIONS]
+
+
+def test_a_lockstep_pipeline_costs_both_parts_of_every_mixed_tick(tiny, h100):
+    """Ring attention or a 2D grid inside a pipeline's stages makes jaxpar's pipeline run
+    in lockstep (``Layout.lockstep``, as ``train.pipelined.needs_lockstep`` decides from
+    the mesh): each tick costs a forward part where any device has a forward plus a
+    backward part where any has a backward. GPipe's ticks are all one kind, so lockstep
+    costs its bubble; 1F1B's steady state mixes them. 1F1B on 2 devices, 2 microbatches
+    (device 0: F0 F1 . B0 . B1; device 1: . F0 B0 F1 B1 .): forwards at 3 ticks,
+    backwards at 4, so 3 + 2 x 4 = 11 forward-lengths for 2 x 3 of useful work."""
+    import jax
+
+    from jaxpar.placement.execution import use_execution
+    from jaxpar.train.pipelined import needs_lockstep
+
+    assert cost.lockstep_ticks("1f1b", 2, 2, 1) == pytest.approx(11 / 6)
+    assert cost.lockstep_ticks("gpipe", 4, 8, 1) == pytest.approx(11 / 8)  # (M + P - 1) / M, GPipe's bubble
+    work = work_of(tiny)
+    for layout, lockstep in ((Layout(pipe=2, seq=2, tensor=2, seq_impl="ring", microbatches=4), True),
+                             (Layout(pipe=2, seq=2, tensor=2, seq_impl="rsa", microbatches=4), True),
+                             (Layout(pipe=2, tensor=(2, 2), microbatches=4), True),
+                             (Layout(pipe=2, seq=2, tensor=2, seq_impl="ulysses", microbatches=4), False),
+                             (Layout(pipe=2, data=2, tensor=2, microbatches=4), False),
+                             (Layout(seq=2, tensor=4, seq_impl="ring"), False)):
+        mesh = jax.sharding.AbstractMesh(tuple(layout.mesh_sizes.values()), tuple(layout.mesh_sizes))
+        with use_execution(sequence=layout.sequence()):
+            assert layout.lockstep == lockstep == (layout.pipe > 1 and needs_lockstep(mesh)), layout.describe()
+        for kind in ("gpipe", "1f1b"):
+            one = dataclasses.replace(layout, schedule=kind) if layout.pipe > 1 else layout
+            st, branching = (cost.step_time(work, one, h100, devices_per_node=8, lockstep=flag) for flag in (None, False))
+            if not lockstep or kind == "gpipe":
+                assert st.total == pytest.approx(branching.total), (kind, one.describe())
+            else:  # both scale the stages' compute and critical traffic: by ticks - 1, by bubble / (1 - bubble)
+                idle, _ = memory.schedule_figures(kind, 2, 4, 1)
+                ratio = (cost.lockstep_ticks(kind, 2, 4, 1) - 1) / (idle / (1 - idle))
+                assert st.bubble == pytest.approx(branching.bubble * ratio) and ratio > 3
+                assert st.total - st.bubble == pytest.approx(branching.total - branching.bubble)

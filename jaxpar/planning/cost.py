@@ -40,7 +40,13 @@ Overlap (stated, one rule per kind of traffic, each compute second hides at most
 Bubble
     the idle fraction of the schedule actually built
     (``jaxpar.parallel.pipeline_schedule``): the critical-path time divided by
-    ``1 - bubble``.
+    ``1 - bubble``. A pipeline in lockstep (``Layout.lockstep``: ring or RSA attention
+    over ``seq``, or a 2D grid, inside its stages) runs a forward part at every tick
+    where any device has a forward and a backward part where any has a backward, every
+    device alike (``jaxpar.parallel.pipeline.lockstep_tick``): there the step is those
+    parts' sum over the schedule's ticks (``lockstep_ticks``; the same as the bubble's
+    for GPipe, whose ticks are all forwards or all backwards, up to twice it for 1F1B's
+    mixed ones), a backward taking ``BACKWARD_RATIO`` forwards.
 Offload
     host<->device bytes per step (host parameters fetched each pass, gradients and
     updates of a host optimizer) at ``host_bandwidth``, overlapped with compute as
@@ -56,11 +62,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+from jaxpar.parallel import pipeline_schedule
 from jaxpar.planning.hardware import Hardware
 from jaxpar.planning.layout import Layout
 from jaxpar.planning.memory import layout_shards, local_sizes, schedule_figures
 from jaxpar.planning.workload import Workload
 
+BACKWARD_RATIO = 2.0  # backward / forward time: 4 and 2 FLOPs per parameter and token
 AXIS_ORDER = ("data", "fsdp", "expert", "pipe", "seq", "tensor", "tensor_row", "tensor_col")
 CRITICAL = ("tensor", "tensor_row", "tensor_col", "pipe", "expert")  # exposed, whatever the overlap
 
@@ -225,6 +233,16 @@ def _within_node(key: str, sizes: tuple[tuple[str, int], ...], devices_per_node:
     return span <= devices_per_node
 
 
+@functools.lru_cache(maxsize=4096)
+def lockstep_ticks(kind: str, pipe: int, microbatches: int, virtual: int) -> float:
+    """A lockstep pipeline's time over its useful work: the sum over the schedule's
+    ticks of a forward part (where any device has a forward) and a backward part (where
+    any has a backward), over each device's ``M V`` forwards and backwards."""
+    s = pipeline_schedule.build(kind, pipe, microbatches, virtual)
+    f, b = (s.op == pipeline_schedule.FORWARD).any(axis=1), (s.op == pipeline_schedule.BACKWARD).any(axis=1)
+    return float((f.sum() + BACKWARD_RATIO * b.sum()) / (microbatches * virtual * (1 + BACKWARD_RATIO)))
+
+
 def offload_bytes(work: Workload, layout: Layout) -> float:
     s = layout_shards(work, layout)
     moved = 0.0
@@ -236,14 +254,16 @@ def offload_bytes(work: Workload, layout: Layout) -> float:
 
 
 def step_time(work: Workload, layout: Layout, hw: Hardware, *, devices_per_node: int,
-              compiled: dict | None = None, compiled_backend: str = "cpu") -> StepTime:
+              compiled: dict | None = None, compiled_backend: str = "cpu", lockstep: bool | None = None) -> StepTime:
     """The predicted ``StepTime`` of ``layout``; ``compiled``: the profiler's figures of
     its program, whose ``collectives_by_axes`` and ``collective_counts_by_axes`` replace
     the counted traffic, but for a pipeline (``pipe > 1``): its tick loop holds each
     device's forward, backward and head as branches of conditionals, which the profiler
     counts as if every branch ran at every tick (its stated upper bound: 10-20x the
     traffic of ``pipe=2`` programs on 16 devices, BENCHMARKS "Planning"), so there the
-    count stands."""
+    count stands. ``lockstep``: whether its pipeline runs in lockstep, where not as
+    jaxpar's program runs it (``Layout.lockstep``): another library's pipeline, whose
+    devices each run their own operation, is ``False``."""
     m = work.model
     # off a CPU, expert parallelism exchanges real rows (jax.lax.ragged_all_to_all) and the
     # grouped matmuls skip the buffers' empty rows: k rows a token
@@ -276,7 +296,10 @@ def step_time(work: Workload, layout: Layout, hw: Hardware, *, devices_per_node:
     exposed_overlapped = overlapped - hw.comm_overlap * min(overlapped, compute - min(ring, t_attention))
     latency = sum(count.values()) * hw.collective_latency
     bubble = 0.0
-    if layout.pipe > 1:
+    if layout.lockstep if lockstep is None else (lockstep and layout.pipe > 1):
+        ticks = lockstep_ticks(layout.schedule, layout.pipe, layout.microbatches, layout.virtual_stages)
+        bubble = (compute + critical) * (ticks - 1)
+    elif layout.pipe > 1:
         fraction, _ = schedule_figures(layout.schedule, layout.pipe, layout.microbatches, layout.virtual_stages)
         bubble = (compute + critical) * fraction / (1 - fraction)
     transfer = offload_bytes(work, layout) / hw.host_bandwidth

@@ -79,7 +79,7 @@ from jaxpar.planning.hardware import Hardware
 from jaxpar.planning.layout import Layout
 from jaxpar.planning.workload import Workload
 
-BACKWARD_RATIO = 2.0  # backward / forward time: the cost model's 4 and 2 FLOPs per parameter and token
+BACKWARD_RATIO = cost.BACKWARD_RATIO  # backward / forward time: the cost model's 4 and 2 FLOPs per parameter and token
 
 
 @functools.lru_cache(maxsize=256)
