@@ -41,8 +41,22 @@ kept beside it); tokens/s per GPU where the source gives it (step = batch x seq 
 (``Workload.model_flops() / (step x GPUs x peak bf16)``) for both the reported and the
 predicted step, so like is compared with like; the source's own MFU figure beside it.
 
-Predicted: ``jaxpar.planning.cost.step_time(work, layout, hw, devices_per_node=8)`` on
-the shipped ``a100`` / ``h100`` profiles, as they are (not tuned to these runs).
+Predicted: ``jaxpar.planning.cost.step_time(work, layout, hw, devices_per_node=8,
+lockstep=False)`` (these runs' pipelines branch, each device running its own operation,
+where jaxpar's runs in lockstep with ring attention inside its stages) on
+the shipped ``a100`` / ``h100`` profiles, as they are (not tuned to these runs), and,
+for a row whose software was not today's (the YAML's ``stack``), on that stack's
+profile as well (``STACKS``): the shipped profile with the overlap the stack had and one
+compute rate, fitted on one of its runs (its ``fit_run``) and checked on the others.
+The shipped profiles' efficiencies are today's kernels (cuBLAS at 85% of peak,
+FlashAttention-2 at 55%); Megatron-LM 2021 ran neither FlashAttention nor today's
+fused kernels, and all-reduced its gradients after the pipeline's flush, under no
+compute (its ``train_step``: ``forward_backward_func``, then, with its local DDP,
+``allreduce_gradients()`` under the ``backward-params-all-reduce`` timer). The fit run
+is the stack's smallest (1.7B on 32 GPUs, data parallelism alone): the step with the
+least besides its kernels. So the stack's rows check the model's layout terms
+(bubble, schedule, tensor and pipeline traffic) with the rate of the kernels taken from
+one run, and the shipped profile's error beside them is the kernels' difference.
 
 Rank (``--no-rank`` skips it): ``jaxpar.planning.search.search`` over the run's devices,
 analytic (``compile=None``), ``device_memory=80GiB``, ``Space(offload=False,
@@ -83,6 +97,18 @@ PLANNER_FILES = ("jaxpar/planning/layout.py", "jaxpar/planning/workload.py", "ja
                  "jaxpar/planning/hardware/h100.yaml")
 SPLIT = ("compute", "communication", "bubble", "offload")
 LLAMA_VIRTUAL = 4  # assumed: not published
+# The software a run's kernels came from, where it was not today's (module docstring):
+# the overlap it had (``comm_overlap``, the profile's field) and the run its one compute
+# rate is fitted on.
+STACKS = {
+    "megatron-lm-2021": {
+        "comm_overlap": 0.0,
+        "fit_run": "megatron-gpt-1.7b-table1-32gpu",
+        "why": "Megatron-LM 2021: no FlashAttention nor today's fused kernels (one compute rate, fitted on its "
+               "1.7B run); its local DDP all-reduced the gradients after the pipeline's flush (comm_overlap 0: "
+               "these layouts have no other overlapped traffic)",
+    },
+}
 LLAMA_PIPE_LAYERS = 128  # 16 ranks x 8 slots (126 layers + embedding + head)
 
 
@@ -220,12 +246,42 @@ def split_seconds(st) -> dict:
 def predict(work, layout, hw, flops_work) -> dict:
     from jaxpar.planning import cost, memory
 
-    st = cost.step_time(work, layout, hw, devices_per_node=8)
+    st = cost.step_time(work, layout, hw, devices_per_node=8, lockstep=False)  # Megatron's pipelines branch
     mem = memory.estimate(work, layout, backend="gpu")
     return {"step_s": st.total, "split_s": split_seconds(st),
             "mfu": flops_work.model_flops() / (st.total * layout.devices * hw.peak("bfloat16")),
             "memory_gib": mem["device"] / GIB, "memory_parts_gib": {k: mem[k] / GIB for k in mem},
             "fits_80gib": mem["device"] <= 80 * GIB}
+
+
+def with_rate(hw, rate: float, comm_overlap: float):
+    """``hw`` with its matmul and attention efficiencies times ``rate`` and
+    ``comm_overlap`` replaced."""
+    return dataclasses.replace(hw, name=f"{hw.name} x{rate:.3f}", comm_overlap=comm_overlap,
+                               efficiency={k: v * rate for k, v in hw.efficiency.items()})
+
+
+def stack_profile(stack: str, rows: list[dict], cache: str):
+    """``(Hardware, rate)``: the shipped profile of ``stack``'s fit run with the stack's
+    overlap and the one compute rate under which the fit run's predicted step equals its
+    reported one (bisection: the step falls as the rate grows)."""
+    from jaxpar.planning import cost, hardware
+    from jaxpar.planning.workload import Workload
+
+    spec = STACKS[stack]
+    row = next(r for r in rows if r["name"] == spec["fit_run"])
+    base = hardware.load(row["hardware"], cache)
+    work = Workload(model_config(row), row["global_batch"], row["seq_len"])
+    layout, _ = published_layout(row)
+    target = reported(row)["step_s"]
+    lo, hi = 0.05, 2.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        step = cost.step_time(work, layout, with_rate(base, mid, spec["comm_overlap"]), devices_per_node=8,
+                              lockstep=False).total
+        lo, hi = (lo, mid) if step < target else (mid, hi)
+    rate = (lo + hi) / 2
+    return with_rate(base, rate, spec["comm_overlap"]), rate
 
 
 def rank(work, layout, hw, devices: int, flops_work) -> dict:
@@ -246,7 +302,7 @@ def rank(work, layout, hw, devices: int, flops_work) -> dict:
         out["published"] = {"rank": exact + 1, "match": "exact (in the enumeration)"}
     else:  # not enumerated: inserted with its own estimate, ranked by the planner's key
         mem = memory.estimate(work, layout, backend="gpu")
-        mine = search.Candidate(layout, mem, cost.step_time(work, layout, hw, devices_per_node=8))
+        mine = search.Candidate(layout, mem, cost.step_time(work, layout, hw, devices_per_node=8, lockstep=False))
         mine.fits = mem["device"] <= 80 * GIB
         key = search._rank_key(mine)
         position = sum(search._rank_key(c) < key for c in cands)
@@ -307,9 +363,17 @@ def fmt_split(split: dict, total: float) -> str:
         (f" / off {split['offload']:.1f}" if split["offload"] > 0.05 else "")
 
 
+def shipped_error(r: dict) -> str:
+    """`` (fitted; shipped: +33.3%)`` for a stack's row, else nothing."""
+    if "stack" not in r:
+        return ""
+    fitted = "fitted; " if r["name"] == STACKS[r["stack"]["name"]]["fit_run"] else ""
+    return f" ({fitted}shipped: {r['mfu_relative_error_shipped']:+.1%})"
+
+
 def tables(results: list[dict], skipped: list[dict]) -> list[str]:
     lines = ["| run | GPUs | layout (jaxpar) | reported step | reported MFU (jaxpar conv.) | source's MFU | "
-             "predicted step | predicted MFU | MFU error | predicted compute / comm / bubble, s | fits 80 GiB (est.) |",
+             "predicted step | predicted MFU | MFU error (shipped profile's) | predicted compute / comm / bubble, s | fits 80 GiB (est.) |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         rep, pred = r["reported"], r["predicted"]
@@ -319,8 +383,14 @@ def tables(results: list[dict], skipped: list[dict]) -> list[str]:
         lines.append(
             f"| {r['name']} | {r['devices']:,} | `{r['layout']['describe']}` | {rep['step_s']:.2f} s{extra} | "
             f"{rep['mfu_jaxpar']:.1%} | {source} | {pred['step_s']:.2f} s | {pred['mfu']:.1%} | "
-            f"{r['mfu_relative_error']:+.1%} | {fmt_split(pred['split_s'], pred['step_s'])} | "
+            f"{r['mfu_relative_error']:+.1%}{shipped_error(r)} | {fmt_split(pred['split_s'], pred['step_s'])} | "
             f"{'yes' if pred['fits_80gib'] else 'no'} ({pred['memory_gib']:.0f} GiB) |")
+    stacks = {r["stack"]["name"]: r for r in results if "stack" in r}
+    for name, r in stacks.items():
+        st = r["stack"]
+        lines += ["", f"Stack {name}: the shipped {r['hardware'].split()[0]} profile with its matmul and attention "
+                      f"efficiencies x{st['rate']:.3f} (fitted on {st['fit_run']}) and comm_overlap "
+                      f"{st['comm_overlap']:g}. {st['why']}."]
     ranked = [r for r in results if "rank" in r]
     if ranked:
         lines += ["", "| run | candidates (fit) | published layout's rank (its mesh's rank) | planner's top choice | top: step, MFU "
@@ -377,13 +447,16 @@ def main(argv: list[str] | None = None) -> None:
     began = time.perf_counter()
     cache = tempfile.mkdtemp(prefix="plan_published_")
     results, skipped = [], []
+    every = yaml.safe_load(args.yaml.read_text())
+    stacks = {name: stack_profile(name, every, cache) for name in {r["stack"] for r in rows if r.get("stack")}}
     for row in rows:
         reason = skip_reason(row)
         if reason:
             skipped.append({"name": row["name"], "reason": reason})
             continue
         t0 = time.perf_counter()
-        hw = hardware.load(row["hardware"], cache)
+        shipped = hardware.load(row["hardware"], cache)
+        hw = stacks[row["stack"]][0] if row.get("stack") else shipped
         flops_work = Workload(model_config(row), row["global_batch"], row["seq_len"])
         assumptions = []
         pipe_layers = None
@@ -395,7 +468,7 @@ def main(argv: list[str] | None = None) -> None:
         layout, notes = published_layout(row)
         assumptions += notes
         rep = reported(row)
-        peak = hw.peak("bfloat16")
+        peak = shipped.peak("bfloat16")
         rep["mfu_jaxpar"] = flops_work.model_flops() / (rep["step_s"] * row["devices"] * peak)
         if layout.devices != row["devices"]:
             raise SystemExit(f"{row['name']}: the layout has {layout.devices} devices, the run {row['devices']}")
@@ -408,6 +481,13 @@ def main(argv: list[str] | None = None) -> None:
                   "assumptions": assumptions, "reported": rep, "predicted": pred,
                   "mfu_relative_error": pred["mfu"] / rep["mfu_jaxpar"] - 1,
                   "step_relative_error": pred["step_s"] / rep["step_s"] - 1}
+        if row.get("stack"):
+            on_shipped = predict(work, layout, shipped, flops_work)
+            result["stack"] = {"name": row["stack"], "rate": stacks[row["stack"]][1],
+                               "fit_run": STACKS[row["stack"]]["fit_run"], "why": STACKS[row["stack"]]["why"],
+                               "comm_overlap": STACKS[row["stack"]]["comm_overlap"]}
+            result["predicted_shipped"] = on_shipped
+            result["mfu_relative_error_shipped"] = on_shipped["mfu"] / rep["mfu_jaxpar"] - 1
         alternatives = []
         if is_llama3_405b(row):
             for v in (1, 2, 4, 8):
@@ -442,7 +522,8 @@ def main(argv: list[str] | None = None) -> None:
             "seconds": round(time.perf_counter() - began, 1),
             "mfu_convention": "Workload.model_flops() / (step x GPUs x peak bf16): 6 x matmul parameters (head "
                               "included, lookup not) + 12 l s h per token, no recompute",
-            "mfu_relative_error": "predicted MFU / reported MFU - 1 (= reported step / predicted step - 1)"}
+            "mfu_relative_error": "predicted MFU / reported MFU - 1 (= reported step / predicted step - 1)",
+            "stacks": {name: {**STACKS[name], "rate": rate} for name, (_, rate) in stacks.items()}}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"meta": meta, "runs": results, "skipped": skipped}, indent=1) + "\n")
