@@ -296,7 +296,8 @@ def step_time(work: Workload, layout: Layout, hw: Hardware, *, devices_per_node:
     exposed_overlapped = overlapped - hw.comm_overlap * min(overlapped, compute - min(ring, t_attention))
     latency = sum(count.values()) * hw.collective_latency
     bubble = 0.0
-    if layout.lockstep if lockstep is None else (lockstep and layout.pipe > 1):
+    in_lockstep = layout.lockstep if lockstep is None else lockstep and layout.pipe > 1
+    if in_lockstep:  # the bubble then also counts the parts a device computes for nothing
         ticks = lockstep_ticks(layout.schedule, layout.pipe, layout.microbatches, layout.virtual_stages)
         bubble = (compute + critical) * (ticks - 1)
     elif layout.pipe > 1:

@@ -37,7 +37,9 @@ What a layer keeps (local shapes: ``b`` rows, ``t = T / seq`` tokens, heads and 
 width split over ``tensor``; with Megatron SP the residual stream's tokens too):
 ``full`` its input ``[b, t, D]``; ``dots_no_batch`` also the projections' outputs (q,
 k, v, the attention output projection, gate and up; the down projection's output is
-the next layer's input); ``dots`` also the attention scores ``[b, N, t, T]`` (with ring
+the next layer's input; on a ``q x q`` grid q, k, v, gate and up as SUMMA's ``q``
+float32 block products each, which the dots policies keep in place of their sum, measured on ``small``'s 2 x 2 and 4 x 4 grids: the layer
+scan's saved stack, ``bench/plan_memory_explain.py``); ``dots`` also the attention scores ``[b, N, t, T]`` (with ring
 or RSA attention over ``seq``, each block's once, not their softmax) and the attention
 output; ``none`` also the norms' outputs, the rotated q and k, the softmax
 probabilities (not with attention over ``seq``: Ulysses' keeps its scores only, and a
@@ -137,8 +139,12 @@ def layer_saved(work: Workload, layout: Layout, *, backend: str = "gpu", remat: 
     if work.moe_layers:
         saved += moe_saved(work, layout, x, c, mm, backend) * work.moe_layers / m.layers
     # q, k, v, the attention output projection's result (after SP's reduce-scatter), the
-    # MLP's gate and up; the down projection's result is the next layer's input.
-    saved += (x["q"] + 2 * x["kv"] + gates * x["btf"]) * mm + x["norm"] * mm
+    # MLP's gate and up; the down projection's result is the next layer's input. On a
+    # q x q grid the dots policies keep each of q, k, v, gate and up as SUMMA's q float32
+    # block products (``product_0 .. product_{q-1}``: dots), not their sum, which they
+    # recompute; ``none`` keeps the sum.
+    grid = layout.tensor[0] if isinstance(layout.tensor, tuple) and remat != "none" else 1
+    saved += (x["q"] + 2 * x["kv"] + gates * x["btf"]) * (grid * 4 if grid > 1 else mm) + x["norm"] * mm
     if remat == "dots_no_batch":
         return saved
     ring = layout.seq > 1 and layout.seq_impl != "ulysses"  # every block's scores, once
