@@ -42,8 +42,10 @@ kept beside it); tokens/s per GPU where the source gives it (step = batch x seq 
 predicted step, so like is compared with like; the source's own MFU figure beside it.
 
 Predicted: ``jaxpar.planning.cost.step_time(work, layout, hw, devices_per_node=8,
-lockstep=False)`` (these runs' pipelines branch, each device running its own operation,
-where jaxpar's runs in lockstep with ring attention inside its stages) on
+own_pipeline=False)`` (these runs' pipelines branch, each device running its own
+operation, and recompute no stage forward but by their remat policy; jaxpar's runs in
+lockstep with ring attention inside its stages, and its stage backward recomputes the
+stage's forward) on
 the shipped ``a100`` / ``h100`` profiles, as they are (not tuned to these runs), and,
 for a row whose software was not today's (the YAML's ``stack``), on that stack's
 profile as well (``STACKS``): the shipped profile with the overlap the stack had and one
@@ -246,7 +248,7 @@ def split_seconds(st) -> dict:
 def predict(work, layout, hw, flops_work) -> dict:
     from jaxpar.planning import cost, memory
 
-    st = cost.step_time(work, layout, hw, devices_per_node=8, lockstep=False)  # Megatron's pipelines branch
+    st = cost.step_time(work, layout, hw, devices_per_node=8, own_pipeline=False)  # as Megatron's pipelines run
     mem = memory.estimate(work, layout, backend="gpu")
     return {"step_s": st.total, "split_s": split_seconds(st),
             "mfu": flops_work.model_flops() / (st.total * layout.devices * hw.peak("bfloat16")),
@@ -278,7 +280,7 @@ def stack_profile(stack: str, rows: list[dict], cache: str):
     for _ in range(60):
         mid = (lo + hi) / 2
         step = cost.step_time(work, layout, with_rate(base, mid, spec["comm_overlap"]), devices_per_node=8,
-                              lockstep=False).total
+                              own_pipeline=False).total
         lo, hi = (lo, mid) if step < target else (mid, hi)
     rate = (lo + hi) / 2
     return with_rate(base, rate, spec["comm_overlap"]), rate
@@ -302,7 +304,7 @@ def rank(work, layout, hw, devices: int, flops_work) -> dict:
         out["published"] = {"rank": exact + 1, "match": "exact (in the enumeration)"}
     else:  # not enumerated: inserted with its own estimate, ranked by the planner's key
         mem = memory.estimate(work, layout, backend="gpu")
-        mine = search.Candidate(layout, mem, cost.step_time(work, layout, hw, devices_per_node=8, lockstep=False))
+        mine = search.Candidate(layout, mem, cost.step_time(work, layout, hw, devices_per_node=8, own_pipeline=False))
         mine.fits = mem["device"] <= 80 * GIB
         key = search._rank_key(mine)
         position = sum(search._rank_key(c) < key for c in cands)

@@ -7,7 +7,9 @@ Compute
     ``12 L N H T`` per token; a compiled program's own count adds XLA's elementwise
     FLOPs, which run at memory speed, so it is not used here), plus
     what the remat policy recomputes: ``full`` one more forward of everything,
-    ``dots_no_batch`` attention's two products again), divided over the devices, at
+    ``dots_no_batch`` attention's two products again; and in jaxpar's pipeline one more
+    forward of everything whatever the policy: a stage's backward recomputes its forward
+    from the stashed stage input, ``jaxpar.parallel.pipeline``), divided over the devices, at
     ``peak x efficiency`` of each op class (matmul, attention); plus elementwise
     traffic (norms, activations, residuals, the loss, the optimizer update) at
     ``hbm_bandwidth``.
@@ -91,15 +93,21 @@ class StepTime:
                 "bubble": self.bubble, "offload": self.offload}
 
 
-def recompute_flops(work: Workload, remat: str) -> tuple[float, float]:
-    """``(matmul, attention)`` FLOPs the remat policy adds per step (all devices)."""
+def recompute_flops(work: Workload, remat: str, stages: bool = False) -> tuple[float, float]:
+    """``(matmul, attention)`` FLOPs the remat policy adds per step (all devices), and
+    with ``stages`` those of jaxpar's pipeline, whose stage backward recomputes the
+    stage's forward (the head's too, on the last stage) from its stashed input."""
     m = work.model
+    matmul = attention = 0.0
     if remat == "full":
-        layer_matmul = work.matmul_params - m.vocab_size * m.dim
-        return 2 * layer_matmul * work.tokens, work.attention_flops() / 3
-    if remat == "dots_no_batch":
-        return 0.0, work.attention_flops() / 3
-    return 0.0, 0.0
+        matmul += 2 * (work.matmul_params - m.vocab_size * m.dim) * work.tokens
+        attention += work.attention_flops() / 3
+    elif remat == "dots_no_batch":
+        attention += work.attention_flops() / 3
+    if stages:
+        matmul += 2 * work.matmul_params * work.tokens
+        attention += work.attention_flops() / 3
+    return matmul, attention
 
 
 def expert_rows(work: Workload, layout: Layout, ragged: bool = False) -> float:
@@ -113,30 +121,34 @@ def expert_rows(work: Workload, layout: Layout, ragged: bool = False) -> float:
     return work.tokens / layout.data_ways * work.routed_rows(layout.expert, ragged)
 
 
-def flops(work: Workload, layout: Layout, ragged: bool = False) -> tuple[float, float]:
-    """``(matmul, attention)`` FLOPs per device per step, recompute included; a MoE
+def flops(work: Workload, layout: Layout, ragged: bool = False, own_pipeline: bool = True) -> tuple[float, float]:
+    """``(matmul, attention)`` FLOPs per device per step, recompute included (with
+    ``own_pipeline``, a ``pipe > 1`` layout's as jaxpar's pipeline recomputes); a MoE
     layer's routed experts as built (``expert_rows``), not an even share of the batch."""
-    extra_mm, extra_att = recompute_flops(work, layout.remat)
+    stages = own_pipeline and layout.pipe > 1
+    extra_mm, extra_att = recompute_flops(work, layout.remat, stages)
     matmul = work.model_flops() - work.attention_flops() + extra_mm
     attention = work.attention_flops() + extra_att
     if not work.moe_layers:
         return matmul / layout.devices, attention / layout.devices
-    passes = 6 + (2 if layout.remat == "full" else 0)  # a matmul's forward is 2 FLOPs a weight a row
+    # a matmul's forward is 2 FLOPs a weight a row
+    passes = 6 + (2 if layout.remat == "full" else 0) + (2 if stages else 0)
     per_row = passes * work.expert_params * work.moe_layers
     routed = work.tokens * work.model.moe.experts_per_token * per_row
     mine = expert_rows(work, layout, ragged) * per_row / (layout.tensor_ways * layout.pipe)  # a stage's MoE layers
     return (matmul - routed) / layout.devices + mine, attention / layout.devices
 
 
-def elementwise_bytes(work: Workload, layout: Layout) -> float:
+def elementwise_bytes(work: Workload, layout: Layout, own_pipeline: bool = True) -> float:
     """Device memory traffic of the step's elementwise work, per device: ten passes over
     each ``[b, t, D]`` and four over each ``[b, t, F]`` per layer forward (norms,
-    residuals, RoPE, the gating), twice that backward, once more under full remat;
-    four float32 passes over the logits; seven over every parameter shard (AdamW)."""
+    residuals, RoPE, the gating), twice that backward, once more under full remat and
+    once more in jaxpar's pipeline (``own_pipeline``); four float32 passes over the
+    logits; seven over every parameter shard (AdamW)."""
     m = work.model
     x = local_sizes(work, layout)
     c = m.compute_dtype.itemsize
-    passes = 3 + (1 if layout.remat == "full" else 0)
+    passes = 3 + (1 if layout.remat == "full" else 0) + (1 if own_pipeline and layout.pipe > 1 else 0)
     split = layout.microbatches if layout.pipe > 1 else layout.grad_accum
     per_layer = (10 * x["norm"] + 4 * x["btf"]) * c * passes
     layers = m.layers / layout.pipe
@@ -254,25 +266,27 @@ def offload_bytes(work: Workload, layout: Layout) -> float:
 
 
 def step_time(work: Workload, layout: Layout, hw: Hardware, *, devices_per_node: int,
-              compiled: dict | None = None, compiled_backend: str = "cpu", lockstep: bool | None = None) -> StepTime:
+              compiled: dict | None = None, compiled_backend: str = "cpu", own_pipeline: bool = True) -> StepTime:
     """The predicted ``StepTime`` of ``layout``; ``compiled``: the profiler's figures of
     its program, whose ``collectives_by_axes`` and ``collective_counts_by_axes`` replace
     the counted traffic, but for a pipeline (``pipe > 1``): its tick loop holds each
     device's forward, backward and head as branches of conditionals, which the profiler
     counts as if every branch ran at every tick (its stated upper bound: 10-20x the
     traffic of ``pipe=2`` programs on 16 devices, BENCHMARKS "Planning"), so there the
-    count stands. ``lockstep``: whether its pipeline runs in lockstep, where not as
-    jaxpar's program runs it (``Layout.lockstep``): another library's pipeline, whose
-    devices each run their own operation, is ``False``."""
+    count stands. ``own_pipeline``: a ``pipe > 1`` layout as jaxpar's pipeline runs it
+    (in lockstep where ``Layout.lockstep``, and its stage backward recomputing the
+    stage's forward); ``False``: as another library's does (Megatron's, for published
+    runs), each device running its own operation and no forward recomputed but by the
+    remat policy."""
     m = work.model
     # off a CPU, expert parallelism exchanges real rows (jax.lax.ragged_all_to_all) and the
     # grouped matmuls skip the buffers' empty rows: k rows a token
     ragged = hw.name != "cpu"
-    matmul, attention = flops(work, layout, ragged)
+    matmul, attention = flops(work, layout, ragged, own_pipeline)
     peak = hw.peak(m.dtype)
     t_matmul = matmul / (peak * hw.efficiency["matmul"])
     t_attention = attention / (peak * hw.efficiency["attention"])
-    compute = t_matmul + t_attention + elementwise_bytes(work, layout) / hw.hbm_bandwidth
+    compute = t_matmul + t_attention + elementwise_bytes(work, layout, own_pipeline) / hw.hbm_bandwidth
     if compiled and "collectives_by_axes" in compiled and layout.pipe == 1:
         sent = dict(compiled["collectives_by_axes"])
         count = dict(compiled.get("collective_counts_by_axes", {}))
@@ -296,8 +310,7 @@ def step_time(work: Workload, layout: Layout, hw: Hardware, *, devices_per_node:
     exposed_overlapped = overlapped - hw.comm_overlap * min(overlapped, compute - min(ring, t_attention))
     latency = sum(count.values()) * hw.collective_latency
     bubble = 0.0
-    in_lockstep = layout.lockstep if lockstep is None else lockstep and layout.pipe > 1
-    if in_lockstep:  # the bubble then also counts the parts a device computes for nothing
+    if own_pipeline and layout.lockstep:  # the bubble then also counts the parts a device computes for nothing
         ticks = lockstep_ticks(layout.schedule, layout.pipe, layout.microbatches, layout.virtual_stages)
         bubble = (compute + critical) * (ticks - 1)
     elif layout.pipe > 1:

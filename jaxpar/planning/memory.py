@@ -38,8 +38,9 @@ width split over ``tensor``; with Megatron SP the residual stream's tokens too):
 ``full`` its input ``[b, t, D]``; ``dots_no_batch`` also the projections' outputs (q,
 k, v, the attention output projection, gate and up; the down projection's output is
 the next layer's input; on a ``q x q`` grid q, k, v, gate and up as SUMMA's ``q``
-float32 block products each, which the dots policies keep in place of their sum, measured on ``small``'s 2 x 2 and 4 x 4 grids: the layer
-scan's saved stack, ``bench/plan_memory_explain.py``); ``dots`` also the attention scores ``[b, N, t, T]`` (with ring
+float32 block products each, which the dots policies keep in place of their sum,
+measured on ``small``'s 2 x 2 and 4 x 4 grids: the layer scan's saved stack,
+``bench/plan_memory_explain.py``); ``dots`` also the attention scores ``[b, N, t, T]`` (with ring
 or RSA attention over ``seq``, each block's once, not their softmax) and the attention
 output; ``none`` also the norms' outputs, the rotated q and k, the softmax
 probabilities (not with attention over ``seq``: Ulysses' keeps its scores only, and a

@@ -15,8 +15,9 @@ time
     last stage (``jaxpar.parallel.pipeline``: inside the schedule); the embedding runs
     before the schedule, on no stage. A backward takes ``backward_ratio`` (2) times a
     forward, the cost model's 4 : 2 FLOPs per parameter and token (jaxpar's stage
-    backward also recomputes the stage's forward from its stashed input, nearer 3,
-    which the cost model does not count either).
+    backward also recomputes the stage's forward from its stashed input, nearer 3:
+    the cost model's step time of a pipeline counts that recompute,
+    ``cost.recompute_flops``, this model of one stage's share does not).
 memory
     the memory model's (``jaxpar.planning.memory``) bytes per device are affine in the
     layers a rank holds: evaluated at one and two layers per rank they give a layer's
