@@ -495,3 +495,21 @@ def test_a_lockstep_pipeline_costs_both_parts_of_every_mixed_tick(tiny, h100):
             # one more forward: 8 FLOPs a parameter and token where the step has 6 (or 10 for 8 under full)
             more = cost.flops(work, one)[0] / cost.flops(work, one, own_pipeline=False)[0]
             assert more == pytest.approx(8 / 6, rel=0.02) if one.pipe > 1 else more == 1
+
+
+def test_a_simulated_pipeline_runs_memory_optimized_and_is_profiled_as_measured(tmp_path):
+    """A pipelined train step on simulated CPU devices asks XLA:CPU for its
+    memory-optimized scheduler (``train.step.SIMULATED_DEVICES``: under the default,
+    tiny ``fsdp=2 pipe=2 tensor=2 1f1b/m8`` aborted within 6 steps, devices meeting a
+    tick's collective-permute and their stage's collectives in different orders), while
+    the planner's compile of the same step names the default (``FIGURE_OPTIONS``), the
+    schedule its memory model is measured against. Read from XLA's dumps of each
+    compile's options."""
+    from jaxpar.train.plan import FIGURE_OPTIONS, _built_step
+
+    cfg = load_config("tiny", ["model.layers=2"])
+    run, _, _, step, abstract, _ = _built_step(cfg, Layout(fsdp=2, pipe=2, tensor=2, microbatches=2), None)
+    for name, options, kind in (("run", {}, "MEMORY_OPTIMIZED"), ("plan", FIGURE_OPTIONS, "CONCURRENCY_OPTIMIZED")):
+        step.compile(abstract, run.batch_size, run.seq_len, {**options, "xla_dump_to": str(tmp_path / name)})
+        dumped = "".join(p.read_text() for p in (tmp_path / name).glob("*jit_step.debug_options"))
+        assert f"xla_cpu_scheduler_type: CPU_SCHEDULER_TYPE_{kind}" in dumped, name

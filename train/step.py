@@ -298,7 +298,7 @@ def make_train_step(
         in_shardings=(shardings.params, shardings.opt, shardings.batch, *shardings.frozen),
         out_shardings=(shardings.params, shardings.opt, shardings.replicated),
         donate_argnums=donate_argnums,
-        compiler_options=SIMULATED_DEVICES if offload.state_on_host and _simulated(mesh) else None,
+        compiler_options=SIMULATED_DEVICES if (offload.state_on_host or pipeline is not None) and _simulated(mesh) else None,
     )
     return TrainStep(graphdef, tx, jitted, mesh, shardings.params, shardings.opt, shardings.batch,
                      execution, loss, layer_order, shardings.split, stage_layers)
@@ -309,10 +309,14 @@ def make_train_step(
 # offload.params=host and offload.optimizer=host on mesh.data=4 had three devices in the
 # loss's token-count all-reduce while the fourth was still in the layer scan's
 # routing-statistics all-reduce, and XLA aborted the process after 40 s (every try; with
-# the memory-optimized scheduler, none). Seen only with host-resident state, so only such
-# steps ask for it: the others, and the planner's compiled figures (state on the
-# device), keep XLA's default schedule, whose buffers the memory model is measured
-# against (the memory-optimized one lowers the 1b step's peak by 11%).
+# the memory-optimized scheduler, none). The same with a branching pipeline
+# (2026-11-30): tiny seq_len=512 under fsdp=2 pipe=2 tensor=2 1f1b/m8 had four devices in a
+# tick's collective-permute while the others were still in their stage's fsdp gathers and
+# tensor all-reduces (aborted within 6 steps, three tries of three; none since). So host-resident
+# steps and pipelines ask for it; the others keep XLA's default schedule, and so do the
+# planner's compiled figures (``jaxpar.train.plan.FIGURE_OPTIONS`` names it), whose
+# buffers the memory model is measured against (the memory-optimized one lowers the 1b
+# step's peak by 11%).
 SIMULATED_DEVICES = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
 
 
