@@ -149,9 +149,9 @@ class Layout:
         ``ppermute`` (ring or RSA attention over ``seq``, SUMMA over a 2D grid), which the
         schedule's per-device branches cannot hold, so every device runs a forward part
         and a backward part at each tick where any device has one
-        (``jaxpar.parallel.pipeline.lockstep_tick``; ``jaxpar.train.pipelined.needs_lockstep``
-        decides it from the mesh the same way)."""
-        return self.pipe > 1 and ((self.seq > 1 and self.seq_impl != "ulysses") or isinstance(self.tensor, tuple))
+        (``jaxpar.parallel.pipeline.lockstep_tick``; ``stages_permute``, which
+        ``jaxpar.train.pipelined.needs_lockstep`` asks of the mesh)."""
+        return self.pipe > 1 and stages_permute(self.seq, self.seq_impl, isinstance(self.tensor, tuple))
 
     def sequence(self, seq_layout: str = "natural") -> SequenceOptions:
         """How attention runs over a split length, tokens in ``seq_layout`` order."""
@@ -195,6 +195,13 @@ class Layout:
         if self.offload_optimizer == "host":
             parts.append("opt@host")
         return " ".join(parts) if parts else "one device"
+
+
+def stages_permute(seq: int, seq_impl: str, grid: bool) -> bool:
+    """Whether a pipeline stage moves data by ``ppermute``: ring or RSA attention over
+    ``seq`` > 1, or SUMMA over a 2D tensor grid (``grid``); such a pipeline runs in
+    lockstep (``Layout.lockstep``)."""
+    return (seq > 1 and seq_impl != "ulysses") or grid
 
 
 def from_overrides(values: dict) -> Layout:

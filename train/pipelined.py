@@ -53,6 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxpar.layout import stages_permute
 from jaxpar.offload.fetch import to_device
 from jaxpar.parallel import pipeline
 from jaxpar.placement import rules as rules_lib
@@ -67,8 +68,7 @@ from jaxpar.train.losses import head_loss
 def needs_lockstep(mesh) -> bool:
     """Whether a stage on ``mesh`` (with the sequence options in force) communicates by
     ``ppermute``: ring or rsa attention over ``seq``, SUMMA over the 2D tensor grid."""
-    ring = mesh.shape.get("seq", 1) > 1 and current().sequence.impl != "ulysses"
-    return ring or mesh.shape.get("tensor_row", 1) > 1
+    return stages_permute(mesh.shape.get("seq", 1), current().sequence.impl, mesh.shape.get("tensor_row", 1) > 1)
 
 
 def check_stage_layers(stage_layers, layers: int, devices: int | None = None, virtual: int = 1) -> None:

@@ -316,7 +316,11 @@ def make_train_step(
 # steps and pipelines ask for it; the others keep XLA's default schedule, and so do the
 # planner's compiled figures (``jaxpar.train.plan.FIGURE_OPTIONS`` names it), whose
 # buffers the memory model is measured against (the memory-optimized one lowers the 1b
-# step's peak by 11%).
+# step's peak by 11%). Neither scheduler is safe for every step, so the choice stays per
+# kind of step rather than for every simulated mesh: under the memory-optimized one, tiny
+# seq_len=512 fsdp=4 tensor=2 remat=dots (no pipeline) aborted the same way on its first
+# steps, where the default runs it (2026-11-30); XLA:CPU has no option that fixes the
+# order in which one process's devices meet their collectives.
 SIMULATED_DEVICES = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
 
 
