@@ -369,7 +369,7 @@ def shipped_error(r: dict) -> str:
     """`` (fitted; shipped: +33.3%)`` for a stack's row, else nothing."""
     if "stack" not in r:
         return ""
-    fitted = "fitted; " if r["name"] == STACKS[r["stack"]["name"]]["fit_run"] else ""
+    fitted = "fitted; " if r["name"] == r["stack"]["fit_run"] else ""
     return f" ({fitted}shipped: {r['mfu_relative_error_shipped']:+.1%})"
 
 
